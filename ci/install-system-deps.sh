@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages voltaforge's tests need: a real sshd, debootstrap and
+# systemd-nspawn for the systemd test host, zstd for its cached rootfs, and Debian's CUDA 11.8
+# (non-free) so the sm_70 build environment can be proven against a real toolkit.
+# Idempotent: re-running installs nothing new.
+set -eu
+export DEBIAN_FRONTEND=noninteractive
+src=/etc/apt/sources.list.d/voltaforge-nonfree.sources
+if [ ! -f "$src" ]; then
+    cat >"$src" <<'SRC'
+# Added by voltaforge ci/install-system-deps.sh: CUDA 11.8 lives in Debian's non-free component.
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm bookworm-updates
+Components: contrib non-free
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+fi
+pkgs="openssh-server openssh-client debootstrap systemd-container zstd iproute2 sudo nvidia-cuda-toolkit"
+missing=""
+for p in $pkgs; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    apt-get install -y -qq --no-install-recommends $missing
+fi
