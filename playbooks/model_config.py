@@ -1,0 +1,141 @@
+"""A model's shape, read from its Hugging Face config.json.
+
+Everything the planner computes (tensor sizes, KV cache, roofline) starts here, so the shape
+is taken from the real config and never guessed: `head_dim` is used when the config declares
+it (Gemma, Qwen3 and others do, and there it is not hidden_size / num_attention_heads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import RecipeError
+
+# Architectures whose tensor layout the GGUF size model knows (llama.cpp's names in brackets).
+# Qwen2 carries biases on q/k/v; Qwen3 and Gemma3 have per-head q/k norms; Gemma2/3 add
+# post-attention and post-FFN norms and tie their embeddings.
+KNOWN_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+
+class ModelShape(BaseModel):
+    """The numbers that decide memory and speed. All counts, no units."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model_type: str
+    arch: str = Field(description="llama.cpp architecture family used for the tensor layout")
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    torch_dtype: str = "bfloat16"
+
+    @model_validator(mode="after")
+    def _gqa_divides(self) -> "ModelShape":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        return self
+
+    @property
+    def n_gqa(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def parameter_count(self) -> int:
+        """Weights only (no buffers), counted from the same tensor list the GGUF model uses."""
+        from .gguf_size import model_tensors
+
+        return sum(t.n_elements for t in model_tensors(self))
+
+
+def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelShape:
+    """Build a ModelShape from a config.json dict; errors name `where` and the key."""
+    if not isinstance(cfg, dict):
+        raise RecipeError(f"{where}: a model config must be a JSON object, got {type(cfg).__name__}")
+    # Multimodal configs (Gemma 3, ...) keep the language model under text_config.
+    if isinstance(cfg.get("text_config"), dict):
+        merged = dict(cfg["text_config"])
+        merged.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+        merged.setdefault("torch_dtype", cfg.get("torch_dtype", "bfloat16"))
+        cfg = merged
+    model_type = cfg.get("model_type")
+    if model_type not in KNOWN_MODEL_TYPES:
+        raise RecipeError(
+            f"{where}: model_type {model_type!r} is not supported by the planner; "
+            f"supported: {', '.join(sorted(KNOWN_MODEL_TYPES))}"
+        )
+    for moe_key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(moe_key):
+            raise RecipeError(
+                f"{where}: {moe_key}={cfg[moe_key]}: mixture-of-experts models are not "
+                "supported by the planner yet (dense decoder models only)"
+            )
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise RecipeError(f"{where}: missing key(s) {', '.join(missing)} (needed to size the model)")
+    heads = cfg["num_attention_heads"]
+    fields = {
+        "model_type": model_type,
+        "arch": KNOWN_MODEL_TYPES[model_type],
+        "hidden_size": cfg["hidden_size"],
+        "intermediate_size": cfg["intermediate_size"],
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+        # Declared head_dim wins: Gemma-2-27B has hidden 4608 / 32 heads = 144 but head_dim 128.
+        "head_dim": cfg.get("head_dim") or (cfg["hidden_size"] // heads if isinstance(heads, int) and heads else 0),
+        "vocab_size": cfg["vocab_size"],
+        "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+        # Qwen2 always has q/k/v biases (its config does not say so); others declare it.
+        "attention_bias": bool(cfg.get("attention_bias", model_type == "qwen2")),
+        "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
+    }
+    try:
+        return ModelShape(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "config"
+        raise RecipeError(f"{where}: {key}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def load_config_file(path: Path) -> ModelShape:
+    """Read a config.json file into a ModelShape with file-and-line errors."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read model config: {exc.strerror}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RecipeError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    return shape_from_config(cfg, where=str(path))

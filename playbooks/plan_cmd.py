@@ -1,0 +1,97 @@
+"""`invoke plan`: load a recipe (or a bare config.json), plan it, print a table or JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from .errors import VoltaforgeError
+from .gpus import get_gpu
+from .model_config import load_config_file
+from .planner import DraftPlan, Plan, Serving, make_plan, quant_names, serving_for
+from .recipe import LoadedRecipe, load_recipe
+from .report import plan_json, render_plan
+
+
+def serving_from_recipe(loaded: LoadedRecipe, context: int | None = None) -> Serving:
+    r = loaded.recipe
+    return Serving(
+        backend=r.backend,
+        context=context or r.context,
+        parallel=r.parallel,
+        cache_k=r.cache.k,
+        cache_v=r.cache.v,
+        flash_attn=r.flash_attn,
+        n_ubatch=r.planner.n_ubatch,
+        cuda_context_mib=r.planner.cuda_context_mib,
+        margin_mib=r.planner.margin_mib,
+        imatrix=r.planner.imatrix,
+    )
+
+
+def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, context: int | None = None) -> Plan:
+    r = loaded.recipe
+    draft = DraftPlan(loaded.draft_shape, r.draft.quant) if r.draft and loaded.draft_shape else None
+    plan = make_plan(
+        loaded.shape,
+        get_gpu(gpu or r.gpu),
+        serving_from_recipe(loaded, context),
+        quant=r.quant_name,
+        draft=draft,
+        min_bpw=r.planner.min_bpw,
+    )
+    if r.model.repo and not r.model.pinned:
+        plan.notes.append(
+            f"model.revision {r.model.revision!r} is not a commit sha: provisioning records the sha it resolves to"
+        )
+    return plan
+
+
+def run_plan(
+    recipe: str | None = None,
+    gpu: str | None = None,
+    model_config: str | None = None,
+    ctx: int | None = None,
+    parallel: int = 1,
+    quant: str | None = None,
+    as_json: bool = False,
+    out=None,
+) -> int:
+    """Returns the exit code: 0 when the planned configuration fits, 1 when it does not."""
+    out = out or sys.stdout
+    if bool(recipe) == bool(model_config):
+        raise VoltaforgeError("give either --recipe NAME or --model-config path/to/config.json")
+    if ctx is not None and ctx <= 0:
+        raise VoltaforgeError(f"--ctx must be a positive number of tokens, got {ctx}")
+    if recipe and quant:
+        raise VoltaforgeError("--quant goes with --model-config; a recipe names its own quant")
+    if recipe:
+        loaded = load_recipe(recipe)
+        if ctx and ctx > loaded.shape.max_position_embeddings:
+            raise VoltaforgeError(
+                f"--ctx {ctx} is above the model's maximum (max_position_embeddings {loaded.shape.max_position_embeddings})"
+            )
+        plan = plan_recipe(loaded, gpu, ctx)
+        label = loaded.recipe.name
+    else:
+        shape = load_config_file(Path(model_config))
+        context = ctx or min(4096, shape.max_position_embeddings)
+        if context > shape.max_position_embeddings:
+            raise VoltaforgeError(
+                f"--ctx {context} is above the model's maximum (max_position_embeddings {shape.max_position_embeddings})"
+            )
+        quant = quant or "Q4_K_M"
+        if quant not in quant_names():
+            raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
+        serving = serving_for(quant, Serving(context=context, parallel=parallel))
+        plan = make_plan(shape, get_gpu(gpu or "v100-16gb"), serving, quant=quant)
+        label = str(model_config)
+    if as_json:
+        out.write(json.dumps(plan_json(plan, label), indent=2) + "\n")
+    else:
+        render_plan(plan, Console(file=out, width=120), label)
+    fits = plan.chosen.fits if plan.chosen else plan.recommendation is not None or plan.best_quality is not None
+    return 0 if fits else 1

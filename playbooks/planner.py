@@ -1,0 +1,294 @@
+"""The physical ceiling, computed before anything is installed (knowledge.md, section 1).
+
+Pure functions: model shape + GPU + serving settings in, bytes and tokens per second out.
+
+VRAM budget = weights on the GPU + KV cache + compute buffers + CUDA context + a margin.
+Decode at small batch is bandwidth bound: tok/s <= bandwidth / bytes read per token.
+
+Units: bytes everywhere inside; GiB (2^30) and GB (1e9) are labelled wherever shown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .exl2_size import EXL2_BPW_LADDER, estimate_exl2
+from .gguf_size import FILE_TYPES, estimate_gguf
+from .gpus import MIB, Gpu
+from .kv_cache import (
+    exl2_cache_scratch_bytes,
+    exl2_kv_bytes_per_token,
+    llamacpp_kv_bytes_per_token,
+)
+from .model_config import ModelShape
+
+CTX_STEP = 256  # llama.cpp pads its KV cache to 256 cells; contexts are planned in these steps
+
+
+def roofline_tok_s(bandwidth_gb_s: float, bytes_per_token: float) -> float:
+    """Upper bound on single-stream decode speed: every weight byte is read once per token."""
+    return bandwidth_gb_s * 1e9 / bytes_per_token
+
+
+def mbu(tok_s: float, bytes_per_token: float, bandwidth_gb_s: float) -> float:
+    """Memory bandwidth utilisation: the fraction of peak bandwidth a measured speed uses."""
+    return tok_s * bytes_per_token / (bandwidth_gb_s * 1e9)
+
+
+def llamacpp_compute_buffer_bytes(shape: ModelShape, n_ctx: int, n_ubatch: int, flash_attn: bool) -> int:
+    """Estimate of llama.cpp's CUDA compute buffer (the graph's peak live tensors).
+
+    Two peaks compete: attention, where without flash attention the F32 KQ matrix
+    (n_ubatch x n_ctx x n_head) lives beside the FFN activations, and the output layer, where
+    the F32 logits (n_ubatch x n_vocab) live. Calibrated on a real V100 load log
+    (tests/fixtures/llamacpp-load-v100-pcie-16gb-full-offload-b4916.log: 162.00 MiB at
+    n_ctx 2048, n_ubatch 512, flash_attn 0; this formula gives 158 MiB).
+    """
+    ub = min(n_ubatch, n_ctx)
+    kq = 0 if flash_attn else ub * n_ctx * shape.num_attention_heads * 4
+    attention_peak = kq + ub * shape.intermediate_size * 4 + 2 * ub * shape.hidden_size * 4
+    output_peak = ub * shape.vocab_size * 4 + 2 * ub * shape.hidden_size * 4
+    return max(attention_peak, output_peak)
+
+
+def exl2_compute_bytes(shape: ModelShape, max_seq_len: int, max_input_len: int = 2048, batch: int = 1) -> int:
+    """ExLlamaV2's own reservation (model.py set_device_map): RoPE tables, hidden state and
+    attention mask for one input chunk, plus the FFN intermediate and last-token logits."""
+    rope = shape.head_dim * max_seq_len * 2 * 2
+    state = shape.hidden_size * max_input_len * batch * 2
+    mask = max_input_len**2 * batch * 2
+    ffn = max_input_len * shape.intermediate_size * 2 * 2
+    logits = shape.vocab_size * 4 * batch
+    return rope + state + mask + ffn + logits
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How the model is served: what the budget depends on besides the weights."""
+
+    backend: str = "llamacpp"          # llamacpp | exllamav2
+    context: int = 4096                # tokens per slot (per request)
+    parallel: int = 1                  # slots served at once
+    cache_k: str = "f16"               # llama.cpp: f16|q8_0|q4_0...; exllamav2: FP16|Q8|Q6|Q4
+    cache_v: str = "f16"
+    flash_attn: bool = True
+    n_ubatch: int = 512
+    cuda_context_mib: int = 400        # CUDA context + cuBLAS workspace: 0.3-0.5 GiB on V100
+    margin_mib: int = 256
+    imatrix: bool = True
+
+
+@dataclass(frozen=True)
+class Option:
+    """One quantization evaluated against one GPU at one serving setting."""
+
+    quant: str                 # "Q4_K_M" or "EXL2-3.3"
+    backend: str
+    weights_bytes: int         # predicted file size on disk
+    params: int
+    gpu_weights_bytes: int     # what the backend puts in VRAM
+    streamed_bytes: int        # weight bytes read per decoded token
+    kv_bytes_per_token: int
+    kv_bytes: int
+    compute_bytes: int
+    overhead_bytes: int        # CUDA context + margin (+ draft model, when planned)
+    vram_bytes: int
+    gpu_bytes: int
+    max_ctx: int               # largest per-slot context that fits (0: not even CTX_STEP)
+    roofline_tok_s: float
+    roofline_full_ctx_tok_s: float
+    draft_bytes: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.vram_bytes <= self.gpu_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.gpu_bytes - self.vram_bytes
+
+    @property
+    def bpw(self) -> float:
+        """Bits per weight of the quant, the quality measure the floor applies to: GGUF's whole
+        file over all parameters; EXL2's target rate (its FP16 embedding table stays in host
+        memory and would otherwise inflate the rate)."""
+        if self.quant.startswith("EXL2-"):
+            return float(self.quant[5:])
+        return self.weights_bytes * 8 / self.params
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    shape: ModelShape
+    quant: str
+
+
+def _kv_per_token(shape: ModelShape, s: Serving) -> int:
+    if s.backend == "exllamav2":
+        # ExLlamaV2 has one cache mode for K and V together
+        return exl2_kv_bytes_per_token(shape, s.cache_k)
+    return llamacpp_kv_bytes_per_token(shape, s.cache_k, s.cache_v)
+
+
+def _weights(shape: ModelShape, quant: str, s: Serving) -> tuple[int, int, int]:
+    """(file bytes, bytes on the GPU, bytes streamed per token)."""
+    if quant.startswith("EXL2-"):
+        e = estimate_exl2(shape, float(quant[5:]))
+        return e.file_bytes, e.gpu_weight_bytes, e.streamed_bytes_per_token
+    g = estimate_gguf(shape, quant, imatrix=s.imatrix)
+    return g.file_bytes, g.gpu_weight_bytes, g.streamed_bytes_per_token
+
+
+def _vram_at(shape, s: Serving, gpu_w: int, kv_tok: int, ctx: int, gpu: Gpu, extra: int) -> tuple[int, int, int]:
+    tokens = ctx * s.parallel
+    kv = kv_tok * tokens
+    if s.backend == "exllamav2":
+        compute = exl2_compute_bytes(shape, ctx, batch=s.parallel) + exl2_cache_scratch_bytes(shape, s.cache_k, tokens)
+    else:
+        compute = llamacpp_compute_buffer_bytes(shape, tokens, s.n_ubatch, s.flash_attn)
+    fixed = 0 if gpu.is_cpu else s.cuda_context_mib * MIB
+    overhead = fixed + s.margin_mib * MIB + extra
+    return kv, compute, overhead
+
+
+def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None = None) -> Option:
+    file_b, gpu_w, streamed = _weights(shape, quant, s)
+    kv_tok = _kv_per_token(shape, s)
+    draft_b = 0
+    if draft is not None:
+        d_file, d_gpu, _ = _weights(draft.shape, draft.quant, s)
+        # the draft keeps its own KV cache for the same context
+        draft_b = d_gpu + _kv_per_token(draft.shape, s) * s.context * s.parallel
+    kv, compute, overhead = _vram_at(shape, s, gpu_w, kv_tok, s.context, gpu, draft_b)
+    vram = gpu_w + kv + compute + overhead
+    gpu_bytes = gpu.memory_bytes
+    return Option(
+        quant=quant,
+        backend="exllamav2" if quant.startswith("EXL2-") else "llamacpp",
+        weights_bytes=file_b,
+        params=shape.parameter_count(),
+        gpu_weights_bytes=gpu_w,
+        streamed_bytes=streamed,
+        kv_bytes_per_token=kv_tok,
+        kv_bytes=kv,
+        compute_bytes=compute,
+        overhead_bytes=overhead,
+        vram_bytes=vram,
+        gpu_bytes=gpu_bytes,
+        max_ctx=_max_ctx(shape, s, gpu_w, kv_tok, gpu, draft_b),
+        roofline_tok_s=roofline_tok_s(gpu.bandwidth_gb_s, streamed),
+        # one slot reading its full context of KV on every token
+        roofline_full_ctx_tok_s=roofline_tok_s(gpu.bandwidth_gb_s, streamed + kv_tok * s.context),
+        draft_bytes=draft_b,
+    )
+
+
+def _max_ctx(shape, s: Serving, gpu_w: int, kv_tok: int, gpu: Gpu, extra: int) -> int:
+    """Largest per-slot context (a multiple of CTX_STEP, at most the model's maximum) that fits."""
+
+    def fits(ctx: int) -> bool:
+        kv, compute, overhead = _vram_at(shape, s, gpu_w, kv_tok, ctx, gpu, extra)
+        return gpu_w + kv + compute + overhead <= gpu.memory_bytes
+
+    lo, hi = 0, shape.max_position_embeddings // CTX_STEP
+    while lo < hi:  # VRAM grows with context, so the last fitting step is found by bisection
+        mid = (lo + hi + 1) // 2
+        if fits(mid * CTX_STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * CTX_STEP
+
+
+def quant_names(backend: str | None = None) -> list[str]:
+    gguf = [q for q in FILE_TYPES]
+    exl2 = [f"EXL2-{b:g}" for b in EXL2_BPW_LADDER]
+    if backend == "llamacpp":
+        return gguf
+    if backend == "exllamav2":
+        return exl2
+    return gguf + exl2
+
+
+def serving_for(quant: str, s: Serving) -> Serving:
+    """The same serving settings, with the cache type translated for the quant's backend."""
+    backend = "exllamav2" if quant.startswith("EXL2-") else "llamacpp"
+    if backend == s.backend:
+        return s
+    to_exl2 = {"f16": "FP16", "bf16": "FP16", "f32": "FP16", "q8_0": "Q8", "q5_1": "Q6", "q5_0": "Q6", "q4_1": "Q4", "q4_0": "Q4", "iq4_nl": "Q4"}
+    to_llama = {"FP16": ("f16", "f16"), "Q8": ("q8_0", "q8_0"), "Q6": ("q8_0", "q4_0"), "Q4": ("q4_0", "q4_0")}
+    if backend == "exllamav2":
+        mode = to_exl2[s.cache_k]
+        return replace(s, backend=backend, cache_k=mode, cache_v=mode)
+    k, v = to_llama[s.cache_k]
+    return replace(s, backend=backend, cache_k=k, cache_v=v)
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    gpu: Gpu
+    serving: Serving
+    chosen: Option | None
+    options: list[Option]
+    min_bpw: float
+    recommendation: Option | None = None
+    best_quality: Option | None = None
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def make_plan(
+    shape: ModelShape,
+    gpu: Gpu,
+    serving: Serving,
+    quant: str | None = None,
+    draft: DraftPlan | None = None,
+    min_bpw: float = 3.0,
+) -> Plan:
+    """Evaluate every quant on this GPU and pick one.
+
+    The recommendation is the fastest configuration (highest roofline) that fits the planned
+    context and slots among quants of at least `min_bpw` bits per weight: below about 3 bpw
+    14-32B models lose quality quickly, and the fastest quant overall would always be the
+    smallest. `best_quality` is the largest quant that fits, for users who prefer quality.
+    """
+    options = [evaluate(shape, q, gpu, serving_for(q, serving), draft) for q in quant_names()]
+    chosen = evaluate(shape, quant, gpu, serving, draft) if quant else None
+    plan = Plan(shape, gpu, serving, chosen, options, min_bpw)
+    fitting = [o for o in options if o.fits]
+    if serving.parallel > 1 and gpu.compute_capability < (8, 0):
+        # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one
+        # sequence at a time before Ampere, so it cannot serve parallel slots here.
+        fitting = [o for o in fitting if o.backend != "exllamav2"]
+        plan.notes.append(
+            f"EXL2 is left out of the recommendation: {serving.parallel} slots need batching, "
+            "which ExLlamaV2 cannot do before Ampere (no flash-attn for sm_70)"
+        )
+    good = [o for o in fitting if o.bpw >= min_bpw]
+    if good:
+        plan.recommendation = max(good, key=lambda o: o.roofline_tok_s)
+        plan.best_quality = max(good, key=lambda o: o.bpw)
+        r = plan.recommendation
+        plan.reason = (
+            f"{r.quant} ({r.backend}) is the fastest quant of at least {min_bpw:g} bits/weight that fits "
+            f"{serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}: "
+            f"{r.headroom_bytes / MIB:,.0f} MiB left, roofline {r.roofline_tok_s:.0f} tok/s"
+        )
+    elif fitting:
+        plan.best_quality = max(fitting, key=lambda o: o.bpw)
+        plan.reason = (
+            f"no quant of at least {min_bpw:g} bits/weight fits {serving.context} tokens x "
+            f"{serving.parallel} slot(s) on {gpu.name}; the largest that fits is "
+            f"{plan.best_quality.quant} ({plan.best_quality.bpw:.2f} bits/weight)"
+        )
+    else:
+        plan.reason = (
+            f"no quant fits {serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}: "
+            "use a smaller model, a shorter context, fewer slots or a larger GPU"
+        )
+    if not gpu.bf16 and shape.torch_dtype == "bfloat16":
+        plan.notes.append(
+            f"{gpu.name} has no BF16: the BF16 weights are converted to FP16 before quantizing"
+        )
+    return plan

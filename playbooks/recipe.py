@@ -1,0 +1,330 @@
+"""Recipes: one YAML file per deployable configuration, validated with pydantic.
+
+A recipe is merged over recipes/defaults.yaml (one commented file of shared defaults), then
+validated. Every error names the file, the line, the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import RecipeError
+from .exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS
+from .gguf_size import FILE_TYPES
+from .gpus import get_gpu, gpu_names
+from .kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
+from .model_config import ModelShape, load_config_file, shape_from_config
+from .yamlfile import Lines, explain_validation, line_of, load_yaml
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+DEFAULTS_FILE = "defaults.yaml"
+# llama.cpp (common/speculative.cpp): a draft's vocabulary may differ from the target's by at
+# most this many tokens before speculative decoding refuses it.
+SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
+_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_REV_RE = re.compile(r"^[0-9a-f]{40}$")
+_REF_RE = re.compile(r"^[A-Za-z0-9._/+-]{1,100}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    """Where the weights come from and what shape they have."""
+
+    repo: Optional[str] = Field(None, description="Hugging Face repo id, e.g. Qwen/Qwen2.5-32B-Instruct")
+    revision: Optional[str] = Field(None, description="pinned commit sha (40 hex) of the repo")
+    path: Optional[str] = Field(None, description="local directory with the weights instead of a repo")
+    config: Union[str, dict[str, Any], None] = Field(
+        None, description="config.json: a file (relative to the recipe) or the JSON inline"
+    )
+    generate: Optional[Literal["tiny-llama"]] = Field(
+        None, description="generate a tiny random model (tests and the demo)"
+    )
+
+    @field_validator("repo")
+    @classmethod
+    def _repo(cls, v):
+        if v is not None and not _REPO_RE.match(v):
+            raise ValueError("must look like 'owner/name' (letters, digits, . _ -)")
+        return v
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, v):
+        if v is not None and not _REF_RE.match(v):
+            raise ValueError("must be a commit sha, tag or branch (letters, digits, . _ / -)")
+        return v
+
+    @property
+    def pinned(self) -> bool:
+        """A 40-hex commit sha pins the weights; a branch such as 'main' moves."""
+        return self.revision is not None and bool(_REV_RE.match(self.revision))
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        sources = [s for s in ("repo", "path", "generate") if getattr(self, s)]
+        if len(sources) != 1:
+            raise ValueError("give exactly one of repo (with revision), path or generate")
+        if self.repo and not self.revision:
+            raise ValueError("repo needs a revision: a 40-hex commit sha pins it (a branch name is accepted and flagged)")
+        if self.config is None:
+            raise ValueError("config is required: a config.json file or the config inline, so plans need no download")
+        return self
+
+
+class Exl2Quant(_Strict):
+    bpw: float = Field(description="EXL2 bits per weight, 2.0-8.0")
+    head_bits: int = 6
+
+    @field_validator("bpw")
+    @classmethod
+    def _bpw(cls, v):
+        lo, hi = EXL2_BPW_RANGE
+        if not lo <= v <= hi:
+            raise ValueError(f"EXL2 bpw must be between {lo} and {hi}")
+        return v
+
+    @field_validator("head_bits")
+    @classmethod
+    def _head_bits(cls, v):
+        if v not in HEAD_BITS_OPTIONS:
+            raise ValueError(f"head_bits must be one of {', '.join(map(str, HEAD_BITS_OPTIONS))}")
+        return v
+
+    @property
+    def name(self) -> str:
+        return f"EXL2-{self.bpw:g}"
+
+
+class Cache(_Strict):
+    k: str = "f16"
+    v: str = "f16"
+
+
+class Draft(_Strict):
+    model: ModelSource
+    quant: str = "Q8_0"
+
+
+class Toolchain(_Strict):
+    cuda: str = "11.8"
+    torch: str = "2.7.1+cu118"
+    torch_index: str = "https://download.pytorch.org/whl/cu118"
+    llamacpp_ref: str = "0c1e570"
+    llamacpp_sdist: str = "llama-cpp-python==0.3.36"
+    exllamav2: str = "0.3.2"
+    cuda_arch: str = "70"
+
+    @field_validator("cuda")
+    @classmethod
+    def _cuda(cls, v):
+        m = re.fullmatch(r"(\d+)\.(\d+)", v)
+        if not m:
+            raise ValueError("must be MAJOR.MINOR, e.g. '11.8'")
+        return v
+
+    @field_validator("llamacpp_ref", "exllamav2", "torch", "cuda_arch")
+    @classmethod
+    def _ref(cls, v):
+        if not _REF_RE.match(v):
+            raise ValueError("may hold only letters, digits and . _ / + - (it reaches a shell)")
+        return v
+
+
+class Service(_Strict):
+    bind: str = "127.0.0.1"
+    port: int = Field(8080, ge=1, le=65535)
+    api_key_ref: Optional[str] = Field(
+        None, description="name of a secret file on the host (never the key itself)"
+    )
+
+    @field_validator("bind")
+    @classmethod
+    def _bind(cls, v):
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError("must be an IP address, e.g. 127.0.0.1") from None
+        return v
+
+    @model_validator(mode="after")
+    def _exposed_needs_key(self):
+        if not ipaddress.ip_address(self.bind).is_loopback and not self.api_key_ref:
+            raise ValueError(f"binding {self.bind} (not loopback) needs api_key_ref: an open port without a key")
+        return self
+
+
+class Gate(_Strict):
+    min_tok_s: float = Field(0, ge=0, description="minimum single-stream decode tok/s")
+    min_roofline_fraction: float = Field(0, ge=0, le=1, description="minimum measured/roofline ratio (MBU)")
+    min_aggregate_tok_s: float = Field(0, ge=0)
+    at_concurrency: int = Field(4, ge=1)
+    max_ttft_ms: float = Field(0, ge=0, description="0: not gated")
+
+
+class PlannerSettings(_Strict):
+    cuda_context_mib: int = Field(400, ge=0)
+    margin_mib: int = Field(256, ge=0)
+    n_ubatch: int = Field(512, gt=0)
+    min_bpw: float = Field(3.3, gt=0)
+    imatrix: bool = True
+
+
+class Recipe(_Strict):
+    name: str
+    description: str = ""
+    model: ModelSource
+    gpu: str
+    backend: Literal["llamacpp", "exllamav2"]
+    quant: Union[str, Exl2Quant]
+    context: int = Field(gt=0, description="tokens per slot")
+    parallel: int = Field(1, gt=0)
+    cache: Cache = Cache()
+    flash_attn: bool = True
+    draft: Optional[Draft] = None
+    toolchain: Toolchain = Toolchain()
+    service: Service = Service()
+    gate: Gate = Gate()
+    planner: PlannerSettings = PlannerSettings()
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v):
+        try:
+            get_gpu(v)
+        except Exception:
+            raise ValueError(f"unknown GPU; known: {', '.join(gpu_names())}") from None
+        return v
+
+    @field_validator("quant", mode="before")
+    @classmethod
+    def _quant_shape(cls, v):
+        if isinstance(v, (int, float)):
+            raise ValueError("give a GGUF type (e.g. Q4_K_M) or {bpw: 3.3, head_bits: 6} for EXL2")
+        return v
+
+    @model_validator(mode="after")
+    def _backend_consistency(self):
+        if self.backend == "llamacpp":
+            if not isinstance(self.quant, str) or self.quant not in FILE_TYPES:
+                raise ValueError(
+                    f"quant: unknown GGUF quant {self.quant!r} for backend llamacpp; allowed: {', '.join(FILE_TYPES)}"
+                )
+            for side in ("k", "v"):
+                if getattr(self.cache, side) not in LLAMACPP_CACHE_TYPES:
+                    raise ValueError(
+                        f"cache.{side}: {getattr(self.cache, side)!r} is not a llama.cpp cache type; "
+                        f"allowed: {', '.join(LLAMACPP_CACHE_TYPES)}"
+                    )
+            if self.cache.v not in ("f16", "bf16", "f32") and not self.flash_attn:
+                raise ValueError("cache.v: a quantized V cache needs flash_attn: true in llama.cpp")
+        else:
+            if not isinstance(self.quant, Exl2Quant):
+                raise ValueError("quant: backend exllamav2 needs {bpw: 2.0-8.0, head_bits: 6}")
+            if self.cache.k not in EXL2_CACHE_MODES or self.cache.v != self.cache.k:
+                raise ValueError(
+                    f"cache: ExLlamaV2 has one cache mode for K and V; allowed: {', '.join(EXL2_CACHE_MODES)}"
+                )
+            if self.draft is not None:
+                raise ValueError("draft: draft models are planned for llamacpp recipes only")
+        if self.draft is not None and self.draft.quant not in FILE_TYPES:
+            raise ValueError(f"draft.quant: unknown GGUF quant {self.draft.quant!r}; allowed: {', '.join(FILE_TYPES)}")
+        return self
+
+    @property
+    def quant_name(self) -> str:
+        return self.quant if isinstance(self.quant, str) else self.quant.name
+
+
+class LoadedRecipe(BaseModel):
+    """A validated recipe with its resolved model shapes."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    path: Path
+    recipe: Recipe
+    shape: ModelShape
+    draft_shape: Optional[ModelShape] = None
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def resolve_recipe_path(name_or_path: str, recipes_dir: Path = RECIPES_DIR) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    candidate = recipes_dir / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    known = sorted(q.stem for q in recipes_dir.glob("*.yaml") if q.name != DEFAULTS_FILE)
+    raise RecipeError(f"unknown recipe {name_or_path!r}; shipped recipes: {', '.join(known)}")
+
+
+def _load_shape(src: ModelSource, recipe_path: Path, lines: Lines, loc: tuple) -> ModelShape:
+    line = line_of(lines, loc + ("config",))
+    where = f"{recipe_path}:{line}" if line else str(recipe_path)
+    if isinstance(src.config, dict):
+        return shape_from_config(src.config, where=f"{where}: {'.'.join(loc)}.config")
+    cfg_path = (recipe_path.parent / src.config).resolve()
+    if not cfg_path.exists():
+        raise RecipeError(f"{where}: {'.'.join(loc)}.config: file {src.config!r} not found (looked at {cfg_path})")
+    return load_config_file(cfg_path)
+
+
+def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> LoadedRecipe:
+    """Load, merge over defaults, validate and resolve a recipe. Raises RecipeError."""
+    path = resolve_recipe_path(str(name_or_path), recipes_dir)
+    data, lines = load_yaml(path)
+    if data is None:
+        raise RecipeError(f"{path}: the recipe is empty")
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}:1: a recipe must be a mapping of keys, got {type(data).__name__}")
+    defaults_path = path.parent / DEFAULTS_FILE
+    if defaults_path.exists() and defaults_path.resolve() != path.resolve():
+        defaults, _ = load_yaml(defaults_path)
+        data = _deep_merge(defaults or {}, data)
+    data.setdefault("name", path.stem)
+    if "model" not in data:
+        raise RecipeError(f"{path}: model: missing; give model.repo + revision, model.path or model.generate, and model.config")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise explain_validation(exc, path, lines, Recipe) from None
+    shape = _load_shape(recipe.model, path, lines, ("model",))
+    if recipe.context > shape.max_position_embeddings:
+        line = line_of(lines, ("context",))
+        raise RecipeError(
+            f"{path}:{line}: context: {recipe.context} is above the model's maximum "
+            f"(max_position_embeddings {shape.max_position_embeddings})"
+        )
+    draft_shape = None
+    if recipe.draft is not None:
+        draft_shape = _load_shape(recipe.draft.model, path, lines, ("draft", "model"))
+        diff = abs(draft_shape.vocab_size - shape.vocab_size)
+        if diff > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
+            line = line_of(lines, ("draft",))
+            raise RecipeError(
+                f"{path}:{line}: draft: vocabulary {draft_shape.vocab_size} differs from the model's "
+                f"{shape.vocab_size} by {diff} tokens; llama.cpp allows at most {SPEC_VOCAB_MAX_SIZE_DIFFERENCE}"
+            )
+    return LoadedRecipe(path=path, recipe=recipe, shape=shape, draft_shape=draft_shape)
+
+
+def list_recipes(recipes_dir: Path = RECIPES_DIR) -> list[Path]:
+    return sorted(p for p in recipes_dir.glob("*.yaml") if p.name != DEFAULTS_FILE)

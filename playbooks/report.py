@@ -1,0 +1,148 @@
+"""Rendering plans: a rich table for people, JSON for tools. No computation here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .gpus import GIB, MIB
+from .planner import Option, Plan
+
+
+def _gb(b: int) -> str:
+    return f"{b / 1e9:.2f}"
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:.2f}"
+
+
+def option_json(o: Option) -> dict[str, Any]:
+    return {
+        "quant": o.quant,
+        "backend": o.backend,
+        "weights_bytes": o.weights_bytes,
+        "bits_per_weight": round(o.bpw, 3),
+        "gpu_weights_bytes": o.gpu_weights_bytes,
+        "kv_bytes_per_token": o.kv_bytes_per_token,
+        "kv_bytes": o.kv_bytes,
+        "compute_bytes": o.compute_bytes,
+        "overhead_bytes": o.overhead_bytes,
+        "vram_bytes": o.vram_bytes,
+        "gpu_bytes": o.gpu_bytes,
+        "fits": o.fits,
+        "headroom_bytes": o.headroom_bytes,
+        "max_ctx": o.max_ctx,
+        "roofline_tok_s": round(o.roofline_tok_s, 2),
+        "roofline_full_ctx_tok_s": round(o.roofline_full_ctx_tok_s, 2),
+    }
+
+
+def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
+    s = plan.serving
+    # kv_bytes_per_token is the recipe's backend and cache type: the number a user plans with
+    kv = plan.chosen.kv_bytes_per_token if plan.chosen else next(
+        o.kv_bytes_per_token for o in plan.options if o.backend == s.backend
+    )
+    return {
+        "recipe": recipe,
+        "model": {
+            "model_type": plan.shape.model_type,
+            "parameters": plan.shape.parameter_count(),
+            "layers": plan.shape.num_hidden_layers,
+            "kv_heads": plan.shape.num_key_value_heads,
+            "head_dim": plan.shape.head_dim,
+            "max_position_embeddings": plan.shape.max_position_embeddings,
+        },
+        "gpu": {
+            "key": plan.gpu.key,
+            "name": plan.gpu.name,
+            "memory_bytes": plan.gpu.memory_bytes,
+            "bandwidth_gb_s": plan.gpu.bandwidth_gb_s,
+            "compute_capability": list(plan.gpu.compute_capability),
+            "bf16": plan.gpu.bf16,
+        },
+        "serving": {
+            "backend": s.backend,
+            "context": s.context,
+            "parallel": s.parallel,
+            "cache_k": s.cache_k,
+            "cache_v": s.cache_v,
+            "flash_attn": s.flash_attn,
+        },
+        "kv_bytes_per_token": kv,
+        "chosen": option_json(plan.chosen) if plan.chosen else None,
+        "quants": [option_json(o) for o in plan.options],
+        "recommendation": plan.recommendation.quant if plan.recommendation else None,
+        "best_quality": plan.best_quality.quant if plan.best_quality else None,
+        "reason": plan.reason,
+        "notes": plan.notes,
+    }
+
+
+def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None:
+    s = plan.serving
+    shape = plan.shape
+    console.print(
+        f"[bold]{recipe or 'model'}[/]: {shape.model_type}, {shape.parameter_count() / 1e9:.2f}B parameters, "
+        f"{shape.num_hidden_layers} layers, {shape.num_key_value_heads} KV heads x head_dim {shape.head_dim}"
+    )
+    console.print(
+        f"GPU: {plan.gpu.name}, {plan.gpu.memory_gib:g} GiB ({plan.gpu.memory_bytes / 1e9:.2f} GB), "
+        f"{plan.gpu.bandwidth_gb_s:g} GB/s, {plan.gpu.sm}{'' if plan.gpu.bf16 else ', no BF16'}"
+    )
+    console.print(
+        f"Serving: {s.backend}, {s.context} tokens x {s.parallel} slot(s), cache K={s.cache_k} V={s.cache_v}, "
+        f"flash attention {'on' if s.flash_attn else 'off'}"
+    )
+    if plan.chosen:
+        c = plan.chosen
+        verdict = (
+            f"[green]fits with {c.headroom_bytes / MIB:,.0f} MiB left[/]"
+            if c.fits
+            else f"[red]does not fit by {-c.headroom_bytes / MIB:,.0f} MiB[/]"
+        )
+        console.print(
+            f"\n[bold]Planned quant {c.quant}[/]: weights {_gb(c.weights_bytes)} GB on disk, "
+            f"{_gib(c.gpu_weights_bytes)} GiB on the GPU + KV {_gib(c.kv_bytes)} GiB "
+            f"({c.kv_bytes_per_token:,} B/token) + compute {c.compute_bytes / MIB:,.0f} MiB + "
+            f"context/margin {c.overhead_bytes / MIB:,.0f} MiB = {_gib(c.vram_bytes)} GiB of "
+            f"{_gib(c.gpu_bytes)} GiB: {verdict}"
+        )
+        console.print(
+            f"Roofline: {plan.gpu.bandwidth_gb_s:g} GB/s / {_gb(c.streamed_bytes)} GB per token = "
+            f"{c.roofline_tok_s:.0f} tok/s ({c.roofline_full_ctx_tok_s:.0f} tok/s with a full {s.context}-token cache)"
+        )
+    table = Table(title=f"Fit table: {s.context} tokens x {s.parallel} slot(s) on {plan.gpu.key}")
+    for col, just in [
+        ("quant", "left"), ("backend", "left"), ("file GB", "right"), ("bits/w", "right"),
+        ("VRAM GiB", "right"), ("fits?", "left"), ("max ctx/slot", "right"), ("roofline tok/s", "right"),
+    ]:
+        table.add_column(col, justify=just)
+    for o in plan.options:
+        mark = ""
+        if plan.recommendation is o:
+            mark = " (recommended)"
+        elif plan.best_quality is o:
+            mark = " (best quality)"
+        table.add_row(
+            o.quant + mark,
+            o.backend,
+            _gb(o.weights_bytes),
+            f"{o.bpw:.2f}",
+            _gib(o.vram_bytes),
+            "[green]yes[/]" if o.fits else f"[red]no, by {-o.headroom_bytes / MIB:,.0f} MiB[/]",
+            f"{o.max_ctx:,}" if o.max_ctx else "-",
+            f"{o.roofline_tok_s:.0f}",
+        )
+    console.print(table)
+    console.print(f"[bold]Recommendation:[/] {plan.reason}")
+    if plan.best_quality and plan.best_quality is not plan.recommendation:
+        b = plan.best_quality
+        console.print(
+            f"Best quality that fits: {b.quant} ({b.bpw:.2f} bits/weight, roofline {b.roofline_tok_s:.0f} tok/s)"
+        )
+    for note in plan.notes:
+        console.print(f"[yellow]Note:[/] {note}")
