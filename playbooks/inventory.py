@@ -1,0 +1,133 @@
+"""inventory.yaml: host names -> SSH target, user, port, GPU kind, recipe.
+
+A host that is not listed falls back to the user's ~/.ssh/config (and then to plain DNS),
+as Fabric does. The name `local` means this machine, without SSH.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import RecipeError
+from .gpus import get_gpu, gpu_names
+from .yamlfile import explain_validation, load_yaml
+
+DEFAULT_INVENTORY = Path("inventory.yaml")
+DEFAULT_PREFIX = "/opt/voltaforge"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9._:-]{1,253}$")
+_PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]*$")
+
+
+class HostSpec(BaseModel):
+    """Everything needed to reach and describe one host."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    host: str = Field(description="address or name the SSH client connects to")
+    user: Optional[str] = None
+    port: int = Field(22, ge=1, le=65535)
+    gpu: Optional[str] = None
+    recipe: Optional[str] = None
+    key_file: Optional[str] = None
+    known_hosts: Optional[str] = Field(None, description="known_hosts file to trust (default ~/.ssh/known_hosts)")
+    host_key: Optional[str] = Field(None, description="pinned public host key: 'ssh-ed25519 AAAA...'")
+    prefix: str = DEFAULT_PREFIX
+    local: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not _NAME_RE.match(v):
+            raise ValueError("host names may hold letters, digits and . _ - (max 63)")
+        return v
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v):
+        if not _HOST_RE.match(v):
+            raise ValueError("must be a host name or IP address")
+        return v
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v):
+        if v is not None:
+            try:
+                get_gpu(v)
+            except Exception:
+                raise ValueError(f"unknown GPU; known: {', '.join(gpu_names())}") from None
+        return v
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v):
+        if not _PATH_RE.match(v) or "/../" in v + "/":
+            raise ValueError("must be an absolute path of letters, digits and . _ / -")
+        return v.rstrip("/") or "/"
+
+    @field_validator("host_key")
+    @classmethod
+    def _host_key(cls, v):
+        if v is not None and not re.match(r"^(ssh-ed25519|ecdsa-sha2-nistp\d+|ssh-rsa) [A-Za-z0-9+/=]+$", v.strip()):
+            raise ValueError("must be '<type> <base64>', e.g. 'ssh-ed25519 AAAA...'")
+        return v.strip() if v else v
+
+
+class _InventoryFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hosts: dict[str, dict] = {}
+
+
+def load_inventory(path: Path = DEFAULT_INVENTORY) -> dict[str, HostSpec]:
+    """Read inventory.yaml; a missing file is an empty inventory."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    data, lines = load_yaml(path)
+    if data is None:
+        return {}
+    try:
+        parsed = _InventoryFile.model_validate(data)
+    except ValidationError as exc:
+        raise explain_validation(exc, path, lines, _InventoryFile) from None
+    specs = {}
+    for name, entry in parsed.hosts.items():
+        try:
+            specs[name] = HostSpec.model_validate({"name": name, **(entry or {})})
+        except ValidationError as exc:
+            err = explain_validation(exc, path, lines)
+            # the error's key path is relative to the host entry
+            raise RecipeError(str(err).replace(f"{path}: ", f"{path}: hosts.{name}.", 1)) from None
+    return specs
+
+
+def resolve_host(name: str, inventory: Path = DEFAULT_INVENTORY, ssh_config: Path | None = None) -> HostSpec:
+    """Find a host: `local`, an inventory entry, or ~/.ssh/config, in that order."""
+    if name == "local":
+        return HostSpec(name="local", host="localhost", local=True)
+    specs = load_inventory(inventory)
+    if name in specs:
+        return specs[name]
+    if not _HOST_RE.match(name):
+        raise RecipeError(f"host {name!r}: not in {inventory} and not a valid host name")
+    import paramiko
+
+    cfg_path = ssh_config or Path.home() / ".ssh" / "config"
+    looked = {}
+    if cfg_path.exists():
+        looked = paramiko.SSHConfig.from_path(str(cfg_path)).lookup(name)
+    files = looked.get("identityfile") or [None]
+    return HostSpec(
+        name=name,
+        host=looked.get("hostname", name),
+        user=looked.get("user"),
+        port=int(looked.get("port", 22)),
+        key_file=files[0],
+        known_hosts=(looked.get("userknownhostsfile") or "").split()[0] if looked.get("userknownhostsfile") else None,
+    )
