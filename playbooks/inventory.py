@@ -101,9 +101,7 @@ def load_inventory(path: Path = DEFAULT_INVENTORY) -> dict[str, HostSpec]:
         try:
             specs[name] = HostSpec.model_validate({"name": name, **(entry or {})})
         except ValidationError as exc:
-            err = explain_validation(exc, path, lines)
-            # the error's key path is relative to the host entry
-            raise RecipeError(str(err).replace(f"{path}: ", f"{path}: hosts.{name}.", 1)) from None
+            raise explain_validation(exc, path, lines, HostSpec, prefix=("hosts", name)) from None
     return specs
 
 

@@ -184,7 +184,7 @@ class Recipe(_Strict):
     model: ModelSource
     gpu: str
     backend: Literal["llamacpp", "exllamav2"]
-    quant: Union[str, Exl2Quant]
+    quant: Union[Exl2Quant, str]
     context: int = Field(gt=0, description="tokens per slot")
     parallel: int = Field(1, gt=0)
     cache: Cache = Cache()

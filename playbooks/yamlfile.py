@@ -73,11 +73,15 @@ def _allowed_keys(model: type[BaseModel] | None, loc: tuple) -> list[str]:
 
 
 def explain_validation(
-    exc: ValidationError, where: Path, lines: Lines, root: type[BaseModel] | None = None
+    exc: ValidationError, where: Path, lines: Lines, root: type[BaseModel] | None = None,
+    prefix: tuple = (),
 ) -> RecipeError:
-    """Turn pydantic's first error into one line: file:line: key: what is wrong."""
+    """Turn pydantic's first error into one line: file:line: key: what is wrong.
+
+    `prefix` is where the validated mapping sits in the file (e.g. ('hosts', 'v100-01')).
+    """
     err = exc.errors(include_url=False)[0]
-    loc = tuple(
+    loc = prefix + tuple(
         p for p in err["loc"]
         if not (isinstance(p, str) and (p.startswith("function-") or p in ("str", "Exl2Quant")))
     )
@@ -91,7 +95,7 @@ def explain_validation(
     line = line_of(lines, loc)
     at = f"{where}:{line}" if line else str(where)
     if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(root, loc[:-1])
+        allowed = _allowed_keys(root, loc[len(prefix):-1])
         hint = f"; allowed here: {', '.join(allowed)}" if allowed else ""
         return RecipeError(f"{at}: unknown key {key!r}{hint}")
     got = err.get("input")

@@ -258,7 +258,8 @@ def strict_connection(host, *, user: str | None = None, known_hosts: str | None 
     Fabric's ``Connection`` installs ``AutoAddPolicy`` (trust on first use); we load the
     host's ``known_hosts`` and switch to ``RejectPolicy`` before anything connects, so an
     unknown or changed host key raises instead of being silently accepted. Agent and
-    ``~/.ssh`` keys are off so only the test key can authenticate.
+    ``~/.ssh`` keys are off so only the test key can authenticate. ``known_hosts``
+    overrides the host's file (e.g. an empty one, to prove unknown hosts are refused).
     """
     import fabric
 
@@ -268,7 +269,9 @@ def strict_connection(host, *, user: str | None = None, known_hosts: str | None 
         "allow_agent": False,
         **connect_kwargs,
     }
-    config = fabric.Config(overrides={"load_ssh_configs": False})
+    # No ~/.ssh/config (it could rewrite host/port/user); no stdin mirroring (pytest's
+    # captured stdin raises on read, and tests never type into remote commands).
+    config = fabric.Config(overrides={"load_ssh_configs": False, "run": {"in_stream": False}})
     conn = fabric.Connection(
         host.hostname,
         port=host.port,
@@ -593,7 +596,8 @@ class SshdHost:
 
     @property
     def config_file(self) -> Path:
-        return self.config_dir / "sshd_config"
+        # The tag in the name lets reap_stale_resources() find sshds of dead sessions.
+        return self.config_dir / f"{self._tag}.sshd_config"
 
     def _write_config(self) -> None:
         self.config_file.write_text(
@@ -1063,10 +1067,13 @@ _reaped = False
 
 
 def reap_stale_resources() -> None:
-    """Remove netns, cgroups and sudoers drop-ins left by *dead* test sessions.
+    """Remove what *dead* test sessions (killed with SIGKILL, say) left behind.
 
-    Only names of the form ``vf-<pid>-<n>`` whose pid is gone are touched, and a netns
-    only if no process is inside it. Runs once per process.
+    Only names of the form ``vf-<pid>-<n>`` whose pid is no longer alive are touched:
+    containers still running in such a cgroup (nspawn is started with setsid, so it
+    outlives its session) are powered off, then their overlay mounts, cgroups, netns and
+    sudoers drop-ins removed. A netns is only deleted when no process is left in it.
+    Runs once per process.
     """
     global _reaped
     if _reaped or os.geteuid() != 0:
@@ -1077,15 +1084,49 @@ def reap_stale_resources() -> None:
         m = _STALE_RE.match(name)
         return bool(m) and not _pid_alive(int(m.group(1)))
 
+    stale_cgroups = [cg for root in _cgroup_roots() for cg in root.glob(f"{NAME_PREFIX}*")
+                     if cg.is_dir() and dead(cg.name)]
+    if any(_cgroup_procs(cg) for cg in stale_cgroups):
+        # Everything in these cgroups was started by a test host of a dead session.
+        for cg in stale_cgroups:
+            _signal(_cgroup_procs(cg), signal.SIGTERM)  # nspawn: clean poweroff
+        deadline = time.monotonic() + 10
+        while any(_cgroup_procs(cg) for cg in stale_cgroups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for cg in stale_cgroups:
+            _signal(_cgroup_procs(cg), signal.SIGKILL)
+        time.sleep(0.2)
+    for cg in stale_cgroups:
+        if not _cgroup_procs(cg):
+            _remove_cgroup(cg)
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[2] == "overlay" and fields[1].endswith("/rootfs"):
+            m = re.search(rf"/({re.escape(NAME_PREFIX)}\d+-\d+)-[^/]*/rootfs$", fields[1])
+            if m and dead(m.group(1)):
+                _umount(Path(fields[1]))
+
+    stale_sshds = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            if argv[0] == SSHD and "-f" in argv:
+                m = re.match(rf"^({re.escape(NAME_PREFIX)}\d+-\d+)\.sshd_config$",
+                             Path(argv[argv.index("-f") + 1]).name)
+                if m and dead(m.group(1)):
+                    stale_sshds.append(int(entry))
+    _signal(stale_sshds, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while any(_pid_alive(p) for p in stale_sshds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
     netns_dir = Path("/run/netns")
     if netns_dir.is_dir() and shutil.which("ip"):
         for ns in netns_dir.iterdir():
             if dead(ns.name) and not _run(["ip", "netns", "pids", ns.name], check=False).stdout.strip():
                 _run(["ip", "netns", "del", ns.name], check=False)
-    for root in _cgroup_roots():
-        for cg in root.glob(f"{NAME_PREFIX}*"):
-            if cg.is_dir() and dead(cg.name) and not _cgroup_procs(cg):
-                _remove_cgroup(cg)
     if SUDOERS_DIR.is_dir():
         for f in SUDOERS_DIR.glob(f"{NAME_PREFIX}*"):
             if dead(f.name):

@@ -1,0 +1,40 @@
+"""inventory.yaml and the ~/.ssh/config fallback."""
+
+import pytest
+
+from playbooks.errors import RecipeError
+from playbooks.inventory import load_inventory, resolve_host
+
+
+def test_inventory_entry(tmp_path):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("hosts:\n  v100-01:\n    host: 10.0.0.21\n    user: deploy\n    gpu: v100-16gb\n    recipe: tiny-cpu\n")
+    spec = resolve_host("v100-01", inv)
+    assert (spec.host, spec.user, spec.port, spec.gpu, spec.prefix) == ("10.0.0.21", "deploy", 22, "v100-16gb", "/opt/voltaforge")
+
+
+def test_unlisted_host_falls_back_to_ssh_config(tmp_path):
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text("Host gpu-box\n  HostName 192.0.2.7\n  User lab\n  Port 2222\n  IdentityFile /keys/lab\n")
+    spec = resolve_host("gpu-box", tmp_path / "none.yaml", ssh_config=cfg)
+    assert (spec.host, spec.user, spec.port, spec.key_file) == ("192.0.2.7", "lab", 2222, "/keys/lab")
+
+
+def test_local_needs_no_ssh(tmp_path):
+    assert resolve_host("local", tmp_path / "none.yaml").local
+
+
+def test_bad_inventory_messages(tmp_path):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("hosts:\n  v100-01:\n    host: 10.0.0.21\n    gpu: v100-99gb\n")
+    with pytest.raises(RecipeError, match=r"inventory.yaml:4: hosts.v100-01.gpu: unknown GPU"):
+        load_inventory(inv)
+    inv.write_text("hosts:\n  v100-01:\n    hostname: 10.0.0.21\n")
+    with pytest.raises(RecipeError, match=r"unknown key 'hostname'"):
+        load_inventory(inv)
+    inv.write_text("hosts:\n  v100-01:\n    host: 10.0.0.21\n    prefix: /opt/vf; rm -rf /\n")
+    with pytest.raises(RecipeError, match=r"prefix"):
+        load_inventory(inv)
+    inv.write_text("hosts: [\n")
+    with pytest.raises(RecipeError, match=r"inventory.yaml:2: invalid YAML"):
+        load_inventory(inv)

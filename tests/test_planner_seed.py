@@ -1,0 +1,68 @@
+"""The seed report's own arithmetic, reproduced exactly (knowledge.md, section 1)."""
+
+from fractions import Fraction
+
+import pytest
+
+from playbooks.gpus import MIB, get_gpu
+from playbooks.kv_cache import exl2_kv_bytes_per_token, kv_bytes_per_token, llamacpp_kv_bytes_per_token
+from playbooks.model_config import load_config_file
+from playbooks.planner import Serving, evaluate, mbu, roofline_tok_s
+from tests.helpers import ROOT
+
+SEED = ROOT / "recipes/models/seed-stated-shape.config.json"
+
+
+@pytest.fixture(scope="module")
+def seed():
+    return load_config_file(SEED)
+
+
+def test_seed_shape_is_what_the_seed_states(seed):
+    assert (seed.num_hidden_layers, seed.num_key_value_heads, seed.head_dim) == (64, 4, 128)
+
+
+def test_seed_kv_bytes_per_token_fp16(seed):
+    assert kv_bytes_per_token(seed, Fraction(2)) == 131_072
+    assert llamacpp_kv_bytes_per_token(seed, "f16") == 131_072
+    assert exl2_kv_bytes_per_token(seed, "FP16") == 131_072
+
+
+@pytest.mark.parametrize("ctx,mib", [(2048, 256), (4096, 512), (8192, 1024), (32768, 4096)])
+def test_seed_kv_totals(seed, ctx, mib):
+    assert llamacpp_kv_bytes_per_token(seed) * ctx == mib * MIB
+
+
+def test_q8_0_cache_is_34_bytes_per_32_values(seed):
+    # "q8_0 cache halves it": 34/32 bytes instead of 2 per value, exactly
+    assert llamacpp_kv_bytes_per_token(seed, "q8_0") == 131_072 * 34 // 64
+
+
+@pytest.mark.parametrize("gb,tok_s", [(15.5, 58), (16.3, 55), (13.9, 65)])
+def test_seed_rooflines(gb, tok_s):
+    assert round(roofline_tok_s(900, gb * 1e9)) == tok_s
+
+
+def test_mbu_inverts_roofline():
+    assert mbu(roofline_tok_s(900, 15.5e9), 15.5e9, 900) == pytest.approx(1.0)
+    assert mbu(29, 15.5e9, 900) == pytest.approx(29 * 15.5 / 900)
+
+
+def test_declared_head_dim_wins_over_hidden_over_heads():
+    from playbooks.model_config import shape_from_config
+
+    # Gemma-2-27B: hidden 4608 / 32 heads would be 144, but it declares head_dim 128
+    shape = shape_from_config({
+        "model_type": "gemma2", "hidden_size": 4608, "intermediate_size": 36864,
+        "num_hidden_layers": 46, "num_attention_heads": 32, "num_key_value_heads": 16,
+        "head_dim": 128, "vocab_size": 256000, "max_position_embeddings": 8192,
+    })
+    assert shape.head_dim == 128
+    assert llamacpp_kv_bytes_per_token(shape) == 2 * 46 * 16 * 128 * 2
+
+
+def test_budget_sums_its_parts(seed):
+    o = evaluate(seed, "Q4_K_M", get_gpu("v100-16gb"), Serving(context=4096))
+    assert o.vram_bytes == o.gpu_weights_bytes + o.kv_bytes + o.compute_bytes + o.overhead_bytes
+    assert o.kv_bytes == 512 * MIB
+    assert o.overhead_bytes == (400 + 256) * MIB
