@@ -80,7 +80,9 @@ def explain_validation(
 
     `prefix` is where the validated mapping sits in the file (e.g. ('hosts', 'v100-01')).
     """
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # A misspelt key also shows up as a missing one: report the unknown key, it explains both.
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = prefix + tuple(
         p for p in err["loc"]
         if not (isinstance(p, str) and (p.startswith("function-") or p in ("str", "Exl2Quant")))
