@@ -42,7 +42,8 @@ def plan(c, recipe=None, gpu=None, model_config=None, ctx=None, parallel=1, quan
 @task(help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
 def test(c, k=None, fast=False):
     """Run the test suite (what .ci/run runs)."""
-    args = ["python", "-m", "pytest", "-q"]
+    # the interpreter running invoke, so the venv's packages are used whatever PATH says
+    args = [sys.executable, "-m", "pytest", "-q"]
     if k:
         args += ["-k", k]
     if fast:

@@ -132,7 +132,7 @@ def test_toolkits_command_is_posix_and_exits_0(tmp_path):
     (fake / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
     (fake / "nvcc").chmod(0o755)
     run = subprocess.run(["/bin/sh", "-c", cuda.TOOLKITS_COMMAND],
-                         env={"PATH": f"{fake}:{fake}:/nonexistent"}, capture_output=True, text=True)
+                         env={"PATH": f"{fake}:{fake}:/nonexistent:/usr/bin:/bin"}, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     tks = parse_toolkits(run.stdout)
     assert tks[0].path == f"{fake}/nvcc" and tks[0].on_path_index == 0

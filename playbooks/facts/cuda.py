@@ -138,7 +138,7 @@ $2
 "
   echo "### voltaforge-tool kind=$1 on_path_index=$3 path=$2"
   echo "### realpath=$(readlink -f "$2" 2>/dev/null)"
-  "$2" --version </dev/null 2>&1 | head -n 20
+  "$2" --version </dev/null 2>&1
   echo "### voltaforge-tool-end"
   return 0
 }
