@@ -1,0 +1,73 @@
+"""The build environment for CUDA code: one toolkit, never whatever PATH says.
+
+Calling CUDA 11.8's nvcc by its full path is not enough: nvcc finds ptxas through PATH
+when its own directory has none (Debian's layout: nvcc in /usr/lib/nvidia-cuda-toolkit/bin,
+ptxas in /usr/bin), so a CUDA 13 ptxas earlier on PATH fails with
+`ptxas fatal : Value 'sm_70' is not defined for option 'gpu-name'`. So every build gets an
+explicit PATH that starts with the chosen toolkit and holds no directory with another
+release's nvcc or ptxas, plus CUDA_HOME, CUDA_PATH and CUDACXX pointing at the same toolkit.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from typing import Sequence
+
+from .errors import VoltaforgeError
+from .facts.cuda import Toolkit
+
+# The directories a build may use besides the toolkit's: the distribution's own, in order.
+SYSTEM_PATH = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+DEBIAN_TOOLKIT_ROOT = "/usr/lib/nvidia-cuda-toolkit"
+
+
+def pick_toolkit(toolkits: Sequence[Toolkit], release: tuple[int, int]) -> Toolkit:
+    """The nvcc of the wanted release (PATH order first, then standard places)."""
+    for t in sorted(toolkits, key=lambda t: (t.on_path_index is None, t.on_path_index or 0)):
+        if t.kind == "nvcc" and t.release == release:
+            return t
+    found = sorted({f"{t.release[0]}.{t.release[1]} ({t.path})" for t in toolkits if t.kind == "nvcc" and t.release})
+    raise VoltaforgeError(
+        f"no CUDA {release[0]}.{release[1]} nvcc found (found: {', '.join(found) or 'none'}); "
+        "run `invoke toolchain` to install it"
+    )
+
+
+def toolkit_root(nvcc: Toolkit) -> str:
+    """CUDA_HOME for an nvcc: NVIDIA's <root>/bin/nvcc, or Debian's wrapper in /usr/bin."""
+    real = nvcc.realpath or nvcc.path
+    if nvcc.path == "/usr/bin/nvcc" or real.startswith(DEBIAN_TOOLKIT_ROOT + "/"):
+        return DEBIAN_TOOLKIT_ROOT
+    return posixpath.dirname(posixpath.dirname(real))
+
+
+def build_env(nvcc: Toolkit, toolkits: Sequence[Toolkit], arch: str = "70") -> dict[str, str]:
+    """Environment variables for building CUDA code for `arch` with exactly this nvcc."""
+    root = toolkit_root(nvcc)
+    own_bin = posixpath.join(root, "bin")
+    foreign = {
+        posixpath.dirname(t.path)
+        for t in toolkits
+        if t.release is not None and t.release != nvcc.release
+    }
+    path = [own_bin] + [d for d in SYSTEM_PATH if d not in foreign and d != own_bin]
+    clash = sorted(foreign & set(SYSTEM_PATH))
+    if clash:
+        raise VoltaforgeError(
+            f"another CUDA release has nvcc/ptxas in {', '.join(clash)}, a system directory a build "
+            f"needs; remove it or install CUDA {nvcc.release[0]}.{nvcc.release[1]} elsewhere"
+        )
+    return {
+        "PATH": ":".join(path),
+        "CUDA_HOME": root,
+        "CUDA_PATH": root,
+        "CUDACXX": nvcc.path,
+        "CUDAARCHS": arch,
+        "TORCH_CUDA_ARCH_LIST": ".".join(arch) if arch.isdigit() and len(arch) == 2 else arch,
+    }
+
+
+def env_prefix(env: dict[str, str]) -> str:
+    """`env -i`-free prefix that sets these variables for one command, each value quoted."""
+    return "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
