@@ -12,11 +12,17 @@ from .planner import Option, Plan
 
 
 def _gb(b: int) -> str:
-    return f"{b / 1e9:.2f}"
+    """Decimal size with its unit: GB for real models, MB for the tiny ones."""
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
 
 
 def _gib(b: int) -> str:
-    return f"{b / GIB:.2f}"
+    """Binary size with its unit (GPU memory is sold and reported in GiB/MiB)."""
+    return f"{b / GIB:.2f} GiB" if b >= 100 * MIB else f"{b / MIB:.1f} MiB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def option_json(o: Option) -> dict[str, Any]:
@@ -86,12 +92,13 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
     s = plan.serving
     shape = plan.shape
     console.print(
-        f"[bold]{recipe or 'model'}[/]: {shape.model_type}, {shape.parameter_count() / 1e9:.2f}B parameters, "
+        f"[bold]{recipe or 'model'}[/]: {shape.model_type}, {_params(shape.parameter_count())} parameters, "
         f"{shape.num_hidden_layers} layers, {shape.num_key_value_heads} KV heads x head_dim {shape.head_dim}"
     )
+    arch = "memory budget" if plan.gpu.is_cpu else plan.gpu.sm + ("" if plan.gpu.bf16 else ", no BF16")
     console.print(
-        f"GPU: {plan.gpu.name}, {plan.gpu.memory_gib:g} GiB ({plan.gpu.memory_bytes / 1e9:.2f} GB), "
-        f"{plan.gpu.bandwidth_gb_s:g} GB/s, {plan.gpu.sm}{'' if plan.gpu.bf16 else ', no BF16'}"
+        f"{'CPU' if plan.gpu.is_cpu else 'GPU'}: {plan.gpu.name}, {plan.gpu.memory_gib:g} GiB "
+        f"({plan.gpu.memory_bytes / 1e9:.2f} GB), {plan.gpu.bandwidth_gb_s:g} GB/s, {arch}"
     )
     console.print(
         f"Serving: {s.backend}, {s.context} tokens x {s.parallel} slot(s), cache K={s.cache_k} V={s.cache_v}, "
@@ -105,20 +112,20 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             else f"[red]does not fit by {-c.headroom_bytes / MIB:,.0f} MiB[/]"
         )
         console.print(
-            f"\n[bold]Planned quant {c.quant}[/]: weights {_gb(c.weights_bytes)} GB on disk, "
-            f"{_gib(c.gpu_weights_bytes)} GiB on the GPU + KV {_gib(c.kv_bytes)} GiB "
-            f"({c.kv_bytes_per_token:,} B/token) + compute {c.compute_bytes / MIB:,.0f} MiB + "
-            f"context/margin {c.overhead_bytes / MIB:,.0f} MiB = {_gib(c.vram_bytes)} GiB of "
-            f"{_gib(c.gpu_bytes)} GiB: {verdict}"
+            f"\n[bold]Planned quant {c.quant}[/]: weights {_gb(c.weights_bytes)} on disk, "
+            f"{_gib(c.gpu_weights_bytes)} in {'memory' if plan.gpu.is_cpu else 'VRAM'} + KV {_gib(c.kv_bytes)} "
+            f"({c.kv_bytes_per_token:,} B/token) + compute {_gib(c.compute_bytes)} + "
+            f"context/margin {_gib(c.overhead_bytes)} = {_gib(c.vram_bytes)} of "
+            f"{_gib(c.gpu_bytes)}: {verdict}"
         )
         console.print(
-            f"Roofline: {plan.gpu.bandwidth_gb_s:g} GB/s / {_gb(c.streamed_bytes)} GB per token = "
+            f"Roofline: {plan.gpu.bandwidth_gb_s:g} GB/s / {_gb(c.streamed_bytes)} per token = "
             f"{c.roofline_tok_s:.0f} tok/s ({c.roofline_full_ctx_tok_s:.0f} tok/s with a full {s.context}-token cache)"
         )
     table = Table(title=f"Fit table: {s.context} tokens x {s.parallel} slot(s) on {plan.gpu.key}")
     for col, just in [
-        ("quant", "left"), ("backend", "left"), ("file GB", "right"), ("bits/w", "right"),
-        ("VRAM GiB", "right"), ("fits?", "left"), ("max ctx/slot", "right"), ("roofline tok/s", "right"),
+        ("quant", "left"), ("backend", "left"), ("file", "right"), ("bits/w", "right"),
+        ("VRAM", "right"), ("fits?", "left"), ("max ctx/slot", "right"), ("roofline tok/s", "right"),
     ]:
         table.add_column(col, justify=just)
     for o in plan.options:

@@ -142,6 +142,29 @@ def test_csv_with_header_titan_v_and_ada():
     assert parse_nvidia_smi_csv(text).gpus == facts.gpus
 
 
+def test_csv_noheader_nounits_full_query_constructed():
+    # CONSTRUCTED, not captured (no V100 CSV capture exists): one row in QUERY_FIELDS order,
+    # values taken from the V100 fixtures, with nvidia-smi's '[N/A]'/'[Not Supported]' markers.
+    row = ("0, Tesla V100-SXM2-16GB, GPU-3a6ec8f0-24eb-1905-1f17-7bdb4e850ffa, 00000000:07:00.0, "
+           "7.0, 570.211.01, 16384, 5, 16379, 31, 43.12, 300.00, 1290, 1530, 877, 877, Enabled, "
+           "[N/A], [Not Supported], 0x0000000000000005")
+    facts = parse_nvidia_smi_csv(row + "\n")
+    (g,) = facts.gpus
+    assert facts.driver_version == "570.211.01" and not facts.warnings
+    assert (g.index, g.name, g.compute_capability) == (0, "Tesla V100-SXM2-16GB", (7, 0))
+    assert (g.memory_total_mib, g.memory_used_mib, g.memory_free_mib) == (16384, 5, 16379)
+    assert (g.power_draw_w, g.power_limit_w) == (43.12, 300.0)
+    assert (g.sm_clock_mhz, g.max_sm_clock_mhz, g.mem_clock_mhz, g.max_mem_clock_mhz) == (
+        1290, 1530, 877, 877)
+    assert g.persistence_mode is True
+    assert (g.pcie_gen, g.pcie_width) == (None, None)
+    assert g.clocks_event_reasons == ("idle", "sw_power_cap")
+    # the legacy query (no compute_cap) infers the capability from the name
+    legacy = row.replace("00000000:07:00.0, 7.0,", "00000000:07:00.0,")
+    (lg,) = parse_nvidia_smi_csv(legacy, QUERY_FIELDS_LEGACY).gpus
+    assert lg.compute_capability == (7, 0) and lg.memory_total_mib == 16384
+
+
 def test_csv_command_output_without_nvidia_smi_is_absent():
     facts = parse_nvidia_smi_csv(fixture_text("thishost-nvidia-smi-csv-absent.txt"))
     assert facts == GpuFacts(available=False, source="none", reason="nvidia-smi not found")

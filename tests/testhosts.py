@@ -1111,12 +1111,13 @@ def reap_stale_resources() -> None:
         if not entry.isdigit():
             continue
         with contextlib.suppress(OSError):
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            if argv[0] == SSHD and "-f" in argv:
-                m = re.match(rf"^({re.escape(NAME_PREFIX)}\d+-\d+)\.sshd_config$",
-                             Path(argv[argv.index("-f") + 1]).name)
-                if m and dead(m.group(1)):
-                    stale_sshds.append(int(entry))
+            if os.readlink(f"/proc/{entry}/exe") != SSHD:
+                continue
+            # sshd rewrites its title ("sshd: /usr/sbin/sshd -D -f ... [listener]").
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+            m = re.search(rf"-f\s*\S*/({re.escape(NAME_PREFIX)}\d+-\d+)\.sshd_config", cmdline.replace("\0", " "))
+            if m and dead(m.group(1)):
+                stale_sshds.append(int(entry))
     _signal(stale_sshds, signal.SIGTERM)
     deadline = time.monotonic() + 5
     while any(_pid_alive(p) for p in stale_sshds) and time.monotonic() < deadline:

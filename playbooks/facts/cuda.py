@@ -14,6 +14,7 @@ Each fact: a read-only POSIX sh command (*_COMMAND, always exit 0) + a pure pars
 from __future__ import annotations
 
 import re
+from shlex import quote
 from collections import Counter
 from typing import Literal, Optional, Sequence
 
@@ -92,8 +93,6 @@ def parse_nvcc_version(text: str) -> CudaToolVersion:
 
 def nvcc_version_command(nvcc: str = "nvcc") -> str:
     """`<nvcc> --version`, printing 'voltaforge: <nvcc> not found' instead of failing when there is none."""
-    from shlex import quote
-
     q = quote(nvcc)
     return (f"if command -v {q} >/dev/null 2>&1; then {q} --version 2>&1 || true; "
             f"else echo {quote(_absent(nvcc))}; fi")
@@ -400,8 +399,6 @@ def parse_gcc_version(text: str) -> GccVersion:
 
 def gcc_version_command(compiler: str = "gcc") -> str:
     """`<compiler> --version` (first line only), printing 'voltaforge: <compiler> not found' when there is none."""
-    from shlex import quote
-
     q = quote(compiler)
     return (f"if command -v {q} >/dev/null 2>&1; then {q} --version 2>&1 | head -n 1; "
             f"else echo {quote(_absent(compiler))}; fi")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from shlex import quote
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
@@ -598,8 +599,6 @@ GPU_PROBE_STDIN_COMMAND = (
 
 def gpu_probe_command(remote_path: str) -> str:
     """Command that runs the probe after it was pushed to `remote_path` on the host."""
-    from shlex import quote
-
     return (
         "if command -v python3 >/dev/null 2>&1; then "
         f"python3 {quote(remote_path)} 2>&1 || true; "
