@@ -71,6 +71,7 @@ __all__ = [
     "netns_host",
     "nspawn_host",
     "reap_stale_resources",
+    "remove_test_user",
     "sshd_host",
     "start_nspawn_host",
     "strict_client",
@@ -290,28 +291,54 @@ def strict_connection(host, *, user: str | None = None, known_hosts: str | None 
 # --------------------------------------------------------------------------------------
 
 
+#: Test users are named ``vf-test-<pid>``: one per test session (process).
+TEST_USER_PREFIX = "vf-test-"
+
+
 def default_test_user() -> str:
-    """``vf-test``; ``vf-test-gwN`` under pytest-xdist so workers never share sudo rules."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    return f"vf-test-{worker}" if worker else "vf-test"
+    """``vf-test-<pid>``: this session's own login user.
+
+    One user per session (not one shared ``vf-test``) because sudo rules and the sudo
+    password belong to the *user*: two sessions running at once (two CI jobs, xdist
+    workers) would otherwise see each other's sudoers drop-ins and overwrite each
+    other's password -- measured: a parallel run failed ``sudo`` that way.
+    """
+    return f"{TEST_USER_PREFIX}{os.getpid()}"
 
 
 def ensure_test_user(name: str | None = None) -> pwd.struct_passwd:
-    """Create (once, idempotent) the unprivileged login user of ``sshd_host``/``netns_host``.
+    """Create (idempotent) the unprivileged login user of ``sshd_host``/``netns_host``.
 
     ``useradd -m`` gives it a home (Fabric's sftp starts there); ``usermod -p '*'`` because
     with ``UsePAM no`` sshd treats a ``!`` password (useradd's default) as a *locked*
     account and refuses even key logins, while ``*`` just means "no password matches".
-    The user is left in place after the session (it is harmless and reused next time).
+    The ``testhost_user`` fixture removes it at the end of the session
+    (:func:`remove_test_user`); :func:`reap_stale_resources` removes those of dead sessions.
     """
     name = name or default_test_user()
     with _global_lock():
         try:
             pwd.getpwnam(name)
         except KeyError:
-            _run(["useradd", "-m", "-U", "-s", "/bin/bash", "-c", "voltaforge test host", name])
+            for attempt in range(20):  # useradd exits 10 while another tool locks /etc/passwd
+                proc = _run(["useradd", "-m", "-U", "-s", "/bin/bash", "-c", "voltaforge test host", name],
+                            check=attempt == 19)
+                if proc.returncode == 0:
+                    break
+                time.sleep(0.1)
         _run(["usermod", "-p", "*", name])
     return pwd.getpwnam(name)
+
+
+def remove_test_user(name: str) -> None:
+    """``userdel -r`` (home and group too); ``-f`` if a stray process still runs as it."""
+    with _global_lock():
+        for args in (["userdel", "-r"], ["userdel", "-r", "-f"]):
+            _run([*args, name], check=False)
+            try:
+                pwd.getpwnam(name)
+            except KeyError:
+                return
 
 
 class SudoersDropIn:
@@ -516,7 +543,7 @@ class SshdHost:
         ``config_dir`` (e.g. pytest's ``tmp_path``) receives the config, host key, client
         key, known_hosts and the sshd log (kept by pytest for post-mortems). Because sshd
         reads ``authorized_keys`` with the *user's* uid and pytest's base temp is 0700,
-        ``authorized_keys`` and the ``prefix`` live in a separate ``/tmp/vf-sshd-*``
+        ``authorized_keys`` and the ``prefix`` live in a separate ``/tmp/vf-<pid>-<n>-sshd-*``
         directory, removed at teardown. In a netns the default port is 22 (the namespace
         has its own port space); on loopback a random free port.
         """
@@ -534,7 +561,7 @@ class SshdHost:
             pid, n = _unique_tag()
             tag = f"{NAME_PREFIX}{pid}-{n}"
 
-            share = Path(tempfile.mkdtemp(prefix="vf-sshd-", dir="/tmp"))
+            share = Path(tempfile.mkdtemp(prefix=f"{tag}-sshd-", dir="/tmp"))
             stack.callback(shutil.rmtree, share, True)
             os.chmod(share, 0o755)
             prefix = share / "prefix"
@@ -1071,9 +1098,10 @@ def reap_stale_resources() -> None:
 
     Only names of the form ``vf-<pid>-<n>`` whose pid is no longer alive are touched:
     containers still running in such a cgroup (nspawn is started with setsid, so it
-    outlives its session) are powered off, then their overlay mounts, cgroups, netns and
-    sudoers drop-ins removed. A netns is only deleted when no process is left in it.
-    Runs once per process.
+    outlives its session) are powered off, and sshds started with ``vf-<pid>-<n>.sshd_config``
+    stopped; then overlay mounts, cgroups, netns, sudoers drop-ins, ``/tmp/vf-*-sshd-*``
+    directories and ``vf-test-<pid>`` users are removed. A netns is only deleted when no
+    process is left in it. Runs once per process.
     """
     global _reaped
     if _reaped or os.geteuid() != 0:
@@ -1132,6 +1160,14 @@ def reap_stale_resources() -> None:
         for f in SUDOERS_DIR.glob(f"{NAME_PREFIX}*"):
             if dead(f.name):
                 f.unlink(missing_ok=True)
+    for d in Path("/tmp").glob(f"{NAME_PREFIX}*-sshd-*"):
+        m = re.match(rf"^({re.escape(NAME_PREFIX)}\d+-\d+)-sshd-", d.name)
+        if m and dead(m.group(1)) and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+    for entry in pwd.getpwall():
+        m = re.match(rf"^{re.escape(TEST_USER_PREFIX)}(\d+)$", entry.pw_name)
+        if m and not _pid_alive(int(m.group(1))):
+            remove_test_user(entry.pw_name)
 
 
 # --------------------------------------------------------------------------------------
@@ -1140,11 +1176,18 @@ def reap_stale_resources() -> None:
 
 
 @pytest.fixture(scope="session")
-def testhost_user() -> pwd.struct_passwd:
-    """The unprivileged login user of sshd_host/netns_host, created once per session."""
-    require(binaries=("useradd", "usermod"), what="the test user")
+def testhost_user() -> Iterator[pwd.struct_passwd]:
+    """The unprivileged login user of sshd_host/netns_host (``vf-test-<pid>``).
+
+    Created once per session, removed (with its home) at the end of the session.
+    """
+    require(binaries=("useradd", "usermod", "userdel"), what="the test user")
     reap_stale_resources()
-    return ensure_test_user()
+    account = ensure_test_user()
+    try:
+        yield account
+    finally:
+        remove_test_user(account.pw_name)
 
 
 @pytest.fixture

@@ -1,0 +1,94 @@
+"""preflight's judgement, on facts parsed from real captured outputs (V100 hosts and this
+machine's real CUDA 13 + 11.8 pair). Gathering over real SSH is in test_preflight_hosts.py."""
+
+import pytest
+
+from playbooks.facts import cuda, gpu, system
+from playbooks.preflight import HostFacts, judge
+from playbooks.recipe import load_recipe
+from tests.helpers import fixture_body
+
+GIB = 1 << 30
+
+
+def facts(gpu_fixture="nvidia-smi-v100-sxm2-16gb-aws-p3-driver525.txt", free_bytes=500 * 10**9, booted=True, **over):
+    gpus = gpu.parse_nvidia_smi_table(fixture_body(gpu_fixture)) if gpu_fixture else gpu.parse_nvidia_smi_table("")
+    base = dict(
+        host="v100-01",
+        os=system.parse_os_release(fixture_body("thishost-os-release-debian12.txt")),
+        gpus=gpus,
+        toolkits=cuda.parse_toolkits(fixture_body("thishost-toolkits-cuda13-and-debian-cuda11.8.txt")),
+        gcc=cuda.parse_gcc_version(fixture_body("thishost-gcc-12-version.txt")),
+        gxx11=cuda.parse_gcc_version(fixture_body("thishost-gxx-11-version.txt")),
+        python=system.parse_python_version(fixture_body("thishost-python3-version.txt")),
+        disk={"/opt/voltaforge/models": system.DiskFree(path="/opt/voltaforge/models", existing_path="/opt", available_bytes=free_bytes)},
+        memory=system.parse_meminfo(fixture_body("thishost-proc-meminfo.txt")),
+        systemd=system.SystemdState(systemd_running=booted, booted=booted, systemctl_present=True, state="running" if booted else "offline"),
+        nproc=2,
+        machine="x86_64",
+    )
+    base.update(over)
+    return HostFacts(**base)
+
+
+def by_name(v):
+    return {c.name: c for c in v.checks}
+
+
+def test_v100_host_ready_for_a_recipe_that_fits():
+    v = judge(facts(), load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    c = by_name(v)
+    assert v.ok, [x for x in v.checks if x.status == "fail"]
+    assert c["gpu"].status == "pass" and "Tesla V100-SXM2, 16384 MiB, cc 7.0" in c["gpu"].detail
+    assert "Tesla V100-SXM2-16GB" in c["fit"].detail
+    assert c["bf16"].status == "warn" and "FP16" in c["bf16"].fix
+    assert c["cuda-toolkit"].status == "pass" and "/usr/bin/nvcc" in c["cuda-toolkit"].detail
+    # this machine's real pair: CUDA 13 first on PATH, Debian's 11.8 in /usr/bin
+    assert c["cuda-on-path"].status == "warn" and "cannot target sm_70" in c["cuda-on-path"].detail
+    assert c["mixed-toolkits"].status == "warn" and "13.0" in c["mixed-toolkits"].detail and "CUDACXX" in c["mixed-toolkits"].fix
+    assert c["host-compiler"].status == "pass"
+    assert c["fit"].status == "pass" and "fits with" in c["fit"].detail
+
+
+def test_recipe_that_does_not_fit_the_real_gpu_blocks():
+    # a 32 GB recipe judged on the 16 GB card the host really has
+    v = judge(facts(), load_recipe("qwen2.5-32b-v100-32gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    fit = by_name(v)["fit"]
+    assert not v.ok and fit.status == "fail" and fit.blocking
+    assert "does not fit by" in fit.detail and "Tesla V100-SXM2-16GB" in fit.detail and fit.fix.startswith("choose ")
+
+
+def test_old_driver_for_cuda_11_8():
+    v = judge(facts("nvidia-smi-v100-sxm2-32gb-8gpu-dgx1-driver384.txt"), load_recipe("qwen2.5-32b-v100-32gb"),
+              "/opt/voltaforge/models", "/opt/voltaforge")
+    drv = by_name(v)["driver"]
+    assert drv.status == "fail" and "384.183" in drv.detail and "450.80.2" in drv.detail and not v.ok
+
+
+def test_no_gpu_blocks_a_gpu_recipe_but_not_the_cpu_one():
+    no_gpu = facts(gpu_fixture=None)
+    v = judge(no_gpu, load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    assert by_name(v)["gpu"].status == "fail" and not v.ok
+    v = judge(no_gpu, load_recipe("tiny-cpu"), "/opt/voltaforge/models", "/opt/voltaforge")
+    assert by_name(v)["gpu"].status == "pass" and "cuda-toolkit" not in by_name(v) and v.ok
+
+
+def test_disk_too_small_for_download_plus_conversion():
+    v = judge(facts(free_bytes=40 * 10**9), load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    disk = by_name(v)["disk"]
+    assert disk.status == "fail" and disk.blocking and "need 68.1 GB" in disk.detail and not v.ok
+
+
+def test_no_systemd_blocks():
+    v = judge(facts(booted=False), None, "/opt/voltaforge/models", "/opt/voltaforge")
+    assert by_name(v)["systemd"].status == "fail" and not v.ok
+
+
+def test_recipe_pinning_cuda_13_is_refused(tmp_path):
+    from playbooks.recipe import RECIPES_DIR
+
+    r = tmp_path / "r.yaml"
+    r.write_text((RECIPES_DIR / "qwen2.5-14b-v100-16gb.yaml").read_text().replace(
+        "config: models/", f"config: {RECIPES_DIR}/models/") + "toolchain:\n  cuda: '13.0'\n")
+    v = judge(facts(), load_recipe(r), "/opt/voltaforge/models", "/opt/voltaforge")
+    assert by_name(v)["cuda-pin"].status == "fail" and "cannot target sm_70" in by_name(v)["cuda-pin"].detail
