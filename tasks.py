@@ -39,6 +39,36 @@ def plan(c, recipe=None, gpu=None, model_config=None, ctx=None, parallel=1, quan
          ctx=int(ctx) if ctx is not None else None, parallel=int(parallel), quant=quant, as_json=json)
 
 
+@task(
+    help={
+        "host": "inventory name, ~/.ssh/config name, or 'local'",
+        "recipe": "judge the host against this recipe (default: the inventory's)",
+        "json": "print JSON instead of tables",
+        "inventory": "inventory file (default inventory.yaml)",
+    }
+)
+def preflight(c, host, recipe=None, json=False, inventory="inventory.yaml"):
+    """Read a host's facts and judge them: each check with a fix; non-zero exit when blocked."""
+    from playbooks.preflight import run_preflight
+
+    _run(run_preflight, host, recipe=recipe, as_json=json, inventory=inventory)
+
+
+@task(
+    help={
+        "host": "inventory name, ~/.ssh/config name, or 'local'",
+        "recipe": "the recipe whose toolchain pins to install (default: the inventory's)",
+        "dry-run": "print the exact commands and change nothing",
+        "inventory": "inventory file (default inventory.yaml)",
+    }
+)
+def toolchain(c, host, recipe=None, dry_run=False, inventory="inventory.yaml"):
+    """Install the pinned CUDA toolkit and a venv with the pinned torch, idempotently."""
+    from playbooks.toolchain import run_toolchain
+
+    _run(run_toolchain, host, recipe=recipe, dry_run=dry_run, inventory=inventory)
+
+
 @task(help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
 def test(c, k=None, fast=False):
     """Run the test suite (what .ci/run runs)."""
@@ -51,4 +81,4 @@ def test(c, k=None, fast=False):
     c.run(" ".join(__import__("shlex").quote(a) for a in args), pty=False)
 
 
-ns = Collection(plan, test)
+ns = Collection(plan, preflight, toolchain, test)

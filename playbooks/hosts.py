@@ -185,6 +185,9 @@ def write_file_command(path: str, mode: int, owner: str | None = None) -> str:
 class Process:
     """A command started with :meth:`Host.spawn`, whose stdin stays open until closed."""
 
+    #: What it wrote to stderr, once closed.
+    stderr: str = ""
+
     def read_line(self, timeout: float) -> str | None:
         """The next stdout line, or None at end of output; HostError after ``timeout``."""
         raise NotImplementedError
@@ -378,14 +381,25 @@ class _LocalProcess(Process):
         self._host = host
         self._proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=_local_env(), start_new_session=True)
+        self._buf = b""
 
     def read_line(self, timeout: float) -> str | None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise HostError(f"{self._host.name}: no answer after {timeout:g} s")
-        line = self._proc.stdout.readline()
-        return line.decode("utf-8", "replace").rstrip("\n") if line else None
+        deadline = time.monotonic() + timeout
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            with selectors.DefaultSelector() as sel:
+                sel.register(fd, selectors.EVENT_READ)
+                ready = sel.select(max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise HostError(f"{self._host.name}: no answer after {timeout:g} s")
+            data = os.read(fd, _CHUNK)
+            if not data:
+                break
+            self._buf += data
+        if not self._buf:
+            return None
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode("utf-8", "replace")
 
     def close(self, timeout: float = 10) -> int:
         try:
@@ -393,10 +407,12 @@ class _LocalProcess(Process):
         except BrokenPipeError:
             pass
         try:
-            return self._proc.wait(timeout)
+            code = self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self._proc.pid, 9)
-            return self._proc.wait()
+            code = self._proc.wait()
+        self.stderr = self._proc.stderr.read().decode("utf-8", "replace")
+        return code
 
 
 def _local_env() -> dict[str, str]:
@@ -452,6 +468,7 @@ class LocalHost(Host):
                 chunks[key.fileobj].append(data)
                 if stream:
                     splitters[key.fileobj].feed(data)
+        sel.close()
         for s in splitters.values():
             s.flush()
         code = proc.wait()
@@ -515,6 +532,8 @@ class _SshProcess(Process):
         try:
             self._chan.shutdown_write()
             self._chan.status_event.wait(timeout)
+            while self._chan.recv_stderr_ready():
+                self.stderr += self._chan.recv_stderr(_CHUNK).decode("utf-8", "replace")
             return self._chan.exit_status
         except (OSError, EOFError, paramiko.SSHException):
             return -1

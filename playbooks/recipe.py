@@ -118,6 +118,7 @@ class Toolchain(_Strict):
     cuda: str = "11.8"
     torch: str = "2.7.1+cu118"
     torch_index: str = "https://download.pytorch.org/whl/cu118"
+    torch_find_links: Optional[str] = Field(None, description="a local wheel directory (offline hosts, tests)")
     llamacpp_ref: str = "0c1e570"
     llamacpp_sdist: str = "llama-cpp-python==0.3.36"
     exllamav2: str = "0.3.2"
@@ -129,6 +130,20 @@ class Toolchain(_Strict):
         m = re.fullmatch(r"(\d+)\.(\d+)", v)
         if not m:
             raise ValueError("must be MAJOR.MINOR, e.g. '11.8'")
+        return v
+
+    @field_validator("torch_index")
+    @classmethod
+    def _index(cls, v):
+        if v and not re.fullmatch(r"https?://[A-Za-z0-9._~:/?#@!$&()*+,;=%-]+", v):
+            raise ValueError("must be an http(s) URL")
+        return v
+
+    @field_validator("torch_find_links")
+    @classmethod
+    def _find_links(cls, v):
+        if v is not None and not re.fullmatch(r"/[A-Za-z0-9._/-]*", v):
+            raise ValueError("must be an absolute path of letters, digits and . _ / -")
         return v
 
     @field_validator("llamacpp_ref", "exllamav2", "torch", "cuda_arch")

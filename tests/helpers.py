@@ -13,3 +13,33 @@ def fixture_body(name: str) -> str:
     text = (FIXTURES / name).read_text()
     head, sep, body = text.partition("\n# ---\n")
     return body if sep else text
+
+
+def inventory_for(tmp_path: Path, name: str, host, prefix: str | None = None, recipe: str | None = None) -> Path:
+    """An inventory.yaml that points `name` at a test host (sshd_host, nspawn_host, ...)."""
+    import yaml
+
+    entry = {
+        "host": host.hostname,
+        "port": host.port,
+        "user": host.user,
+        "key_file": str(host.key_filename),
+        "known_hosts": str(host.known_hosts),
+    }
+    if prefix:
+        entry["prefix"] = prefix
+    if recipe:
+        entry["recipe"] = recipe
+    path = tmp_path / "inventory.yaml"
+    path.write_text(yaml.safe_dump({"hosts": {name: entry}}))
+    return path
+
+
+def recipe_with(tmp_path: Path, base: str, extra: str, name: str = "test-recipe") -> Path:
+    """A copy of a shipped recipe with YAML appended (its model config path made absolute)."""
+    src = (ROOT / "recipes" / f"{base}.yaml").read_text()
+    src = src.replace("config: models/", f"config: {ROOT}/recipes/models/")
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(src + extra)
+    return path

@@ -20,7 +20,7 @@ import invoke
 import paramiko
 import pytest
 
-from testhosts import strict_connection
+from testhosts import strict_client, strict_connection
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +55,19 @@ def test_sshd_host_attributes(sshd_host):
     assert st.st_uid == pwd.getpwnam(sshd_host.user).pw_uid and stat.S_ISDIR(st.st_mode)
     assert list(sshd_host.prefix.iterdir()) == []
     assert sshd_host.sudo is None and sshd_host.sudoers_file is None
+
+
+def test_strict_paramiko_client(sshd_host):
+    client = strict_client(sshd_host.known_hosts)
+    try:
+        client.connect(sshd_host.hostname, sshd_host.port, username=sshd_host.user, **sshd_host.connect_kwargs)
+        _, stdout, _ = client.exec_command("echo $HOME")
+        assert stdout.read().decode().strip() == pwd.getpwnam(sshd_host.user).pw_dir
+    finally:
+        client.close()
+    # The same command line for the OpenSSH client, equally strict.
+    out = subprocess.run(sshd_host.ssh_command("id -un"), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == sshd_host.user
 
 
 def test_unknown_host_key_is_rejected(sshd_host, tmp_path):

@@ -286,6 +286,25 @@ def strict_connection(host, *, user: str | None = None, known_hosts: str | None 
     return conn
 
 
+def _ssh_command(host, command: str, user: str) -> list[str]:
+    """``ssh`` argv for ``host``: only its key, only its known_hosts, never a prompt."""
+    return [
+        "ssh", "-F", "/dev/null",  # no user/system ssh_config rewriting host, port or user
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"UserKnownHostsFile={host.known_hosts}",
+        "-o", "GlobalKnownHostsFile=/dev/null",
+        "-o", "BatchMode=yes",
+        "-o", "IdentitiesOnly=yes",
+        "-o", "IdentityAgent=none",
+        "-o", "ConnectTimeout=5",
+        "-o", "LogLevel=ERROR",
+        "-i", host.key_filename,
+        "-p", str(host.port),
+        f"{user}@{host.hostname}",
+        "--", command,
+    ]
+
+
 # --------------------------------------------------------------------------------------
 # the test user and sudo
 # --------------------------------------------------------------------------------------
@@ -478,7 +497,8 @@ AuthorizedKeysFile {authorized_keys}
 # Keys only, like the servers voltaforge provisions.
 PasswordAuthentication no
 KbdInteractiveAuthentication no
-# No PAM: this machine's PAM stack is not configured for it (and needs no session setup).
+# No PAM: this machine's PAM session stack (loginuid, logind, motd) is not meant for a
+# throwaway sshd. Side effect: a '!' password now means "locked", hence usermod -p '*'.
 UsePAM no
 # /tmp (where authorized_keys lives) is world-writable; StrictModes would reject it.
 StrictModes no
@@ -724,7 +744,12 @@ class SshdHost:
         return {"key_filename": self.key_filename, "look_for_keys": False, "allow_agent": False}
 
     def log(self) -> str:
+        """The sshd log (``LogLevel VERBOSE``): auth decisions, connections, errors."""
         return self.log_file.read_text(errors="replace") if self.log_file else ""
+
+    def ssh_command(self, command: str, *, user: str | None = None) -> list[str]:
+        """An OpenSSH client command line with strict host-key checking for this host."""
+        return _ssh_command(self, command, user or self.user)
 
 
 # --------------------------------------------------------------------------------------
@@ -854,21 +879,7 @@ class NspawnHost:
 
     def ssh_command(self, command: str, *, user: str = "root") -> list[str]:
         """An OpenSSH client command line with strict host-key checking for this host."""
-        return [
-            "ssh", "-F", "/dev/null",
-            "-o", "StrictHostKeyChecking=yes",
-            "-o", f"UserKnownHostsFile={self.known_hosts}",
-            "-o", "GlobalKnownHostsFile=/dev/null",
-            "-o", "BatchMode=yes",
-            "-o", "IdentitiesOnly=yes",
-            "-o", "IdentityAgent=none",
-            "-o", "ConnectTimeout=5",
-            "-o", "LogLevel=ERROR",
-            "-i", self.key_filename,
-            "-p", str(self.port),
-            f"{user}@{self.hostname}",
-            "--", command,
-        ]
+        return _ssh_command(self, command, user)
 
     def run_inside(self, command: str, *, check: bool = True, timeout: float = 60, user: str = "root") -> subprocess.CompletedProcess:
         """Run a shell command in the container (as root over SSH, strict host key).
@@ -1018,7 +1029,7 @@ def start_nspawn_host(work_dir: Path, *, boot_timeout: float = 60) -> NspawnHost
         client_key = work_dir / f"{machine}-id_ed25519"
         client_pub = _keygen(client_key, f"voltaforge-test-client-{machine}")
         deploy = _passwd_entry(merged, "deploy")
-        for home, uid, gid in (("root", 0, 0), (f"home/deploy", deploy[0], deploy[1])):
+        for home, uid, gid in (("root", 0, 0), ("home/deploy", deploy[0], deploy[1])):
             ssh_dir = merged / home / ".ssh"
             ssh_dir.mkdir(mode=0o700, exist_ok=True)
             os.chown(ssh_dir, uid, gid)

@@ -1,0 +1,310 @@
+"""playbooks/ops.py: every operation converges, then is a no-op that says why.
+
+Each operation runs on real hosts (this machine, a private sshd, a Debian 12 container for
+sudo): dry run first (prints the commands, changes nothing: checked on the filesystem), then
+twice for real (changed, then ok with a reason). Faults: a full disk, a path in the way, a
+second concurrent run.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shlex
+import stat
+import subprocess
+import threading
+import time
+from hashlib import sha256
+
+import pytest
+from rich.console import Console
+
+from playbooks.errors import HostError
+from playbooks.hosts import LocalHost, connect
+from playbooks.ops import (
+    LOCK_NAME,
+    Change,
+    EnsureDirectory,
+    EnsureFile,
+    FileStat,
+    host_lock,
+    parse_stat,
+    render_report,
+    run_ops,
+)
+from test_hosts import spec_for
+
+
+@pytest.fixture(params=["local", "ssh"])
+def target(request, tmp_path):
+    """(host, base directory on it) for LocalHost and for SshHost on a private sshd."""
+    if request.param == "local":
+        yield LocalHost(), tmp_path
+        return
+    sshd = request.getfixturevalue("sshd_host")
+    with connect(spec_for(sshd)) as host:
+        yield host, sshd.prefix
+
+
+def statuses(changes: list[Change]) -> list[tuple[str, str]]:
+    return [(c.status, c.why) for c in changes]
+
+
+# ------------------------------------------------------------------------------------------
+# facts (pure)
+# ------------------------------------------------------------------------------------------
+
+# Captured from `stat -L -c '%F|%a|%U|%G'` (GNU coreutils 9.1, Debian 12).
+STAT_OUTPUTS = {
+    "directory|755|root|root\n": FileStat("directory", 0o755, "root", "root"),
+    "regular empty file|600|deploy|deploy\n": FileStat("regular empty file", 0o600, "deploy", "deploy"),
+    "regular file|4755|root|root\n": FileStat("regular file", 0o4755, "root", "root"),
+    "missing\n": None,
+}
+
+
+@pytest.mark.parametrize("output", STAT_OUTPUTS)
+def test_parse_stat(output):
+    assert parse_stat(output) == STAT_OUTPUTS[output]
+
+
+def test_operations_validate_their_input():
+    with pytest.raises(ValueError):
+        EnsureDirectory("relative", 0o755)
+    with pytest.raises(ValueError):
+        EnsureDirectory("/x", 0o10000)
+    with pytest.raises(ValueError):
+        EnsureFile("/x", b"", owner="a b")
+
+
+# ------------------------------------------------------------------------------------------
+# EnsureDirectory / EnsureFile: dry run, then twice
+# ------------------------------------------------------------------------------------------
+
+
+def test_ensure_directory(target, capsys):
+    host, base = target
+    path = base / "opt" / "voltaforge"
+    op = EnsureDirectory(str(path), 0o750)
+    assert op.name == f"Ensure {path} exists"
+
+    dry = run_ops(host, [op], dry_run=True)
+    assert statuses(dry) == [("changed", "dry run: would run 1 command (directory is missing)")]
+    assert dry[0].commands == [f"mkdir -p -m 0750 -- {path}"]
+    assert f"[{host.name}] would run: mkdir -p -m 0750 -- {path}" in capsys.readouterr().out
+    assert not (base / "opt").exists()
+
+    assert statuses(run_ops(host, [op])) == [("changed", "directory is missing")]
+    assert path.is_dir() and stat.S_IMODE(path.stat().st_mode) == 0o750
+    assert statuses(run_ops(host, [op])) == [("ok", "directory already exists with mode 0750")]
+
+    path.chmod(0o700)
+    assert statuses(run_ops(host, [op], dry_run=True)) == [
+        ("changed", "dry run: would run 1 command (mode is 0700, want 0750)")
+    ]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert statuses(run_ops(host, [op])) == [("changed", "mode is 0700, want 0750")]
+    assert statuses(run_ops(host, [op]))[0][0] == "ok"
+
+
+def test_ensure_file(target, capsys):
+    host, base = target
+    path = base / "llama-server.env"
+    v1, v2 = b"LLAMA_ARG_CTX_SIZE=8192\n", b"LLAMA_ARG_CTX_SIZE=16384\n"
+    op = EnsureFile(str(path), v1, 0o640)
+
+    dry = run_ops(host, [op], dry_run=True)
+    assert statuses(dry) == [("changed", "dry run: would run 1 command (file is missing)")]
+    assert dry[0].commands[0].endswith(f"mv -fT \"$tmp\" {path}  # stdin: 24 bytes, sha256 {sha256(v1).hexdigest()[:12]}")
+    assert "would run: set -e; umask 077; tmp=$(mktemp" in capsys.readouterr().out
+    assert list(base.iterdir()) == []
+
+    assert statuses(run_ops(host, [op])) == [("changed", "file is missing")]
+    assert path.read_bytes() == v1 and stat.S_IMODE(path.stat().st_mode) == 0o640
+    ok = run_ops(host, [op])
+    assert statuses(ok) == [("ok", f"file is already up to date (sha256 {sha256(v1).hexdigest()[:12]})")]
+
+    op2 = EnsureFile(str(path), v2, 0o640)
+    assert run_ops(host, [op2], dry_run=True)[0].why.startswith("dry run: would run 1 command (content differs")
+    assert path.read_bytes() == v1
+    changed = run_ops(host, [op2])
+    assert statuses(changed) == [("changed", f"content differs (sha256 {sha256(v1).hexdigest()[:12]} on the host, "
+                                             f"{sha256(v2).hexdigest()[:12]} wanted)")]
+    assert path.read_bytes() == v2 and run_ops(host, [op2])[0].status == "ok"
+
+    # A mode difference alone is a chmod, not an upload (same inode).
+    inode = path.stat().st_ino
+    path.chmod(0o666)
+    assert statuses(run_ops(host, [op2])) == [("changed", "mode is 0666, want 0640")]
+    assert path.stat().st_ino == inode and stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert run_ops(host, [op2])[0].status == "ok"
+    assert sorted(p.name for p in base.iterdir()) == ["llama-server.env"]  # no temp files left
+
+
+def test_failure_stops_the_host_and_says_why(target):
+    host, base = target
+    (base / "models").write_text("a file where a directory should be\n")
+    ops = [
+        EnsureDirectory(str(base / "models"), 0o755),
+        EnsureDirectory(str(base / "never-made"), 0o755),
+    ]
+    changes = run_ops(host, ops)
+    assert statuses(changes) == [("failed", f"{base / 'models'} exists but is a regular file, not a directory")]
+    assert sorted(p.name for p in base.iterdir()) == ["models"]
+
+    changes = run_ops(host, [EnsureFile(str(base / "no-such-dir" / "f"), b"x"), *ops[1:]])
+    assert changes[0].status == "failed" and len(changes) == 1
+    assert changes[0].why.startswith(f"cannot write {base / 'no-such-dir' / 'f'}: mktemp: failed to create file")
+    assert sorted(p.name for p in base.iterdir()) == ["models"]
+
+
+def test_disk_full_leaves_no_partial_file(sshd_host):
+    """A real ENOSPC: a 64 KiB tmpfs mounted on the host's prefix."""
+    disk = sshd_host.prefix / "small"
+    disk.mkdir()
+    uid = sshd_host.prefix.stat().st_uid
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64k,mode=0755,uid={uid}", "tmpfs", str(disk)], check=True)
+    try:
+        path = disk / "model.gguf"
+        with connect(spec_for(sshd_host)) as host:
+            assert run_ops(host, [EnsureFile(str(path), b"old weights\n")])[0].status == "changed"
+            changes = run_ops(host, [EnsureFile(str(path), os.urandom(256 * 1024)),
+                                     EnsureDirectory(str(disk / "after"))])
+        assert statuses(changes) == [("failed", f"no space left on device at {path}")]
+        assert os.listdir(disk) == ["model.gguf"]  # no temp file, nothing after the failure
+        assert path.read_bytes() == b"old weights\n"  # the old file is intact
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_ops_with_sudo_on_a_systemd_host(nspawn_host):
+    """Root-owned paths through `sudo -n` as deploy, on a booted Debian 12."""
+    spec = spec_for(nspawn_host, prefix=str(nspawn_host.prefix))
+    etc = "/etc/voltaforge-ops-test"
+    ops = [
+        EnsureDirectory(etc, 0o750, owner="root:deploy", sudo=True),
+        EnsureFile(f"{etc}/server.env", b"PORT=8080\n", 0o640, owner="root:deploy", sudo=True),
+    ]
+    with connect(spec) as host:
+        try:
+            dry = run_ops(host, ops, dry_run=True)
+            assert [c.status for c in dry] == ["changed", "changed"]
+            assert not host.exists(etc)
+            first = run_ops(host, ops)
+            assert statuses(first) == [("changed", "directory is missing"), ("changed", "file is missing")]
+            assert first[0].commands == [f"mkdir -p -m 0750 -- {etc}", f"chown -- root:deploy {etc}"]
+            listing = host.sudo(f"stat -c '%n %a %U:%G' {etc} {etc}/server.env", stream=False).stdout
+            assert listing == f"{etc} 750 root:deploy\n{etc}/server.env 640 root:deploy\n"
+            # deploy can read it through the group, not write it
+            assert host.run(f"cat {etc}/server.env", stream=False).stdout == "PORT=8080\n"
+            second = run_ops(host, ops)
+            assert statuses(second) == [
+                ("ok", "directory already exists with mode 0750, owner root:deploy"),
+                ("ok", f"file is already up to date (sha256 {sha256(b'PORT=8080' + bytes([10])).hexdigest()[:12]})"),
+            ]
+            host.sudo(f"chown deploy {etc}", stream=False)
+            assert statuses(run_ops(host, ops[:1])) == [("changed", "owner is deploy:root, want root:deploy")]
+        finally:
+            host.sudo(f"rm -rf {etc}", stream=False)
+
+
+# ------------------------------------------------------------------------------------------
+# host lock
+# ------------------------------------------------------------------------------------------
+
+
+def test_lock_refuses_a_second_run_and_is_released(sshd_host):
+    spec = spec_for(sshd_host)
+    prefix = str(sshd_host.prefix / "voltaforge")
+    lock = f"{prefix}/{LOCK_NAME}"
+    with connect(spec) as first, connect(spec) as second:
+        with host_lock(first, prefix) as held:
+            assert held == lock
+            with pytest.raises(HostError) as exc:
+                with host_lock(second, prefix):
+                    pytest.fail("two runs held the lock")
+            msg = str(exc.value)
+            assert msg.startswith(f"v100-test is being provisioned by another voltaforge run (lock {lock} held since ")
+            assert f"pid {os.getpid()})" in msg
+        with host_lock(second, prefix):  # released: the next run gets it
+            pass
+
+
+def test_two_concurrent_runs_one_wins(sshd_host):
+    """Two real runs start at the same instant; exactly one provisions, the other is told."""
+    spec = spec_for(sshd_host)
+    prefix = str(sshd_host.prefix)
+    barrier = threading.Barrier(2)
+    results: dict[int, object] = {}
+
+    def provision(i: int) -> None:
+        with connect(spec) as host:
+            host.printer.quiet = True
+            barrier.wait()
+            try:
+                with host_lock(host, prefix):
+                    changes = run_ops(host, [EnsureDirectory(f"{prefix}/run{i}", 0o755)])
+                    time.sleep(1)  # still provisioning when the other run tries
+                results[i] = changes
+            except HostError as exc:
+                results[i] = exc
+
+    threads = [threading.Thread(target=provision, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    errors = [r for r in results.values() if isinstance(r, HostError)]
+    wins = [i for i, r in results.items() if isinstance(r, list)]
+    assert len(errors) == 1 and len(wins) == 1, results
+    assert "is being provisioned by another voltaforge run" in str(errors[0])
+    assert sorted(p.name for p in sshd_host.prefix.iterdir()) == [LOCK_NAME, f"run{wins[0]}"]
+
+
+def test_lock_is_released_when_the_connection_drops(sshd_host):
+    spec = spec_for(sshd_host)
+    prefix = str(sshd_host.prefix)
+    crashed = connect(spec)
+    cm = host_lock(crashed, prefix)
+    cm.__enter__()
+    crashed.conn.client.close()  # like voltaforge killed: the lock is never released by us
+    with connect(spec) as other:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with host_lock(other, prefix):
+                    break
+            except HostError:
+                assert time.monotonic() < deadline, "the lock outlived its connection"
+                time.sleep(0.1)
+
+
+def test_lock_on_local_host(tmp_path):
+    a, b = LocalHost(), LocalHost()
+    with host_lock(a, str(tmp_path / "p")):
+        with pytest.raises(HostError, match="^local is being provisioned by another voltaforge run"):
+            with host_lock(b, str(tmp_path / "p")):
+                pass
+    with host_lock(b, str(tmp_path / "p")):
+        pass
+
+
+# ------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------
+
+
+def test_render_report():
+    changes = [
+        Change("v100-01", "Ensure /opt/voltaforge exists", "ok", "directory already exists with mode 0755"),
+        Change("v100-01", "Ensure /opt/voltaforge/[x].env is up to date", "changed", "file is missing", ["..."]),
+        Change("v100-02", "Ensure /opt/voltaforge exists", "failed", "no space left on device at /opt/voltaforge/f"),
+    ]
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    render_report(changes, console)
+    text = console.file.getvalue()
+    for word in ("host", "step", "status", "why", "directory already exists with mode 0755",
+                 "/opt/voltaforge/[x].env", "no space left on device at /opt/voltaforge/f"):
+        assert word in text
+    assert "v100-01: 1 changed, 1 ok, 0 failed" in text and "v100-02: 0 changed, 0 ok, 1 failed" in text
