@@ -235,7 +235,7 @@ def run_ops(host: Host, ops: list[Operation], dry_run: bool = False) -> list[Cha
             commands = list(op.check(host) or [])
         except HostError as exc:
             changes.append(Change(host.name, op.name, "failed", _why(host, exc)))
-            host.printer.line(host.name, f"failed: {op.name}: {changes[-1].why}")
+            host.printer.line(host.name, f"failed: {op.name} - {changes[-1].why}")
             break
         if not commands:
             change = Change(host.name, op.name, "ok", op.reason or "already in the wanted state")
@@ -249,11 +249,11 @@ def run_ops(host: Host, ops: list[Operation], dry_run: bool = False) -> list[Cha
                 op.apply(host, commands)
             except HostError as exc:
                 changes.append(Change(host.name, op.name, "failed", _why(host, exc), commands))
-                host.printer.line(host.name, f"failed: {op.name}: {changes[-1].why}")
+                host.printer.line(host.name, f"failed: {op.name} - {changes[-1].why}")
                 break
             change = Change(host.name, op.name, "changed", op.reason, commands)
         changes.append(change)
-        host.printer.line(host.name, f"{change.status}: {op.name} ({change.why})")
+        host.printer.line(host.name, f"{change.status}: {op.name} - {change.why}")
     return changes
 
 

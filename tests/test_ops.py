@@ -204,7 +204,7 @@ def test_ops_with_sudo_on_a_systemd_host(nspawn_host):
                 ("ok", f"file is already up to date (sha256 {sha256(b'PORT=8080' + bytes([10])).hexdigest()[:12]})"),
             ]
             host.sudo(f"chown deploy {etc}", stream=False)
-            assert statuses(run_ops(host, ops[:1])) == [("changed", "owner is deploy:root, want root:deploy")]
+            assert statuses(run_ops(host, ops[:1])) == [("changed", "owner is deploy:deploy, want root:deploy")]
         finally:
             host.sudo(f"rm -rf {etc}", stream=False)
 
