@@ -448,27 +448,28 @@ class LocalHost(Host):
             threading.Thread(target=feed, daemon=True).start()
         chunks = {proc.stdout: [], proc.stderr: []}
         splitters = {f: _LineSplitter(self._print) for f in chunks} if stream else {}
-        sel = selectors.DefaultSelector()
-        for f in chunks:
-            sel.register(f, selectors.EVENT_READ)
         # Backstop only: the `timeout` command on the host is what normally stops it.
         deadline = time.monotonic() + timeout + _KILL_AFTER_S + 5 if timeout else None
-        while sel.get_map():
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            events = sel.select(wait)
-            if not events and deadline is not None and time.monotonic() >= deadline:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                raise HostError(f"{self.name}: timed out after {timeout:g} s running: {self._redacted(shown)[:80]}")
-            for key, _ in events:
-                data = os.read(key.fileobj.fileno(), _CHUNK)
-                if not data:
-                    sel.unregister(key.fileobj)
-                    continue
-                chunks[key.fileobj].append(data)
-                if stream:
-                    splitters[key.fileobj].feed(data)
-        sel.close()
+        with selectors.DefaultSelector() as sel:
+            for f in chunks:
+                sel.register(f, selectors.EVENT_READ)
+            while sel.get_map():
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                events = sel.select(wait)
+                if not events and deadline is not None and time.monotonic() >= deadline:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                    raise HostError(f"{self.name}: timed out after {timeout:g} s running: "
+                                    f"{self._redacted(shown)[:80]}")
+                for key, _ in events:
+                    data = os.read(key.fileobj.fileno(), _CHUNK)
+                    if not data:
+                        sel.unregister(key.fileobj)
+                        key.fileobj.close()
+                        continue
+                    chunks[key.fileobj].append(data)
+                    if stream:
+                        splitters[key.fileobj].feed(data)
         for s in splitters.values():
             s.flush()
         code = proc.wait()
@@ -677,6 +678,7 @@ class SshHost(Host):
         if reader is None:
             chan.shutdown_write()  # EOF right away: a command that reads stdin must not wait
         deadline = time.monotonic() + timeout + _KILL_AFTER_S + 5 if timeout else None
+        idle = 0.001
         try:
             while True:
                 busy = False
@@ -705,12 +707,17 @@ class SshHost(Host):
                     busy = True
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
-                if not busy:
-                    if deadline is not None and time.monotonic() > deadline:
-                        chan.close()
-                        raise HostError(f"{self.name}: timed out after {timeout:g} s running: "
-                                        f"{self._redacted(shown)[:80]}")
-                    time.sleep(0.002)
+                if busy:
+                    idle = 0.001
+                    continue
+                if deadline is not None and time.monotonic() > deadline:
+                    chan.close()
+                    raise HostError(f"{self.name}: timed out after {timeout:g} s running: "
+                                    f"{self._redacted(shown)[:80]}")
+                # Poll, backing off to 50 ms while a long command is quiet; the exit status
+                # (or a dropped connection) sets status_event and ends the wait at once.
+                chan.status_event.wait(idle)
+                idle = min(idle * 2, 0.05)
         except (EOFError, paramiko.SSHException):
             raise self._lost(shown) from None
         if stream:
