@@ -21,6 +21,7 @@ from rich.table import Table
 from .facts import cuda, gpu as gpufacts, system
 from .gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name
 from .planner import make_plan
+from .report import size_text as _size
 from .recipe import LoadedRecipe
 
 # Minimum Linux driver per CUDA major release (NVIDIA's CUDA compatibility table, minor
@@ -143,15 +144,16 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
               "" if facts.systemd.systemd_running else "services are systemd units: use a host booted with systemd",
               blocking=True))
     py = facts.python
-    add(Check("python", "pass" if py.available and py.version and py.version >= (3, 9) else "fail",
+    py_ok = bool(py.available and py.version and py.version >= (3, 9))
+    add(Check("python", "pass" if py_ok else "fail",
               ".".join(map(str, py.version)) if py.version else py.reason,
-              "install python3 (>= 3.9) and python3-venv", blocking=True))
+              "" if py_ok else "install python3 (>= 3.9) and python3-venv", blocking=True))
 
     # --- GPU, driver
     g = host_gpu(facts)
     if not facts.gpus.available:
         add(Check("gpu", "fail" if wants_gpu else "pass",
-                  f"no NVIDIA GPU visible: {facts.gpus.reason}",
+                  f"no NVIDIA GPU visible: {facts.gpus.reason}" + ("" if wants_gpu else " (not needed: CPU recipe)"),
                   "install the NVIDIA driver (R580 is the last branch for Volta) and check `nvidia-smi`" if wants_gpu else "",
                   blocking=wants_gpu))
     else:
@@ -215,7 +217,7 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
         if d and d.available_bytes is not None:
             ok = d.available_bytes >= need_disk
             add(Check("disk", "pass" if ok else "fail",
-                      f"{d.available_bytes / 1e9:.1f} GB free at {d.existing_path}, need {need_disk / 1e9:.1f} GB "
+                      f"{_size(d.available_bytes)} free at {d.existing_path}, need {_size(need_disk)} "
                       "(download + FP16 + quantized file)",
                       "" if ok else f"free {max(0, need_disk - d.available_bytes) / 1e9:.1f} GB or point the model dir elsewhere",
                       blocking=True))

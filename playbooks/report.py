@@ -16,6 +16,9 @@ def _gb(b: int) -> str:
     return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
 
 
+size_text = _gb
+
+
 def _gib(b: int) -> str:
     """Binary size with its unit (GPU memory is sold and reported in GiB/MiB)."""
     return f"{b / GIB:.2f} GiB" if b >= 100 * MIB else f"{b / MIB:.1f} MiB"

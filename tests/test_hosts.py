@@ -29,6 +29,9 @@ from playbooks.hosts import (
 from playbooks.inventory import HostSpec
 from testhosts import _descendants, free_port
 
+#: Tests that start a real sshd or container (see the marker in pyproject.toml).
+slow = pytest.mark.slow
+
 ALL_BYTES = bytes(range(256)) * 64 + b"no trailing newline"
 
 
@@ -197,6 +200,7 @@ def test_secrets_travel_on_stdin_and_are_redacted(local, tmp_path, capsys):
 # ------------------------------------------------------------------------------------------
 
 
+@slow
 def test_ssh_run_streams_and_returns(ssh, sshd_host, capsys):
     assert isinstance(ssh, SshHost)
     r = ssh.run("id -un; echo err >&2")
@@ -209,6 +213,7 @@ def test_ssh_run_streams_and_returns(ssh, sshd_host, capsys):
         ssh.run("exit 7", stream=False)
 
 
+@slow
 def test_ssh_env_and_stdin_are_exact(ssh):
     value = "a 'b' \"c\" $HOME `id` ;|&\\"
     assert ssh.run('printf %s "$VF_X"', env={"VF_X": value}, stream=False).stdout == value
@@ -216,6 +221,7 @@ def test_ssh_env_and_stdin_are_exact(ssh):
     assert ssh.run("cat", stream=False, timeout=5).stdout == ""
 
 
+@slow
 def test_ssh_files_round_trip(ssh, sshd_host, tmp_path):
     import hashlib
 
@@ -234,6 +240,7 @@ def test_ssh_files_round_trip(ssh, sshd_host, tmp_path):
     assert os.listdir(sshd_host.prefix / "models") == ["blob.bin"]
 
 
+@slow
 def test_ssh_put_secret_never_on_a_command_line(ssh, sshd_host, capsys):
     secret = b"sk-live-0123456789abcdef"
     seen = spy_commands(ssh)
@@ -245,6 +252,7 @@ def test_ssh_put_secret_never_on_a_command_line(ssh, sshd_host, capsys):
     assert secret.decode() not in capsys.readouterr().out
 
 
+@slow
 def test_ssh_timeout_kills_the_remote_command(ssh, sshd_host):
     marker = sshd_host.prefix / "late"
     start = time.monotonic()
@@ -255,6 +263,7 @@ def test_ssh_timeout_kills_the_remote_command(ssh, sshd_host):
     assert not marker.exists()
 
 
+@slow
 @pytest.mark.parametrize("sshd_host", [{"sudo": "nopasswd"}], indirect=True)
 def test_ssh_sudo_nopasswd(ssh, sshd_host):
     assert ssh.sudo("id -u", stream=False).stdout.strip() == "0"
@@ -274,6 +283,7 @@ def assert_untouched(h):
     assert list(h.prefix.iterdir()) == []
 
 
+@slow
 def test_unknown_host_key(sshd_host, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
@@ -288,6 +298,7 @@ def test_unknown_host_key(sshd_host, tmp_path):
     assert_untouched(sshd_host)
 
 
+@slow
 def test_pinned_host_key_is_enough(sshd_host, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
@@ -296,6 +307,7 @@ def test_pinned_host_key_is_enough(sshd_host, tmp_path):
         assert host.run("echo pinned", stream=False).stdout == "pinned\n"
 
 
+@slow
 def test_changed_host_key(sshd_host):
     old_line = sshd_host.host_key_line
     sshd_host.regenerate_host_key()
@@ -310,6 +322,7 @@ def test_changed_host_key(sshd_host):
     assert_untouched(sshd_host)
 
 
+@slow
 def test_changed_pinned_host_key(sshd_host):
     pin = " ".join(sshd_host.host_key_line.split()[1:3])
     sshd_host.regenerate_host_key()
@@ -317,6 +330,7 @@ def test_changed_pinned_host_key(sshd_host):
         connect(spec_for(sshd_host, host_key=pin))
 
 
+@slow
 def test_closed_port(sshd_host):
     port = free_port()
     with pytest.raises(HostError) as exc:
@@ -327,6 +341,7 @@ def test_closed_port(sshd_host):
     )
 
 
+@slow
 def test_unresolvable_host_name(sshd_host):
     start = time.monotonic()
     with pytest.raises(HostError) as exc:
@@ -337,6 +352,7 @@ def test_unresolvable_host_name(sshd_host):
     assert time.monotonic() - start < 15
 
 
+@slow
 def test_wrong_client_key(sshd_host, tmp_path):
     other = tmp_path / "other_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
@@ -348,6 +364,7 @@ def test_wrong_client_key(sshd_host, tmp_path):
     assert_untouched(sshd_host)
 
 
+@slow
 def test_server_that_never_speaks_ssh(sshd_host):
     """A port that accepts but never answers (a hung sshd, a wrong service): no hang."""
     with socket.socket() as silent:
@@ -361,9 +378,14 @@ def test_server_that_never_speaks_ssh(sshd_host):
         assert time.monotonic() - start < 10
 
 
+@slow
 @pytest.mark.parametrize("sshd_host", [{"sudo": "password"}], indirect=True)
-def test_sudo_that_wants_a_password_fails_fast(ssh, sshd_host, capsys):
+def test_sudo_that_wants_a_password_fails_fast(ssh, sshd_host, capsys, monkeypatch):
     target = sshd_host.prefix / "made-by-root"
+    # Even a password lying around in Fabric's/Invoke's environment is never used or shown.
+    monkeypatch.setenv("FABRIC_SUDO_PASSWORD", sshd_host.sudo_password)
+    monkeypatch.setenv("INVOKE_SUDO_PASSWORD", sshd_host.sudo_password)
+    seen = spy_commands(ssh)
     start = time.monotonic()
     with pytest.raises(HostError) as exc:
         ssh.sudo(f"touch {target}", timeout=20)
@@ -372,7 +394,8 @@ def test_sudo_that_wants_a_password_fails_fast(ssh, sshd_host, capsys):
         f"user {sshd_host.user} on v100-test needs a password for sudo; voltaforge needs "
         "passwordless sudo (NOPASSWD) for the provisioning user"
     )
-    assert sshd_host.sudo_password not in capsys.readouterr().out
+    assert sshd_host.sudo_password not in capsys.readouterr().out + " ".join(seen)
+    assert "sudo -n --" in seen[0]
     assert not target.exists()
 
 
@@ -397,6 +420,7 @@ def _wait_for_remote(sshd_host, pattern: str, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
+@slow
 def test_connection_dropped_mid_command(ssh, sshd_host):
     t, box = _run_in_thread(lambda: ssh.run("sleep 30", stream=False))
     _wait_for_remote(sshd_host, "sleep 30")
@@ -411,6 +435,7 @@ def test_connection_dropped_mid_command(ssh, sshd_host):
         ssh.run("true", stream=False)
 
 
+@slow
 def test_session_killed_mid_command_then_reconnects(ssh, sshd_host):
     long_cmd = "sleep 31 # " + "x" * 100
     t, box = _run_in_thread(lambda: ssh.run(long_cmd, stream=False))
@@ -428,6 +453,14 @@ def test_session_killed_mid_command_then_reconnects(ssh, sshd_host):
     assert ssh.run("echo again", stream=False).stdout == "again\n"
 
 
+@slow
+def test_command_killed_by_a_signal_is_not_a_lost_connection(ssh):
+    with pytest.raises(HostError, match=r"^v100-test: (killed by a signal while running|command failed \(exit 137\)): kill -9"):
+        ssh.run("kill -9 $$", stream=False)
+    assert ssh.run("echo still here", stream=False).stdout == "still here\n"
+
+
+@slow
 def test_printer_prefix_is_the_inventory_name(sshd_host, capsys):
     with connect(spec_for(sshd_host, name="v100-01"), printer=Printer()) as host:
         host.run("echo hello")

@@ -36,7 +36,7 @@ from playbooks.ops import (
 from test_hosts import spec_for
 
 
-@pytest.fixture(params=["local", "ssh"])
+@pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.slow)])
 def target(request, tmp_path):
     """(host, base directory on it) for LocalHost and for SshHost on a private sshd."""
     if request.param == "local":
@@ -159,6 +159,7 @@ def test_failure_stops_the_host_and_says_why(target):
     assert sorted(p.name for p in base.iterdir()) == ["models"]
 
 
+@pytest.mark.slow
 def test_disk_full_leaves_no_partial_file(sshd_host):
     """A real ENOSPC: a 64 KiB tmpfs mounted on the host's prefix."""
     disk = sshd_host.prefix / "small"
@@ -178,6 +179,7 @@ def test_disk_full_leaves_no_partial_file(sshd_host):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+@pytest.mark.slow
 def test_ops_with_sudo_on_a_systemd_host(nspawn_host):
     """Root-owned paths through `sudo -n` as deploy, on a booted Debian 12."""
     spec = spec_for(nspawn_host, prefix=str(nspawn_host.prefix))
@@ -214,6 +216,7 @@ def test_ops_with_sudo_on_a_systemd_host(nspawn_host):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lock_refuses_a_second_run_and_is_released(sshd_host):
     spec = spec_for(sshd_host)
     prefix = str(sshd_host.prefix / "voltaforge")
@@ -231,6 +234,7 @@ def test_lock_refuses_a_second_run_and_is_released(sshd_host):
             pass
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_one_wins(sshd_host):
     """Two real runs start at the same instant; exactly one provisions, the other is told."""
     spec = spec_for(sshd_host)
@@ -262,6 +266,7 @@ def test_two_concurrent_runs_one_wins(sshd_host):
     assert sorted(p.name for p in sshd_host.prefix.iterdir()) == [LOCK_NAME, f"run{wins[0]}"]
 
 
+@pytest.mark.slow
 def test_lock_is_released_when_the_connection_drops(sshd_host):
     spec = spec_for(sshd_host)
     prefix = str(sshd_host.prefix)

@@ -76,7 +76,7 @@ def test_no_gpu_blocks_a_gpu_recipe_but_not_the_cpu_one():
 def test_disk_too_small_for_download_plus_conversion():
     v = judge(facts(free_bytes=40 * 10**9), load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
     disk = by_name(v)["disk"]
-    assert disk.status == "fail" and disk.blocking and "need 68.1 GB" in disk.detail and not v.ok
+    assert disk.status == "fail" and disk.blocking and "need 68.07 GB" in disk.detail and not v.ok
 
 
 def test_no_systemd_blocks():
