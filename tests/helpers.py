@@ -15,17 +15,28 @@ def fixture_body(name: str) -> str:
     return body if sep else text
 
 
-def inventory_for(tmp_path: Path, name: str, host, prefix: str | None = None, recipe: str | None = None) -> Path:
-    """An inventory.yaml that points `name` at a test host (sshd_host, nspawn_host, ...)."""
-    import yaml
-
-    entry = {
+def _entry(host) -> dict:
+    return {
         "host": host.hostname,
         "port": host.port,
         "user": host.user,
         "key_file": str(host.key_filename),
         "known_hosts": str(host.known_hosts),
     }
+
+
+def spec_for(host, name: str = "test-host"):
+    """A HostSpec for a test host (sshd_host, nspawn_host, ...)."""
+    from playbooks.inventory import HostSpec
+
+    return HostSpec(name=name, **_entry(host))
+
+
+def inventory_for(tmp_path: Path, name: str, host, prefix: str | None = None, recipe: str | None = None) -> Path:
+    """An inventory.yaml that points `name` at a test host (sshd_host, nspawn_host, ...)."""
+    import yaml
+
+    entry = _entry(host)
     if prefix:
         entry["prefix"] = prefix
     if recipe:

@@ -1,9 +1,10 @@
 """CUDA toolchain facts against real captures (public issues + this machine's two toolkits)."""
 
 import subprocess
-from pathlib import Path
 
 import pytest
+
+from tests.helpers import fixture_body as fixture_text
 
 from playbooks.facts import cuda
 from playbooks.facts.cuda import (
@@ -22,13 +23,8 @@ from playbooks.facts.cuda import (
     sm70_supported,
 )
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
-def fixture_text(name: str) -> str:
-    """The captured text after the provenance header (first line equal to '# ---')."""
-    lines = (FIXTURES / name).read_text(encoding="utf-8").split("\n")
-    return "\n".join(lines[lines.index("# ---") + 1:])
 
 
 # --------------------------------------------------------------------------- nvcc --version

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import fixture_body as fixture_text
+
 from playbooks.facts import gpu
 from playbooks.facts.gpu import (
     QUERY_FIELDS,
@@ -22,15 +24,10 @@ from playbooks.facts.gpu import (
     parse_nvidia_smi_table,
 )
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "playbooks" / "probes" / "gpu_probe.py"
 
 
-def fixture_text(name: str) -> str:
-    """The captured text after the provenance header (first line equal to '# ---')."""
-    lines = (FIXTURES / name).read_text(encoding="utf-8").split("\n")
-    return "\n".join(lines[lines.index("# ---") + 1:])
 
 
 # --------------------------------------------------------------------------- table

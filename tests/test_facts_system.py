@@ -1,7 +1,6 @@
 """System facts against outputs captured on this machine (Debian 12 container, no systemd)."""
 
 import subprocess
-from pathlib import Path
 
 from playbooks.facts import system
 from playbooks.facts.system import (
@@ -19,15 +18,11 @@ from playbooks.facts.system import (
     parse_systemd,
     parse_uname_machine,
 )
+from tests.helpers import fixture_body as fixture_text
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NO_TOOLS = {"PATH": "/nonexistent-voltaforge-bin"}
 
 
-def fixture_text(name: str) -> str:
-    """The captured text after the provenance header (first line equal to '# ---')."""
-    lines = (FIXTURES / name).read_text(encoding="utf-8").split("\n")
-    return "\n".join(lines[lines.index("# ---") + 1:])
 
 
 def test_os_release_debian12():

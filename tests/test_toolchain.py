@@ -15,7 +15,7 @@ from playbooks.inventory import resolve_host
 from playbooks.ops import run_ops
 from playbooks.recipe import load_recipe
 from playbooks.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, run_toolchain, toolchain_ops
-from tests.helpers import inventory_for, recipe_with
+from tests.helpers import inventory_for, recipe_with, spec_for
 
 WHEELS = "/opt/wheels"
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def test_toolchain_dry_run_then_twice(sshd_host, tmp_path, cpu_torch_recipe, cap
 
 
 def test_cuda_install_dry_run_on_a_debian_host_without_cuda(nspawn_host):
-    spec = resolve_host_from(nspawn_host)
+    spec = spec_for(nspawn_host)
     with connect(spec) as host:
         changes = run_ops(host, [EnsureCudaToolkit("11.8")], dry_run=True)
         assert not host.exists(NONFREE_SOURCES)
@@ -81,7 +81,7 @@ def test_cuda_install_dry_run_on_a_debian_host_without_cuda(nspawn_host):
 def test_cuda_install_without_the_package_fails_cleanly(nspawn_host):
     """The container has no network: apt cannot find nvidia-cuda-toolkit. One clear message,
     and the sources entry voltaforge added is removed again."""
-    spec = resolve_host_from(nspawn_host)
+    spec = spec_for(nspawn_host)
     with connect(spec) as host:
         sources_before = host.run("ls /etc/apt/sources.list.d/", stream=False).stdout
         changes = run_ops(host, [EnsureCudaToolkit("11.8")])
@@ -91,9 +91,3 @@ def test_cuda_install_without_the_package_fails_cleanly(nspawn_host):
     assert "apt has no nvidia-cuda-toolkit" in c.why and "non-free" in c.why
     assert sources_after == sources_before
 
-
-def resolve_host_from(h):
-    from playbooks.inventory import HostSpec
-
-    return HostSpec(name=h.machine if hasattr(h, "machine") else "test", host=h.hostname, port=h.port,
-                    user=h.user, key_file=str(h.key_filename), known_hosts=str(h.known_hosts))
