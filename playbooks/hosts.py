@@ -128,19 +128,22 @@ def build_command(cmd: str, *, env: dict[str, str] | None = None, sudo: bool = F
                   timeout: float | None = None) -> str:
     """The exact shell line sent to the host for ``cmd``. Pure: tested with plain asserts.
 
-    ``env LC_ALL=C`` comes first so sudo's own messages are English too; the user's
-    variables are set *after* sudo (sudo resets the environment); ``timeout`` kills the
-    command on the host itself, so a stuck command does not outlive our deadline.
+    ``env LC_ALL=C`` comes first so sudo's own messages are English too; under sudo the
+    caller's variables are set again *after* sudo (sudo resets the environment);
+    ``timeout`` kills the command on the host itself, so a stuck command does not outlive
+    our deadline. Variables are on the command line (visible in ``ps`` on the host): pass
+    secrets in files (:meth:`Host.put_secret`), not in ``env``.
     """
     assigns = _validate_env(env)
-    parts = ["env", "LC_ALL=C"]
+    limit = []
     if timeout is not None:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
-        parts += ["timeout", f"--kill-after={_KILL_AFTER_S}", f"{timeout:g}"]
+        limit = ["timeout", f"--kill-after={_KILL_AFTER_S}", f"{timeout:g}"]
     if sudo:
-        parts += ["sudo", "-n", "--", "env", "LC_ALL=C"]
-    parts += assigns
+        parts = ["env", "LC_ALL=C", *limit, "sudo", "-n", "--", "env", "LC_ALL=C", *assigns]
+    else:
+        parts = ["env", "LC_ALL=C", *assigns, *limit]
     parts += ["bash", "--noprofile", "--norc", "-o", "pipefail", "-c", shlex.quote(cmd)]
     return " ".join(parts)
 
@@ -516,7 +519,7 @@ class _SshProcess(Process):
         while b"\n" not in self._buf:
             if self._chan.recv_ready():
                 self._buf += self._chan.recv(_CHUNK)
-            elif self._chan.exit_status_ready() or self._chan.closed:
+            elif self._chan.eof_received or self._chan.closed:
                 if self._chan.recv_ready():
                     continue
                 break
@@ -645,6 +648,12 @@ class SshHost(Host):
             return f"{where}: timed out after {self.connect_timeout:g} s connecting to {host}:{port}"
         if isinstance(exc, OSError):
             return f"{where}: cannot connect to {host}:{port}: {exc.strerror or exc}"
+        if isinstance(exc, paramiko.SSHException) and (
+            "protocol banner" in str(exc) or str(exc) == "No existing session"
+        ):
+            # paramiko says the second when its handshake wait ends just before the banner read
+            return (f"{where}: {host}:{port} accepted the connection but did not answer as an SSH "
+                    f"server within {self.connect_timeout:g} s")
         if isinstance(exc, (paramiko.SSHException, EOFError)):
             return f"{where}: SSH handshake with {host}:{port} failed: {exc or type(exc).__name__}"
         return None
@@ -705,7 +714,9 @@ class SshHost(Host):
                         chan.shutdown_write()
                         reader = None
                     busy = True
-                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                # OpenSSH may send the exit status before the last output: done only at EOF.
+                if (chan.eof_received or chan.closed) and chan.exit_status_ready() \
+                        and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
                 if busy:
                     idle = 0.001
@@ -726,13 +737,13 @@ class SshHost(Host):
         code = chan.exit_status
         chan.close()
         if code == -1:
-            # No exit status: either the connection died, or the command was killed by a
-            # signal (paramiko ignores "exit-signal"). A dying connection takes a moment to
-            # be noticed after the channel closes.
-            give_up = time.monotonic() + 2
+            # No exit status (paramiko ignores "exit-signal"): a command killed by a signal,
+            # or a dead connection. The server still sends EOF in the first case; in both,
+            # a dying transport takes a moment to notice, so give it that moment.
+            give_up = time.monotonic() + (0.3 if chan.eof_received else 2)
             while self.conn.transport.is_active() and time.monotonic() < give_up:
                 time.sleep(0.02)
-            if not self.conn.transport.is_active():
+            if not self.conn.transport.is_active() or not chan.eof_received:
                 raise self._lost(shown)
             raise HostError(f"{self.name}: killed by a signal while running: {self._redacted(shown)[:80]}")
         return b"".join(out), b"".join(err), code
