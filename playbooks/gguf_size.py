@@ -161,7 +161,8 @@ def assign_types(shape: ModelShape, ftype: str, imatrix: bool = False) -> list[t
     n_layer = shape.num_hidden_layers
     n_attention_wv = sum(1 for t in tensors if t.cat is Cat.ATTN_V)
     tied = not any(t.cat is Cat.OUTPUT for t in tensors)
-    is_70b = shape.arch == "llama" and n_layer == 80  # llama.cpp's LLM_TYPE_70B
+    # llama.cpp's LLM_TYPE_70B (models/llama.cpp, models/qwen2.cpp: 80 layers, GQA for llama)
+    is_70b = n_layer == 80 and (shape.arch == "qwen2" or (shape.arch == "llama" and shape.n_gqa > 1))
     gqa = shape.n_gqa
     i_attention_wv = 0
     i_ffn_down = 0

@@ -78,3 +78,30 @@ def test_tied_embeddings_quantize_token_embd_like_output():
 def test_f16_keeps_norms_f32():
     types = {t.name: ty for t, ty in assign_types(_shape("qwen2.5-14b-instruct"), "F16")}
     assert types["output_norm.weight"] is T.F32 and types["output.weight"] is T.F16
+
+
+def test_80_layer_models_get_llama_cpps_70b_attn_v_bump():
+    """models/qwen2.cpp and models/llama.cpp (GQA) type 80-layer models LLM_TYPE_70B, and
+    llama-quant.cpp then raises attn_v from Q3_K/Q4_K to Q5_K (8 heads share it)."""
+    def attn_v(model_type, kv):
+        shape = shape_from_config({
+            "model_type": model_type, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": kv, "vocab_size": 128256,
+        })
+        return {t.name: ty for t, ty in assign_types(shape, "Q3_K_M")}["blk.40.attn_v.weight"]
+
+    assert attn_v("qwen2", 8) is T.Q5_K
+    assert attn_v("llama", 8) is T.Q5_K
+    assert attn_v("llama", 64) is T.Q4_K  # no GQA: llama.cpp calls it 65B, no bump
+
+
+def test_ffn_width_not_divisible_by_256_falls_back_at_scale():
+    """Qwen2.5-72B's intermediate_size 29568 is not a multiple of 256: its ffn_down rows fall
+    back from Q4_K to Q5_0 and from Q6_K to Q8_0 in a Q4_K_M file."""
+    shape = shape_from_config({
+        "model_type": "qwen2", "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 152064,
+    })
+    types = {t.name: ty for t, ty in assign_types(shape, "Q4_K_M")}
+    assert types["blk.0.ffn_down.weight"] is T.Q8_0 and types["blk.11.ffn_down.weight"] is T.Q5_0
+    assert types["blk.11.ffn_up.weight"] is T.Q4_K
