@@ -287,7 +287,12 @@ def make_plan(
             f"no quant fits {serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}: "
             "use a smaller model, a shorter context, fewer slots or a larger GPU"
         )
-    if not gpu.bf16 and shape.torch_dtype == "bfloat16":
+    if gpu.is_cpu:
+        plan.notes.append(
+            "on a CPU, quantized decode is often compute-bound, not bandwidth-bound: the roofline is "
+            "a loose ceiling here (knowledge.md section 8: Q4_K_M and Q8_0 on 2 cores)"
+        )
+    elif not gpu.bf16 and shape.torch_dtype == "bfloat16":
         plan.notes.append(
             f"{gpu.name} has no BF16: the BF16 weights are converted to FP16 before quantizing"
         )
