@@ -26,6 +26,7 @@ Design choices, and why:
 from __future__ import annotations
 
 import codecs
+import contextlib
 import errno
 import getpass
 import io
@@ -271,10 +272,7 @@ class Host:
         out, err, code = self._exec(line, stdin=stdin, stream=stream, timeout=timeout, shown=cmd)
         err_text = err.decode("utf-8", "replace")
         if use_sudo and code == 1 and _SUDO_NEEDS_PASSWORD in err_text:
-            raise HostError(
-                f"user {self.user} on {self.name} needs a password for sudo; voltaforge needs "
-                "passwordless sudo (NOPASSWD) for the provisioning user"
-            )
+            raise self.sudo_needs_password()
         if timeout is not None and code in (124, 137):
             raise HostError(f"{self.name}: timed out after {timeout:g} s running: {self._redacted(cmd)[:80]}")
         if raw:
@@ -284,10 +282,17 @@ class Host:
             raise HostError(self._failure(cmd, result))
         return result
 
+    def sudo_needs_password(self) -> HostError:
+        return HostError(
+            f"user {self.user} on {self.name} needs a password for sudo; voltaforge needs "
+            "passwordless sudo (NOPASSWD) for the provisioning user"
+        )
+
     def _failure(self, cmd: str, result: Result) -> str:
         tail = "\n".join(result.stderr.strip().splitlines()[-5:]) or result.stdout.strip()[-400:]
-        msg = f"{self.name}: command failed (exit {result.exited}): {cmd[:80]}"
-        return self._redacted(msg + (f"\n{tail}" if tail else ""))
+        # redact before cutting to 80 characters, so no part of a secret survives the cut
+        msg = f"{self.name}: command failed (exit {result.exited}): {self._redacted(cmd)[:80]}"
+        return msg + (f"\n{self._redacted(tail)}" if tail else "")
 
     @property
     def user(self) -> str:
@@ -415,6 +420,8 @@ class _LocalProcess(Process):
             os.killpg(self._proc.pid, 9)
             code = self._proc.wait()
         self.stderr = self._proc.stderr.read().decode("utf-8", "replace")
+        self._proc.stdout.close()
+        self._proc.stderr.close()
         return code
 
 
@@ -445,9 +452,11 @@ class LocalHost(Host):
                 try:
                     while chunk := reader.read(_CHUNK):
                         proc.stdin.write(chunk)
-                    proc.stdin.close()
-                except (BrokenPipeError, OSError):
+                except OSError:
                     pass  # the command stopped reading (it failed): its exit code says why
+                finally:
+                    with contextlib.suppress(OSError):
+                        proc.stdin.close()
             threading.Thread(target=feed, daemon=True).start()
         chunks = {proc.stdout: [], proc.stderr: []}
         splitters = {f: _LineSplitter(self._print) for f in chunks} if stream else {}
@@ -529,13 +538,16 @@ class _SshProcess(Process):
                 time.sleep(0.005)
         if not self._buf:
             return None
-        line, sep, self._buf = self._buf.partition(b"\n")
+        line, _, self._buf = self._buf.partition(b"\n")
         return line.decode("utf-8", "replace")
 
     def close(self, timeout: float = 10) -> int:
         try:
             self._chan.shutdown_write()
             self._chan.status_event.wait(timeout)
+            give_up = time.monotonic() + 2  # stderr may still follow the exit status
+            while not (self._chan.eof_received or self._chan.closed) and time.monotonic() < give_up:
+                time.sleep(0.005)
             while self._chan.recv_stderr_ready():
                 self.stderr += self._chan.recv_stderr(_CHUNK).decode("utf-8", "replace")
             return self._chan.exit_status

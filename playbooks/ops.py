@@ -299,6 +299,8 @@ def host_lock(host: Host, prefix: str, *, sudo: bool = False, timeout: float = 3
             raise HostError(
                 f"{host.name} is being provisioned by another voltaforge run (lock {lock} held {held})"
             )
+        if "a password is required" in proc.stderr:
+            raise host.sudo_needs_password()
         raise HostError(f"{host.name}: cannot take the lock {lock} (exit {code}): {proc.stderr.strip()}")
     try:
         yield lock

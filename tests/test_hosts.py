@@ -27,6 +27,7 @@ from playbooks.hosts import (
     write_file_command,
 )
 from playbooks.inventory import HostSpec
+from tests import helpers
 from testhosts import _descendants, free_port
 
 #: Tests that start a real sshd or container (see the marker in pyproject.toml).
@@ -36,11 +37,10 @@ ALL_BYTES = bytes(range(256)) * 64 + b"no trailing newline"
 
 
 def spec_for(h, **over) -> HostSpec:
-    """The inventory entry of a test host (what a user would write in inventory.yaml)."""
-    fields = dict(name="v100-test", host=h.hostname, port=h.port, user=h.user,
-                  key_file=h.key_filename, known_hosts=h.known_hosts, prefix=str(h.prefix))
-    fields.update(over)
-    return HostSpec(**fields)
+    """The shared test-host spec (tests/helpers.py), named ``v100-test``, fields overridden
+    (an empty known_hosts, a closed port, ...) and validated as inventory.yaml would be."""
+    base = helpers.spec_for(h, name="v100-test").model_dump(exclude_unset=True)
+    return HostSpec(**{**base, **over})
 
 
 @pytest.fixture
@@ -273,6 +273,8 @@ def test_ssh_timeout_kills_the_remote_command(ssh, sshd_host):
 @pytest.mark.parametrize("sshd_host", [{"sudo": "nopasswd"}], indirect=True)
 def test_ssh_sudo_nopasswd(ssh, sshd_host):
     assert ssh.sudo("id -u", stream=False).stdout.strip() == "0"
+    # sudo resets the environment: the variables must still arrive, timeout or not
+    assert ssh.sudo('printf %s "$V"', env={"V": "x y"}, timeout=5, stream=False).stdout == "x y"
     target = f"{sshd_host.prefix}/root-owned"
     ssh.write_file(target, b"x\n", 0o640, sudo=True, owner="root:root")
     st = (sshd_host.prefix / "root-owned").stat()

@@ -182,7 +182,7 @@ def test_disk_full_leaves_no_partial_file(sshd_host):
 @pytest.mark.slow
 def test_ops_with_sudo_on_a_systemd_host(nspawn_host):
     """Root-owned paths through `sudo -n` as deploy, on a booted Debian 12."""
-    spec = spec_for(nspawn_host, prefix=str(nspawn_host.prefix))
+    spec = spec_for(nspawn_host)
     etc = "/etc/voltaforge-ops-test"
     ops = [
         EnsureDirectory(etc, 0o750, owner="root:deploy", sudo=True),
@@ -283,6 +283,24 @@ def test_lock_is_released_when_the_connection_drops(sshd_host):
             except HostError:
                 assert time.monotonic() < deadline, "the lock outlived its connection"
                 time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_lock_with_sudo_on_a_systemd_host(nspawn_host):
+    """A root-owned prefix: the lock holder runs under `sudo -n`, and creates the prefix."""
+    prefix = "/opt/voltaforge-locktest"
+    spec = spec_for(nspawn_host)
+    with connect(spec) as first, connect(spec) as second:
+        try:
+            with host_lock(first, prefix, sudo=True):
+                assert first.sudo(f"stat -c %U {prefix}", stream=False).stdout == "root\n"
+                with pytest.raises(HostError, match="is being provisioned by another voltaforge run"):
+                    with host_lock(second, prefix, sudo=True):
+                        pass
+            with host_lock(second, prefix, sudo=True):
+                pass
+        finally:
+            first.sudo(f"rm -rf {prefix}", stream=False)
 
 
 def test_lock_on_local_host(tmp_path):
