@@ -202,7 +202,7 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
         if cuda_pin[0] == 11 and facts.gcc.major and facts.gcc.major > 11:
             ok = facts.gxx11.available
             add(Check("host-compiler", "pass" if ok else "warn",
-                      f"gcc {facts.gcc.version}; g++-11 {'present' if ok else 'missing'}",
+                      f"gcc {'.'.join(map(str, facts.gcc.version or ()))}; g++-11 {'present' if ok else 'missing'}",
                       "" if ok else "install g++-11 (Debian's nvidia-cuda-toolkit depends on it and routes nvcc to it)"))
 
     # --- disk and memory
@@ -228,9 +228,9 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
                       "" if ok else "conversion of 14-32B models wants >= 16 GiB RAM; add swap or convert elsewhere"))
         verdict = (f"{chosen.quant} fits with {chosen.headroom_bytes / 2**20:,.0f} MiB left"
                    if chosen.fits else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB")
-        target = plan.gpu.name + (" (from the recipe: no GPU seen)" if g is None and wants_gpu else "")
+        target = plan.gpu.name + (" (the recipe's GPU: none seen on the host)" if g is None and wants_gpu else "")
         v.plan_summary = f"{verdict} on {target}; {plan.reason}"
-        add(Check("fit", "pass" if chosen.fits else "fail", v.plan_summary,
+        add(Check("fit", "pass" if chosen.fits else "fail", f"{verdict} on {target}",
                   "" if chosen.fits else f"choose {plan.recommendation.quant if plan.recommendation else 'a smaller model'}, or a shorter context",
                   blocking=True))
     return v
