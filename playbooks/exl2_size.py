@@ -32,6 +32,12 @@ _HEAD_OPTIONS = {
 HEAD_BITS_OPTIONS = tuple(_HEAD_OPTIONS)
 
 
+def exl2_quant_name(bpw: float) -> str:
+    """'EXL2-4.0', 'EXL2-3.3', 'EXL2-2.25': at least one decimal, as EXL2 repos name them."""
+    text = f"{bpw:.1f}" if round(bpw, 1) == bpw else f"{bpw:g}"
+    return f"EXL2-{text}"
+
+
 def head_bits_per_weight(head_bits: int) -> float:
     (f1, b1), (f2, b2), group = _HEAD_OPTIONS[head_bits]
     return f1 * b1 + f2 * b2 + 4 / group  # 4-bit scale per group

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from .errors import VoltaforgeError
+from .exl2_size import EXL2_BPW_RANGE, exl2_quant_name
 from .gpus import get_gpu
 from .model_config import load_config_file
 from .planner import DraftPlan, Plan, Serving, make_plan, quant_names, serving_for
@@ -50,6 +51,20 @@ def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, context: int | Non
     return plan
 
 
+def _normalize_quant(quant: str) -> str:
+    """'EXL2-4' and 'exl2-4.0' both mean EXL2 at 4.0 bpw; GGUF names are upper case."""
+    if quant.upper().startswith("EXL2-"):
+        try:
+            bpw = float(quant[5:])
+        except ValueError:
+            raise VoltaforgeError(f"--quant {quant!r}: EXL2 needs a number of bits, e.g. EXL2-3.3") from None
+        lo, hi = EXL2_BPW_RANGE
+        if not lo <= bpw <= hi:
+            raise VoltaforgeError(f"--quant {quant!r}: EXL2 bpw must be between {lo} and {hi}")
+        return exl2_quant_name(bpw)
+    return quant.upper()
+
+
 def run_plan(
     recipe: str | None = None,
     gpu: str | None = None,
@@ -83,8 +98,8 @@ def run_plan(
             raise VoltaforgeError(
                 f"--ctx {context} is above the model's maximum (max_position_embeddings {shape.max_position_embeddings})"
             )
-        quant = quant or "Q4_K_M"
-        if quant not in quant_names():
+        quant = _normalize_quant(quant or "Q4_K_M")
+        if quant not in quant_names() and not quant.startswith("EXL2-"):
             raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
         serving = serving_for(quant, Serving(context=context, parallel=parallel))
         plan = make_plan(shape, get_gpu(gpu or "v100-16gb"), serving, quant=quant)

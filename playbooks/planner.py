@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .exl2_size import EXL2_BPW_LADDER, estimate_exl2
+from .exl2_size import EXL2_BPW_LADDER, estimate_exl2, exl2_quant_name
 from .gguf_size import FILE_TYPES, estimate_gguf
 from .gpus import MIB, Gpu
 from .kv_cache import (
@@ -202,7 +202,7 @@ def _max_ctx(shape, s: Serving, gpu_w: int, kv_tok: int, gpu: Gpu, extra: int) -
 
 def quant_names(backend: str | None = None) -> list[str]:
     gguf = [q for q in FILE_TYPES]
-    exl2 = [f"EXL2-{b:g}" for b in EXL2_BPW_LADDER]
+    exl2 = [exl2_quant_name(b) for b in EXL2_BPW_LADDER]
     if backend == "llamacpp":
         return gguf
     if backend == "exllamav2":

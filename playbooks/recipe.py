@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import RecipeError
-from .exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS
+from .exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
 from .gguf_size import FILE_TYPES
 from .gpus import get_gpu, gpu_names
 from .kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
@@ -101,7 +101,7 @@ class Exl2Quant(_Strict):
 
     @property
     def name(self) -> str:
-        return f"EXL2-{self.bpw:g}"
+        return exl2_quant_name(self.bpw)
 
 
 class Cache(_Strict):

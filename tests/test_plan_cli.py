@@ -98,3 +98,10 @@ def test_compute_buffer_estimate_against_a_real_v100_load_log():
         "model_type": "llama", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 32,
         "num_attention_heads": 32, "head_dim": 80, "vocab_size": 51200,
     })) * 2048 == kv
+
+
+def test_exl2_quant_spellings():
+    r = invoke("plan", "--model-config", QWEN32, "--gpu", "v100-32gb", "--quant", "exl2-4", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["chosen"]["quant"] == "EXL2-4.0"
+    r = invoke("plan", "--model-config", QWEN32, "--quant", "EXL2-9.5")
+    assert r.returncode == 2 and "between 2.0 and 8.0" in r.stderr
