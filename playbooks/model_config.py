@@ -115,7 +115,8 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
         "head_dim": cfg.get("head_dim") or (cfg["hidden_size"] // heads if isinstance(heads, int) and heads else 0),
         "vocab_size": cfg["vocab_size"],
         "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
-        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+        # transformers' own default when the key is absent: Gemma configs tie, the others do not
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", model_type.startswith("gemma")),
         # Qwen2 always has q/k/v biases (its config does not say so); others declare it.
         "attention_bias": bool(cfg.get("attention_bias", model_type == "qwen2")),
         "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",

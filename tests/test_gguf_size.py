@@ -105,3 +105,12 @@ def test_ffn_width_not_divisible_by_256_falls_back_at_scale():
     types = {t.name: ty for t, ty in assign_types(shape, "Q4_K_M")}
     assert types["blk.0.ffn_down.weight"] is T.Q8_0 and types["blk.11.ffn_down.weight"] is T.Q5_0
     assert types["blk.11.ffn_up.weight"] is T.Q4_K
+
+
+def test_gemma_ties_embeddings_when_the_config_does_not_say():
+    """Gemma-2's published config.json has no tie_word_embeddings key; transformers'
+    Gemma2Config defaults it to True, so there is no output.weight in the GGUF."""
+    cfg = {"model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+           "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000}
+    assert shape_from_config(cfg).tie_word_embeddings
+    assert not shape_from_config({**cfg, "model_type": "llama"}).tie_word_embeddings
