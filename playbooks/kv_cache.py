@@ -65,3 +65,28 @@ def exl2_cache_scratch_bytes(shape: ModelShape, mode: str, tokens: int) -> int:
     if mode == "FP16":
         return 0
     return 2 * tokens * shape.kv_dim * 2
+
+
+def _pad(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def llamacpp_kv_cells(shape: ModelShape, n_ctx: int, n_ubatch: int = 512) -> tuple[int, int]:
+    """(cells of a full layer, cells of a sliding-window layer) llama.cpp allocates.
+
+    llama_context pads n_ctx to 256; a SWA layer holds min(n_ctx, n_swa + n_ubatch) cells,
+    padded to 256 (llama-kv-cache-iswa.cpp, one sequence per slot as with an explicit -np).
+    """
+    full = _pad(n_ctx)
+    if not shape.swa_layers:
+        return full, 0
+    return full, _pad(min(full, shape.sliding_window + n_ubatch))
+
+
+def llamacpp_kv_bytes(shape: ModelShape, n_ctx: int, type_k: str = "f16", type_v: str | None = None,
+                      n_ubatch: int = 512) -> int:
+    """Total KV buffer llama.cpp allocates for n_ctx cells (all slots together)."""
+    per_layer_token = llamacpp_kv_bytes_per_token(shape, type_k, type_v) // shape.num_hidden_layers
+    full, swa = llamacpp_kv_cells(shape, n_ctx, n_ubatch)
+    full_layers = shape.num_hidden_layers - shape.swa_layers
+    return per_layer_token * (full_layers * full + shape.swa_layers * swa)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -47,6 +47,9 @@ class ModelShape(BaseModel):
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     torch_dtype: str = "bfloat16"
+    # sliding-window attention as llama.cpp runs it (Gemma 2/3 only): window and SWA layer count
+    sliding_window: Optional[int] = None
+    swa_layers: int = 0
 
     @model_validator(mode="after")
     def _gqa_divides(self) -> "ModelShape":
@@ -121,12 +124,34 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
         "attention_bias": bool(cfg.get("attention_bias", model_type == "qwen2")),
         "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
     }
+    fields.update(_sliding_window(model_type, cfg))
     try:
         return ModelShape(**fields)
     except ValidationError as exc:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"]) or "config"
         raise RecipeError(f"{where}: {key}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def _sliding_window(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Which layers llama.cpp gives a sliding-window KV cache (models/gemma2.cpp, gemma3.cpp).
+
+    Gemma 2: every even layer (pattern 2), window 4096 unless the config says otherwise.
+    Gemma 3: five of every six layers (pattern 6), only when the config sets sliding_window.
+    Other architectures (Qwen2's use_sliding_window, Mistral v0.1's window) get a full cache in
+    llama.cpp, so none is planned for them.
+    """
+    layers = cfg.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers <= 0:
+        return {}
+    if model_type == "gemma2":
+        window, pattern = cfg.get("sliding_window") or 4096, 2
+    elif model_type in ("gemma3", "gemma3_text") and cfg.get("sliding_window"):
+        window, pattern = cfg["sliding_window"], cfg.get("sliding_window_pattern") or 6
+    else:
+        return {}
+    swa = sum(1 for il in range(layers) if il % pattern < pattern - 1)
+    return {"sliding_window": window, "swa_layers": swa}
 
 
 def load_config_file(path: Path) -> ModelShape:

@@ -18,6 +18,7 @@ from .gpus import MIB, Gpu
 from .kv_cache import (
     exl2_cache_scratch_bytes,
     exl2_kv_bytes_per_token,
+    llamacpp_kv_bytes,
     llamacpp_kv_bytes_per_token,
 )
 from .model_config import ModelShape
@@ -141,7 +142,11 @@ def _weights(shape: ModelShape, quant: str, s: Serving) -> tuple[int, int, int]:
 
 def _vram_at(shape, s: Serving, gpu_w: int, kv_tok: int, ctx: int, gpu: Gpu, extra: int) -> tuple[int, int, int]:
     tokens = ctx * s.parallel
-    kv = kv_tok * tokens
+    if s.backend == "exllamav2":
+        kv = kv_tok * tokens  # ExLlamaV2 caches every layer for max_seq_len x batch
+    else:
+        # llama-server -c = context x slots, padded to 256; Gemma's SWA layers hold a window
+        kv = llamacpp_kv_bytes(shape, tokens, s.cache_k, s.cache_v, s.n_ubatch)
     if s.backend == "exllamav2":
         compute = exl2_compute_bytes(shape, ctx, batch=s.parallel) + exl2_cache_scratch_bytes(shape, s.cache_k, tokens)
     else:
@@ -158,7 +163,7 @@ def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPl
     if draft is not None:
         d_file, d_gpu, _ = _weights(draft.shape, draft.quant, s)
         # the draft keeps its own KV cache for the same context
-        draft_b = d_gpu + _kv_per_token(draft.shape, s) * s.context * s.parallel
+        draft_b = d_gpu + llamacpp_kv_bytes(draft.shape, s.context * s.parallel, s.cache_k, s.cache_v, s.n_ubatch)
     kv, compute, overhead = _vram_at(shape, s, gpu_w, kv_tok, s.context, gpu, draft_b)
     vram = gpu_w + kv + compute + overhead
     gpu_bytes = gpu.memory_bytes

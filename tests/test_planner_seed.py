@@ -66,3 +66,25 @@ def test_budget_sums_its_parts(seed):
     assert o.vram_bytes == o.gpu_weights_bytes + o.kv_bytes + o.compute_bytes + o.overhead_bytes
     assert o.kv_bytes == 512 * MIB
     assert o.overhead_bytes == (400 + 256) * MIB
+
+
+def test_llamacpp_pads_the_context_to_256_cells(seed):
+    from playbooks.kv_cache import llamacpp_kv_bytes
+
+    assert llamacpp_kv_bytes(seed, 4000) == llamacpp_kv_bytes(seed, 4096) == 512 * MIB
+
+
+def test_gemma2_sliding_window_layers_hold_only_the_window():
+    """llama.cpp (models/gemma2.cpp, llama-kv-cache-iswa.cpp): every even layer of Gemma 2 is
+    a sliding-window layer holding min(n_ctx, 4096 + n_ubatch) cells, padded to 256."""
+    from playbooks.kv_cache import llamacpp_kv_bytes, llamacpp_kv_cells
+    from playbooks.model_config import load_config_file
+    from tests.helpers import ROOT
+
+    g = load_config_file(ROOT / "recipes/models/gemma-2-27b-it.config.json")
+    assert (g.sliding_window, g.swa_layers) == (4096, 23)
+    assert llamacpp_kv_cells(g, 8192) == (8192, 4608)
+    per_layer_token = 2 * 16 * 128 * 2
+    assert llamacpp_kv_bytes(g, 8192) == per_layer_token * (23 * 8192 + 23 * 4608)
+    # below the window every layer holds the whole context
+    assert llamacpp_kv_bytes(g, 2048) == per_layer_token * 46 * 2048
