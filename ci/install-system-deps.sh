@@ -16,7 +16,7 @@ Components: contrib non-free
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
-pkgs="openssh-server openssh-client debootstrap systemd-container zstd iproute2 sudo nvidia-cuda-toolkit"
+pkgs="python3-venv openssh-server openssh-client debootstrap systemd-container zstd iproute2 sudo nvidia-cuda-toolkit"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
