@@ -91,3 +91,47 @@ def test_cuda_install_without_the_package_fails_cleanly(nspawn_host):
     assert "apt has no nvidia-cuda-toolkit" in c.why and "non-free" in c.why
     assert sources_after == sources_before
 
+
+
+UBUNTU_2204_OS_RELEASE = """PRETTY_NAME="Ubuntu 22.04.4 LTS"
+NAME="Ubuntu"
+VERSION_ID="22.04"
+VERSION="22.04.4 LTS (Jammy Jellyfish)"
+VERSION_CODENAME=jammy
+ID=ubuntu
+ID_LIKE=debian
+UBUNTU_CODENAME=jammy
+"""
+
+
+@pytest.fixture
+def as_ubuntu(nspawn_host):
+    """The container, answering as Ubuntu 22.04 (its /etc/os-release swapped; the overlay
+    keeps the cached rootfs clean). No Ubuntu mirror is reachable here, so only the decision
+    and the dry run are exercised, over real SSH."""
+    nspawn_host.run_inside("cp -P /etc/os-release /etc/os-release.vf-saved && rm /etc/os-release && "
+                           f"printf %s '{UBUNTU_2204_OS_RELEASE}' > /etc/os-release")
+    yield nspawn_host
+    nspawn_host.run_inside("rm -f /etc/os-release && mv /etc/os-release.vf-saved /etc/os-release")
+
+
+def test_cuda_install_dry_run_on_ubuntu_uses_nvidias_repository(as_ubuntu):
+    with connect(spec_for(as_ubuntu)) as host:
+        changes = run_ops(host, [EnsureCudaToolkit("11.8")], dry_run=True)
+        assert not host.exists("/tmp/cuda-keyring.deb")
+    c = changes[0]
+    assert c.status == "changed" and "ubuntu2204" in c.why
+    assert c.commands == [
+        "curl -fsSL -o /tmp/cuda-keyring.deb https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64/cuda-keyring_1.1-1_all.deb",
+        "dpkg -i /tmp/cuda-keyring.deb",
+        "apt-get update -qq",
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cuda-toolkit-11-8",
+    ]
+
+
+def test_cuda_on_an_unsupported_os_is_refused_with_what_is_supported(as_ubuntu):
+    as_ubuntu.run_inside("sed -i 's/^VERSION_ID=.*/VERSION_ID=\"24.04\"/' /etc/os-release")
+    with connect(spec_for(as_ubuntu)) as host:
+        changes = run_ops(host, [EnsureCudaToolkit("11.8")], dry_run=True)
+    assert changes[0].status == "failed"
+    assert "no automatic install of CUDA 11.8" in changes[0].why and "Ubuntu 20.04/22.04" in changes[0].why
