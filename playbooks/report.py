@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .gpus import GIB, MIB
+from .gpus import ALIASES, GIB, MIB
 from .planner import Option, Plan
 
 
@@ -67,6 +67,7 @@ def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
         },
         "gpu": {
             "key": plan.gpu.key,
+            "aliases": sorted(a for a, k in ALIASES.items() if k == plan.gpu.key),
             "name": plan.gpu.name,
             "memory_bytes": plan.gpu.memory_bytes,
             "bandwidth_gb_s": plan.gpu.bandwidth_gb_s,

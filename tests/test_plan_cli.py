@@ -45,7 +45,7 @@ def test_model_config_json_interface():
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["kv_bytes_per_token"] == 2 * 64 * 8 * 128 * 2
-    assert data["gpu"]["key"] == "v100-sxm2-32gb"
+    assert data["gpu"]["key"] == "v100-sxm2-32gb" and "v100-32gb" in data["gpu"]["aliases"]
     for q in data["quants"]:
         for key in ("quant", "weights_bytes", "vram_bytes", "fits", "max_ctx", "roofline_tok_s"):
             assert key in q
