@@ -17,6 +17,7 @@ padding) is an estimate: about 6 MB for a 152k-token vocabulary, under 0.05% of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from enum import Enum
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -79,8 +80,11 @@ FILE_TYPES: dict[str, T] = {
 _UNQUANTIZED = {T.F32, T.F16, T.BF16}
 
 
-def model_tensors(shape: ModelShape) -> list[Tensor]:
-    """Every tensor convert_hf_to_gguf.py writes for a dense decoder, in file order."""
+@lru_cache(maxsize=64)
+def model_tensors(shape: ModelShape) -> tuple[Tensor, ...]:
+    """Every tensor convert_hf_to_gguf.py writes for a dense decoder, in file order.
+
+    Cached: the planner asks for the same shape's tensors for every quant it evaluates."""
     h, ff, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     out = [Tensor("token_embd.weight", (h, shape.vocab_size), Cat.TOKEN_EMBD)]
     for i in range(shape.num_hidden_layers):
@@ -116,7 +120,7 @@ def model_tensors(shape: ModelShape) -> list[Tensor]:
     out.append(Tensor("output_norm.weight", (h,), Cat.OTHER))
     if not shape.tie_word_embeddings:
         out.append(Tensor("output.weight", (h, shape.vocab_size), Cat.OUTPUT))
-    return out
+    return tuple(out)
 
 
 def tensor_bytes(ne: tuple[int, ...], ttype: T) -> int:

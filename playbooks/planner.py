@@ -140,33 +140,30 @@ def _weights(shape: ModelShape, quant: str, s: Serving) -> tuple[int, int, int]:
     return g.file_bytes, g.gpu_weight_bytes, g.streamed_bytes_per_token
 
 
-def _vram_at(shape, s: Serving, gpu_w: int, kv_tok: int, ctx: int, gpu: Gpu, extra: int) -> tuple[int, int, int]:
+def _vram_at(shape: ModelShape, s: Serving, ctx: int, gpu: Gpu, draft: DraftPlan | None) -> tuple[int, int, int, int]:
+    """(KV, compute, CUDA context + margin, draft model) bytes at `ctx` tokens per slot."""
     tokens = ctx * s.parallel
     if s.backend == "exllamav2":
-        kv = kv_tok * tokens  # ExLlamaV2 caches every layer for max_seq_len x batch
+        kv = _kv_per_token(shape, s) * tokens  # ExLlamaV2 caches every layer for max_seq_len x batch
+        compute = exl2_compute_bytes(shape, ctx, batch=s.parallel) + exl2_cache_scratch_bytes(shape, s.cache_k, tokens)
     else:
         # llama-server -c = context x slots, padded to 256; Gemma's SWA layers hold a window
         kv = llamacpp_kv_bytes(shape, tokens, s.cache_k, s.cache_v, s.n_ubatch)
-    if s.backend == "exllamav2":
-        compute = exl2_compute_bytes(shape, ctx, batch=s.parallel) + exl2_cache_scratch_bytes(shape, s.cache_k, tokens)
-    else:
         compute = llamacpp_compute_buffer_bytes(shape, tokens, s.n_ubatch, s.flash_attn)
-    fixed = 0 if gpu.is_cpu else s.cuda_context_mib * MIB
-    overhead = fixed + s.margin_mib * MIB + extra
-    return kv, compute, overhead
+    draft_b = 0
+    if draft is not None:
+        # the draft model sits beside the target with its own KV cache for the same context
+        draft_b = _weights(draft.shape, draft.quant, s)[1] + llamacpp_kv_bytes(
+            draft.shape, tokens, s.cache_k, s.cache_v, s.n_ubatch
+        )
+    overhead = (0 if gpu.is_cpu else s.cuda_context_mib * MIB) + s.margin_mib * MIB
+    return kv, compute, overhead, draft_b
 
 
 def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None = None) -> Option:
     file_b, gpu_w, streamed = _weights(shape, quant, s)
     kv_tok = _kv_per_token(shape, s)
-    draft_b = 0
-    if draft is not None:
-        d_file, d_gpu, _ = _weights(draft.shape, draft.quant, s)
-        # the draft keeps its own KV cache for the same context
-        draft_b = d_gpu + llamacpp_kv_bytes(draft.shape, s.context * s.parallel, s.cache_k, s.cache_v, s.n_ubatch)
-    kv, compute, overhead = _vram_at(shape, s, gpu_w, kv_tok, s.context, gpu, draft_b)
-    vram = gpu_w + kv + compute + overhead
-    gpu_bytes = gpu.memory_bytes
+    kv, compute, overhead, draft_b = _vram_at(shape, s, s.context, gpu, draft)
     return Option(
         quant=quant,
         backend="exllamav2" if quant.startswith("EXL2-") else "llamacpp",
@@ -177,10 +174,10 @@ def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPl
         kv_bytes_per_token=kv_tok,
         kv_bytes=kv,
         compute_bytes=compute,
-        overhead_bytes=overhead,
-        vram_bytes=vram,
-        gpu_bytes=gpu_bytes,
-        max_ctx=_max_ctx(shape, s, gpu_w, kv_tok, gpu, draft_b),
+        overhead_bytes=overhead + draft_b,
+        vram_bytes=gpu_w + kv + compute + overhead + draft_b,
+        gpu_bytes=gpu.memory_bytes,
+        max_ctx=_max_ctx(shape, s, gpu_w, gpu, draft),
         roofline_tok_s=roofline_tok_s(gpu.bandwidth_gb_s, streamed),
         # one slot reading its full context of KV on every token
         roofline_full_ctx_tok_s=roofline_tok_s(gpu.bandwidth_gb_s, streamed + kv_tok * s.context),
@@ -188,12 +185,11 @@ def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPl
     )
 
 
-def _max_ctx(shape, s: Serving, gpu_w: int, kv_tok: int, gpu: Gpu, extra: int) -> int:
+def _max_ctx(shape: ModelShape, s: Serving, gpu_w: int, gpu: Gpu, draft: DraftPlan | None) -> int:
     """Largest per-slot context (a multiple of CTX_STEP, at most the model's maximum) that fits."""
 
     def fits(ctx: int) -> bool:
-        kv, compute, overhead = _vram_at(shape, s, gpu_w, kv_tok, ctx, gpu, extra)
-        return gpu_w + kv + compute + overhead <= gpu.memory_bytes
+        return gpu_w + sum(_vram_at(shape, s, ctx, gpu, draft)) <= gpu.memory_bytes
 
     lo, hi = 0, shape.max_position_embeddings // CTX_STEP
     while lo < hi:  # VRAM grows with context, so the last fitting step is found by bisection

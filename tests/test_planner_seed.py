@@ -88,3 +88,22 @@ def test_gemma2_sliding_window_layers_hold_only_the_window():
     assert llamacpp_kv_bytes(g, 8192) == per_layer_token * (23 * 8192 + 23 * 4608)
     # below the window every layer holds the whole context
     assert llamacpp_kv_bytes(g, 2048) == per_layer_token * 46 * 2048
+
+
+def test_a_draft_model_costs_its_weights_and_its_own_cache(seed):
+    from playbooks.gguf_size import estimate_gguf
+    from playbooks.kv_cache import llamacpp_kv_bytes
+    from playbooks.model_config import shape_from_config
+    from playbooks.planner import DraftPlan
+
+    draft = shape_from_config({  # a Qwen2.5-0.5B-shaped draft, same vocabulary
+        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 152064, "tie_word_embeddings": True,
+    })
+    gpu, s = get_gpu("v100-16gb"), Serving(context=4096)
+    alone = evaluate(seed, "Q4_K_M", gpu, s)
+    paired = evaluate(seed, "Q4_K_M", gpu, s, DraftPlan(draft, "Q8_0"))
+    expected = estimate_gguf(draft, "Q8_0").gpu_weight_bytes + llamacpp_kv_bytes(draft, 4096)
+    assert paired.draft_bytes == expected
+    assert paired.vram_bytes - alone.vram_bytes == expected
+    assert paired.max_ctx <= alone.max_ctx
