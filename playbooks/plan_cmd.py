@@ -30,6 +30,7 @@ def serving_from_recipe(loaded: LoadedRecipe, context: int | None = None) -> Ser
         cuda_context_mib=r.planner.cuda_context_mib,
         margin_mib=r.planner.margin_mib,
         imatrix=r.planner.imatrix,
+        head_bits=r.quant.head_bits if not isinstance(r.quant, str) else 6,
     )
 
 

@@ -77,6 +77,7 @@ class Serving:
     cuda_context_mib: int = 400        # CUDA context + cuBLAS workspace: 0.3-0.5 GiB on V100
     margin_mib: int = 256
     imatrix: bool = True
+    head_bits: int = 6                 # EXL2 lm_head bits (convert.py -hb)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _kv_per_token(shape: ModelShape, s: Serving) -> int:
 def _weights(shape: ModelShape, quant: str, s: Serving) -> tuple[int, int, int]:
     """(file bytes, bytes on the GPU, bytes streamed per token)."""
     if quant.startswith("EXL2-"):
-        e = estimate_exl2(shape, float(quant[5:]))
+        e = estimate_exl2(shape, float(quant[5:]), s.head_bits)
         return e.file_bytes, e.gpu_weight_bytes, e.streamed_bytes_per_token
     g = estimate_gguf(shape, quant, imatrix=s.imatrix)
     return g.file_bytes, g.gpu_weight_bytes, g.streamed_bytes_per_token
