@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from playbooks.gpus import MIB
 from playbooks.model_config import shape_from_config
@@ -81,23 +82,31 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_compute_buffer_estimate_against_a_real_v100_load_log():
-    """llama.cpp on a V100-PCIE-16GB reported 162.00 MiB (phi-2 shape, ctx 2048, ubatch 512, no FA)."""
-    log = fixture_body("llamacpp-load-v100-pcie-16gb-full-offload-b4916.log")
-    real = float(re.search(r"CUDA0 compute buffer size =\s+([\d.]+) MiB", log).group(1)) * MIB
-    kv = float(re.search(r"CUDA0 KV buffer size =\s+([\d.]+) MiB", log).group(1)) * MIB
-    phi2 = shape_from_config({  # microsoft/phi-2 config.json; the log shows n_ctx 2048, 32 layers
-        "model_type": "llama", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 51200,
-    })
-    est = llamacpp_compute_buffer_bytes(phi2, n_ctx=2048, n_ubatch=512, flash_attn=False)
-    assert abs(est - real) / real < 0.05
-    from playbooks.kv_cache import llamacpp_kv_bytes_per_token
+COMPUTE_LOGS = yaml.safe_load((ROOT / "tests/data/compute_buffers.yaml").read_text())
 
-    assert llamacpp_kv_bytes_per_token(shape_from_config({
+
+@pytest.mark.parametrize("entry", [e for e in COMPUTE_LOGS if e.get("kind") != "embedding"],
+                         ids=lambda e: e["fixture"])
+def test_compute_buffer_estimate_against_real_load_logs(entry):
+    """Each entry's numbers are read back from its fixture, then compared with the estimate."""
+    log = fixture_body(entry["fixture"])
+    real = float(re.search(r"CUDA0 compute buffer size =\s+([\d.]+) MiB", log).group(1))
+    assert real == entry["compute_mib"]
+    shape = shape_from_config({"model_type": "llama", **entry["shape"]})
+    est = llamacpp_compute_buffer_bytes(shape, entry["n_ctx"], entry["n_ubatch"], entry["flash_attn"]) / MIB
+    assert abs(est - real) / real <= entry.get("tolerance", 0.01), (est, real)
+
+
+def test_kv_buffer_of_a_real_v100_load_log():
+    from playbooks.kv_cache import llamacpp_kv_bytes
+
+    log = fixture_body("llamacpp-load-v100-pcie-16gb-full-offload-b4916.log")
+    kv = float(re.search(r"CUDA0 KV buffer size =\s+([\d.]+) MiB", log).group(1)) * MIB
+    pythia = shape_from_config({  # Pythia 2.8B: 32 layers, 32 heads of 80, n_ctx 2048 in the log
         "model_type": "llama", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "head_dim": 80, "vocab_size": 51200,
-    })) * 2048 == kv
+        "num_attention_heads": 32, "vocab_size": 50304,
+    })
+    assert llamacpp_kv_bytes(pythia, 2048) == kv
 
 
 def test_exl2_quant_spellings():
