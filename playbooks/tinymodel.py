@@ -1,0 +1,120 @@
+"""A tiny Llama with random weights in real formats: the `generate: tiny-llama` model source.
+
+The tests and the README demo need a model that is real to every tool downstream
+(convert_hf_to_gguf.py, llama-quantize, llama-server) without a download: a Hugging Face
+directory with config.json, BF16 safetensors (as real checkpoints ship them, so the BF16 ->
+FP16 step is exercised) and a SentencePiece tokenizer trained here on generated text.
+Random weights produce random text; that is fine for sizes, speed and plumbing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .gguf_size import Cat, model_tensors
+from .model_config import shape_from_config
+
+# HF parameter names for llama.cpp's GGUF names (convert_hf_to_gguf.py maps them back).
+_HF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "ba", "po", "gu", "fe", "zi", "ha", "wy")
+
+
+def _bf16_bytes(a: np.ndarray) -> bytes:
+    """float32 -> bfloat16 with round-to-nearest-even, as torch does."""
+    bits = a.astype(np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16).tobytes()
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ...], bytes]], dtype: str = "BF16") -> None:
+    """The safetensors format: u64 header length, JSON header, then the raw tensor bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, data in tensors.values():
+            f.write(data)
+
+
+def _corpus(n_lines: int, rng: random.Random) -> str:
+    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    return "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) for _ in range(n_lines))
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
+    """A SentencePiece BPE model (tokenizer.model) of exactly `vocab_size` pieces.
+
+    BPE rather than unigram: unigram training stops short of the size on repetitive text.
+    """
+    import sentencepiece as spm
+
+    rng = random.Random(seed)
+    corpus = out_dir / "tokenizer-corpus.txt"
+    corpus.write_text(_corpus(20000, rng))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(out_dir / "tokenizer"), vocab_size=vocab_size,
+        model_type="bpe", character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        num_threads=2, minloglevel=2, hard_vocab_limit=True,
+    )
+    corpus.unlink()
+    (out_dir / "tokenizer.vocab").unlink(missing_ok=True)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": True,
+    }, indent=2))
+
+
+def write_tiny_llama(out_dir: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """Write a Hugging Face Llama checkpoint for `config` into out_dir; returns out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = shape_from_config(config, where="tiny-llama config")
+    if shape.arch != "llama" or shape.attention_bias:
+        raise ValueError("write_tiny_llama writes Llama checkpoints (model_type llama, no biases)")
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, tuple[tuple[int, ...], bytes]] = {}
+    for t in model_tensors(shape):
+        if t.layer >= 0:  # blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weight
+            leaf = t.name.split(".", 2)[2]
+            hf = f"model.layers.{t.layer}.{_HF_NAMES[leaf]}"
+        else:
+            hf = _HF_NAMES[t.name]
+        hf_shape = tuple(reversed(t.ne))  # torch order: (out_features, in_features)
+        if t.cat is Cat.OTHER:
+            values = np.ones(hf_shape, dtype=np.float32)  # norm weights start at one
+        else:
+            values = rng.normal(0.0, 0.02, size=hf_shape).astype(np.float32)
+        tensors[hf] = (hf_shape, _bf16_bytes(values))
+    write_safetensors(out_dir / "model.safetensors", tensors)
+    full = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
+            "hidden_act": "silu", **config}
+    (out_dir / "config.json").write_text(json.dumps(full, indent=2))
+    train_tokenizer(out_dir, shape.vocab_size, seed)
+    return out_dir
