@@ -121,6 +121,19 @@ def _mode(mode: int) -> int:
     return mode
 
 
+def _mode_owner_fixes(st: FileStat, path: str, mode: int, owner: str | None) -> tuple[list[str], list[str]]:
+    """(commands, what differs) to give an existing path this mode and owner."""
+    q = shlex.quote(path)
+    cmds, diffs = [], []
+    if st.mode != mode:
+        diffs.append(f"mode is {st.mode:04o}, want {mode:04o}")
+        cmds.append(f"chmod {mode:04o} -- {q}")
+    if _owner_differs(st, owner):
+        diffs.append(f"owner is {st.owner}:{st.group}, want {owner}")
+        cmds.append(f"chown -- {shlex.quote(owner)} {q}")
+    return cmds, diffs
+
+
 class EnsureDirectory(Operation):
     """A directory exists with this mode (and owner, when given)."""
 
@@ -142,13 +155,7 @@ class EnsureDirectory(Operation):
             return cmds
         if st.kind != "directory":
             raise HostError(f"{host.name}: {self.path} exists but is a {st.kind}, not a directory")
-        cmds, diffs = [], []
-        if st.mode != self.mode:
-            diffs.append(f"mode is {st.mode:04o}, want {self.mode:04o}")
-            cmds.append(f"chmod {self.mode:04o} -- {q}")
-        if _owner_differs(st, self.owner):
-            diffs.append(f"owner is {st.owner}:{st.group}, want {self.owner}")
-            cmds.append(f"chown -- {shlex.quote(self.owner)} {q}")
+        cmds, diffs = _mode_owner_fixes(st, self.path, self.mode, self.owner)
         owned = f", owner {self.owner}" if self.owner else ""
         self.reason = "; ".join(diffs) or f"directory already exists with mode {self.mode:04o}{owned}"
         return cmds
@@ -177,7 +184,6 @@ class EnsureFile(Operation):
         )
 
     def check(self, host: Host) -> list[str]:
-        q = shlex.quote(self.path)
         st = file_stat(host, self.path, sudo=self.sudo)
         if st is None:
             self.reason = "file is missing"
@@ -188,13 +194,7 @@ class EnsureFile(Operation):
         if have != self.digest:
             self.reason = f"content differs (sha256 {have[:12]} on the host, {self.digest[:12]} wanted)"
             return [self._upload]
-        cmds, diffs = [], []
-        if st.mode != self.mode:
-            diffs.append(f"mode is {st.mode:04o}, want {self.mode:04o}")
-            cmds.append(f"chmod {self.mode:04o} -- {q}")
-        if _owner_differs(st, self.owner):
-            diffs.append(f"owner is {st.owner}:{st.group}, want {self.owner}")
-            cmds.append(f"chown -- {shlex.quote(self.owner)} {q}")
+        cmds, diffs = _mode_owner_fixes(st, self.path, self.mode, self.owner)
         self.reason = "; ".join(diffs) or f"file is already up to date (sha256 {self.digest[:12]})"
         return cmds
 

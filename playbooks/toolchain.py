@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from typing import Optional
 
 from .errors import HostError, VoltaforgeError
 from .facts import cuda, system
-from .ops import EnsureDirectory, Operation, host_lock, render_report, run_ops
+from .ops import EnsureDirectory, EnsureFile, Operation, host_lock, render_report, run_ops
 from .recipe import Toolchain
 
 NONFREE_SOURCES = "/etc/apt/sources.list.d/voltaforge-nonfree.sources"
@@ -168,15 +167,14 @@ class EnsureToolchainLock(Operation):
         return (json.dumps(lock, indent=2, sort_keys=True) + "\n").encode()
 
     def check(self, host) -> list[str]:
-        self._content = self.content(host)
-        if host.exists(self.path) and host.read_bytes(self.path) == self._content:
-            self.reason = "lock file already up to date"
-            return []
-        self.reason = "lock file missing or out of date"
-        return [f"write {self.path} ({len(self._content)} bytes)"]
+        # the content depends on what the host resolved to; comparing and writing is EnsureFile's job
+        self._file = EnsureFile(self.path, self.content(host), 0o644)
+        cmds = self._file.check(host)
+        self.reason = self._file.reason
+        return cmds
 
     def apply(self, host, commands: list[str]) -> None:
-        host.write_file(self.path, self._content, 0o644)
+        self._file.apply(host, commands)
 
 
 def toolchain_ops(prefix: str, tc: Toolchain, owner: Optional[str], needs_cuda: bool, prefix_sudo: bool) -> list[Operation]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import shlex
 import stat
 import subprocess
 import threading

@@ -1,7 +1,6 @@
 """preflight's judgement, on facts parsed from real captured outputs (V100 hosts and this
 machine's real CUDA 13 + 11.8 pair). Gathering over real SSH is in test_preflight_hosts.py."""
 
-import pytest
 
 from playbooks.facts import cuda, gpu, system
 from playbooks.preflight import HostFacts, judge
