@@ -229,7 +229,12 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _backend_consistency(self):
         if self.backend == "llamacpp":
-            if not isinstance(self.quant, str) or self.quant not in FILE_TYPES:
+            if not isinstance(self.quant, str):
+                raise ValueError(
+                    f"quant: {{bpw: {self.quant.bpw:g}}} is an EXL2 quant (backend exllamav2); "
+                    f"backend llamacpp needs a GGUF type: {', '.join(FILE_TYPES)}"
+                )
+            if self.quant not in FILE_TYPES:
                 raise ValueError(
                     f"quant: unknown GGUF quant {self.quant!r} for backend llamacpp; allowed: {', '.join(FILE_TYPES)}"
                 )

@@ -190,3 +190,8 @@ def test_empty_recipe(tmp_path):
 def test_unknown_recipe_name_lists_shipped():
     with pytest.raises(RecipeError, match="tiny-cpu"):
         load_recipe("no-such-recipe")
+
+
+def test_exl2_quant_with_the_llamacpp_backend(tmp_path):
+    msg = _error(tmp_path, GOOD.replace("quant: Q4_K_M", "quant: {bpw: 4.0}"))
+    assert "r.yaml:7" in msg and "EXL2 quant" in msg and "Q4_K_M" in msg and "Exl2Quant(" not in msg
