@@ -91,3 +91,24 @@ def test_recipe_pinning_cuda_13_is_refused(tmp_path):
         "config: models/", f"config: {RECIPES_DIR}/models/") + "toolchain:\n  cuda: '13.0'\n")
     v = judge(facts(), load_recipe(r), "/opt/voltaforge/models", "/opt/voltaforge")
     assert by_name(v)["cuda-pin"].status == "fail" and "cannot target sm_70" in by_name(v)["cuda-pin"].detail
+
+
+def test_hot_throttled_busy_gpu_is_flagged():
+    f = facts()
+    g = f.gpus.gpus[0]
+    sick = g.model_copy(update={"temperature_c": 86, "clocks_event_reasons": ("hw_thermal_slowdown",),
+                                "persistence_mode": False, "memory_used_mib": 4096})
+    v = judge(f.model_copy(update={"gpus": f.gpus.model_copy(update={"gpus": [sick]})}),
+              load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    c = by_name(v)
+    assert c["thermal"].status == "warn" and "86 C" in c["thermal"].detail and "hw_thermal_slowdown" in c["thermal"].detail
+    assert c["persistence"].status == "warn" and "nvidia-persistenced" in c["persistence"].fix
+    assert c["gpu-memory-in-use"].status == "warn" and "4096 MiB" in c["gpu-memory-in-use"].detail
+    assert v.ok  # warnings, not blockers
+
+
+def test_healthy_gpu_reports_its_temperature():
+    v = judge(facts(), load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    c = by_name(v)
+    assert c["thermal"].status == "pass" and c["thermal"].detail == "GPU0 35 C"
+    assert "persistence" not in c and "gpu-memory-in-use" not in c
