@@ -210,6 +210,14 @@ class Recipe(_Strict):
     gate: Gate = Gate()
     planner: PlannerSettings = PlannerSettings()
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        # the name becomes part of paths on the host (model directory, file names)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}", v):
+            raise ValueError("may hold letters, digits and . _ - (it names files on the host)")
+        return v
+
     @field_validator("gpu")
     @classmethod
     def _gpu(cls, v):

@@ -195,3 +195,8 @@ def test_unknown_recipe_name_lists_shipped():
 def test_exl2_quant_with_the_llamacpp_backend(tmp_path):
     msg = _error(tmp_path, GOOD.replace("quant: Q4_K_M", "quant: {bpw: 4.0}"))
     assert "r.yaml:7" in msg and "EXL2 quant" in msg and "Q4_K_M" in msg and "Exl2Quant(" not in msg
+
+
+def test_recipe_name_reaches_paths_so_it_is_checked(tmp_path):
+    msg = _error(tmp_path, "name: ../../etc/x\n" + GOOD)
+    assert "r.yaml:1" in msg and "name" in msg and "letters, digits" in msg
