@@ -2,7 +2,7 @@
 
 - the llama.cpp tree vendored by the llama-cpp-python sdist on PyPI (the offline source:
   GitHub is not reachable here), pinned to the recipe default's version;
-- `llama-quantize`, a CPU build of that tree;
+- `llama-quantize` and `llama-server`, a static CPU build of that tree;
 - a converter venv: convert_hf_to_gguf.py needs torch, transformers and sentencepiece. torch
   is the CPU build from /opt/wheels when the machine has it (a CUDA wheel would be GBs).
 
@@ -52,22 +52,37 @@ def llamacpp_tree() -> Path:
     return tree
 
 
-def llama_quantize() -> Path:
-    """A CPU build of llama-quantize from the pinned tree (about 5 minutes on 2 cores)."""
+TARGETS = ("llama-quantize", "llama-server")
+
+
+def build_tools() -> Path:
+    """A static CPU build of llama-quantize and llama-server from the pinned tree.
+
+    Static (no shared libllama/libggml) and without OpenMP, so the binaries can be copied to a
+    test host as they are. About 8 minutes on 2 cores, once; returns the bin directory.
+    """
     tree = llamacpp_tree()
-    build = cache_dir() / "llama-cpp-0c1e570-cpu-build"
-    binary = build / "bin" / "llama-quantize"
+    build = cache_dir() / "llama-cpp-0c1e570-cpu-static"
     done = build / ".built"
-    if done.exists() and binary.exists():
-        return binary
+    if done.exists() and all((build / "bin" / t).exists() for t in TARGETS):
+        return build / "bin"
     build.mkdir(parents=True, exist_ok=True)
     _run(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_CUDA=OFF",
-          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
+          "-DGGML_OPENMP=OFF", "-DGGML_NATIVE=OFF"],
          build / "configure.log")
-    _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-quantize"],
+    _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
          build / "build.log")
     done.touch()
-    return binary
+    return build / "bin"
+
+
+def llama_quantize() -> Path:
+    return build_tools() / "llama-quantize"
+
+
+def llama_server() -> Path:
+    return build_tools() / "llama-server"
 
 
 def convert_python() -> Path:

@@ -1,0 +1,66 @@
+"""The rendered unit, run for real: a booted Debian 12 container (systemd), the static CPU
+llama-server build, the generated tiny model quantized to Q4_K_M by llama-quantize. The unit
+must start unprivileged, answer /health on loopback and complete text over HTTP."""
+
+import json
+import time
+
+import pytest
+import yaml
+
+from playbooks.hosts import connect
+from playbooks.recipe import load_recipe
+from playbooks.tinymodel import write_tiny_llama
+from playbooks.units import ServerLayout, render_llama_server_unit
+from tests import llamacpp_tools
+from tests.helpers import ROOT, spec_for
+
+pytestmark = pytest.mark.slow
+TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())["model"]["config"]
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve")
+    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY), work / "tiny-f16.gguf")
+    return llamacpp_tools.quantize(f16, work / "tiny-Q4_K_M.gguf", "Q4_K_M")
+
+
+def test_tiny_cpu_unit_serves_over_http(nspawn_host, tiny_q4):
+    recipe = load_recipe("tiny-cpu").recipe
+    layout = ServerLayout(prefix="/opt/voltaforge")
+    unit = render_llama_server_unit(recipe, layout)
+    port = recipe.service.port
+    with connect(spec_for(nspawn_host)) as host:
+        host.sudo(f"mkdir -p {layout.prefix}/llama.cpp/bin {layout.prefix}/models/{recipe.name}", stream=False)
+        host.put(str(llamacpp_tools.llama_server()), layout.llama_server, mode=0o755, sudo=True)
+        host.put(str(tiny_q4), layout.model_file(recipe), mode=0o644, sudo=True)
+        host.sudo(f"chmod -R a+rX {layout.prefix}", stream=False)
+        host.write_file(f"/etc/systemd/system/{unit.name}", unit.text.encode(), 0o644, sudo=True)
+        try:
+            host.sudo(f"systemctl daemon-reload && systemctl start {unit.name}", stream=False)
+            deadline = time.monotonic() + 60
+            health = None
+            while time.monotonic() < deadline:
+                health = host.run(f"curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{port}/health",
+                                  check=False, stream=False).stdout.strip()
+                if health == "200":
+                    break
+                time.sleep(0.5)
+            log = host.sudo(f"journalctl -u {unit.name} -o cat --no-pager", check=False, stream=False).stdout
+            assert health == "200", log[-3000:]
+            body = json.dumps({"prompt": "ka lo mi", "n_predict": 16, "ignore_eos": True})
+            r = host.run(f"curl -s http://127.0.0.1:{port}/completion -H 'Content-Type: application/json' -d '{body}'",
+                         stream=False)
+            data = json.loads(r.stdout)
+            assert data["timings"]["predicted_n"] == 16 and data["timings"]["predicted_per_second"] > 0
+            # unprivileged: DynamicUser gives the process a transient uid, never root
+            pid = host.run(f"systemctl show -p MainPID --value {unit.name}", stream=False).stdout.strip()
+            uid = host.run(f"stat -c %u /proc/{pid}", stream=False).stdout.strip()
+            assert pid != "0" and uid != "0"
+            # and it listens on loopback only
+            listening = host.sudo(f"ss -ltnH 'sport = :{port}'", stream=False).stdout
+            assert [line.split()[3] for line in listening.splitlines()] == [f"127.0.0.1:{port}"]
+        finally:
+            host.sudo(f"systemctl stop {unit.name}; rm -f /etc/systemd/system/{unit.name}; systemctl daemon-reload",
+                      check=False, stream=False)
