@@ -34,18 +34,36 @@ def pick_toolkit(toolkits: Sequence[Toolkit], release: tuple[int, int]) -> Toolk
     )
 
 
-def toolkit_root(nvcc: Toolkit) -> str:
-    """CUDA_HOME for an nvcc: NVIDIA's <root>/bin/nvcc, or Debian's wrapper in /usr/bin."""
+def _is_debian_layout(nvcc: Toolkit) -> bool:
     real = nvcc.realpath or nvcc.path
-    if nvcc.path == "/usr/bin/nvcc" or real.startswith(DEBIAN_TOOLKIT_ROOT + "/"):
-        return DEBIAN_TOOLKIT_ROOT
-    return posixpath.dirname(posixpath.dirname(real))
+    return nvcc.path == "/usr/bin/nvcc" or real.startswith(DEBIAN_TOOLKIT_ROOT + "/")
+
+
+def toolkit_root(nvcc: Toolkit) -> str:
+    """CUDA_HOME for an nvcc: <root> for NVIDIA's <root>/bin/nvcc; /usr for Debian's package.
+
+    Debian spreads the toolkit over /usr (headers in /usr/include, libraries in
+    /usr/lib/<triplet>, nvcc's helpers in /usr/lib/nvidia-cuda-toolkit/bin). CMake's
+    FindCUDAToolkit needs the root whose include/ holds cuda_runtime.h: /usr, not
+    /usr/lib/nvidia-cuda-toolkit ("Could NOT find CUDAToolkit (missing: CUDAToolkit_INCLUDE_DIR)"
+    when llama.cpp is configured with the latter).
+    """
+    if _is_debian_layout(nvcc):
+        return "/usr"
+    return posixpath.dirname(posixpath.dirname(nvcc.realpath or nvcc.path))
+
+
+def toolkit_bin(nvcc: Toolkit) -> str:
+    """The directory with nvcc's own helpers (cicc, and on Debian the g++-11 wrapper)."""
+    if _is_debian_layout(nvcc):
+        return f"{DEBIAN_TOOLKIT_ROOT}/bin"
+    return posixpath.dirname(nvcc.realpath or nvcc.path)
 
 
 def build_env(nvcc: Toolkit, toolkits: Sequence[Toolkit], arch: str = "70") -> dict[str, str]:
     """Environment variables for building CUDA code for `arch` with exactly this nvcc."""
     root = toolkit_root(nvcc)
-    own_bin = posixpath.join(root, "bin")
+    own_bin = toolkit_bin(nvcc)
     foreign = {
         posixpath.dirname(t.path)
         for t in toolkits
@@ -62,6 +80,7 @@ def build_env(nvcc: Toolkit, toolkits: Sequence[Toolkit], arch: str = "70") -> d
         "PATH": ":".join(path),
         "CUDA_HOME": root,
         "CUDA_PATH": root,
+        "CUDAToolkit_ROOT": root,  # CMake's FindCUDAToolkit
         "CUDACXX": nvcc.path,
         "CUDAARCHS": arch,
         "TORCH_CUDA_ARCH_LIST": ".".join(arch) if arch.isdigit() and len(arch) == 2 else arch,

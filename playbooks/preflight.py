@@ -223,7 +223,7 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
         if mixed:
             add(Check("mixed-toolkits", "warn", mixed,
                       "voltaforge's build environment pins one toolkit (playbooks/buildenv.py); by hand: "
-                      "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<toolkit> CUDACXX=<toolkit>/bin/nvcc"))
+                      "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> CUDACXX=<nvcc> (root /usr for Debian's package)"))
         # nvcc 11.x refuses GCC > 11 (crt/host_config.h) unless a g++-11 is used
         if cuda_pin[0] == 11 and facts.gcc.major and facts.gcc.major > 11:
             ok = facts.gxx11.available

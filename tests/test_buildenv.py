@@ -62,3 +62,36 @@ def test_cuda13_cannot_target_sm70_at_all(tmp_path, toolkits):
 def test_pick_toolkit_names_what_was_found(toolkits):
     with pytest.raises(VoltaforgeError, match="no CUDA 10.2 nvcc found"):
         pick_toolkit(toolkits, (10, 2))
+
+
+@needs_both
+@pytest.mark.slow
+def test_llamacpp_cmake_builds_sm70_objects_only_in_voltaforges_environment(tmp_path, toolkits):
+    """llama.cpp's own CMake (the pinned tree): with the caller's PATH (CUDA 13 first) even the
+    CUDA compiler check fails, in CUDA 13's ptxas; with voltaforge's environment it configures
+    against 11.8 (host compiler g++-11 through Debian's wrapper) and a ggml-cuda object carries
+    sm_70 code."""
+    from tests import llamacpp_tools
+
+    tree = llamacpp_tools.llamacpp_tree()
+    flags = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=70", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+    caller_env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA")}
+    bad = subprocess.run(["cmake", "-S", str(tree), "-B", str(tmp_path / "default"), *flags],
+                         capture_output=True, text=True, env=caller_env, timeout=300)
+    assert bad.returncode != 0
+    # CMake finds Debian's nvcc, which then runs the CUDA 13 ptxas first on PATH: the trap
+    assert "ptxas fatal" in bad.stderr and "is not defined for option 'gpu-name'" in bad.stderr
+
+    env = {"HOME": str(tmp_path), **build_env(pick_toolkit(toolkits, (11, 8)), toolkits)}
+    build = tmp_path / "voltaforge"
+    good = subprocess.run(["cmake", "-S", str(tree), "-B", str(build), *flags],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    assert "The CUDA compiler identification is NVIDIA 11.8" in good.stdout
+    obj = subprocess.run(["make", "-C", str(build / "ggml/src/ggml-cuda"), "arange.o"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert obj.returncode == 0, obj.stdout[-2000:] + obj.stderr[-2000:]
+    cubin = next(build.rglob("arange.cu.o"))
+    listing = subprocess.run(["/usr/bin/cuobjdump", "--list-elf", str(cubin)], capture_output=True, text=True, env=env)
+    assert parse_cuobjdump_list_elf(listing.stdout) == {"sm_70"}
