@@ -200,3 +200,23 @@ def test_exl2_quant_with_the_llamacpp_backend(tmp_path):
 def test_recipe_name_reaches_paths_so_it_is_checked(tmp_path):
     msg = _error(tmp_path, "name: ../../etc/x\n" + GOOD)
     assert "r.yaml:1" in msg and "name" in msg and "letters, digits" in msg
+
+
+def test_defaults_file_and_schema_defaults_agree():
+    """A recipe outside recipes/ gets the schema's defaults, one inside gets defaults.yaml:
+    they must be the same values, so where a recipe lives does not change what it means."""
+    import yaml
+
+    from playbooks.recipe import Recipe
+
+    defaults = yaml.safe_load((RECIPES_DIR / "defaults.yaml").read_text())
+
+    def check(model, values, where):
+        for key, value in values.items():
+            field = model.model_fields[key]
+            if isinstance(value, dict):
+                check(type(field.default), value, f"{where}{key}.")
+            else:
+                assert field.default == value, f"{where}{key}: schema {field.default!r} vs defaults.yaml {value!r}"
+
+    check(Recipe, defaults, "")
