@@ -151,8 +151,12 @@ def host_gpu(facts: HostFacts) -> Optional[Gpu]:
     return known
 
 
-def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, prefix: str) -> Verdict:
-    """Pure: turn facts (and the recipe, when given) into checks with fixes."""
+def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, prefix: str,
+          inventory_gpu: Optional[str] = None) -> Verdict:
+    """Pure: turn facts (and the recipe, when given) into checks with fixes.
+
+    The GPU the plan is judged against: the one the host reports; else the inventory's `gpu`;
+    else the recipe's. An inventory entry that disagrees with the host is flagged."""
     v = Verdict(facts)
     add = v.checks.append
     recipe = loaded.recipe if loaded else None
@@ -176,6 +180,13 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
 
     # --- GPU, driver
     g = host_gpu(facts)
+    # same kind = same compute capability and nominal memory (SXM2 and PCIe V100s are alike)
+    if g is not None and inventory_gpu and (
+        (get_gpu(inventory_gpu).compute_capability, get_gpu(inventory_gpu).memory_gib)
+        != (g.compute_capability, get_gpu(g.key).memory_gib)
+    ):
+        add(Check("gpu-kind", "warn", f"inventory.yaml says {inventory_gpu}, the host has {g.name}",
+                  "correct the host's gpu in inventory.yaml (the plan uses the GPU the host reports)"))
     if not facts.gpus.available:
         add(Check("gpu", "fail" if wants_gpu else "pass",
                   f"no NVIDIA GPU visible: {facts.gpus.reason}" + ("" if wants_gpu else " (not needed: CPU recipe)"),
@@ -233,7 +244,7 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
 
     # --- disk and memory
     if loaded:
-        plan = make_plan(loaded.shape, g or get_gpu(recipe.gpu), _serving(loaded), quant=recipe.quant_name,
+        plan = make_plan(loaded.shape, g or get_gpu(inventory_gpu or recipe.gpu), _serving(loaded), quant=recipe.quant_name,
                          min_bpw=recipe.planner.min_bpw)
         chosen = plan.chosen
         params = loaded.shape.parameter_count()
@@ -254,7 +265,8 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
                       "" if ok else "conversion of 14-32B models wants >= 16 GiB RAM; add swap or convert elsewhere"))
         verdict = (f"{chosen.quant} fits with {chosen.headroom_bytes / 2**20:,.0f} MiB left"
                    if chosen.fits else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB")
-        target = plan.gpu.name + (" (the recipe's GPU: none seen on the host)" if g is None and wants_gpu else "")
+        source = "the inventory's" if inventory_gpu else "the recipe's"
+        target = plan.gpu.name + (f" ({source} GPU: none seen on the host)" if g is None and wants_gpu else "")
         v.plan_summary = f"{verdict} on {target}; {plan.reason}"
         add(Check("fit", "pass" if chosen.fits else "fail", f"{verdict} on {target}",
                   "" if chosen.fits else f"choose {plan.recommendation.quant if plan.recommendation else 'a smaller model'}, or a shorter context",
@@ -310,7 +322,7 @@ def run_preflight(host_name: str, recipe: Optional[str] = None, as_json: bool = 
         close = getattr(host, "close", None)
         if close:
             close()
-    v = judge(facts, loaded, model_dir, spec.prefix)
+    v = judge(facts, loaded, model_dir, spec.prefix, inventory_gpu=spec.gpu)
     if as_json:
         out.write(json.dumps(verdict_json(v), indent=2) + "\n")
     else:

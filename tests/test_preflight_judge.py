@@ -112,3 +112,22 @@ def test_healthy_gpu_reports_its_temperature():
     c = by_name(v)
     assert c["thermal"].status == "pass" and c["thermal"].detail == "GPU0 35 C"
     assert "persistence" not in c and "gpu-memory-in-use" not in c
+
+
+def test_inventory_gpu_is_the_fallback_and_is_cross_checked():
+    # no GPU seen: the inventory's kind is what the plan is judged against
+    v = judge(facts(gpu_fixture=None), load_recipe("qwen2.5-32b-v100-32gb"), "/opt/voltaforge/models",
+              "/opt/voltaforge", inventory_gpu="v100-32gb")
+    assert "Tesla V100-SXM2-32GB (the inventory's GPU: none seen on the host)" in by_name(v)["fit"].detail
+    # the host reports a 16 GB V100 but the inventory claims an A100: flagged, the host wins
+    v = judge(facts(), load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge",
+              inventory_gpu="a100-40gb")
+    c = by_name(v)
+    assert c["gpu-kind"].status == "warn" and "a100-40gb" in c["gpu-kind"].detail
+    assert "Tesla V100-SXM2-16GB" in c["fit"].detail
+
+
+def test_inventory_gpu_kind_ignores_form_factor_but_not_memory():
+    args = (load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    assert "gpu-kind" not in by_name(judge(facts(), *args, inventory_gpu="v100-pcie-16gb"))
+    assert by_name(judge(facts(), *args, inventory_gpu="v100-32gb"))["gpu-kind"].status == "warn"
