@@ -191,10 +191,27 @@ class Process:
 
     #: What it wrote to stderr, once closed.
     stderr: str = ""
+    _buf: bytes = b""
+    _host: "Host"
+
+    def _read_chunk(self, deadline: float) -> bytes | None:
+        """Some stdout bytes (b"" at end of output), or None when the deadline passed."""
+        raise NotImplementedError
 
     def read_line(self, timeout: float) -> str | None:
         """The next stdout line, or None at end of output; HostError after ``timeout``."""
-        raise NotImplementedError
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            data = self._read_chunk(deadline)
+            if data is None:
+                raise HostError(f"{self._host.name}: no answer after {timeout:g} s")
+            if not data:
+                break
+            self._buf += data
+        if not self._buf:
+            return None
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode("utf-8", "replace")
 
     def close(self, timeout: float = 10) -> int:
         """Close its stdin (a ``cat`` then exits), wait, and return the exit code."""
@@ -389,25 +406,14 @@ class _LocalProcess(Process):
         self._host = host
         self._proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=_local_env(), start_new_session=True)
-        self._buf = b""
 
-    def read_line(self, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
+    def _read_chunk(self, deadline: float) -> bytes | None:
         fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            with selectors.DefaultSelector() as sel:
-                sel.register(fd, selectors.EVENT_READ)
-                ready = sel.select(max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise HostError(f"{self._host.name}: no answer after {timeout:g} s")
-            data = os.read(fd, _CHUNK)
-            if not data:
-                break
-            self._buf += data
-        if not self._buf:
-            return None
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line.decode("utf-8", "replace")
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            if not sel.select(max(0.0, deadline - time.monotonic())):
+                return None
+        return os.read(fd, _CHUNK)
 
     def close(self, timeout: float = 10) -> int:
         try:
@@ -521,25 +527,17 @@ class _SshProcess(Process):
     def __init__(self, host: "SshHost", command: str):
         self._host = host
         self._chan = host._open_channel(command)
-        self._buf = b""
 
-    def read_line(self, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
+    def _read_chunk(self, deadline: float) -> bytes | None:
+        while True:
             if self._chan.recv_ready():
-                self._buf += self._chan.recv(_CHUNK)
-            elif self._chan.eof_received or self._chan.closed:
-                if self._chan.recv_ready():
-                    continue
-                break
-            elif time.monotonic() > deadline:
-                raise HostError(f"{self._host.name}: no answer after {timeout:g} s")
-            else:
-                time.sleep(0.005)
-        if not self._buf:
-            return None
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line.decode("utf-8", "replace")
+                return self._chan.recv(_CHUNK)
+            if self._chan.eof_received or self._chan.closed:
+                # data can arrive between the two checks: look once more before calling it the end
+                return self._chan.recv(_CHUNK) if self._chan.recv_ready() else b""
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
 
     def close(self, timeout: float = 10) -> int:
         try:
