@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from .facts import cuda, gpu as gpufacts, system
+from .facts import read_fact, cuda, gpu as gpufacts, system
 from .gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name
 from .planner import make_plan
 from .report import size_text as _size
@@ -47,24 +47,21 @@ class HostFacts(BaseModel):
     machine: Optional[str] = None
 
 
-def _out(host, command: str) -> str:
-    return host.run(command, check=False, stream=False).stdout
-
 
 def _gpu_facts(host) -> gpufacts.GpuFacts:
     """NVML through the probe when the host has Python, nvidia-smi's CSV otherwise."""
     remote = f"/tmp/voltaforge-gpu-probe-{secrets.token_hex(6)}.py"
     try:
         host.put(str(gpufacts.GPU_PROBE_PATH), remote)
-        probed = gpufacts.parse_gpu_probe_json(_out(host, gpufacts.gpu_probe_command(remote)))
+        probed = gpufacts.parse_gpu_probe_json(read_fact(host, gpufacts.gpu_probe_command(remote)))
     finally:
         host.run(f"rm -f {remote}", check=False, stream=False)
     if probed.available:
         return probed
-    csv = gpufacts.parse_nvidia_smi_csv(_out(host, gpufacts.NVIDIA_SMI_CSV_COMMAND))
+    csv = gpufacts.parse_nvidia_smi_csv(read_fact(host, gpufacts.NVIDIA_SMI_CSV_COMMAND))
     if csv.needs_legacy_query:
         csv = gpufacts.parse_nvidia_smi_csv(
-            _out(host, gpufacts.NVIDIA_SMI_CSV_LEGACY_COMMAND), gpufacts.QUERY_FIELDS_LEGACY
+            read_fact(host, gpufacts.NVIDIA_SMI_CSV_LEGACY_COMMAND), gpufacts.QUERY_FIELDS_LEGACY
         )
     if csv.available:
         return csv
@@ -75,17 +72,17 @@ def gather(host, prefix: str, model_dir: str) -> HostFacts:
     """Read every fact preflight judges. Read-only: nothing on the host changes."""
     return HostFacts(
         host=host.name,
-        os=system.parse_os_release(_out(host, system.OS_RELEASE_COMMAND)),
+        os=system.parse_os_release(read_fact(host, system.OS_RELEASE_COMMAND)),
         gpus=_gpu_facts(host),
-        toolkits=cuda.parse_toolkits(_out(host, cuda.TOOLKITS_COMMAND)),
-        gcc=cuda.parse_gcc_version(_out(host, cuda.GCC_VERSION_COMMAND)),
-        gxx11=cuda.parse_gcc_version(_out(host, cuda.GXX11_VERSION_COMMAND)),
-        python=system.parse_python_version(_out(host, system.PYTHON_VERSION_COMMAND)),
-        disk=system.parse_df(_out(host, system.disk_free_command([prefix, model_dir]))),
-        memory=system.parse_meminfo(_out(host, system.MEMINFO_COMMAND)),
-        systemd=system.parse_systemd(_out(host, system.SYSTEMD_COMMAND)),
-        nproc=system.parse_nproc(_out(host, system.NPROC_COMMAND)),
-        machine=system.parse_uname_machine(_out(host, system.UNAME_MACHINE_COMMAND)),
+        toolkits=cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND)),
+        gcc=cuda.parse_gcc_version(read_fact(host, cuda.GCC_VERSION_COMMAND)),
+        gxx11=cuda.parse_gcc_version(read_fact(host, cuda.GXX11_VERSION_COMMAND)),
+        python=system.parse_python_version(read_fact(host, system.PYTHON_VERSION_COMMAND)),
+        disk=system.parse_df(read_fact(host, system.disk_free_command([prefix, model_dir]))),
+        memory=system.parse_meminfo(read_fact(host, system.MEMINFO_COMMAND)),
+        systemd=system.parse_systemd(read_fact(host, system.SYSTEMD_COMMAND)),
+        nproc=system.parse_nproc(read_fact(host, system.NPROC_COMMAND)),
+        machine=system.parse_uname_machine(read_fact(host, system.UNAME_MACHINE_COMMAND)),
     )
 
 

@@ -16,7 +16,7 @@ import shlex
 from typing import Optional
 
 from .errors import HostError, VoltaforgeError
-from .facts import cuda, system
+from .facts import read_fact, cuda, system
 from .ops import EnsureDirectory, EnsureFile, Operation, host_lock, render_report, run_ops
 from .recipe import Toolchain
 
@@ -25,9 +25,6 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 NVIDIA_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/x86_64/cuda-keyring_1.1-1_all.deb"
 APT_ENV = "DEBIAN_FRONTEND=noninteractive"
 
-
-def _out(host, cmd: str) -> str:
-    return host.run(cmd, check=False, stream=False).stdout
 
 
 def nonfree_sources(mirror: str = DEBIAN_MIRROR) -> str:
@@ -52,18 +49,18 @@ class EnsureCudaToolkit(Operation):
         self._added_sources = False
 
     def check(self, host) -> list[str]:
-        toolkits = cuda.parse_toolkits(_out(host, cuda.TOOLKITS_COMMAND))
+        toolkits = cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))
         have = [t for t in toolkits if t.kind == "nvcc" and t.release == self.release]
         if have:
             self.reason = f"CUDA {self.release[0]}.{self.release[1]} already at {have[0].path}"
             return []
-        os = system.parse_os_release(_out(host, system.OS_RELEASE_COMMAND))
+        os = system.parse_os_release(read_fact(host, system.OS_RELEASE_COMMAND))
         rel = f"{self.release[0]}.{self.release[1]}"
         if os.id == "debian" and os.version_id == "12" and self.release == (11, 8):
             cmds = []
-            enabled = _out(host, "grep -rlsE '(^Components:.*|^deb .*)non-free' /etc/apt/sources.list /etc/apt/sources.list.d/ || true").strip()
+            enabled = read_fact(host, "grep -rlsE '(^Components:.*|^deb .*)non-free' /etc/apt/sources.list /etc/apt/sources.list.d/ || true").strip()
             if not enabled:
-                mirror = _out(host, "sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1").strip()
+                mirror = read_fact(host, "sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1").strip()
                 if not mirror.startswith(("http://", "https://")) or any(c in mirror for c in " '\"$`\\;"):
                     mirror = DEBIAN_MIRROR
                 cmds.append(f"printf %s {shlex.quote(nonfree_sources(mirror))} > {NONFREE_SOURCES}")
@@ -139,7 +136,7 @@ class EnsureTorch(Operation):
         self.name = f"Ensure torch {tc.torch} is installed in the venv"
 
     def check(self, host) -> list[str]:
-        installed = _out(host, TORCH_VERSION_CMD.format(venv=shlex.quote(self.venv))).strip()
+        installed = read_fact(host, TORCH_VERSION_CMD.format(venv=shlex.quote(self.venv))).strip()
         if installed == self.tc.torch:
             self.reason = f"torch {installed} already installed"
             return []
@@ -155,10 +152,10 @@ class EnsureToolchainLock(Operation):
         self.name = f"Ensure {self.path} records the toolchain"
 
     def content(self, host) -> bytes:
-        toolkits = cuda.parse_toolkits(_out(host, cuda.TOOLKITS_COMMAND))
+        toolkits = cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))
         rel = tuple(int(x) for x in self.tc.cuda.split("."))
         nvcc = next((t for t in toolkits if t.kind == "nvcc" and t.release == rel), None)
-        torch = _out(host, TORCH_VERSION_CMD.format(venv=shlex.quote(self.venv))).strip()
+        torch = read_fact(host, TORCH_VERSION_CMD.format(venv=shlex.quote(self.venv))).strip()
         lock = {
             "cuda": {"release": self.tc.cuda, "nvcc": nvcc.path if nvcc else None, "version": nvcc.version if nvcc else None},
             "torch": {"version": torch or None, "index": self.tc.torch_index, "find_links": self.tc.torch_find_links},
