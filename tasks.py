@@ -33,7 +33,7 @@ def _run(fn, *args, **kwargs) -> None:
 )
 def plan(c, recipe=None, gpu=None, model_config=None, ctx=None, parallel=1, quant=None, json=False):
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
-    from playbooks.plan_cmd import run_plan
+    from playbooks.cli.plan import run_plan
 
     _run(run_plan, recipe=recipe, gpu=gpu, model_config=model_config,
          ctx=int(ctx) if ctx is not None else None, parallel=int(parallel), quant=quant, as_json=json)
@@ -49,7 +49,7 @@ def plan(c, recipe=None, gpu=None, model_config=None, ctx=None, parallel=1, quan
 )
 def preflight(c, host, recipe=None, json=False, inventory="inventory.yaml"):
     """Read a host's facts and judge them: each check with a fix; non-zero exit when blocked."""
-    from playbooks.preflight import run_preflight
+    from playbooks.steps.preflight import run_preflight
 
     _run(run_preflight, host, recipe=recipe, as_json=json, inventory=inventory)
 
@@ -64,7 +64,7 @@ def preflight(c, host, recipe=None, json=False, inventory="inventory.yaml"):
 )
 def toolchain(c, host, recipe=None, dry_run=False, inventory="inventory.yaml"):
     """Install the pinned CUDA toolkit and a venv with the pinned torch, idempotently."""
-    from playbooks.toolchain import run_toolchain
+    from playbooks.steps.toolchain import run_toolchain
 
     _run(run_toolchain, host, recipe=recipe, dry_run=dry_run, inventory=inventory)
 

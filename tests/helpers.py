@@ -27,7 +27,7 @@ def _entry(host) -> dict:
 
 def spec_for(host, name: str = "test-host"):
     """A HostSpec for a test host (sshd_host, nspawn_host, ...)."""
-    from playbooks.inventory import HostSpec
+    from playbooks.config.inventory import HostSpec
 
     return HostSpec(name=name, **_entry(host))
 

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from playbooks.buildenv import build_env, pick_toolkit
+from playbooks.steps.buildenv import build_env, pick_toolkit
 from playbooks.errors import VoltaforgeError
 from playbooks.facts.cuda import TOOLKITS_COMMAND, parse_cuobjdump_list_elf, parse_nvcc_error, parse_toolkits
 

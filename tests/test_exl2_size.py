@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.exl2_size import estimate_exl2, head_bits_per_weight
-from playbooks.model_config import load_config_file
+from playbooks.plan.exl2_size import estimate_exl2, head_bits_per_weight
+from playbooks.plan.model_config import load_config_file
 from tests.helpers import ROOT
 
 ROWS = yaml.safe_load((Path(__file__).parent / "data/published_exl2_sizes.yaml").read_text())

@@ -25,7 +25,7 @@ from playbooks.facts.gpu import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-PROBE = REPO / "playbooks" / "probes" / "gpu_probe.py"
+PROBE = REPO / "playbooks" / "facts" / "probes" / "gpu_probe.py"
 
 
 

@@ -6,8 +6,8 @@ import pytest
 import yaml
 from gguf import GGMLQuantizationType as T
 
-from playbooks.gguf_size import assign_types, estimate_gguf
-from playbooks.model_config import load_config_file, shape_from_config
+from playbooks.plan.gguf_size import assign_types, estimate_gguf
+from playbooks.plan.model_config import load_config_file, shape_from_config
 from tests.helpers import ROOT
 
 PUBLISHED = yaml.safe_load((Path(__file__).parent / "data/published_gguf_sizes.yaml").read_text())

@@ -1,4 +1,4 @@
-"""playbooks/hosts.py against real hosts: this machine (LocalHost) and a private sshd (SshHost).
+"""playbooks/host/hosts.py against real hosts: this machine (LocalHost) and a private sshd (SshHost).
 
 Failure tests make the fault for real (an empty known_hosts, a regenerated host key, a closed
 port, a name under the reserved .invalid TLD, a sudo that wants a password, an sshd killed
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from playbooks.errors import HostError
-from playbooks.hosts import (
+from playbooks.host.hosts import (
     LocalHost,
     Printer,
     SshHost,
@@ -26,7 +26,7 @@ from playbooks.hosts import (
     connect,
     write_file_command,
 )
-from playbooks.inventory import HostSpec
+from playbooks.config.inventory import HostSpec
 from tests import helpers
 from testhosts import _descendants, free_port
 

@@ -3,7 +3,7 @@
 import pytest
 
 from playbooks.errors import RecipeError
-from playbooks.inventory import load_inventory, resolve_host
+from playbooks.config.inventory import load_inventory, resolve_host
 
 
 def test_inventory_entry(tmp_path):

@@ -1,4 +1,4 @@
-"""playbooks/ops.py: every operation converges, then is a no-op that says why.
+"""playbooks/host/ops.py: every operation converges, then is a no-op that says why.
 
 Each operation runs on real hosts (this machine, a private sshd, a Debian 12 container for
 sudo): dry run first (prints the commands, changes nothing: checked on the filesystem), then
@@ -20,8 +20,8 @@ import pytest
 from rich.console import Console
 
 from playbooks.errors import HostError
-from playbooks.hosts import LocalHost, connect
-from playbooks.ops import (
+from playbooks.host.hosts import LocalHost, connect
+from playbooks.host.ops import (
     LOCK_NAME,
     Change,
     EnsureDirectory,

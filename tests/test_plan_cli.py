@@ -8,9 +8,9 @@ import sys
 import pytest
 import yaml
 
-from playbooks.gpus import MIB
-from playbooks.model_config import shape_from_config
-from playbooks.planner import llamacpp_compute_buffer_bytes
+from playbooks.plan.gpus import MIB
+from playbooks.plan.model_config import shape_from_config
+from playbooks.plan.planner import llamacpp_compute_buffer_bytes
 from tests.helpers import ROOT, fixture_body
 
 INVOKE = [sys.executable, "-m", "invoke"]
@@ -97,7 +97,7 @@ def test_compute_buffer_estimate_against_real_load_logs(entry):
 
 
 def test_kv_buffer_of_a_real_v100_load_log():
-    from playbooks.kv_cache import llamacpp_kv_bytes
+    from playbooks.plan.kv_cache import llamacpp_kv_bytes
 
     log = fixture_body("llamacpp-load-v100-pcie-16gb-full-offload-b4916.log")
     kv = float(re.search(r"CUDA0 KV buffer size =\s+([\d.]+) MiB", log).group(1)) * MIB

@@ -4,10 +4,10 @@ from fractions import Fraction
 
 import pytest
 
-from playbooks.gpus import MIB, get_gpu
-from playbooks.kv_cache import exl2_kv_bytes_per_token, kv_bytes_per_token, llamacpp_kv_bytes_per_token
-from playbooks.model_config import load_config_file
-from playbooks.planner import Serving, evaluate, mbu, roofline_tok_s
+from playbooks.plan.gpus import MIB, get_gpu
+from playbooks.plan.kv_cache import exl2_kv_bytes_per_token, kv_bytes_per_token, llamacpp_kv_bytes_per_token
+from playbooks.plan.model_config import load_config_file
+from playbooks.plan.planner import Serving, evaluate, mbu, roofline_tok_s
 from tests.helpers import ROOT
 
 SEED = ROOT / "recipes/models/seed-stated-shape.config.json"
@@ -49,7 +49,7 @@ def test_mbu_inverts_roofline():
 
 
 def test_declared_head_dim_wins_over_hidden_over_heads():
-    from playbooks.model_config import shape_from_config
+    from playbooks.plan.model_config import shape_from_config
 
     # Gemma-2-27B: hidden 4608 / 32 heads would be 144, but it declares head_dim 128
     shape = shape_from_config({
@@ -69,7 +69,7 @@ def test_budget_sums_its_parts(seed):
 
 
 def test_llamacpp_pads_the_context_to_256_cells(seed):
-    from playbooks.kv_cache import llamacpp_kv_bytes
+    from playbooks.plan.kv_cache import llamacpp_kv_bytes
 
     assert llamacpp_kv_bytes(seed, 4000) == llamacpp_kv_bytes(seed, 4096) == 512 * MIB
 
@@ -77,8 +77,8 @@ def test_llamacpp_pads_the_context_to_256_cells(seed):
 def test_gemma2_sliding_window_layers_hold_only_the_window():
     """llama.cpp (models/gemma2.cpp, llama-kv-cache-iswa.cpp): every even layer of Gemma 2 is
     a sliding-window layer holding min(n_ctx, 4096 + n_ubatch) cells, padded to 256."""
-    from playbooks.kv_cache import llamacpp_kv_bytes, llamacpp_kv_cells
-    from playbooks.model_config import load_config_file
+    from playbooks.plan.kv_cache import llamacpp_kv_bytes, llamacpp_kv_cells
+    from playbooks.plan.model_config import load_config_file
     from tests.helpers import ROOT
 
     g = load_config_file(ROOT / "recipes/models/gemma-2-27b-it.config.json")
@@ -91,10 +91,10 @@ def test_gemma2_sliding_window_layers_hold_only_the_window():
 
 
 def test_a_draft_model_costs_its_weights_and_its_own_cache(seed):
-    from playbooks.gguf_size import estimate_gguf
-    from playbooks.kv_cache import llamacpp_kv_bytes
-    from playbooks.model_config import shape_from_config
-    from playbooks.planner import DraftPlan
+    from playbooks.plan.gguf_size import estimate_gguf
+    from playbooks.plan.kv_cache import llamacpp_kv_bytes
+    from playbooks.plan.model_config import shape_from_config
+    from playbooks.plan.planner import DraftPlan
 
     draft = shape_from_config({  # a Qwen2.5-0.5B-shaped draft, same vocabulary
         "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,

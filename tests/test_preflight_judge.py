@@ -3,8 +3,8 @@ machine's real CUDA 13 + 11.8 pair). Gathering over real SSH is in test_prefligh
 
 
 from playbooks.facts import cuda, gpu, system
-from playbooks.preflight import HostFacts, judge
-from playbooks.recipe import load_recipe
+from playbooks.steps.preflight import HostFacts, judge
+from playbooks.config.recipe import load_recipe
 from tests.helpers import fixture_body
 
 GIB = 1 << 30
@@ -84,7 +84,7 @@ def test_no_systemd_blocks():
 
 
 def test_recipe_pinning_cuda_13_is_refused(tmp_path):
-    from playbooks.recipe import RECIPES_DIR
+    from playbooks.config.recipe import RECIPES_DIR
 
     r = tmp_path / "r.yaml"
     r.write_text((RECIPES_DIR / "qwen2.5-14b-v100-16gb.yaml").read_text().replace(

@@ -6,8 +6,8 @@ import textwrap
 import pytest
 
 from playbooks.errors import RecipeError
-from playbooks.plan_cmd import plan_recipe, run_plan
-from playbooks.recipe import RECIPES_DIR, list_recipes, load_recipe
+from playbooks.cli.plan import plan_recipe, run_plan
+from playbooks.config.recipe import RECIPES_DIR, list_recipes, load_recipe
 
 SHIPPED = [p.stem for p in list_recipes()]
 
@@ -207,7 +207,7 @@ def test_defaults_file_and_schema_defaults_agree():
     they must be the same values, so where a recipe lives does not change what it means."""
     import yaml
 
-    from playbooks.recipe import Recipe
+    from playbooks.config.recipe import Recipe
 
     defaults = yaml.safe_load((RECIPES_DIR / "defaults.yaml").read_text())
 

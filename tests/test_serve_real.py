@@ -8,10 +8,10 @@ import time
 import pytest
 import yaml
 
-from playbooks.hosts import connect
-from playbooks.recipe import load_recipe
-from playbooks.tinymodel import write_tiny_llama
-from playbooks.units import ServerLayout, render_llama_server_unit
+from playbooks.host.hosts import connect
+from playbooks.config.recipe import load_recipe
+from playbooks.weights.tinymodel import write_tiny_llama
+from playbooks.steps.units import ServerLayout, render_llama_server_unit
 from tests import llamacpp_tools
 from tests.helpers import ROOT, spec_for
 

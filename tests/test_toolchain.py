@@ -10,11 +10,11 @@ import os
 
 import pytest
 
-from playbooks.hosts import connect
-from playbooks.inventory import resolve_host
-from playbooks.ops import run_ops
-from playbooks.recipe import load_recipe
-from playbooks.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, run_toolchain, toolchain_ops
+from playbooks.host.hosts import connect
+from playbooks.config.inventory import resolve_host
+from playbooks.host.ops import run_ops
+from playbooks.config.recipe import load_recipe
+from playbooks.steps.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, run_toolchain, toolchain_ops
 from tests.helpers import inventory_for, recipe_with, spec_for
 
 WHEELS = "/opt/wheels"

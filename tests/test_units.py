@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from playbooks.errors import VoltaforgeError
-from playbooks.recipe import list_recipes, load_recipe
-from playbooks.units import exec_line, render_llama_server_unit, systemd_quote
+from playbooks.config.recipe import list_recipes, load_recipe
+from playbooks.steps.units import exec_line, render_llama_server_unit, systemd_quote
 from tests.helpers import recipe_with, spec_for
 
 LLAMACPP = [p.stem for p in list_recipes() if load_recipe(p.stem).recipe.backend == "llamacpp"]
@@ -81,7 +81,7 @@ TRICKY = ["plain", "with space", 'say "hi"', "100% sure", "$HOME and ${PATH}", "
 def test_quoting_survives_a_real_systemd(nspawn_host):
     """systemd in the booted container parses the rendered ExecStart; printf gets each
     argument back exactly (one per line in the journal)."""
-    from playbooks.hosts import connect
+    from playbooks.host.hosts import connect
 
     unit = "[Unit]\nDescription=vf quoting probe\n[Service]\nType=oneshot\nExecStart=" + \
         exec_line(["/usr/bin/printf", "<%s>\\n", *TRICKY]) + "\n"

@@ -586,7 +586,7 @@ def parse_nvidia_smi_q(text: str) -> GpuFacts:
 # --------------------------------------------------------------------------- NVML probe
 
 # The standalone probe script (stdlib + optional pynvml), shipped as package data.
-GPU_PROBE_PATH = Path(__file__).resolve().parent.parent / "probes" / "gpu_probe.py"
+GPU_PROBE_PATH = Path(__file__).resolve().parent / "probes" / "gpu_probe.py"
 GPU_PROBE = GPU_PROBE_PATH
 _PROBE_NO_PYTHON = '{"source": "none", "reason": "python3 not found"}'
 

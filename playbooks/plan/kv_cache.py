@@ -12,7 +12,7 @@ from fractions import Fraction
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from .model_config import ModelShape
+from playbooks.plan.model_config import ModelShape
 
 # bytes per cached element, as exact fractions, for (K, V)
 LLAMACPP_CACHE_TYPES: dict[str, T] = {

@@ -1,6 +1,6 @@
 """The pinned toolchain: CUDA 11.8 and a project venv with torch pinned (`invoke toolchain`).
 
-Each piece is an Operation (playbooks/ops.py): it reads the host, decides, and returns the
+Each piece is an Operation (playbooks/host/ops.py): it reads the host, decides, and returns the
 commands that close the gap, so a second run changes nothing and --dry-run shows the apt
 and pip lines without running them.
 
@@ -15,10 +15,10 @@ import json
 import shlex
 from typing import Optional
 
-from .errors import HostError, VoltaforgeError
-from .facts import read_fact, cuda, system
-from .ops import EnsureDirectory, EnsureFile, Operation, host_lock, render_report, run_ops
-from .recipe import Toolchain
+from playbooks.errors import HostError, VoltaforgeError
+from playbooks.facts import read_fact, cuda, system
+from playbooks.host.ops import EnsureDirectory, EnsureFile, Operation, host_lock, render_report, run_ops
+from playbooks.config.recipe import Toolchain
 
 NONFREE_SOURCES = "/etc/apt/sources.list.d/voltaforge-nonfree.sources"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -185,10 +185,10 @@ def toolchain_ops(prefix: str, tc: Toolchain, owner: Optional[str], needs_cuda: 
 
 def run_toolchain(host_name: str, recipe: Optional[str] = None, dry_run: bool = False,
                   inventory: str = "inventory.yaml") -> int:
-    from .gpus import get_gpu
-    from .hosts import connect
-    from .inventory import resolve_host
-    from .recipe import load_recipe
+    from playbooks.plan.gpus import get_gpu
+    from playbooks.host.hosts import connect
+    from playbooks.config.inventory import resolve_host
+    from playbooks.config.recipe import load_recipe
 
     spec = resolve_host(host_name, inventory)
     name = recipe or spec.recipe

@@ -14,8 +14,8 @@ import posixpath
 import shlex
 from typing import Sequence
 
-from .errors import VoltaforgeError
-from .facts.cuda import Toolkit
+from playbooks.errors import VoltaforgeError
+from playbooks.facts.cuda import Toolkit
 
 # The directories a build may use besides the toolkit's: the distribution's own, in order.
 SYSTEM_PATH = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import RecipeError
+from playbooks.errors import RecipeError
 
 # Architectures whose tensor layout the GGUF size model knows (llama.cpp's names in brackets).
 # Qwen2 carries biases on q/k/v; Qwen3 and Gemma3 have per-head q/k norms; Gemma2/3 add
@@ -72,11 +72,6 @@ class ModelShape(BaseModel):
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def parameter_count(self) -> int:
-        """Weights only (no buffers), counted from the same tensor list the GGUF model uses."""
-        from .gguf_size import model_tensors
-
-        return sum(t.n_elements for t in model_tensors(self))
 
 
 def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelShape:

@@ -18,11 +18,12 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from .facts import read_fact, cuda, gpu as gpufacts, system
-from .gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name
-from .planner import make_plan
-from .report import size_text as _size
-from .recipe import LoadedRecipe
+from playbooks.facts import read_fact, cuda, gpu as gpufacts, system
+from playbooks.plan.gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name
+from playbooks.plan.planner import make_plan
+from playbooks.plan.tensors import parameter_count
+from playbooks.cli.render import size_text as _size
+from playbooks.config.recipe import LoadedRecipe
 
 # Minimum Linux driver per CUDA major release (NVIDIA's CUDA compatibility table, minor
 # version compatibility): 11.x needs >= 450.80.02, 12.x needs >= 525.60.13.
@@ -230,7 +231,7 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
         mixed = cuda.mixed_toolkits_warning(facts.toolkits)
         if mixed:
             add(Check("mixed-toolkits", "warn", mixed,
-                      "voltaforge's build environment pins one toolkit (playbooks/buildenv.py); by hand: "
+                      "voltaforge's build environment pins one toolkit (playbooks/steps/buildenv.py); by hand: "
                       "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> CUDACXX=<nvcc> (root /usr for Debian's package)"))
         # nvcc 11.x refuses GCC > 11 (crt/host_config.h) unless a g++-11 is used
         if cuda_pin[0] == 11 and facts.gcc.major and facts.gcc.major > 11:
@@ -244,7 +245,7 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
         plan = make_plan(loaded.shape, g or get_gpu(inventory_gpu or recipe.gpu), _serving(loaded), quant=recipe.quant_name,
                          min_bpw=recipe.planner.min_bpw)
         chosen = plan.chosen
-        params = loaded.shape.parameter_count()
+        params = parameter_count(loaded.shape)
         # download (BF16, 2 bytes/param) + FP16 intermediate (2 bytes/param) + the quantized file
         need_disk = 4 * params + chosen.weights_bytes
         d = facts.disk.get(model_dir)
@@ -272,7 +273,7 @@ def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, pref
 
 
 def _serving(loaded: LoadedRecipe):
-    from .plan_cmd import serving_from_recipe
+    from playbooks.config.planning import serving_from_recipe
 
     return serving_from_recipe(loaded)
 
@@ -304,9 +305,9 @@ def render(v: Verdict, console: Console) -> None:
 
 def run_preflight(host_name: str, recipe: Optional[str] = None, as_json: bool = False,
                   inventory: str = "inventory.yaml", out=None) -> int:
-    from .hosts import connect
-    from .inventory import resolve_host
-    from .recipe import load_recipe
+    from playbooks.host.hosts import connect
+    from playbooks.config.inventory import resolve_host
+    from playbooks.config.recipe import load_recipe
 
     out = out or sys.stdout
     spec = resolve_host(host_name, inventory)

@@ -46,8 +46,8 @@ from typing import BinaryIO, TextIO, Union
 
 import paramiko
 
-from .errors import HostError
-from .inventory import HostSpec
+from playbooks.errors import HostError
+from playbooks.config.inventory import HostSpec
 
 Content = Union[bytes, BinaryIO]
 
@@ -149,13 +149,13 @@ def build_command(cmd: str, *, env: dict[str, str] | None = None, sudo: bool = F
     return " ".join(parts)
 
 
-def _check_path(path: str) -> str:
+def check_path(path: str) -> str:
     if not path.startswith("/") or path.endswith("/") or "\0" in path or "\n" in path:
         raise ValueError(f"remote path must be an absolute file path, got {path!r}")
     return posixpath.normpath(path)
 
 
-def _check_owner(owner: str | None) -> None:
+def check_owner(owner: str | None) -> None:
     if owner is not None and not _OWNER_RE.match(owner):
         raise ValueError(f"invalid owner {owner!r}: use 'user' or 'user:group'")
 
@@ -167,8 +167,8 @@ def write_file_command(path: str, mode: int, owner: str | None = None) -> str:
     created 0600 by ``mktemp``, gets its final mode/owner *before* the rename, and is removed
     by the EXIT trap on any failure (a full disk, a killed command).
     """
-    path = _check_path(path)
-    _check_owner(owner)
+    path = check_path(path)
+    check_owner(owner)
     d, base = posixpath.split(path)
     tmp = posixpath.join(d, f".{base}.vf-XXXXXX")
     steps = [

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import jinja2
 
-from .errors import VoltaforgeError
-from .gpus import get_gpu
-from .recipe import Recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.resources import resource_dir
+from playbooks.plan.gpus import get_gpu
+from playbooks.config.recipe import Recipe
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = resource_dir("templates")
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9_.@-]+\.service$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")

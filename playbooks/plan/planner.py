@@ -12,16 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .exl2_size import EXL2_BPW_LADDER, estimate_exl2, exl2_quant_name
-from .gguf_size import FILE_TYPES, estimate_gguf
-from .gpus import MIB, Gpu
-from .kv_cache import (
+from playbooks.plan.exl2_size import EXL2_BPW_LADDER, estimate_exl2, exl2_quant_name
+from playbooks.plan.gguf_size import FILE_TYPES, estimate_gguf
+from playbooks.plan.gpus import MIB, Gpu
+from playbooks.plan.kv_cache import (
     exl2_cache_scratch_bytes,
     exl2_kv_bytes_per_token,
     llamacpp_kv_bytes,
     llamacpp_kv_bytes_per_token,
 )
-from .model_config import ModelShape
+from playbooks.plan.model_config import ModelShape
+from playbooks.plan.tensors import parameter_count
 
 CTX_STEP = 256  # llama.cpp pads its KV cache to 256 cells; contexts are planned in these steps
 
@@ -177,7 +178,7 @@ def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPl
         quant=quant,
         backend="exllamav2" if quant.startswith("EXL2-") else "llamacpp",
         weights_bytes=file_b,
-        params=shape.parameter_count(),
+        params=parameter_count(shape),
         gpu_weights_bytes=gpu_w,
         streamed_bytes=streamed,
         kv_bytes_per_token=kv_tok,

@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .errors import HostError
-from .hosts import Host, _check_owner, _check_path, write_file_command
+from playbooks.errors import HostError
+from playbooks.host.hosts import Host, check_owner, check_path, write_file_command
 
 Status = Literal["changed", "ok", "failed"]
 
@@ -138,9 +138,9 @@ class EnsureDirectory(Operation):
     """A directory exists with this mode (and owner, when given)."""
 
     def __init__(self, path: str, mode: int = 0o755, owner: str | None = None, sudo: bool = False):
-        self.path = _check_path(path)
+        self.path = check_path(path)
         self.mode = _mode(mode)
-        _check_owner(owner)
+        check_owner(owner)
         self.owner, self.sudo = owner, sudo
         self.name = f"Ensure {self.path} exists"
 
@@ -171,10 +171,10 @@ class EnsureFile(Operation):
 
     def __init__(self, path: str, content: bytes, mode: int = 0o644, sudo: bool = False,
                  owner: str | None = None):
-        self.path = _check_path(path)
+        self.path = check_path(path)
         self.content = bytes(content)
         self.mode = _mode(mode)
-        _check_owner(owner)
+        check_owner(owner)
         self.owner, self.sudo = owner, sudo
         self.digest = sha256(self.content).hexdigest()
         self.name = f"Ensure {self.path} is up to date"
@@ -276,7 +276,7 @@ def host_lock(host: Host, prefix: str, *, sudo: bool = False, timeout: float = 3
     Creates ``prefix`` when missing (the lock must live where every run looks). A dry run
     only reads and does not need the lock. Yields the lock path.
     """
-    prefix = _check_path(prefix)
+    prefix = check_path(prefix)
     lock = posixpath.join(prefix, LOCK_NAME)
     ql = shlex.quote(lock)
     since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -9,7 +9,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .errors import RecipeError
+from playbooks.errors import RecipeError
 
 Lines = dict[tuple, int]
 

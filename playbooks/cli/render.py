@@ -7,8 +7,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .gpus import ALIASES, GIB, MIB
-from .planner import Option, Plan
+from playbooks.plan.gpus import ALIASES, GIB, MIB
+from playbooks.plan.planner import Option, Plan
+from playbooks.plan.tensors import parameter_count
 
 
 def _gb(b: int) -> str:
@@ -59,7 +60,7 @@ def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
         "recipe": recipe,
         "model": {
             "model_type": plan.shape.model_type,
-            "parameters": plan.shape.parameter_count(),
+            "parameters": parameter_count(plan.shape),
             "layers": plan.shape.num_hidden_layers,
             "kv_heads": plan.shape.num_key_value_heads,
             "head_dim": plan.shape.head_dim,
@@ -96,7 +97,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
     s = plan.serving
     shape = plan.shape
     console.print(
-        f"[bold]{recipe or 'model'}[/]: {shape.model_type}, {_params(shape.parameter_count())} parameters, "
+        f"[bold]{recipe or 'model'}[/]: {shape.model_type}, {_params(parameter_count(shape))} parameters, "
         f"{shape.num_hidden_layers} layers, {shape.num_key_value_heads} KV heads x head_dim {shape.head_dim}"
     )
     arch = "memory budget" if plan.gpu.is_cpu else plan.gpu.sm + ("" if plan.gpu.bf16 else ", no BF16")

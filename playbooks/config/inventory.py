@@ -12,9 +12,9 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import RecipeError
-from .gpus import get_gpu, gpu_names
-from .yamlfile import explain_validation, load_yaml
+from playbooks.errors import RecipeError
+from playbooks.plan.gpus import get_gpu, gpu_names
+from playbooks.config.yamlfile import explain_validation, load_yaml
 
 DEFAULT_INVENTORY = Path("inventory.yaml")
 DEFAULT_PREFIX = "/opt/voltaforge"

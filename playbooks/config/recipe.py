@@ -14,15 +14,16 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import RecipeError
-from .exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
-from .gguf_size import FILE_TYPES
-from .gpus import get_gpu, gpu_names
-from .kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
-from .model_config import ModelShape, load_config_file, shape_from_config
-from .yamlfile import Lines, explain_validation, line_of, load_yaml
+from playbooks.errors import RecipeError
+from playbooks.resources import resource_dir
+from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
+from playbooks.plan.gguf_size import FILE_TYPES
+from playbooks.plan.gpus import get_gpu, gpu_names
+from playbooks.plan.kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
+from playbooks.plan.model_config import ModelShape, load_config_file, shape_from_config
+from playbooks.config.yamlfile import Lines, explain_validation, line_of, load_yaml
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = resource_dir("recipes")
 DEFAULTS_FILE = "defaults.yaml"
 # llama.cpp (common/speculative.cpp): a draft's vocabulary may differ from the target's by at
 # most this many tokens before speculative decoding refuses it.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from .errors import VoltaforgeError
+from playbooks.errors import VoltaforgeError
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -8,48 +8,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .errors import VoltaforgeError
-from .exl2_size import EXL2_BPW_RANGE, exl2_quant_name
-from .gpus import get_gpu
-from .model_config import load_config_file
-from .planner import DraftPlan, Plan, Serving, make_plan, quant_names, serving_for
-from .recipe import LoadedRecipe, load_recipe
-from .report import plan_json, render_plan
-
-
-def serving_from_recipe(loaded: LoadedRecipe, context: int | None = None) -> Serving:
-    r = loaded.recipe
-    return Serving(
-        backend=r.backend,
-        context=context or r.context,
-        parallel=r.parallel,
-        cache_k=r.cache.k,
-        cache_v=r.cache.v,
-        flash_attn=r.flash_attn,
-        n_ubatch=r.planner.n_ubatch,
-        cuda_context_mib=r.planner.cuda_context_mib,
-        margin_mib=r.planner.margin_mib,
-        imatrix=r.planner.imatrix,
-        head_bits=r.quant.head_bits if not isinstance(r.quant, str) else 6,
-    )
-
-
-def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, context: int | None = None) -> Plan:
-    r = loaded.recipe
-    draft = DraftPlan(loaded.draft_shape, r.draft.quant) if r.draft and loaded.draft_shape else None
-    plan = make_plan(
-        loaded.shape,
-        get_gpu(gpu or r.gpu),
-        serving_from_recipe(loaded, context),
-        quant=r.quant_name,
-        draft=draft,
-        min_bpw=r.planner.min_bpw,
-    )
-    if r.model.repo and not r.model.pinned:
-        plan.notes.append(
-            f"model.revision {r.model.revision!r} is not a commit sha: provisioning records the sha it resolves to"
-        )
-    return plan
+from playbooks.errors import VoltaforgeError
+from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
+from playbooks.plan.gpus import get_gpu
+from playbooks.plan.model_config import load_config_file
+from playbooks.plan.planner import DraftPlan, Plan, Serving, make_plan, quant_names, serving_for
+from playbooks.config.recipe import LoadedRecipe, load_recipe
+from playbooks.config.planning import plan_recipe, serving_from_recipe
+from playbooks.cli.render import plan_json, render_plan
 
 
 def _normalize_quant(quant: str) -> str:

@@ -1,0 +1,1 @@
+"""The CLI edge: Invoke tasks, flag checking, rendering for people."""

@@ -1,0 +1,1 @@
+"""Recipes and inventory: YAML files validated with pydantic, errors with file:line."""

@@ -1,0 +1,1 @@
+"""Model weights: the generated tiny model (later: fetch, convert, quantize)."""
