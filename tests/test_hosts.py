@@ -18,14 +18,8 @@ import time
 import pytest
 
 from playbooks.errors import HostError
-from playbooks.host.hosts import (
-    LocalHost,
-    Printer,
-    SshHost,
-    build_command,
-    connect,
-    write_file_command,
-)
+from playbooks.host import LocalHost, Printer, SshHost, connect
+from playbooks.host.commands import build_command, write_file_command
 from playbooks.config.inventory import HostSpec
 from tests import helpers
 from testhosts import _descendants, free_port

@@ -20,18 +20,11 @@ import pytest
 from rich.console import Console
 
 from playbooks.errors import HostError
-from playbooks.host.hosts import LocalHost, connect
-from playbooks.host.ops import (
-    LOCK_NAME,
-    Change,
-    EnsureDirectory,
-    EnsureFile,
-    FileStat,
-    host_lock,
-    parse_stat,
-    render_report,
-    run_ops,
-)
+from playbooks.host import LocalHost, connect
+from playbooks.cli.render import render_report
+from playbooks.facts.files import FileStat, parse_stat
+from playbooks.host.lock import LOCK_NAME, host_lock
+from playbooks.host.ops import Change, EnsureDirectory, EnsureFile, run_ops
 from test_hosts import spec_for
 
 
@@ -90,7 +83,7 @@ def test_ensure_directory(target, capsys):
 
     dry = run_ops(host, [op], dry_run=True)
     assert statuses(dry) == [("changed", "dry run: would run 1 command (directory is missing)")]
-    assert dry[0].commands == [f"mkdir -p -m 0750 -- {path}"]
+    assert list(dry[0].commands) == [f"mkdir -p -m 0750 -- {path}"]
     assert f"[{host.name}] would run: mkdir -p -m 0750 -- {path}" in capsys.readouterr().out
     assert not (base / "opt").exists()
 
@@ -194,7 +187,7 @@ def test_ops_with_sudo_on_a_systemd_host(nspawn_host):
             assert not host.exists(etc)
             first = run_ops(host, ops)
             assert statuses(first) == [("changed", "directory is missing"), ("changed", "file is missing")]
-            assert first[0].commands == [f"mkdir -p -m 0750 -- {etc}", f"chown -- root:deploy {etc}"]
+            assert list(first[0].commands) == [f"mkdir -p -m 0750 -- {etc}", f"chown -- root:deploy {etc}"]
             listing = host.sudo(f"stat -c '%n %a %U:%G' {etc} {etc}/server.env", stream=False).stdout
             assert listing == f"{etc} 750 root:deploy\n{etc}/server.env 640 root:deploy\n"
             # deploy can read it through the group, not write it
@@ -320,7 +313,7 @@ def test_lock_on_local_host(tmp_path):
 def test_render_report():
     changes = [
         Change("v100-01", "Ensure /opt/voltaforge exists", "ok", "directory already exists with mode 0755"),
-        Change("v100-01", "Ensure /opt/voltaforge/[x].env is up to date", "changed", "file is missing", ["..."]),
+        Change("v100-01", "Ensure /opt/voltaforge/[x].env is up to date", "changed", "file is missing", ("...",)),
         Change("v100-02", "Ensure /opt/voltaforge exists", "failed", "no space left on device at /opt/voltaforge/f"),
     ]
     console = Console(file=io.StringIO(), width=200, color_system=None)

@@ -6,7 +6,8 @@ import textwrap
 import pytest
 
 from playbooks.errors import RecipeError
-from playbooks.cli.plan import plan_recipe, run_plan
+from playbooks.cli.plan import run_plan
+from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import RECIPES_DIR, list_recipes, load_recipe
 
 SHIPPED = [p.stem for p in list_recipes()]

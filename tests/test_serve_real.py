@@ -8,7 +8,7 @@ import time
 import pytest
 import yaml
 
-from playbooks.host.hosts import connect
+from playbooks.host import connect
 from playbooks.config.recipe import load_recipe
 from playbooks.weights.tinymodel import write_tiny_llama
 from playbooks.steps.units import ServerLayout, render_llama_server_unit

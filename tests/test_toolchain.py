@@ -10,11 +10,12 @@ import os
 
 import pytest
 
-from playbooks.host.hosts import connect
+from playbooks.host import connect
 from playbooks.config.inventory import resolve_host
 from playbooks.host.ops import run_ops
 from playbooks.config.recipe import load_recipe
-from playbooks.steps.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, run_toolchain, toolchain_ops
+from playbooks.cli.toolchain import run_toolchain
+from playbooks.steps.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, toolchain_ops
 from tests.helpers import inventory_for, recipe_with, spec_for
 
 WHEELS = "/opt/wheels"
@@ -121,7 +122,7 @@ def test_cuda_install_dry_run_on_ubuntu_uses_nvidias_repository(as_ubuntu):
         assert not host.exists("/tmp/cuda-keyring.deb")
     c = changes[0]
     assert c.status == "changed" and "ubuntu2204" in c.why
-    assert c.commands == [
+    assert list(c.commands) == [
         "curl -fsSL -o /tmp/cuda-keyring.deb https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64/cuda-keyring_1.1-1_all.deb",
         "dpkg -i /tmp/cuda-keyring.deb",
         "apt-get update -qq",

@@ -81,7 +81,7 @@ TRICKY = ["plain", "with space", 'say "hi"', "100% sure", "$HOME and ${PATH}", "
 def test_quoting_survives_a_real_systemd(nspawn_host):
     """systemd in the booted container parses the rendered ExecStart; printf gets each
     argument back exactly (one per line in the journal)."""
-    from playbooks.host.hosts import connect
+    from playbooks.host import connect
 
     unit = "[Unit]\nDescription=vf quoting probe\n[Service]\nType=oneshot\nExecStart=" + \
         exec_line(["/usr/bin/printf", "<%s>\\n", *TRICKY]) + "\n"

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional, TextIO
 
-from rich.console import Console
-
+from playbooks.cli.flags import UsageError
+from playbooks.cli.render import console, plan_json, render_plan
+from playbooks.config.planning import plan_recipe
+from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.model_config import load_config_file
-from playbooks.plan.planner import DraftPlan, Plan, Serving, make_plan, quant_names, serving_for
-from playbooks.config.recipe import LoadedRecipe, load_recipe
-from playbooks.config.planning import plan_recipe, serving_from_recipe
-from playbooks.cli.render import plan_json, render_plan
+from playbooks.plan.planner import Serving, make_plan, quant_names, serving_for
 
 
 def _normalize_quant(quant: str) -> str:
@@ -33,23 +33,25 @@ def _normalize_quant(quant: str) -> str:
 
 
 def run_plan(
-    recipe: str | None = None,
-    gpu: str | None = None,
-    model_config: str | None = None,
-    ctx: int | None = None,
-    parallel: int = 1,
-    quant: str | None = None,
+    recipe: Optional[str] = None,
+    gpu: Optional[str] = None,
+    model_config: Optional[str] = None,
+    ctx: Optional[int] = None,
+    parallel: Optional[int] = None,
+    quant: Optional[str] = None,
     as_json: bool = False,
-    out=None,
+    out: Optional[TextIO] = None,
 ) -> int:
     """Returns the exit code: 0 when the planned configuration fits, 1 when it does not."""
     out = out or sys.stdout
     if bool(recipe) == bool(model_config):
-        raise VoltaforgeError("give either --recipe NAME or --model-config path/to/config.json")
+        raise UsageError("give either --recipe NAME or --model-config path/to/config.json")
     if ctx is not None and ctx <= 0:
         raise VoltaforgeError(f"--ctx must be a positive number of tokens, got {ctx}")
     if recipe and quant:
-        raise VoltaforgeError("--quant goes with --model-config; a recipe names its own quant")
+        raise UsageError("--quant goes with --model-config; a recipe names its own quant")
+    if recipe and parallel:
+        raise UsageError("--parallel goes with --model-config; a recipe names its own slots")
     if recipe:
         loaded = load_recipe(recipe)
         if ctx and ctx > loaded.shape.max_position_embeddings:
@@ -59,7 +61,7 @@ def run_plan(
         plan = plan_recipe(loaded, gpu, ctx)
         label = loaded.recipe.name
     else:
-        shape = load_config_file(Path(model_config))
+        shape = load_config_file(Path(str(model_config)))
         context = ctx or min(4096, shape.max_position_embeddings)
         if context > shape.max_position_embeddings:
             raise VoltaforgeError(
@@ -68,12 +70,12 @@ def run_plan(
         quant = _normalize_quant(quant or "Q4_K_M")
         if quant not in quant_names() and not quant.startswith("EXL2-"):
             raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
-        serving = serving_for(quant, Serving(context=context, parallel=parallel))
+        serving = serving_for(quant, Serving(context=context, parallel=parallel or 1))
         plan = make_plan(shape, get_gpu(gpu or "v100-16gb"), serving, quant=quant)
         label = str(model_config)
     if as_json:
         out.write(json.dumps(plan_json(plan, label), indent=2) + "\n")
     else:
-        render_plan(plan, Console(file=out, width=120), label)
+        render_plan(plan, console(out), label)
     fits = plan.chosen.fits if plan.chosen else plan.recommendation is not None or plan.best_quality is not None
     return 0 if fits else 1

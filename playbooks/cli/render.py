@@ -1,23 +1,33 @@
-"""Rendering plans: a rich table for people, JSON for tools. No computation here."""
+"""Everything voltaforge shows people: plans, preflight verdicts, operation reports.
+
+One module, one console factory. Rich tables for people, JSON for tools; no computation here.
+Text that comes from a host, a recipe or a file reaches rich as ``Text`` or escaped, never as
+markup: an OS name like ``Debian [/testing]`` or a path with ``[brackets]`` is data.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import sys
+from typing import Any, Optional, Sequence, TextIO
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from playbooks.plan.gpus import ALIASES, GIB, MIB
+from playbooks.host.ops import Change
+from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
 from playbooks.plan.planner import Option, Plan
 from playbooks.plan.tensors import parameter_count
+from playbooks.steps.preflight import Verdict
+
+_gb = size_text
 
 
-def _gb(b: int) -> str:
-    """Decimal size with its unit: GB for real models, MB for the tiny ones."""
-    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
-
-
-size_text = _gb
+def console(file: Optional[TextIO] = None, width: int = 120) -> Console:
+    """The console every command prints to: a fixed width, so output is the same in a pipe."""
+    return Console(file=file or sys.stdout, width=width)
 
 
 def _gib(b: int) -> str:
@@ -97,7 +107,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
     s = plan.serving
     shape = plan.shape
     console.print(
-        f"[bold]{recipe or 'model'}[/]: {shape.model_type}, {_params(parameter_count(shape))} parameters, "
+        f"[bold]{escape(recipe or 'model')}[/]: {shape.model_type}, {_params(parameter_count(shape))} parameters, "
         f"{shape.num_hidden_layers} layers, {shape.num_key_value_heads} KV heads x head_dim {shape.head_dim}"
     )
     arch = "memory budget" if plan.gpu.is_cpu else plan.gpu.sm + ("" if plan.gpu.bf16 else ", no BF16")
@@ -150,11 +160,67 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             f"{o.roofline_tok_s:.0f}",
         )
     console.print(table)
-    console.print(f"[bold]Recommendation:[/] {plan.reason}")
+    console.print(f"[bold]Recommendation:[/] {escape(plan.reason)}")
     if plan.best_quality and plan.best_quality is not plan.recommendation:
         b = plan.best_quality
         console.print(
             f"Best quality that fits: {b.quant} ({b.bpw:.2f} bits/weight, roofline {b.roofline_tok_s:.0f} tok/s)"
         )
     for note in plan.notes:
-        console.print(f"[yellow]Note:[/] {note}")
+        console.print(f"[yellow]Note:[/] {escape(note)}")
+
+
+# ------------------------------------------------------------------------------------------
+# preflight
+# ------------------------------------------------------------------------------------------
+
+_VERDICT_STYLE = {"pass": "green", "warn": "yellow", "fail": "red"}
+
+
+def verdict_json(v: Verdict) -> dict[str, Any]:
+    return {
+        "host": v.facts.host,
+        "ok": v.ok,
+        "facts": json.loads(v.facts.model_dump_json()),
+        "checks": [c.__dict__ for c in v.checks],
+        "plan": v.plan_summary,
+    }
+
+
+def render_verdict(v: Verdict, out: Console) -> None:
+    f = v.facts
+    head = Text()
+    head.append(f.host, style="bold")
+    head.append(f": {f.os.pretty_name or 'unknown OS'}, {f.machine or '?'}, {f.nproc or '?'} CPUs, "
+                f"{(f.memory.mem_total_bytes or 0) / GIB:.1f} GiB RAM")
+    out.print(head)
+    table = Table(title=Text(f"preflight {f.host}"))
+    for col in ("check", "status", "detail", "fix"):
+        table.add_column(col, overflow="fold")
+    for c in v.checks:
+        status = c.status + (" (blocking)" if c.status == "fail" and c.blocking else "")
+        table.add_row(Text(c.name), Text(status, style=_VERDICT_STYLE[c.status]), Text(c.detail), Text(c.fix))
+    out.print(table)
+    out.print(Text("ready", style="green") if v.ok else Text("not ready: fix the blocking checks above", style="red"))
+
+
+# ------------------------------------------------------------------------------------------
+# operations
+# ------------------------------------------------------------------------------------------
+
+_CHANGE_STYLE = {"changed": "yellow", "ok": "green", "failed": "bold red"}
+
+
+def render_report(changes: Sequence[Change], out: Optional[Console] = None) -> Table:
+    """Print one table, host | step | status | why, and a count per host; returns the table."""
+    out = out or console()
+    table = Table(title="voltaforge: what changed")
+    for col in ("host", "step", "status", "why"):
+        table.add_column(col, overflow="fold")
+    for c in changes:
+        table.add_row(Text(c.host), Text(c.step), Text(c.status, style=_CHANGE_STYLE[c.status]), Text(c.why))
+    out.print(table)
+    for host in dict.fromkeys(c.host for c in changes):
+        counts = {s: sum(1 for c in changes if c.host == host and c.status == s) for s in _CHANGE_STYLE}
+        out.print(Text(f"{host}: {counts['changed']} changed, {counts['ok']} ok, {counts['failed']} failed"))
+    return table

@@ -6,6 +6,7 @@ as Fabric does. The name `local` means this machine, without SSH.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Optional
@@ -19,8 +20,22 @@ from playbooks.config.yamlfile import explain_validation, load_yaml
 DEFAULT_INVENTORY = Path("inventory.yaml")
 DEFAULT_PREFIX = "/opt/voltaforge"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_HOST_RE = re.compile(r"^[A-Za-z0-9._:-]{1,253}$")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")
 _PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]*$")
+
+
+def is_host_address(value: str) -> bool:
+    """An IP address, or a DNS name of dot-separated labels (RFC 1123; `_` tolerated as
+    ~/.ssh/config aliases use it). Anything else would fail deep in the resolver (an empty
+    label raises UnicodeError there), so it is refused here with a message."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        pass
+    if not value or len(value) > 253:
+        return False
+    return all(_LABEL_RE.match(label) for label in value.removesuffix(".").split("."))
 
 
 class HostSpec(BaseModel):
@@ -50,7 +65,7 @@ class HostSpec(BaseModel):
     @field_validator("host")
     @classmethod
     def _host(cls, v):
-        if not _HOST_RE.match(v):
+        if not is_host_address(v):
             raise ValueError("must be a host name or IP address")
         return v
 
@@ -112,7 +127,7 @@ def resolve_host(name: str, inventory: Path = DEFAULT_INVENTORY, ssh_config: Pat
     specs = load_inventory(inventory)
     if name in specs:
         return specs[name]
-    if not _HOST_RE.match(name):
+    if not is_host_address(name):
         raise RecipeError(f"host {name!r}: not in {inventory} and not a valid host name")
     import paramiko
 

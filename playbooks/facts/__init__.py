@@ -1,6 +1,28 @@
-"""Host facts: a command to run plus a pure parser of its output (pyinfra style)."""
+"""Host facts: a named command plus a pure parser of its output (pyinfra style).
+
+Every command that reads host state lives in this package, beside the parser of what it
+prints; operations and steps read facts through :func:`read_fact` and never run ad-hoc
+reads of their own. Parsers are tested on captured real output, without a host.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
 
 
-def read_fact(host, command: str) -> str:
+class _Runs(Protocol):
+    def run(self, cmd: str, *, check: bool = ..., stream: bool = ...) -> "_Output": ...
+
+
+class _Output(Protocol):
+    stdout: str
+
+
+def read_fact(host: _Runs, command: str) -> str:
     """Run a fact's read-only command quietly; its parser judges the output, even on failure."""
     return host.run(command, check=False, stream=False).stdout
+
+
+def lines(text: Optional[str]) -> list[str]:
+    """Output split into lines whatever the line endings (CRLF from some tools, CR from others)."""
+    return (text or "").replace("\r\n", "\n").replace("\r", "\n").split("\n")

@@ -20,6 +20,8 @@ from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from playbooks.facts import lines
+
 # What the commands print instead of failing when the program is missing.
 _ABSENT = re.compile(r"^voltaforge: (\S+) not found$", re.MULTILINE)
 
@@ -28,8 +30,6 @@ def _absent(program: str) -> str:
     return f"voltaforge: {program} not found"
 
 
-def _lines(text: Optional[str]) -> list[str]:
-    return (text or "").replace("\r\n", "\n").replace("\r", "\n").split("\n")
 
 
 # --------------------------------------------------------------------------- nvcc --version
@@ -70,7 +70,7 @@ def parse_nvcc_version(text: str) -> CudaToolVersion:
         return CudaToolVersion(available=False, reason=f"{m.group(1)} not found")
     tool = build = built_on = None
     release = version = None
-    for line in _lines(stripped):
+    for line in lines(stripped):
         line = line.strip()
         if tool is None and (m := _BANNER.search(line)):
             tool = m.group("tool")
@@ -82,7 +82,7 @@ def parse_nvcc_version(text: str) -> CudaToolVersion:
         if built_on is None and (m := _BUILT_ON.match(line)):
             built_on = m.group(1)
     if release is None or version is None:
-        first = next(l.strip() for l in _lines(stripped) if l.strip())
+        first = next(l.strip() for l in lines(stripped) if l.strip())
         return CudaToolVersion(available=False, tool=tool,
                                reason=f"no 'release X.Y' line in version output: {first}")
     return CudaToolVersion(
@@ -207,7 +207,7 @@ def parse_toolkits(text: str) -> list[Toolkit]:
             error=None if parsed.available else parsed.reason, **current,
         ))
 
-    for line in _lines(text):
+    for line in lines(text):
         if m := _TOOL_HEADER.match(line):
             finish()
             idx = m.group("idx")
@@ -254,7 +254,7 @@ _PTX_ENTRY = re.compile(r"^PTX file\s+\d+:\s+\S*?\.(?P<arch>(?:sm|compute)_\d+[a
 
 
 def _archs(text: str, pattern: re.Pattern[str]) -> Counter[str]:
-    return Counter(m.group("arch") for line in _lines(text) if (m := pattern.match(line.strip())))
+    return Counter(m.group("arch") for line in lines(text) if (m := pattern.match(line.strip())))
 
 
 def parse_cuobjdump_list_elf(text: str) -> set[str]:
@@ -283,7 +283,7 @@ def parse_cuobjdump_fatbin_archs(text: str) -> dict[str, set[str]]:
     {'elf': {...}, 'ptx': {...}}: the same check as --list-elf for older cuobjdump output."""
     found: dict[str, set[str]] = {"elf": set(), "ptx": set()}
     kind = None
-    for line in _lines(text):
+    for line in lines(text):
         line = line.strip()
         if m := _FATBIN_HEADER.match(line):
             kind = m.group("kind")
@@ -324,7 +324,7 @@ def parse_nvcc_error(text: str) -> list[NvccError]:
     repeated by make or by gcc's caret excerpt is reported once)."""
     errors: list[NvccError] = []
     seen: set[tuple[str, Optional[str], str]] = set()
-    for raw in _lines(text):
+    for raw in lines(text):
         line = raw.strip()
         if m := _ERR_UNSUPPORTED_ARCH.search(line):
             err = NvccError(
@@ -385,7 +385,7 @@ def parse_gcc_version(text: str) -> GccVersion:
         return GccVersion(available=False, reason="no output")
     if m := _ABSENT.search(stripped):
         return GccVersion(available=False, reason=f"{m.group(1)} not found")
-    for line in _lines(stripped):
+    for line in lines(stripped):
         line = line.strip()
         if _BARE_VERSION.match(line):
             return GccVersion(available=True, version=tuple(int(p) for p in line.split(".")))
@@ -394,7 +394,7 @@ def parse_gcc_version(text: str) -> GccVersion:
                 available=True, program=m.group("prog"), package_version=m.group("pkg"),
                 version=tuple(int(p) for p in m.group("ver").split(".")),
             )
-    return GccVersion(available=False, reason=f"unrecognised gcc output: {_lines(stripped)[0]}")
+    return GccVersion(available=False, reason=f"unrecognised gcc output: {lines(stripped)[0]}")
 
 
 def gcc_version_command(compiler: str = "gcc") -> str:

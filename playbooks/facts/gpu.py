@@ -21,6 +21,8 @@ from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from playbooks.facts import lines
+
 # --------------------------------------------------------------------------- models
 
 
@@ -228,8 +230,6 @@ def _major_minor(value: Optional[str]) -> Optional[tuple[int, int]]:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _lines(text: Optional[str]) -> list[str]:
-    return (text or "").replace("\r\n", "\n").replace("\r", "\n").split("\n")
 
 
 def _nvidia_smi_failure(text: Optional[str]) -> Optional[GpuFacts]:
@@ -239,7 +239,7 @@ def _nvidia_smi_failure(text: Optional[str]) -> Optional[GpuFacts]:
         return GpuFacts(available=False, source="none", reason="nvidia-smi printed nothing")
     if NVIDIA_SMI_ABSENT in stripped:
         return GpuFacts(available=False, source="none", reason="nvidia-smi not found")
-    for line in _lines(stripped):
+    for line in lines(stripped):
         # Driver not loaded / wrong kernel module; container without the GPU mapped in.
         if "NVIDIA-SMI has failed" in line or line.strip() == "No devices were found":
             return GpuFacts(available=False, source="nvidia-smi", reason=line.strip())
@@ -337,7 +337,7 @@ def parse_nvidia_smi_csv(text: str, fields: Optional[Sequence[str]] = QUERY_FIEL
     failure = _nvidia_smi_failure(text)
     if failure is not None:
         return failure
-    for line in _lines(text):
+    for line in lines(text):
         m = _INVALID_FIELD.search(line)
         if m:
             field = m.group(1)
@@ -349,7 +349,7 @@ def parse_nvidia_smi_csv(text: str, fields: Optional[Sequence[str]] = QUERY_FIEL
     columns = [_FIELD_ALIASES.get(f, f) for f in fields] if fields else None
     gpus: list[GpuInfo] = []
     warnings: list[str] = []
-    for line in _lines(text):
+    for line in lines(text):
         if not line.strip():
             continue
         cells = [c.strip() for c in line.split(",")]
@@ -369,7 +369,7 @@ def parse_nvidia_smi_csv(text: str, fields: Optional[Sequence[str]] = QUERY_FIEL
         gpus.append(_csv_row_to_gpu(row, len(gpus)))
 
     if not gpus:
-        first = next((l.strip() for l in _lines(text) if l.strip()), "")
+        first = next((l.strip() for l in lines(text) if l.strip()), "")
         return GpuFacts(available=False, source="nvidia-smi",
                         reason=f"no GPU rows in nvidia-smi CSV output: {first}",
                         warnings=tuple(warnings))
@@ -411,7 +411,7 @@ def parse_nvidia_smi_table(text: str) -> GpuFacts:
     gpus: list[dict] = []
     state = "header"  # header -> gpus -> done
     closed = True
-    for line in _lines(text):
+    for line in lines(text):
         stripped = line.strip()
         if state == "header":
             if driver is None and (m := _TABLE_HEADER_DRIVER.search(line)):
@@ -453,7 +453,7 @@ def parse_nvidia_smi_table(text: str) -> GpuFacts:
                 gpu.update(memory_used_mib=used, memory_total_mib=total,
                            memory_free_mib=total - used)
     if driver is None:
-        first = next((l.strip() for l in _lines(text) if l.strip()), "")
+        first = next((l.strip() for l in lines(text) if l.strip()), "")
         return GpuFacts(available=False, source="nvidia-smi",
                         reason=f"no nvidia-smi table header in output: {first}")
     infos = []
@@ -543,7 +543,7 @@ def parse_nvidia_smi_q(text: str) -> GpuFacts:
     blocks: list[tuple[Optional[str], dict[tuple[str, ...], str]]] = []
     stack: list[tuple[int, str]] = []
     warnings: list[str] = []
-    for line in _lines(text):
+    for line in lines(text):
         if not line.strip() or line.strip().startswith("====="):
             continue
         if line.lstrip().startswith("["):
@@ -609,9 +609,9 @@ def gpu_probe_command(remote_path: str) -> str:
 def parse_gpu_probe_json(text: str) -> GpuFacts:
     """Parse the probe's one JSON line (the last line starting with '{'; other lines are noise
     such as a vGPU shim's messages). Anything unreadable gives available=False."""
-    candidates = [l.strip() for l in _lines(text) if l.strip().startswith("{")]
+    candidates = [l.strip() for l in lines(text) if l.strip().startswith("{")]
     if not candidates:
-        first = next((l.strip() for l in _lines(text) if l.strip()), "")
+        first = next((l.strip() for l in lines(text) if l.strip()), "")
         return GpuFacts(available=False, source="none",
                         reason=f"GPU probe printed no JSON: {first}" if first
                         else "GPU probe printed nothing")

@@ -19,11 +19,11 @@ from typing import Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from playbooks.facts import lines
+
 _ABSENT = re.compile(r"^voltaforge: (.+) not found$", re.MULTILINE)
 
 
-def _lines(text: Optional[str]) -> list[str]:
-    return (text or "").replace("\r\n", "\n").replace("\r", "\n").split("\n")
 
 
 # --------------------------------------------------------------------------- os-release
@@ -61,7 +61,7 @@ def parse_os_release(text: str) -> OsRelease:
     if _ABSENT.search(text or ""):
         return OsRelease(available=False, reason="os-release not found")
     values: dict[str, str] = {}
-    for line in _lines(text):
+    for line in lines(text):
         m = re.match(r"^([A-Z][A-Z0-9_]*)=(.*)$", line.strip())
         if m:
             values[m.group(1)] = _unquote(m.group(2))
@@ -138,7 +138,7 @@ def parse_df(text: str) -> dict[str, DiskFree]:
             result[path] = DiskFree(path=path, existing_path=existing or path,
                                     error="; ".join(errors) or "no df output")
 
-    for line in _lines(text):
+    for line in lines(text):
         if line.startswith(DF_PATH_MARKER):
             close()
             path, existing, errors = line[len(DF_PATH_MARKER):], None, []
@@ -180,7 +180,7 @@ class MemInfo(BaseModel):
 def parse_meminfo(text: str) -> MemInfo:
     """Parse /proc/meminfo ('MemTotal:  8123456 kB'; the kernel's kB are KiB)."""
     values: dict[str, int] = {}
-    for line in _lines(text):
+    for line in lines(text):
         m = re.match(r"^(\w+(?:\(\w+\))?):\s+(\d+)(?:\s+(kB))?\s*$", line.strip())
         if m:
             values[m.group(1)] = int(m.group(2)) * (1024 if m.group(3) else 1)
@@ -223,7 +223,7 @@ def parse_python_version(text: str) -> PythonVersion:
     if _ABSENT.search(text or ""):
         return PythonVersion(available=False, reason="python3 not found")
     path = version = None
-    for line in _lines(text):
+    for line in lines(text):
         line = line.strip()
         if line.startswith("path="):
             path = line[len("path="):] or None
@@ -264,7 +264,7 @@ def parse_systemd(text: str) -> SystemdState:
     booted = False
     state: Optional[str] = None
     present = False
-    for line in _lines(text):
+    for line in lines(text):
         line = line.strip()
         if line.startswith("booted="):
             booted = line == "booted=yes"
@@ -288,7 +288,7 @@ UNAME_MACHINE_COMMAND = "uname -m 2>/dev/null || echo 'voltaforge: uname not fou
 
 def parse_nproc(text: str) -> Optional[int]:
     """CPUs available to this process (nproc honours affinity/cgroup cpusets); None if unknown."""
-    for line in _lines(text):
+    for line in lines(text):
         if re.fullmatch(r"\d+", line.strip()) and int(line.strip()) > 0:
             return int(line.strip())
     return None
@@ -303,7 +303,7 @@ def parse_uname_machine(text: str) -> Optional[str]:
     V100 hosts are x86_64 or ppc64le (IBM AC922); CUDA wheels and packages differ per arch."""
     if _ABSENT.search(text or ""):
         return None
-    for line in _lines(text):
+    for line in lines(text):
         line = line.strip()
         if re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", line):
             return _ARCH_ALIASES.get(line.lower(), line)

@@ -1,1 +1,21 @@
-"""The host layer: transports (local, SSH), the commands they run, operations and the host lock."""
+"""The host layer: transports (local, SSH), the commands they run, operations and the host lock.
+
+``connect(spec)`` is the way in: a LocalHost for ``local``, else a connected SshHost.
+"""
+
+from __future__ import annotations
+
+from playbooks.config.inventory import HostSpec
+from playbooks.host.base import Host, Process
+from playbooks.host.local import LocalHost
+from playbooks.host.output import Printer, Result
+from playbooks.host.ssh import SshHost
+
+__all__ = ["Host", "LocalHost", "Printer", "Process", "Result", "SshHost", "connect"]
+
+
+def connect(spec: HostSpec, printer: Printer | None = None) -> Host:
+    """The Host for an inventory entry: LocalHost for ``local``, else a connected SshHost."""
+    if spec.local:
+        return LocalHost(spec.name, printer)
+    return SshHost(spec, printer).open()

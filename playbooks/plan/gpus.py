@@ -88,3 +88,8 @@ def gpu_from_nvidia_name(product_name: str, memory_mib: int | None = None) -> Gp
         form = "pcie" if "pcie" in wanted else "sxm2"
         return GPUS[f"v100-{form}-{'32' if big else '16'}gb"]
     return None
+
+
+def size_text(b: int) -> str:
+    """Decimal size with its unit: GB for real models, MB for the tiny ones."""
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"

@@ -10,20 +10,19 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pydantic import BaseModel
-from rich.console import Console
-from rich.table import Table
 
-from playbooks.facts import read_fact, cuda, gpu as gpufacts, system
-from playbooks.plan.gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name
-from playbooks.plan.planner import make_plan
+from playbooks.config.planning import serving_from_recipe
+from playbooks.config.recipe import LoadedRecipe, Recipe
+from playbooks.facts import cuda, read_fact, system
+from playbooks.facts import gpu as gpufacts
+from playbooks.host.base import Host
+from playbooks.plan.gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name, size_text
+from playbooks.plan.planner import Plan, make_plan
 from playbooks.plan.tensors import parameter_count
-from playbooks.cli.render import size_text as _size
-from playbooks.config.recipe import LoadedRecipe
 
 # Minimum Linux driver per CUDA major release (NVIDIA's CUDA compatibility table, minor
 # version compatibility): 11.x needs >= 450.80.02, 12.x needs >= 525.60.13.
@@ -49,7 +48,7 @@ class HostFacts(BaseModel):
 
 
 
-def _gpu_facts(host) -> gpufacts.GpuFacts:
+def _gpu_facts(host: Host) -> gpufacts.GpuFacts:
     """NVML through the probe when the host has Python, nvidia-smi's CSV otherwise."""
     remote = f"/tmp/voltaforge-gpu-probe-{secrets.token_hex(6)}.py"
     try:
@@ -69,7 +68,7 @@ def _gpu_facts(host) -> gpufacts.GpuFacts:
     return csv.model_copy(update={"reason": f"{probed.reason}; {csv.reason}"})
 
 
-def gather(host, prefix: str, model_dir: str) -> HostFacts:
+def gather(host: Host, prefix: str, model_dir: str) -> HostFacts:
     """Read every fact preflight judges. Read-only: nothing on the host changes."""
     return HostFacts(
         host=host.name,
@@ -112,8 +111,10 @@ HOT_C = 85
 BUSY_MIB = 1024  # more than a CUDA context's worth held by someone else
 
 
-def _gpu_health(gpus, add) -> None:
+def _gpu_health(gpus: list[gpufacts.GpuInfo]) -> list[Check]:
     """Thermal/power throttling, persistence mode and memory already in use, per GPU."""
+    out: list[Check] = []
+    add = out.append
     hot = [f"GPU{g.index} {g.temperature_c} C" for g in gpus if g.temperature_c is not None and g.temperature_c >= HOT_C]
     throttled = [f"GPU{g.index}: {', '.join(g.throttling)}" for g in gpus if g.throttling]
     if hot or throttled:
@@ -130,6 +131,7 @@ def _gpu_health(gpus, add) -> None:
     if busy:
         add(Check("gpu-memory-in-use", "warn", f"memory already in use: {', '.join(busy)}",
                   "the plan assumes an empty GPU: stop the other processes (`nvidia-smi` lists them)"))
+    return out
 
 
 def _version_tuple(v: Optional[str]) -> tuple[int, ...]:
@@ -149,180 +151,185 @@ def host_gpu(facts: HostFacts) -> Optional[Gpu]:
     return known
 
 
+@dataclass(frozen=True)
+class Context:
+    """What every check may look at: the facts, the recipe (if any) and where things go."""
+
+    facts: HostFacts
+    loaded: Optional[LoadedRecipe]
+    model_dir: str
+    prefix: str
+    inventory_gpu: Optional[str]
+
+    @property
+    def recipe(self) -> Optional[Recipe]:
+        return self.loaded.recipe if self.loaded else None
+
+    @property
+    def wants_gpu(self) -> bool:
+        return self.recipe is None or not get_gpu(self.recipe.gpu).is_cpu
+
+    @property
+    def cuda_pin(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in (self.recipe.toolchain.cuda if self.recipe else "11.8").split("."))
+
+
+def check_os(cx: Context) -> list[Check]:
+    os = cx.facts.os
+    ok = os.id in ("debian", "ubuntu") and os.version_id in ("12", "20.04", "22.04")
+    return [Check("os", "pass" if ok else "warn", os.pretty_name or os.reason or "unknown",
+                  "" if ok else "voltaforge installs CUDA 11.8 on Debian 12 and Ubuntu 20.04/22.04; others need it preinstalled")]
+
+
+def check_systemd(cx: Context) -> list[Check]:
+    sd = cx.facts.systemd
+    return [Check("systemd", "pass" if sd.systemd_running else "fail", f"state {sd.state or 'absent'}",
+                  "" if sd.systemd_running else "services are systemd units: use a host booted with systemd",
+                  blocking=True)]
+
+
+def check_python(cx: Context) -> list[Check]:
+    py = cx.facts.python
+    ok = bool(py.available and py.version and py.version >= (3, 9))
+    return [Check("python", "pass" if ok else "fail",
+                  ".".join(map(str, py.version)) if py.version else (py.reason or "unknown"),
+                  "" if ok else "install python3 (>= 3.9) and python3-venv", blocking=True)]
+
+
+def check_gpu(cx: Context) -> list[Check]:
+    """GPU kind against the inventory, presence, BF16, driver, and health."""
+    facts, out = cx.facts, []
+    g = host_gpu(facts)
+    # same kind = same compute capability and nominal memory (SXM2 and PCIe V100s are alike)
+    if g is not None and cx.inventory_gpu:
+        listed = get_gpu(cx.inventory_gpu)
+        if (listed.compute_capability, listed.memory_gib) != (g.compute_capability, get_gpu(g.key).memory_gib):
+            out.append(Check("gpu-kind", "warn", f"inventory.yaml says {cx.inventory_gpu}, the host has {g.name}",
+                             "correct the host's gpu in inventory.yaml (the plan uses the GPU the host reports)"))
+    if not facts.gpus.available:
+        wants = cx.wants_gpu
+        out.append(Check("gpu", "fail" if wants else "pass",
+                         f"no NVIDIA GPU visible: {facts.gpus.reason}" + ("" if wants else " (not needed: CPU recipe)"),
+                         "install the NVIDIA driver (R580 is the last branch for Volta) and check `nvidia-smi`" if wants else "",
+                         blocking=wants))
+        return out
+    first = facts.gpus.gpus[0]
+    cc = first.compute_capability
+    detail = f"{facts.gpus.gpu_count} x {first.name}, {first.memory_total_mib} MiB, cc {cc[0]}.{cc[1]}" if cc else (first.name or "?")
+    out.append(Check("gpu", "pass", detail))
+    if cc and cc < (8, 0):
+        out.append(Check("bf16", "warn", f"compute capability {cc[0]}.{cc[1]} has no BF16",
+                         "BF16 weights are converted to FP16 (FP16-only paths can overflow for some models: the smoke gate checks text)"))
+    out.append(_driver_check(cx, cc))
+    out += _gpu_health(facts.gpus.gpus)
+    return out
+
+
+def _driver_check(cx: Context, cc: Optional[tuple[int, int]]) -> Check:
+    drv_text = cx.facts.gpus.driver_version
+    drv = _version_tuple(drv_text)
+    need = MIN_DRIVER.get(cx.cuda_pin[0])
+    pin = ".".join(map(str, cx.cuda_pin))
+    if drv and need and drv < need:
+        return Check("driver", "fail", f"driver {drv_text} is older than CUDA {pin} needs ({'.'.join(map(str, need))})",
+                     "upgrade the driver (any branch up to R580 runs CUDA 11.8 binaries)", blocking=True)
+    if drv and cc and cc == (7, 0) and drv[0] > LAST_VOLTA_DRIVER_BRANCH:
+        return Check("driver", "fail", f"driver {drv_text} is past R580, the last branch that supports Volta",
+                     "install an R580 (or older) driver", blocking=True)
+    return Check("driver", "pass", f"driver {drv_text or 'unknown'}")
+
+
+def check_cuda(cx: Context) -> list[Check]:
+    """The pinned toolkit, what is first on PATH, mixed toolkits and the host compiler."""
+    facts, pin, out = cx.facts, cx.cuda_pin, []
+    if pin[0] >= 13 and cx.wants_gpu:
+        out.append(Check("cuda-pin", "fail", f"recipe pins CUDA {'.'.join(map(str, pin))}: CUDA 13 cannot target sm_70",
+                         "set toolchain.cuda to 11.8 (or 12.x)", blocking=True))
+    if not cx.wants_gpu:
+        return out
+    nvccs = [t for t in facts.toolkits if t.kind == "nvcc"]
+    pinned = [t for t in nvccs if t.release == pin[:2]]
+    if pinned:
+        out.append(Check("cuda-toolkit", "pass", f"CUDA {pin[0]}.{pin[1]} at {pinned[0].path}"))
+    else:
+        found = ", ".join(f"{t.release[0]}.{t.release[1]} ({t.path})" for t in nvccs if t.release) or "none"
+        out.append(Check("cuda-toolkit", "warn", f"CUDA {pin[0]}.{pin[1]} not installed (found: {found})",
+                         "`invoke toolchain --host H` installs it (Debian 12: non-free nvidia-cuda-toolkit)"))
+    first_nvcc = cuda.first_on_path(facts.toolkits, "nvcc")
+    if first_nvcc and first_nvcc.release and not first_nvcc.sm70_supported:
+        out.append(Check("cuda-on-path", "warn",
+                         f"the nvcc first on PATH ({first_nvcc.path}) is CUDA {first_nvcc.release[0]}.{first_nvcc.release[1]}, which cannot target sm_70",
+                         "voltaforge builds with PATH/CUDA_HOME/CUDACXX pinned to the recipe's toolkit; do the same for manual builds"))
+    mixed = cuda.mixed_toolkits_warning(facts.toolkits)
+    if mixed:
+        out.append(Check("mixed-toolkits", "warn", mixed,
+                         "voltaforge's build environment pins one toolkit (playbooks/steps/buildenv.py); by hand: "
+                         "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> CUDACXX=<nvcc> (root /usr for Debian's package)"))
+    # nvcc 11.x refuses GCC > 11 (crt/host_config.h) unless a g++-11 is used
+    if pin[0] == 11 and facts.gcc.major and facts.gcc.major > 11:
+        ok = facts.gxx11.available
+        out.append(Check("host-compiler", "pass" if ok else "warn",
+                         f"gcc {'.'.join(map(str, facts.gcc.version or ()))}; g++-11 {'present' if ok else 'missing'}",
+                         "" if ok else "install g++-11 (Debian's nvidia-cuda-toolkit depends on it and routes nvcc to it)"))
+    return out
+
+
+def plan_for_host(cx: Context) -> Optional[Plan]:
+    """The recipe planned on the GPU the host reports, else the inventory's, else the recipe's."""
+    if cx.loaded is None or cx.recipe is None:
+        return None
+    r = cx.recipe
+    gpu = host_gpu(cx.facts) or get_gpu(cx.inventory_gpu or r.gpu)
+    return make_plan(cx.loaded.shape, gpu, serving_from_recipe(cx.loaded), quant=r.quant_name, min_bpw=r.planner.min_bpw)
+
+
+def check_disk_and_ram(cx: Context, plan: Optional[Plan]) -> list[Check]:
+    if plan is None or plan.chosen is None or cx.loaded is None:
+        return []
+    out = []
+    params = parameter_count(cx.loaded.shape)
+    # download (BF16, 2 bytes/param) + FP16 intermediate (2 bytes/param) + the quantized file
+    need_disk = 4 * params + plan.chosen.weights_bytes
+    d = cx.facts.disk.get(cx.model_dir)
+    if d and d.available_bytes is not None:
+        ok = d.available_bytes >= need_disk
+        out.append(Check("disk", "pass" if ok else "fail",
+                         f"{size_text(d.available_bytes)} free at {d.existing_path}, need {size_text(need_disk)} "
+                         "(download + FP16 + quantized file)",
+                         "" if ok else f"free {max(0, need_disk - d.available_bytes) / 1e9:.1f} GB or point the model dir elsewhere",
+                         blocking=True))
+    mem = cx.facts.memory.mem_total_bytes
+    if mem:
+        ok = mem >= MIN_RAM_BYTES or params < 2e9
+        out.append(Check("ram", "pass" if ok else "warn", f"{mem / GIB:.1f} GiB RAM",
+                         "" if ok else "conversion of 14-32B models wants >= 16 GiB RAM; add swap or convert elsewhere"))
+    return out
+
+
+def fit_summary(cx: Context, plan: Plan) -> tuple[str, Check]:
+    chosen = plan.chosen
+    assert chosen is not None
+    verdict = (f"{chosen.quant} fits with {chosen.headroom_bytes / 2**20:,.0f} MiB left"
+               if chosen.fits else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB")
+    source = "the inventory's" if cx.inventory_gpu else "the recipe's"
+    target = plan.gpu.name + (f" ({source} GPU: none seen on the host)" if host_gpu(cx.facts) is None and cx.wants_gpu else "")
+    fix = "" if chosen.fits else f"choose {plan.recommendation.quant if plan.recommendation else 'a smaller model'}, or a shorter context"
+    return f"{verdict} on {target}; {plan.reason}", Check("fit", "pass" if chosen.fits else "fail", f"{verdict} on {target}", fix, blocking=True)
+
+
 def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, prefix: str,
           inventory_gpu: Optional[str] = None) -> Verdict:
-    """Pure: turn facts (and the recipe, when given) into checks with fixes.
+    """Pure: turn facts (and the recipe, when given) into checks with fixes, one area at a time.
 
     The GPU the plan is judged against: the one the host reports; else the inventory's `gpu`;
     else the recipe's. An inventory entry that disagrees with the host is flagged."""
+    cx = Context(facts, loaded, model_dir, prefix, inventory_gpu)
     v = Verdict(facts)
-    add = v.checks.append
-    recipe = loaded.recipe if loaded else None
-    wants_gpu = recipe is None or not get_gpu(recipe.gpu).is_cpu
-    cuda_pin = tuple(int(x) for x in (recipe.toolchain.cuda if recipe else "11.8").split("."))
-
-    # --- OS and init
-    os_ok = facts.os.id in ("debian", "ubuntu") and facts.os.version_id in ("12", "20.04", "22.04")
-    add(Check("os", "pass" if os_ok else "warn",
-              facts.os.pretty_name or facts.os.reason or "unknown",
-              "" if os_ok else "voltaforge installs CUDA 11.8 on Debian 12 and Ubuntu 20.04/22.04; others need it preinstalled"))
-    add(Check("systemd", "pass" if facts.systemd.systemd_running else "fail",
-              f"state {facts.systemd.state or 'absent'}",
-              "" if facts.systemd.systemd_running else "services are systemd units: use a host booted with systemd",
-              blocking=True))
-    py = facts.python
-    py_ok = bool(py.available and py.version and py.version >= (3, 9))
-    add(Check("python", "pass" if py_ok else "fail",
-              ".".join(map(str, py.version)) if py.version else py.reason,
-              "" if py_ok else "install python3 (>= 3.9) and python3-venv", blocking=True))
-
-    # --- GPU, driver
-    g = host_gpu(facts)
-    # same kind = same compute capability and nominal memory (SXM2 and PCIe V100s are alike)
-    if g is not None and inventory_gpu and (
-        (get_gpu(inventory_gpu).compute_capability, get_gpu(inventory_gpu).memory_gib)
-        != (g.compute_capability, get_gpu(g.key).memory_gib)
-    ):
-        add(Check("gpu-kind", "warn", f"inventory.yaml says {inventory_gpu}, the host has {g.name}",
-                  "correct the host's gpu in inventory.yaml (the plan uses the GPU the host reports)"))
-    if not facts.gpus.available:
-        add(Check("gpu", "fail" if wants_gpu else "pass",
-                  f"no NVIDIA GPU visible: {facts.gpus.reason}" + ("" if wants_gpu else " (not needed: CPU recipe)"),
-                  "install the NVIDIA driver (R580 is the last branch for Volta) and check `nvidia-smi`" if wants_gpu else "",
-                  blocking=wants_gpu))
-    else:
-        first = facts.gpus.gpus[0]
-        cc = first.compute_capability
-        detail = f"{facts.gpus.gpu_count} x {first.name}, {first.memory_total_mib} MiB, cc {cc[0]}.{cc[1]}" if cc else first.name
-        add(Check("gpu", "pass", detail))
-        if cc and cc < (8, 0):
-            add(Check("bf16", "warn", f"compute capability {cc[0]}.{cc[1]} has no BF16",
-                      "BF16 weights are converted to FP16 (FP16-only paths can overflow for some models: the smoke gate checks text)"))
-        drv = _version_tuple(facts.gpus.driver_version)
-        need = MIN_DRIVER.get(cuda_pin[0])
-        if drv and need and drv < need:
-            add(Check("driver", "fail", f"driver {facts.gpus.driver_version} is older than CUDA {recipe.toolchain.cuda if recipe else '11.8'} needs ({'.'.join(map(str, need))})",
-                      "upgrade the driver (any branch up to R580 runs CUDA 11.8 binaries)", blocking=True))
-        elif drv and cc and cc == (7, 0) and drv[0] > LAST_VOLTA_DRIVER_BRANCH:
-            add(Check("driver", "fail", f"driver {facts.gpus.driver_version} is past R580, the last branch that supports Volta",
-                      "install an R580 (or older) driver", blocking=True))
-        else:
-            add(Check("driver", "pass", f"driver {facts.gpus.driver_version or 'unknown'}"))
-        _gpu_health(facts.gpus.gpus, add)
-
-    # --- CUDA toolkits
-    if cuda_pin[0] >= 13 and wants_gpu:
-        add(Check("cuda-pin", "fail", f"recipe pins CUDA {recipe.toolchain.cuda}: CUDA 13 cannot target sm_70",
-                  "set toolchain.cuda to 11.8 (or 12.x)", blocking=True))
-    nvccs = [t for t in facts.toolkits if t.kind == "nvcc"]
-    pinned = [t for t in nvccs if t.release == cuda_pin[:2]]
-    if wants_gpu:
-        if pinned:
-            add(Check("cuda-toolkit", "pass", f"CUDA {cuda_pin[0]}.{cuda_pin[1]} at {pinned[0].path}"))
-        else:
-            found = ", ".join(f"{t.release[0]}.{t.release[1]} ({t.path})" for t in nvccs if t.release) or "none"
-            add(Check("cuda-toolkit", "warn", f"CUDA {cuda_pin[0]}.{cuda_pin[1]} not installed (found: {found})",
-                      "`invoke toolchain --host H` installs it (Debian 12: non-free nvidia-cuda-toolkit)"))
-        first_nvcc = cuda.first_on_path(facts.toolkits, "nvcc")
-        if first_nvcc and first_nvcc.release and not first_nvcc.sm70_supported:
-            add(Check("cuda-on-path", "warn",
-                      f"the nvcc first on PATH ({first_nvcc.path}) is CUDA {first_nvcc.release[0]}.{first_nvcc.release[1]}, which cannot target sm_70",
-                      "voltaforge builds with PATH/CUDA_HOME/CUDACXX pinned to the recipe's toolkit; do the same for manual builds"))
-        mixed = cuda.mixed_toolkits_warning(facts.toolkits)
-        if mixed:
-            add(Check("mixed-toolkits", "warn", mixed,
-                      "voltaforge's build environment pins one toolkit (playbooks/steps/buildenv.py); by hand: "
-                      "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> CUDACXX=<nvcc> (root /usr for Debian's package)"))
-        # nvcc 11.x refuses GCC > 11 (crt/host_config.h) unless a g++-11 is used
-        if cuda_pin[0] == 11 and facts.gcc.major and facts.gcc.major > 11:
-            ok = facts.gxx11.available
-            add(Check("host-compiler", "pass" if ok else "warn",
-                      f"gcc {'.'.join(map(str, facts.gcc.version or ()))}; g++-11 {'present' if ok else 'missing'}",
-                      "" if ok else "install g++-11 (Debian's nvidia-cuda-toolkit depends on it and routes nvcc to it)"))
-
-    # --- disk and memory
-    if loaded:
-        plan = make_plan(loaded.shape, g or get_gpu(inventory_gpu or recipe.gpu), _serving(loaded), quant=recipe.quant_name,
-                         min_bpw=recipe.planner.min_bpw)
-        chosen = plan.chosen
-        params = parameter_count(loaded.shape)
-        # download (BF16, 2 bytes/param) + FP16 intermediate (2 bytes/param) + the quantized file
-        need_disk = 4 * params + chosen.weights_bytes
-        d = facts.disk.get(model_dir)
-        if d and d.available_bytes is not None:
-            ok = d.available_bytes >= need_disk
-            add(Check("disk", "pass" if ok else "fail",
-                      f"{_size(d.available_bytes)} free at {d.existing_path}, need {_size(need_disk)} "
-                      "(download + FP16 + quantized file)",
-                      "" if ok else f"free {max(0, need_disk - d.available_bytes) / 1e9:.1f} GB or point the model dir elsewhere",
-                      blocking=True))
-        mem = facts.memory.mem_total_bytes
-        if mem:
-            ok = mem >= MIN_RAM_BYTES or params < 2e9
-            add(Check("ram", "pass" if ok else "warn", f"{mem / GIB:.1f} GiB RAM",
-                      "" if ok else "conversion of 14-32B models wants >= 16 GiB RAM; add swap or convert elsewhere"))
-        verdict = (f"{chosen.quant} fits with {chosen.headroom_bytes / 2**20:,.0f} MiB left"
-                   if chosen.fits else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB")
-        source = "the inventory's" if inventory_gpu else "the recipe's"
-        target = plan.gpu.name + (f" ({source} GPU: none seen on the host)" if g is None and wants_gpu else "")
-        v.plan_summary = f"{verdict} on {target}; {plan.reason}"
-        add(Check("fit", "pass" if chosen.fits else "fail", f"{verdict} on {target}",
-                  "" if chosen.fits else f"choose {plan.recommendation.quant if plan.recommendation else 'a smaller model'}, or a shorter context",
-                  blocking=True))
+    for area in (check_os, check_systemd, check_python, check_gpu, check_cuda):
+        v.checks += area(cx)
+    plan = plan_for_host(cx)
+    v.checks += check_disk_and_ram(cx, plan)
+    if plan is not None:
+        v.plan_summary, fit = fit_summary(cx, plan)
+        v.checks.append(fit)
     return v
-
-
-def _serving(loaded: LoadedRecipe):
-    from playbooks.config.planning import serving_from_recipe
-
-    return serving_from_recipe(loaded)
-
-
-def verdict_json(v: Verdict) -> dict[str, Any]:
-    return {
-        "host": v.facts.host,
-        "ok": v.ok,
-        "facts": json.loads(v.facts.model_dump_json()),
-        "checks": [c.__dict__ for c in v.checks],
-        "plan": v.plan_summary,
-    }
-
-
-def render(v: Verdict, console: Console) -> None:
-    f = v.facts
-    console.print(f"[bold]{f.host}[/]: {f.os.pretty_name or 'unknown OS'}, {f.machine or '?'}, "
-                  f"{f.nproc or '?'} CPUs, {(f.memory.mem_total_bytes or 0) / GIB:.1f} GiB RAM")
-    table = Table(title=f"preflight {f.host}")
-    for col in ("check", "status", "detail", "fix"):
-        table.add_column(col, overflow="fold")
-    colours = {"pass": "green", "warn": "yellow", "fail": "red"}
-    for c in v.checks:
-        table.add_row(c.name, f"[{colours[c.status]}]{c.status}{' (blocking)' if c.status == 'fail' and c.blocking else ''}[/]",
-                      c.detail, c.fix)
-    console.print(table)
-    console.print("[green]ready[/]" if v.ok else "[red]not ready: fix the blocking checks above[/]")
-
-
-def run_preflight(host_name: str, recipe: Optional[str] = None, as_json: bool = False,
-                  inventory: str = "inventory.yaml", out=None) -> int:
-    from playbooks.host.hosts import connect
-    from playbooks.config.inventory import resolve_host
-    from playbooks.config.recipe import load_recipe
-
-    out = out or sys.stdout
-    spec = resolve_host(host_name, inventory)
-    loaded = load_recipe(recipe or spec.recipe) if (recipe or spec.recipe) else None
-    model_dir = f"{spec.prefix}/models"
-    host = connect(spec)
-    try:
-        facts = gather(host, spec.prefix, model_dir)
-    finally:
-        close = getattr(host, "close", None)
-        if close:
-            close()
-    v = judge(facts, loaded, model_dir, spec.prefix, inventory_gpu=spec.gpu)
-    if as_json:
-        out.write(json.dumps(verdict_json(v), indent=2) + "\n")
-    else:
-        render(v, Console(file=out, width=140))
-    return 0 if v.ok else 1

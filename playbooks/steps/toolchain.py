@@ -13,18 +13,30 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from typing import Optional
 
-from playbooks.errors import HostError, VoltaforgeError
-from playbooks.facts import read_fact, cuda, system
-from playbooks.host.ops import EnsureDirectory, EnsureFile, Operation, host_lock, render_report, run_ops
 from playbooks.config.recipe import Toolchain
+from playbooks.errors import HostError
+from playbooks.facts import apt, cuda, python, read_fact, system
+from playbooks.host.base import Host
+from playbooks.host.ops import (
+    Decision,
+    EnsureDirectory,
+    FileFacts,
+    Operation,
+    OperationError,
+    Shell,
+    Upload,
+    decide_file,
+    read_file_facts,
+    run_command,
+)
 
 NONFREE_SOURCES = "/etc/apt/sources.list.d/voltaforge-nonfree.sources"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 NVIDIA_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/x86_64/cuda-keyring_1.1-1_all.deb"
 APT_ENV = "DEBIAN_FRONTEND=noninteractive"
-
 
 
 def nonfree_sources(mirror: str = DEBIAN_MIRROR) -> str:
@@ -38,55 +50,65 @@ def nonfree_sources(mirror: str = DEBIAN_MIRROR) -> str:
     )
 
 
+@dataclass(frozen=True)
+class CudaFacts:
+    toolkits: tuple[cuda.Toolkit, ...]
+    os: system.OsRelease
+    nonfree_sources: tuple[str, ...]   # files that enable Debian's non-free component
+    debian_mirror: Optional[str]
+
+
 class EnsureCudaToolkit(Operation):
     """Ensure the pinned CUDA toolkit is installed (from the distribution's packages)."""
-
-    sudo = True
 
     def __init__(self, release: str):
         self.release = tuple(int(x) for x in release.split("."))
         self.name = f"Ensure CUDA {release} toolkit is installed"
-        self._added_sources = False
 
-    def check(self, host) -> list[str]:
-        toolkits = cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))
-        have = [t for t in toolkits if t.kind == "nvcc" and t.release == self.release]
-        if have:
-            self.reason = f"CUDA {self.release[0]}.{self.release[1]} already at {have[0].path}"
-            return []
-        os = system.parse_os_release(read_fact(host, system.OS_RELEASE_COMMAND))
+    def read(self, host: Host) -> CudaFacts:
+        return CudaFacts(
+            toolkits=tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
+            os=system.parse_os_release(read_fact(host, system.OS_RELEASE_COMMAND)),
+            nonfree_sources=tuple(apt.parse_nonfree_enabled(read_fact(host, apt.NONFREE_ENABLED_COMMAND))),
+            debian_mirror=apt.parse_debian_mirror(read_fact(host, apt.DEBIAN_MIRROR_COMMAND)),
+        )
+
+    def decide(self, facts: CudaFacts) -> Decision:
+        have = [t for t in facts.toolkits if t.kind == "nvcc" and t.release == self.release]
         rel = f"{self.release[0]}.{self.release[1]}"
+        if have:
+            return Decision.ok(f"CUDA {rel} already at {have[0].path}")
+        os = facts.os
         if os.id == "debian" and os.version_id == "12" and self.release == (11, 8):
-            cmds = []
-            enabled = read_fact(host, "grep -rlsE '(^Components:.*|^deb .*)non-free' /etc/apt/sources.list /etc/apt/sources.list.d/ || true").strip()
-            if not enabled:
-                mirror = read_fact(host, "sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1").strip()
-                if not mirror.startswith(("http://", "https://")) or any(c in mirror for c in " '\"$`\\;"):
-                    mirror = DEBIAN_MIRROR
-                cmds.append(f"printf %s {shlex.quote(nonfree_sources(mirror))} > {NONFREE_SOURCES}")
-            cmds += ["apt-get update -qq", f"{APT_ENV} apt-get install -y -qq --no-install-recommends nvidia-cuda-toolkit"]
-            self.reason = f"CUDA {rel} missing; Debian 12 non-free {'enabled' if enabled else 'to be enabled'}"
-            return cmds
+            cmds: list[Shell] = []
+            if not facts.nonfree_sources:
+                content = nonfree_sources(facts.debian_mirror or DEBIAN_MIRROR)
+                cmds.append(Shell(f"printf %s {shlex.quote(content)} > {NONFREE_SOURCES}", sudo=True))
+            cmds += [Shell("apt-get update -qq", sudo=True),
+                     Shell(f"{APT_ENV} apt-get install -y -qq --no-install-recommends nvidia-cuda-toolkit", sudo=True)]
+            enabled = "enabled" if facts.nonfree_sources else "to be enabled"
+            return Decision.act(f"CUDA {rel} missing; Debian 12 non-free {enabled}", *cmds)
         if os.id == "ubuntu" and os.version_id in ("20.04", "22.04"):
             distro = "ubuntu" + os.version_id.replace(".", "")
             url = NVIDIA_REPO.format(distro=distro)
-            self.reason = f"CUDA {rel} missing; NVIDIA's {distro} repository provides cuda-toolkit-{self.release[0]}-{self.release[1]}"
-            return [
-                f"curl -fsSL -o /tmp/cuda-keyring.deb {shlex.quote(url)}",
-                "dpkg -i /tmp/cuda-keyring.deb",
-                "apt-get update -qq",
-                f"{APT_ENV} apt-get install -y -qq cuda-toolkit-{self.release[0]}-{self.release[1]}",
-            ]
-        raise HostError(
-            f"{host.name}: no automatic install of CUDA {rel} for {os.pretty_name or 'this OS'}; "
+            pkg = f"cuda-toolkit-{self.release[0]}-{self.release[1]}"
+            return Decision.act(
+                f"CUDA {rel} missing; NVIDIA's {distro} repository provides {pkg}",
+                Shell(f"curl -fsSL -o /tmp/cuda-keyring.deb {shlex.quote(url)}", sudo=True),
+                Shell("dpkg -i /tmp/cuda-keyring.deb", sudo=True),
+                Shell("apt-get update -qq", sudo=True),
+                Shell(f"{APT_ENV} apt-get install -y -qq {pkg}", sudo=True),
+            )
+        raise OperationError(
+            f"no automatic install of CUDA {rel} for {os.pretty_name or 'this OS'}; "
             "supported: Debian 12 (11.8) and Ubuntu 20.04/22.04 - install it by hand, then re-run"
         )
 
-    def apply(self, host, commands: list[str]) -> None:
-        added = any(NONFREE_SOURCES in c for c in commands)
+    def apply(self, host: Host, decision: Decision) -> None:
+        added = any(isinstance(c, Shell) and NONFREE_SOURCES in c.command for c in decision.commands)
         try:
-            for cmd in commands:
-                host.sudo(cmd)
+            for cmd in decision.commands:
+                run_command(host, cmd)
         except HostError as exc:
             if added:
                 # leave the host as it was: drop the sources entry we added, refresh the index
@@ -107,12 +129,13 @@ class EnsureVenv(Operation):
         self.venv = venv
         self.name = f"Ensure the venv {venv} exists"
 
-    def check(self, host) -> list[str]:
-        if host.exists(f"{self.venv}/bin/python"):
-            self.reason = "venv already exists"
-            return []
-        self.reason = "venv is missing"
-        return [f"python3 -m venv {shlex.quote(self.venv)}"]
+    def read(self, host: Host) -> bool:
+        return host.exists(f"{self.venv}/bin/python")
+
+    def decide(self, facts: bool) -> Decision:
+        if facts:
+            return Decision.ok("venv already exists")
+        return Decision.act("venv is missing", Shell(f"python3 -m venv {shlex.quote(self.venv)}"))
 
 
 def torch_install_command(venv: str, tc: Toolchain) -> str:
@@ -125,9 +148,6 @@ def torch_install_command(venv: str, tc: Toolchain) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-TORCH_VERSION_CMD = "{venv}/bin/python -c 'import importlib.metadata as m; print(m.version(\"torch\"))' 2>/dev/null || true"
-
-
 class EnsureTorch(Operation):
     """Ensure the venv holds exactly the pinned torch build."""
 
@@ -135,13 +155,21 @@ class EnsureTorch(Operation):
         self.venv, self.tc = venv, tc
         self.name = f"Ensure torch {tc.torch} is installed in the venv"
 
-    def check(self, host) -> list[str]:
-        installed = read_fact(host, TORCH_VERSION_CMD.format(venv=shlex.quote(self.venv))).strip()
-        if installed == self.tc.torch:
-            self.reason = f"torch {installed} already installed"
-            return []
-        self.reason = f"torch is {installed or 'not installed'}, want {self.tc.torch}"
-        return [torch_install_command(self.venv, self.tc)]
+    def read(self, host: Host) -> Optional[str]:
+        return python.parse_package_version(read_fact(host, python.package_version_command(self.venv, "torch")))
+
+    def decide(self, facts: Optional[str]) -> Decision:
+        if facts == self.tc.torch:
+            return Decision.ok(f"torch {facts} already installed")
+        return Decision.act(f"torch is {facts or 'not installed'}, want {self.tc.torch}",
+                            Shell(torch_install_command(self.venv, self.tc)))
+
+
+@dataclass(frozen=True)
+class LockFacts:
+    toolkits: tuple[cuda.Toolkit, ...]
+    torch: Optional[str]
+    file: FileFacts
 
 
 class EnsureToolchainLock(Operation):
@@ -151,27 +179,26 @@ class EnsureToolchainLock(Operation):
         self.path, self.venv, self.tc = f"{prefix}/toolchain.lock", venv, tc
         self.name = f"Ensure {self.path} records the toolchain"
 
-    def content(self, host) -> bytes:
-        toolkits = cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))
+    def read(self, host: Host) -> LockFacts:
+        return LockFacts(
+            toolkits=tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
+            torch=python.parse_package_version(read_fact(host, python.package_version_command(self.venv, "torch"))),
+            file=read_file_facts(host, self.path, sudo=False),
+        )
+
+    def content(self, facts: LockFacts) -> bytes:
         rel = tuple(int(x) for x in self.tc.cuda.split("."))
-        nvcc = next((t for t in toolkits if t.kind == "nvcc" and t.release == rel), None)
-        torch = read_fact(host, TORCH_VERSION_CMD.format(venv=shlex.quote(self.venv))).strip()
+        nvcc = next((t for t in facts.toolkits if t.kind == "nvcc" and t.release == rel), None)
         lock = {
             "cuda": {"release": self.tc.cuda, "nvcc": nvcc.path if nvcc else None, "version": nvcc.version if nvcc else None},
-            "torch": {"version": torch or None, "index": self.tc.torch_index, "find_links": self.tc.torch_find_links},
+            "torch": {"version": facts.torch, "index": self.tc.torch_index, "find_links": self.tc.torch_find_links},
             "venv": self.venv,
         }
         return (json.dumps(lock, indent=2, sort_keys=True) + "\n").encode()
 
-    def check(self, host) -> list[str]:
-        # the content depends on what the host resolved to; comparing and writing is EnsureFile's job
-        self._file = EnsureFile(self.path, self.content(host), 0o644)
-        cmds = self._file.check(host)
-        self.reason = self._file.reason
-        return cmds
-
-    def apply(self, host, commands: list[str]) -> None:
-        self._file.apply(host, commands)
+    def decide(self, facts: LockFacts) -> Decision:
+        # the content depends on what the host resolved to; the comparison is a file's
+        return decide_file(Upload(self.path, self.content(facts), 0o644), facts.file)
 
 
 def toolchain_ops(prefix: str, tc: Toolchain, owner: Optional[str], needs_cuda: bool, prefix_sudo: bool) -> list[Operation]:
@@ -181,31 +208,3 @@ def toolchain_ops(prefix: str, tc: Toolchain, owner: Optional[str], needs_cuda: 
         ops.append(EnsureCudaToolkit(tc.cuda))
     ops += [EnsureVenv(venv), EnsureTorch(venv, tc), EnsureToolchainLock(prefix, venv, tc)]
     return ops
-
-
-def run_toolchain(host_name: str, recipe: Optional[str] = None, dry_run: bool = False,
-                  inventory: str = "inventory.yaml") -> int:
-    from playbooks.plan.gpus import get_gpu
-    from playbooks.host.hosts import connect
-    from playbooks.config.inventory import resolve_host
-    from playbooks.config.recipe import load_recipe
-
-    spec = resolve_host(host_name, inventory)
-    name = recipe or spec.recipe
-    if not name:
-        raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
-    loaded = load_recipe(name)
-    tc = loaded.recipe.toolchain
-    needs_cuda = not get_gpu(loaded.recipe.gpu).is_cpu
-    with connect(spec) as host:
-        # a prefix under a directory the user cannot write (e.g. /opt) is created with sudo
-        parent = spec.prefix.rsplit("/", 1)[0] or "/"
-        prefix_sudo = host.run(f"test -w {shlex.quote(spec.prefix)} || test -w {shlex.quote(parent)}", check=False, stream=False).exited != 0
-        ops = toolchain_ops(spec.prefix, tc, host.user, needs_cuda, prefix_sudo)
-        if dry_run:
-            changes = run_ops(host, ops, dry_run=True)
-        else:
-            with host_lock(host, spec.prefix, sudo=prefix_sudo):
-                changes = run_ops(host, ops)
-    render_report(changes)
-    return 1 if any(c.status == "failed" for c in changes) else 0

@@ -1,0 +1,70 @@
+"""Every command-line value, typed and checked in one place.
+
+Invoke hands task functions strings (or the default); each task turns them into typed values
+here, so a bad value anywhere ends in one line, ``error: --ctx 'abc' is not a number of
+tokens``, and exit 2, never a traceback or a silently wrong plan ("-3 slot(s)").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from playbooks.config.inventory import is_host_address
+from playbooks.errors import VoltaforgeError
+
+
+class UsageError(VoltaforgeError):
+    """A flag has a value the command cannot use."""
+
+
+def positive_int(flag: str, value: object, what: str) -> Optional[int]:
+    """``--ctx 4096`` -> 4096; None stays None; anything else but a whole number > 0 is refused."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        number = int(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not a number of {what}") from None
+    if number <= 0:
+        raise UsageError(f"{flag} must be a positive number of {what}, got {number}")
+    return number
+
+
+def name_or_path(flag: str, value: object) -> Optional[str]:
+    """A recipe or inventory given by name or path: a non-empty single line."""
+    if value is None:
+        return None
+    text = str(value)
+    if not text.strip() or "\n" in text or "\0" in text:
+        raise UsageError(f"{flag} {text!r} is not a name or a path")
+    return text
+
+
+def existing_file(flag: str, value: object) -> Optional[Path]:
+    if value is None:
+        return None
+    path = Path(str(value))
+    if not path.is_file():
+        raise UsageError(f"{flag} {str(value)!r}: no such file")
+    return path
+
+
+def host_names(flag: str, value: object) -> list[str]:
+    """``--host v100-01,v100-02``: inventory names, ~/.ssh/config aliases, addresses or ``local``."""
+    text = str(value or "").strip()
+    names = [n.strip() for n in text.split(",")]
+    if not text or any(not n for n in names):
+        raise UsageError(f"{flag} {text!r}: give one or more host names separated by commas")
+    for n in names:
+        if n != "local" and not is_host_address(n):
+            raise UsageError(f"{flag} {n!r} is not a valid host name (letters, digits, '-', '_', dot-separated)")
+    return names
+
+
+def one_host(flag: str, value: object) -> str:
+    names = host_names(flag, value)
+    if len(names) != 1:
+        raise UsageError(f"{flag}: this command takes one host, got {len(names)}")
+    return names[0]

@@ -1,0 +1,135 @@
+"""voltaforge's Invoke tasks: the same collection for `invoke` in a checkout (tasks.py) and the
+`voltaforge` console command of an installed wheel (playbooks/cli/main.py).
+
+Thin by design: each task reads flag > configuration > default, types the values in
+``flags.py`` and calls one function. Shared defaults live in the collection's configuration
+under ``voltaforge:``, so ``invoke.yaml`` in the project, ``~/.invoke.yaml`` and
+``INVOKE_VOLTAFORGE_*`` variables override them the way every Invoke user expects, e.g.::
+
+    # invoke.yaml
+    voltaforge:
+      host: v100-01
+      recipe: qwen2.5-14b-v100-16gb
+      inventory: /etc/voltaforge/inventory.yaml
+
+No short flags: ``-h`` means help, as everywhere else.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Any, Optional
+
+from invoke import Collection, Context, task
+
+from playbooks.cli import flags
+from playbooks.cli.edge import run_command
+
+DEFAULTS = {
+    "voltaforge": {
+        "host": "local",
+        "recipe": None,
+        "inventory": "inventory.yaml",
+    }
+}
+
+
+def _cfg(c: Context, key: str) -> Any:
+    return c.config.get("voltaforge", {}).get(key, DEFAULTS["voltaforge"][key])
+
+
+HOST_HELP = "inventory name, ~/.ssh/config name, address or 'local' (default: voltaforge.host in invoke.yaml, else local)"
+RECIPE_HELP = "recipe name (recipes/NAME.yaml) or path (default: voltaforge.recipe, else the inventory's)"
+INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.yaml)"
+
+
+@task(
+    auto_shortflags=False,
+    help={
+        "recipe": "recipe name (recipes/NAME.yaml) or path (default: voltaforge.recipe in invoke.yaml)",
+        "gpu": "plan for this GPU instead of the recipe's (e.g. v100-32gb, t4, a100-40gb)",
+        "model-config": "plan a bare Hugging Face config.json instead of a recipe",
+        "ctx": "tokens per slot (default: the recipe's, or 4096)",
+        "parallel": "slots, with --model-config (default 1)",
+        "quant": "with --model-config: the quant to check (default Q4_K_M; EXL2 as EXL2-3.3)",
+        "json": "print JSON instead of tables",
+    },
+)
+def plan(c: Context, recipe: Optional[str] = None, gpu: Optional[str] = None, model_config: Optional[str] = None,
+         ctx: Optional[str] = None, parallel: Optional[str] = None, quant: Optional[str] = None,
+         json: bool = False) -> None:
+    """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
+
+    def go() -> int:
+        from playbooks.cli.plan import run_plan
+
+        return run_plan(
+            recipe=flags.name_or_path("--recipe", recipe or (None if model_config else _cfg(c, "recipe"))),
+            gpu=gpu,
+            model_config=model_config,
+            ctx=flags.positive_int("--ctx", ctx, "tokens"),
+            parallel=flags.positive_int("--parallel", parallel, "slots"),
+            quant=quant,
+            as_json=json,
+        )
+
+    run_command(go)
+
+
+@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "json": "print JSON instead of tables",
+                                   "inventory": INVENTORY_HELP})
+def preflight(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, json: bool = False,
+              inventory: Optional[str] = None) -> None:
+    """Read a host's facts and judge them: each check with a fix; non-zero exit when blocked."""
+
+    def go() -> int:
+        from playbooks.cli.preflight import run_preflight
+
+        return run_preflight(
+            flags.one_host("--host", host or _cfg(c, "host")),
+            recipe=flags.name_or_path("--recipe", recipe or _cfg(c, "recipe")),
+            as_json=json,
+            inventory=flags.name_or_path("--inventory", inventory or _cfg(c, "inventory")) or "inventory.yaml",
+        )
+
+    run_command(go)
+
+
+@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP,
+                                   "dry-run": "print the exact commands and change nothing", "inventory": INVENTORY_HELP})
+def toolchain(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, dry_run: bool = False,
+              inventory: Optional[str] = None) -> None:
+    """Install the pinned CUDA toolkit and a venv with the pinned torch, idempotently."""
+
+    def go() -> int:
+        from playbooks.cli.toolchain import run_toolchain
+
+        return run_toolchain(
+            flags.one_host("--host", host or _cfg(c, "host")),
+            recipe=flags.name_or_path("--recipe", recipe or _cfg(c, "recipe")),
+            dry_run=dry_run,
+            inventory=flags.name_or_path("--inventory", inventory or _cfg(c, "inventory")) or "inventory.yaml",
+        )
+
+    run_command(go)
+
+
+@task(auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
+def test(c: Context, k: Optional[str] = None, fast: bool = False) -> None:
+    """Run the test suite (what .ci/run runs): ruff, mypy, then pytest."""
+    # the interpreter running invoke, so the venv's tools are used whatever PATH says
+    py = shlex.quote(sys.executable)
+    c.run(f"{py} -m ruff check playbooks tests tasks.py", pty=False)
+    c.run(f"{py} -m ruff format --check playbooks tests tasks.py", pty=False)
+    c.run(f"{py} -m mypy", pty=False)
+    args = [sys.executable, "-m", "pytest", "-q"]
+    if k:
+        args += ["-k", k]
+    if fast:
+        args += ["-m", "not slow"]
+    c.run(" ".join(shlex.quote(a) for a in args), pty=False)
+
+
+ns = Collection(plan, preflight, toolchain, test)
+ns.configure(DEFAULTS)

@@ -1,0 +1,26 @@
+"""Facts about apt on Debian-family hosts: is non-free enabled, which mirror is configured."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+NONFREE_ENABLED_COMMAND = (
+    "grep -rlsE '(^Components:.*|^deb .*)non-free' /etc/apt/sources.list /etc/apt/sources.list.d/ || true"
+)
+
+
+def parse_nonfree_enabled(output: str) -> list[str]:
+    """The sources files that enable a non-free component (empty: none)."""
+    return [line.strip() for line in output.splitlines() if line.strip()]
+
+
+DEBIAN_MIRROR_COMMAND = "sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1"
+_UNSAFE = set(" '\"$`\\;")
+
+
+def parse_debian_mirror(output: str) -> Optional[str]:
+    """The mirror of debian.sources, when it is a plain http(s) URL that is safe to write back."""
+    mirror = output.strip()
+    if not mirror.startswith(("http://", "https://")) or any(c in _UNSAFE for c in mirror):
+        return None
+    return mirror

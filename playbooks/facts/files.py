@@ -1,0 +1,56 @@
+"""Facts about paths on a host: what is there (stat), what it holds (sha256), who may write."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class FileStat:
+    kind: str  # stat's %F: "directory", "regular file", "regular empty file", ...
+    mode: int
+    owner: str
+    group: str
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind in ("regular file", "regular empty file")
+
+
+def stat_command(path: str) -> str:
+    # -L: follow symlinks (a prefix that is a symlink to a big disk is normal).
+    q = shlex.quote(path)
+    return f"if [ -e {q} ]; then stat -L -c '%F|%a|%U|%G' -- {q}; else echo missing; fi"
+
+
+def parse_stat(output: str) -> Optional[FileStat]:
+    """Parse ``stat_command`` output: None when the path does not exist."""
+    text = output.strip()
+    if text == "missing":
+        return None
+    kind, mode, owner, group = text.rsplit("|", 3)
+    return FileStat(kind, int(mode, 8), owner, group)
+
+
+def sha256_command(path: str) -> str:
+    q = shlex.quote(path)
+    return f"if [ -f {q} ]; then sha256sum < {q}; else echo missing; fi"
+
+
+def parse_sha256(output: str) -> Optional[str]:
+    """Hex SHA-256 of a regular file, None when there is none (or the output is not a hash)."""
+    word = (output.split() or [""])[0]
+    return word if len(word) == 64 and all(c in "0123456789abcdef" for c in word) else None
+
+
+def writable_command(path: str) -> str:
+    """Prints 'yes' when the login user can write ``path`` or, if it is missing, its parent."""
+    parent = path.rsplit("/", 1)[0] or "/"
+    return (f"if test -w {shlex.quote(path)} || {{ ! test -e {shlex.quote(path)} && test -w {shlex.quote(parent)}; }}; "
+            "then echo yes; else echo no; fi")
+
+
+def parse_writable(output: str) -> bool:
+    return output.strip() == "yes"

@@ -1,0 +1,237 @@
+"""The one interface every step uses to reach a host: :class:`Host` (run, sudo, files, spawn).
+
+Two transports implement it (``local.py``, ``ssh.py``) and differ only in how bytes reach a
+process; how a command line is built (``commands.py``), how output is streamed and redacted,
+and how files are written are shared here.
+
+File contents travel on the command's stdin, never on its command line (argv is visible to
+every user of the host in ``ps``), so secrets are safe and binary data is exact.
+"""
+
+from __future__ import annotations
+
+import getpass
+import io
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import BinaryIO, Union
+
+from playbooks.errors import HostError
+from playbooks.host.commands import build_command, write_file_command
+from playbooks.host.output import Printer, Result
+
+Content = Union[bytes, BinaryIO]
+CHUNK = 64 * 1024
+_SUDO_NEEDS_PASSWORD = "a password is required"
+
+
+class Process:
+    """A command started with :meth:`Host.spawn`, whose stdin stays open until closed."""
+
+    #: What it wrote to stderr, once closed.
+    stderr: str = ""
+    _buf: bytes = b""
+    _host: "Host"
+
+    def _read_chunk(self, deadline: float) -> bytes | None:
+        """Some stdout bytes (b"" at end of output), or None when the deadline passed."""
+        raise NotImplementedError
+
+    def read_line(self, timeout: float) -> str | None:
+        """The next stdout line, or None at end of output; HostError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            data = self._read_chunk(deadline)
+            if data is None:
+                raise HostError(f"{self._host.name}: no answer after {timeout:g} s")
+            if not data:
+                break
+            self._buf += data
+        if not self._buf:
+            return None
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode("utf-8", "replace")
+
+    def close(self, timeout: float = 10) -> int:
+        """Close its stdin (a ``cat`` then exits), wait, and return the exit code."""
+        raise NotImplementedError
+
+
+class Host:
+    """The interface every provisioning step uses. Subclasses implement ``_exec``/``_spawn``."""
+
+    def __init__(self, name: str, printer: Printer | None = None):
+        self.name = name
+        self.printer = printer or Printer()
+        self._secrets: list[str] = []
+
+    # -- to implement ------------------------------------------------------------------
+
+    def _exec(self, command: str, *, stdin: Content | None, stream: bool,
+              timeout: float | None, shown: str) -> tuple[bytes, bytes, int]:
+        """Run a full shell line; return (stdout, stderr, exit code)."""
+        raise NotImplementedError
+
+    def _spawn(self, command: str) -> Process:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- secrets -------------------------------------------------------------------------
+
+    def redact(self, value: str | bytes) -> None:
+        """Never print ``value``: it is replaced by ``***`` in output and error messages."""
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        for v in {value, value.strip()}:
+            if v and v not in self._secrets:
+                self._secrets.append(v)
+        self._secrets.sort(key=len, reverse=True)  # longest first: no partial leftovers
+
+    def _redacted(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _print(self, text: str) -> None:
+        self.printer.line(self.name, self._redacted(text))
+
+    # -- commands ------------------------------------------------------------------------
+
+    def run(self, cmd: str, *, check: bool = True, stream: bool = True,
+            env: dict[str, str] | None = None, timeout: float | None = None,
+            stdin: Content | None = None) -> Result:
+        """Run ``cmd`` with bash on the host. ``check``: a non-zero exit raises HostError."""
+        return self._run(cmd, sudo=False, check=check, stream=stream, env=env, timeout=timeout, stdin=stdin)
+
+    def sudo(self, cmd: str, *, check: bool = True, stream: bool = True,
+             env: dict[str, str] | None = None, timeout: float | None = None,
+             stdin: Content | None = None) -> Result:
+        """Like :meth:`run`, as root through ``sudo -n`` (never prompts; see module doc)."""
+        return self._run(cmd, sudo=True, check=check, stream=stream, env=env, timeout=timeout, stdin=stdin)
+
+    def _needs_sudo_binary(self, sudo: bool) -> bool:
+        return sudo
+
+    def _run(self, cmd, *, sudo, check, stream, env, timeout, stdin, raw=False):  # type: ignore[no-untyped-def]
+        use_sudo = self._needs_sudo_binary(sudo)
+        line = build_command(cmd, env=env, sudo=use_sudo, timeout=timeout)
+        if stream:
+            self._print(f"$ {'sudo ' if sudo else ''}{cmd}")
+        out, err, code = self._exec(line, stdin=stdin, stream=stream, timeout=timeout, shown=cmd)
+        err_text = err.decode("utf-8", "replace")
+        if use_sudo and code == 1 and _SUDO_NEEDS_PASSWORD in err_text:
+            raise self.sudo_needs_password()
+        if timeout is not None and code in (124, 137):
+            raise HostError(f"{self.name}: timed out after {timeout:g} s running: {self._redacted(cmd)[:80]}")
+        if raw:
+            return out, err_text, code
+        result = Result(out.decode("utf-8", "replace"), err_text, code)
+        if check and not result.ok:
+            raise HostError(self._failure(cmd, result))
+        return result
+
+    def sudo_needs_password(self) -> HostError:
+        return HostError(
+            f"user {self.user} on {self.name} needs a password for sudo; voltaforge needs "
+            "passwordless sudo (NOPASSWD) for the provisioning user"
+        )
+
+    def _failure(self, cmd: str, result: Result) -> str:
+        tail = "\n".join(result.stderr.strip().splitlines()[-5:]) or result.stdout.strip()[-400:]
+        # redact before cutting to 80 characters, so no part of a secret survives the cut
+        msg = f"{self.name}: command failed (exit {result.exited}): {self._redacted(cmd)[:80]}"
+        return msg + (f"\n{self._redacted(tail)}" if tail else "")
+
+    @property
+    def user(self) -> str:
+        return getpass.getuser()
+
+    # -- files -----------------------------------------------------------------------------
+
+    def exists(self, path: str, *, sudo: bool = False) -> bool:
+        r = self._run(f"test -e {shlex.quote(path)}", sudo=sudo, check=False, stream=False,
+                      env=None, timeout=None, stdin=None)
+        if r.exited not in (0, 1):
+            raise HostError(self._failure(f"test -e {path}", r))
+        return r.ok
+
+    def sha256(self, path: str, *, sudo: bool = False) -> str | None:
+        """Hex SHA-256 of a regular file, None if there is none at ``path``."""
+        q = shlex.quote(path)
+        r = self._run(f"if [ -f {q} ]; then sha256sum < {q}; else exit 3; fi", sudo=sudo, check=False,
+                      stream=False, env=None, timeout=None, stdin=None)
+        if r.exited == 3:
+            return None
+        if not r.ok:
+            raise HostError(self._failure(f"sha256sum < {path}", r))
+        return r.stdout.split()[0]
+
+    def write_file(self, remote_path: str, content: Content, mode: int, *, sudo: bool = False,
+                   owner: str | None = None) -> None:
+        """Write ``content`` to ``remote_path`` atomically (see :func:`write_file_command`)."""
+        script = write_file_command(remote_path, mode, owner)
+        r = self._run(script, sudo=sudo, check=False, stream=False, env=None, timeout=None, stdin=content)
+        if r.ok:
+            return
+        if "No space left on device" in r.stderr or "Disk quota exceeded" in r.stderr:
+            raise HostError(f"{self.name}: no space left on device at {remote_path}")
+        tail = self._redacted(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.exited}")
+        raise HostError(f"{self.name}: cannot write {remote_path}: {tail}")
+
+    def put(self, local_path_or_bytes: bytes | str | os.PathLike, remote_path: str,
+            mode: int | None = None, *, sudo: bool = False, owner: str | None = None) -> None:
+        """Upload bytes or a local file (atomically). ``mode`` defaults to the local file's
+        permission bits, or 0644 for bytes."""
+        if isinstance(local_path_or_bytes, bytes):
+            self.write_file(remote_path, local_path_or_bytes, 0o644 if mode is None else mode,
+                            sudo=sudo, owner=owner)
+            return
+        local = Path(local_path_or_bytes)
+        if mode is None:
+            mode = local.stat().st_mode & 0o7777
+        with open(local, "rb") as fh:
+            self.write_file(remote_path, fh, mode, sudo=sudo, owner=owner)
+
+    def put_secret(self, remote_path: str, secret: bytes, *, sudo: bool = False,
+                   owner: str | None = None) -> None:
+        """Write a secret with mode 0600. It travels on stdin (never argv) and is redacted."""
+        self.redact(secret)
+        self.write_file(remote_path, secret, 0o600, sudo=sudo, owner=owner)
+
+    def read_bytes(self, path: str, *, sudo: bool = False) -> bytes:
+        out, err, code = self._run(f"cat -- {shlex.quote(path)}", sudo=sudo, check=False, stream=False,
+                                   env=None, timeout=None, stdin=None, raw=True)
+        if code != 0:
+            raise HostError(self._redacted(f"{self.name}: cannot read {path}: {err.strip() or f'exit {code}'}"))
+        return out
+
+    def get(self, remote: str, local: str | os.PathLike, *, sudo: bool = False) -> None:
+        """Download ``remote`` to ``local`` (written to a temp file, then renamed)."""
+        data = self.read_bytes(remote, sudo=sudo)
+        local = Path(local)
+        tmp = local.with_name(f".{local.name}.vf-tmp-{os.getpid()}")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, local)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def spawn(self, cmd: str, *, sudo: bool = False) -> Process:
+        """Start ``cmd`` and return at once, stdin kept open (for :func:`ops.host_lock`)."""
+        return self._spawn(build_command(cmd, sudo=self._needs_sudo_binary(sudo)))
+
+
+def stdin_reader(stdin: Content | None) -> BinaryIO | None:
+    if stdin is None or hasattr(stdin, "read"):
+        return stdin
+    return io.BytesIO(stdin)

@@ -1,0 +1,66 @@
+"""Output of commands on hosts: the finished Result, and the Printer that shows lines as they come."""
+
+from __future__ import annotations
+
+import codecs
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable, TextIO
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a finished command printed and how it exited."""
+
+    stdout: str
+    stderr: str
+    exited: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exited == 0
+
+
+class Printer:
+    """Prints remote output line by line, each line prefixed with its host: ``[v100-01] ...``.
+
+    Plain ``print`` on purpose: remote output may contain ``[brackets]`` that rich would take
+    for markup. One lock for all hosts, so lines of parallel hosts never interleave mid-line.
+    ``quiet=True`` silences it; ``out`` defaults to the *current* ``sys.stdout``.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, out: TextIO | None = None, quiet: bool = False):
+        self.out = out
+        self.quiet = quiet
+
+    def line(self, host: str, text: str) -> None:
+        if self.quiet:
+            return
+        with self._lock:
+            print(f"[{host}] {text}", file=self.out or sys.stdout, flush=True)
+
+
+class LineSplitter:
+    """Turns a stream of byte chunks into whole decoded lines for the printer."""
+
+    def __init__(self, emit: Callable[[str], None]):
+        self._emit = emit
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._buf = ""
+
+    def feed(self, data: bytes) -> None:
+        self._buf += self._decoder.decode(data)
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            self._emit(line.rstrip("\r"))
+
+    def flush(self) -> None:
+        self._buf += self._decoder.decode(b"", final=True)
+        if self._buf:
+            self._emit(self._buf)
+        self._buf = ""
+
+
