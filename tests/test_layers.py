@@ -1,0 +1,131 @@
+"""The folders are layers, and imports only go down (README, "Where things are").
+
+    errors, resources                                     (anyone)
+    plan/     pure planning                               -> nothing above
+    facts/    fact commands + pure parsers                -> nothing above
+    config/   recipes, inventory                          -> plan
+    host/     transports, operations, lock               -> config (HostSpec), facts
+    weights/  model files                                 -> plan
+    steps/    what runs against a host                    -> host, facts, config, plan
+    cli/      the Invoke tasks and rendering              -> everything
+
+Also: no module imports another module's private (_underscored) names, and there is no
+import cycle between modules. Read from the source with ast, so a lazy import inside a
+function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "playbooks"
+
+ALLOWED = {
+    "plan": {"plan"},
+    "facts": {"facts"},
+    "config": {"config", "plan"},
+    "host": {"host", "config", "facts"},
+    "weights": {"weights", "plan"},
+    "steps": {"steps", "host", "facts", "config", "plan", "weights"},
+    "cli": {"cli", "steps", "host", "facts", "config", "plan", "weights"},
+}
+ANYONE = {"errors", "resources", "__init__"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports_of(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module imported from, names imported, line) for every playbooks import in the file."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("playbooks"):
+            assert node.level == 0, f"{path}:{node.lineno}: use absolute imports (playbooks.x.y)"
+            found.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("playbooks"):
+                    found.append((a.name, [], node.lineno))
+    return found
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+MODULES = modules()
+
+
+def test_layers_are_folders():
+    layers = {layer(m) for m in MODULES} - ANYONE
+    assert layers == set(ALLOWED), layers
+    flat = [m for m in MODULES if m.count(".") == 1 and layer(m) not in ANYONE | set(ALLOWED)]
+    assert flat == [], f"modules outside the layer folders: {flat}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_down_only(module):
+    if layer(module) in ANYONE:
+        allowed = set()
+    else:
+        allowed = ALLOWED[layer(module)]
+    for target, _, line in imports_of(MODULES[module]):
+        # `from playbooks.facts import lines` names the facts package itself
+        to = layer(target) if target != "playbooks" else "__init__"
+        assert to in ANYONE or to in allowed, f"{module} (line {line}) imports {target}: {layer(module)} may not use {to}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_names_from_other_modules(module):
+    for target, names, line in imports_of(MODULES[module]):
+        private = [n for n in names if n.startswith("_") and not n.startswith("__") and target != module]
+        assert not private, f"{module} (line {line}) imports private {private} from {target}"
+
+
+def test_no_import_cycles():
+    graph = {m: set() for m in MODULES}
+    for m, path in MODULES.items():
+        for target, names, _ in imports_of(path):
+            for cand in [f"{target}.{n}" for n in names] + [target]:
+                if cand in MODULES and cand != m:
+                    graph[m].add(cand)
+                    break
+    # packages import their own modules (re-exports): a package -> its submodule is not a cycle
+    seen, stack, cycles = set(), [], []
+
+    def visit(m):
+        if m in stack:
+            cycles.append(stack[stack.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if n.startswith(m + ".") or m.startswith(n + "."):
+                continue
+            visit(n)
+        stack.pop()
+
+    for m in sorted(graph):
+        visit(m)
+    assert not cycles, cycles
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """The rules are not vacuous: an upward import in a plan module is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from playbooks.host.ops import run_ops\n")
+    (target, _, _), = imports_of(bad)
+    assert layer(target) == "host" and layer(target) not in ALLOWED["plan"]
