@@ -36,8 +36,25 @@ def test_bpw_steps_match_a_published_vram_table():
             assert abs(predicted - published) <= 0.1e9, (model, hi["bpw"], lo["bpw"], predicted, published)
 
 
-def test_tied_embeddings_get_a_separate_quantized_head():
-    shape = load_config_file(ROOT / "recipes/models/gemma-2-9b-it.config.json")
-    e = estimate_exl2(shape, 4.0)
-    assert e.head_bytes > 0 and e.embed_bytes == 256000 * 3584 * 2
-    assert e.gpu_weight_bytes == e.file_bytes - e.embed_bytes  # embeddings stay in host RAM
+def test_gemma2_weights_on_the_gpu_by_hand():
+    # gemma-2-9b-it (recipes/models): hidden 3584, 16 x 256 query dims, 8 x 256 KV dims,
+    # FFN 14336, 42 layers, vocab 256000, tied embeddings.
+    linear_per_layer = (
+        3584 * 4096  # q_proj
+        + 2 * 3584 * 2048  # k_proj, v_proj
+        + 4096 * 3584  # o_proj
+        + 3 * 3584 * 14336  # gate_proj, up_proj, down_proj
+    )
+    linear = 42 * linear_per_layer * 4.0 / 8  # -b 4.0 over the decoder's linear layers
+    # The converter writes a quantized lm_head even though Gemma ties it to the embeddings
+    # (conversion/compile.py: get_q_module(job, module) for "lm_head"); the loader finds
+    # "lm_head.q_weight" before its alt key model.embed_tokens (module.py load_weight).
+    # -hb 6: 15% of rows at 8 bits, 85% at 6, a 4-bit scale per 128-row group (qparams.py).
+    head = 256000 * 3584 * (0.15 * 8 + 0.85 * 6 + 4 / 128) / 8
+    # FP16 norms: input, post-attention, pre-FFN, post-FFN per layer (architecture.py,
+    # layer_keys_gemma2_norms) and the final norm.
+    norms = (4 * 42 + 1) * 3584 * 2
+    # The embedding table stays in host RAM (model.py set_device_map, embed_cpu=True).
+    e = estimate_exl2(load_config_file(ROOT / "recipes/models/gemma-2-9b-it.config.json"), 4.0, 6)
+    assert e.gpu_weight_bytes == int(linear) + int(head) + norms == 4_889_127_936
+    assert e.embed_bytes == 256000 * 3584 * 2
