@@ -1,17 +1,27 @@
-"""EXL2 sizes. No published EXL2 *file* sizes were found for the models in recipes/models/
-(tests/data/published_exl2_sizes.yaml says why); what was found is a model card's VRAM table,
-whose steps between bpw branches check the part of the estimate that scales with bpw."""
+"""EXL2 sizes and ExLlamaV2's buffers. No published EXL2 *file* sizes were found for the models in
+recipes/models/ (tests/data/published_exl2_sizes.yaml says why); what was found is a model card's
+VRAM table, whose steps between bpw branches check the part of the estimate that scales with bpw.
+ExLlamaV2's buffers are checked term by term against hand calculations from exllamav2 0.3.2's
+source, so that changing any of them fails a test."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
-from playbooks.plan.exl2_size import estimate_exl2, head_bits_per_weight
+from playbooks.plan.exl2_size import (
+    estimate_exl2,
+    exl2_attention_bytes,
+    exl2_scratch_bytes,
+    head_bits_per_weight,
+)
 from playbooks.plan.model_config import load_config_file
+from playbooks.plan.planner import exl2_compute_bytes
 from tests.helpers import ROOT
 
 ROWS = yaml.safe_load((Path(__file__).parent / "data/published_exl2_sizes.yaml").read_text())
+GEMMA = load_config_file(ROOT / "recipes/models/gemma-2-9b-it.config.json")
+MISTRAL = load_config_file(ROOT / "recipes/models/mistral-7b-instruct-v0.3.config.json")
 
 
 def test_head_rate_matches_what_exllamav2_states():
@@ -55,6 +65,61 @@ def test_gemma2_weights_on_the_gpu_by_hand():
     # layer_keys_gemma2_norms) and the final norm.
     norms = (4 * 42 + 1) * 3584 * 2
     # The embedding table stays in host RAM (model.py set_device_map, embed_cpu=True).
-    e = estimate_exl2(load_config_file(ROOT / "recipes/models/gemma-2-9b-it.config.json"), 4.0, 6)
+    e = estimate_exl2(GEMMA, 4.0, 6)
     assert e.gpu_weight_bytes == int(linear) + int(head) + norms == 4_889_127_936
     assert e.embed_bytes == 256000 * 3584 * 2
+
+
+def test_exllamav2_buffers_by_hand():
+    """Gemma-2 9B, max_seq_len 4096, batch 1, ExLlamaV2's defaults max_input_len 2048,
+    max_attention_size 2048^2, max_dq_size 512 Mi elements (config.py), no flash-attn (V100)."""
+    rope = 2 * 4096 * 256 * 2  # sin and cos, FP16, max_seq_len x head_dim (device.py prepare_sincos)
+    state = 2048 * 3584 * 2  # model.py set_device_map: state_size
+    mask = 2048 * 2048 * 2  # model.py set_device_map: mask_size
+    # The scratch ExLlamaV2 allocates at load: the largest scratch_space_fixed() of any module.
+    head_dq = 2 * 512 * 1024**2  # lm_head: 3584 x 256000 FP16 dequant buffer, capped at max_dq_size
+    mlp_fixed = (2048 * 3584 * 2 + 128) + 2 * (2048 * 14336 * 2 + 128) + 2 * 3584 * 14336
+    attn_fixed = (2048 * 4096 * 2 + 128) + 2 * 3584 * 4096
+    assert head_dq > mlp_fixed > attn_fixed
+    scratch = head_dq
+    # Attention's per-forward working set outside the scratch (attn.py temp_q/k/v, temp_kv for
+    # repeat_kv over 4096 tokens x 16 heads, temp_attn_size: 2 x 2048^2 weights x 16 heads).
+    attention = (
+        (2048 * 4096 * 2 + 128)
+        + 2 * (2048 * 2048 * 2 + 128)
+        + (2 * 4096 * 16 * 256 * 2 + 128)
+        + (2 * 2048**2 * 16 * 2 + 128)
+    )
+    logits = 256000 * 4  # the last token's logits, FP32
+    assert exl2_scratch_bytes(GEMMA) == scratch
+    assert exl2_attention_bytes(GEMMA, 4096) == attention
+    assert exl2_compute_bytes(GEMMA, 4096) == rope + state + mask + scratch + attention + logits == 1_471_128_192
+
+
+def test_scratch_is_the_largest_module_by_hand():
+    # MLP decides: Mistral 7B at batch 2 (4096 rows) outgrows its head's 4096 x 32768 buffer
+    mlp = (4096 * 4096 * 2 + 128) + 2 * (4096 * 14336 * 2 + 128) + 2 * 4096 * 14336
+    assert mlp > 2 * 4096 * 32768
+    assert exl2_scratch_bytes(MISTRAL, batch=2) == mlp
+    # The head decides below the cap, over its vocabulary padded to 32 rows (linear.py padding)
+    odd_vocab = MISTRAL.model_copy(update={"vocab_size": 32001})
+    assert exl2_scratch_bytes(odd_vocab) == 2 * 4096 * 32032
+    # Attention decides: a narrow model with wide attention (hidden 1024, 32 x 256 query dims)
+    wide_attn = GEMMA.model_copy(update={"hidden_size": 1024, "intermediate_size": 1024,
+                                         "num_attention_heads": 32, "num_key_value_heads": 8,
+                                         "vocab_size": 1000})
+    assert exl2_scratch_bytes(wide_attn) == (2048 * 8192 * 2 + 128) + 2 * 1024 * 8192
+
+
+def test_attention_working_set_by_hand():
+    # Without GQA repeat_kv copies nothing; a short context caps the attention matrix at ctx^2.
+    mha = MISTRAL.model_copy(update={"num_key_value_heads": 32})
+    q = k = v = 2048 * 4096 * 2 + 128
+    assert exl2_attention_bytes(mha, 1024) == q + k + v + (2 * 1024**2 * 32 * 2 + 128)
+    # Batch multiplies the projections and the expanded KV, not the attention matrix.
+    assert exl2_attention_bytes(MISTRAL, 8192, batch=2) == (
+        (4096 * 4096 * 2 + 128)
+        + 2 * (4096 * 1024 * 2 + 128)
+        + (2 * 8192 * 2 * 32 * 128 * 2 + 128)
+        + (2 * 2048**2 * 32 * 2 + 128)
+    )
