@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from playbooks.plan.exl2_size import EXL2_BPW_LADDER, estimate_exl2, exl2_quant_name
+from playbooks.plan.exl2_size import (
+    EXL2_BPW_LADDER,
+    EXL2_MAX_INPUT_LEN,
+    estimate_exl2,
+    exl2_attention_bytes,
+    exl2_quant_name,
+    exl2_scratch_bytes,
+)
 from playbooks.plan.gguf_size import FILE_TYPES, estimate_gguf
 from playbooks.plan.gpus import MIB, Gpu
 from playbooks.plan.kv_cache import (
@@ -61,15 +68,21 @@ def llamacpp_compute_buffer_bytes(shape: ModelShape, n_ctx: int, n_ubatch: int, 
     return max(attention_peak, output_peak)
 
 
-def exl2_compute_bytes(shape: ModelShape, max_seq_len: int, max_input_len: int = 2048, batch: int = 1) -> int:
-    """ExLlamaV2's own reservation (model.py set_device_map): RoPE tables, hidden state and
-    attention mask for one input chunk, plus the FFN intermediate and last-token logits."""
+def exl2_compute_bytes(shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN,
+                       batch: int = 1) -> int:
+    """ExLlamaV2's own memory besides weights and cache (exllamav2 0.3.2 source):
+    RoPE sin/cos tables for max_seq_len (device.py prepare_sincos), the hidden state and
+    attention mask of one input chunk (model.py set_device_map's state_size and mask_size),
+    the scratch allocated at load (exl2_scratch_bytes: for most models the head's 1 GiB
+    dequant buffer), attention's per-forward working set without flash-attn
+    (exl2_attention_bytes) and the last token's logits in FP32 (generator/base.py .float())."""
     rope = shape.head_dim * max_seq_len * 2 * 2
     state = shape.hidden_size * max_input_len * batch * 2
     mask = max_input_len**2 * batch * 2
-    ffn = max_input_len * shape.intermediate_size * 2 * 2
+    scratch = exl2_scratch_bytes(shape, max_input_len, batch)
+    attention = exl2_attention_bytes(shape, max_seq_len, max_input_len, batch)
     logits = shape.vocab_size * 4 * batch
-    return rope + state + mask + ffn + logits
+    return rope + state + mask + scratch + attention + logits
 
 
 @dataclass(frozen=True)
