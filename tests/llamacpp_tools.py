@@ -132,6 +132,7 @@ def convert_python() -> Path:
     done = venv / ".installed"
     if done.exists():
         return python
+    cache_dir().mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "venv", "--clear", str(venv)], cache_dir() / "convert-venv.log")
     torch = [f"torch=={TORCH_CPU}", "--find-links", str(cpu_torch_wheel().parent)]
     _run([str(python), "-m", "pip", "install", "-q", *torch, *CONVERT_REQUIREMENTS], cache_dir() / "convert-venv.log")
