@@ -1,9 +1,12 @@
-"""Shared pytest fixtures for voltaforge's tests.
+"""Shared pytest fixtures and hooks for voltaforge's tests.
 
 Real SSH test hosts (private sshd, sshd in a network namespace, Debian 12 booted with
 systemd-nspawn) live in tests/testhosts.py; importing them here registers them as fixtures.
+Strict mode (VOLTAFORGE_STRICT=1, set by ci/test.sh: every skip is a failure) lives in
+tests/strict.py; importing its hooks here puts them in force for the whole suite.
 """
 
+from strict import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks)
 from testhosts import (  # noqa: F401  (imported to register the fixtures)
     make_sshd_host,
     netns_host,

@@ -4,7 +4,8 @@
   GitHub is not reachable here), pinned to the recipe default's version;
 - `llama-quantize` and `llama-server`, a static CPU build of that tree;
 - a converter venv: convert_hf_to_gguf.py needs torch, transformers and sentencepiece. torch
-  is the CPU build from /opt/wheels when the machine has it (a CUDA wheel would be GBs).
+  is the CPU build, fetched once into the cache by cpu_torch_wheel() (a CUDA build would pull
+  GBs of nvidia-* wheels).
 
 Everything lives under VOLTAFORGE_CACHE (default ~/.cache/voltaforge), keyed by version, so
 a second run reuses it; a half-done build is redone, never trusted.
@@ -13,13 +14,16 @@ a second run reuses it; a half-done build is redone, never trusted.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp 0c1e570 (recipes/defaults.yaml)
-WHEELS = Path("/opt/wheels")
+TORCH_CPU = "2.13.0+cpu"
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CONVERT_REQUIREMENTS = ["transformers>=4.45,<5", "sentencepiece>=0.2,<0.3", "protobuf>=4.21,<5", "numpy", "safetensors"]
 
 
@@ -85,6 +89,42 @@ def llama_server() -> Path:
     return build_tools() / "llama-server"
 
 
+def cpu_torch_wheel() -> Path:
+    """The CPU build of torch (torch-2.13.0+cpu-*.whl, ~190 MB), fetched once into
+    cache/wheels for this interpreter's Python.
+
+    The `+cpu` label pins the CPU build: PyPI's torch 2.13.0 is a 500 MB CUDA build whose
+    dependencies are GBs of nvidia-* wheels. Sources, in order: pip's own configuration (this
+    kind of machine serves the wheel from a local find-links directory, and a machine whose pip
+    is set up for PyTorch's index gets it from there), then PyTorch's CPU index itself (not
+    reachable here). Raises, naming every attempt, when none has it: the tests that need it
+    fail loudly, they never skip.
+    """
+    wheels = cache_dir() / "wheels"
+    pattern = f"torch-{TORCH_CPU}-*.whl"
+    found = sorted(wheels.glob(pattern))
+    if found:
+        return found[-1]
+    wheels.mkdir(parents=True, exist_ok=True)
+    failures = []
+    for extra in ([], ["--index-url", PYTORCH_CPU_INDEX]):
+        tmp = Path(tempfile.mkdtemp(prefix=".torch-download-", dir=wheels))
+        try:
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q",
+                                "--no-deps", "--only-binary", ":all:", "--timeout", "30", "--retries", "1",
+                                "-d", str(tmp), *extra, f"torch=={TORCH_CPU}"],
+                               capture_output=True, text=True, timeout=1800)
+            got = sorted(tmp.glob(pattern))
+            if r.returncode == 0 and got:
+                os.replace(got[-1], wheels / got[-1].name)  # whole file or nothing
+                return wheels / got[-1].name
+            failures.append(f"pip download {' '.join(extra) or '(pip configuration)'}: exit {r.returncode}: "
+                            f"{r.stderr.strip()[-800:]}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    raise RuntimeError(f"no torch=={TORCH_CPU} wheel for {sys.executable}:\n" + "\n".join(failures))
+
+
 def convert_python() -> Path:
     """The python of a venv that can run convert_hf_to_gguf.py."""
     venv = cache_dir() / "convert-venv"
@@ -92,9 +132,9 @@ def convert_python() -> Path:
     done = venv / ".installed"
     if done.exists():
         return python
+    cache_dir().mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "venv", "--clear", str(venv)], cache_dir() / "convert-venv.log")
-    torch = ["torch==2.13.0+cpu", "--find-links", str(WHEELS)] if WHEELS.is_dir() else [
-        "torch", "--index-url", "https://download.pytorch.org/whl/cpu", "--extra-index-url", "https://pypi.org/simple"]
+    torch = [f"torch=={TORCH_CPU}", "--find-links", str(cpu_torch_wheel().parent)]
     _run([str(python), "-m", "pip", "install", "-q", *torch, *CONVERT_REQUIREMENTS], cache_dir() / "convert-venv.log")
     done.touch()
     return python

@@ -1,10 +1,16 @@
-"""CUDA toolchain facts against real captures (public issues + this machine's two toolkits)."""
+"""CUDA toolchain facts against real captures (public issues + this machine's two toolkits),
+and the fact commands run on real toolkits: Debian's CUDA 11.8 and the CUDA 13.0 nvcc from
+PyPI (tests/toolkits.py), never a shell script posing as nvcc."""
 
+import importlib.metadata
+import os
+import re
 import subprocess
 
 import pytest
 
 from tests.helpers import fixture_body as fixture_text
+from tests.toolkits import cuda13_bin, cuda13_root, needs_debian_cuda118
 
 from playbooks.facts import cuda
 from playbooks.facts.cuda import (
@@ -22,9 +28,6 @@ from playbooks.facts.cuda import (
     parse_toolkits,
     sm70_supported,
 )
-
-
-
 
 
 # --------------------------------------------------------------------------- nvcc --version
@@ -121,20 +124,70 @@ def test_parse_toolkits_empty_and_cut_off():
     assert mixed_toolkits_warning([t]) is None
 
 
-def test_toolkits_command_is_posix_and_exits_0(tmp_path):
-    """Run the real command under /bin/sh with a fake toolkit first on PATH."""
-    fake = tmp_path / "bin with space"
-    fake.mkdir()
-    (fake / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
-    (fake / "nvcc").chmod(0o755)
-    run = subprocess.run(["/bin/sh", "-c", cuda.TOOLKITS_COMMAND],
-                         env={"PATH": f"{fake}:{fake}:/nonexistent:/usr/bin:/bin"}, capture_output=True, text=True)
+def _wheel_version(root) -> str:
+    """The CUDA 13 nvcc's version as its wheel's metadata states it (not from nvcc)."""
+    (dist,) = [d for d in importlib.metadata.distributions(path=[str(root)]) if d.metadata["Name"] == "nvidia-cuda-nvcc"]
+    return dist.version
+
+
+def _debian_version() -> str:
+    """Debian's CUDA version as dpkg states it: '11.8.89~11.8.0-5~deb12u1' -> '11.8.89'."""
+    out = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "nvidia-cuda-toolkit"],
+                         capture_output=True, text=True, check=True).stdout
+    return re.match(r"(?:\d+:)?(\d+\.\d+\.\d+)", out).group(1)
+
+
+@needs_debian_cuda118
+def test_toolkits_command_finds_the_real_toolkits_in_path_order(tmp_path):
+    """TOOLKITS_COMMAND under /bin/sh on real binaries: the CUDA 13.0 nvcc and ptxas from PyPI
+    first on PATH, through a directory with a space in its name that PATH lists twice, then
+    Debian's CUDA 11.8. Versions are checked against the wheel's metadata and dpkg."""
+    cuda13 = cuda13_bin()
+    spaced = tmp_path / "bin with space"
+    spaced.mkdir()
+    for tool in ("nvcc", "ptxas"):
+        (spaced / tool).symlink_to(cuda13 / tool)
+    dirs = [str(spaced), str(spaced), "/nonexistent", "/usr/bin", "/bin"]
+    run = subprocess.run(["/bin/sh", "-c", cuda.TOOLKITS_COMMAND], env={"PATH": ":".join(dirs)},
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     tks = parse_toolkits(run.stdout)
-    assert tks[0].path == f"{fake}/nvcc" and tks[0].on_path_index == 0
-    assert tks[0].release == (12, 4)
-    assert [t.path for t in tks].count(f"{fake}/nvcc") == 1  # PATH listed it twice
-    assert all(t.kind in ("nvcc", "ptxas") for t in tks)
+    assert all(t.error is None for t in tks)
+
+    v13, v118 = _wheel_version(cuda13_root()), _debian_version()
+    release = {str(spaced): (13, 0), "/usr/bin": (11, 8), "/bin": (11, 8)}
+    version = {str(spaced): f"V{v13}", "/usr/bin": f"V{v118}", "/bin": f"V{v118}"}
+    for kind in ("nvcc", "ptxas"):
+        want, seen = [], set()
+        for d in dirs:
+            exe = f"{d}/{kind}"
+            if exe in seen or not os.path.exists(exe):  # listed twice: reported once
+                continue
+            seen.add(exe)
+            want.append((exe, len(want), release[d], version[d], os.path.realpath(exe)))
+        got = [(t.path, t.on_path_index, t.release, t.version, t.realpath) for t in tks if t.kind == kind and t.on_path]
+        assert got == want
+    assert v13.startswith("13.0.") and v118.startswith("11.8.")
+    nvcc = first_on_path(tks, "nvcc")
+    assert nvcc.path == f"{spaced}/nvcc" and nvcc.sm70_supported is False
+    assert [t.path for t in tks if t.kind == "nvcc" and t.on_path and t.sm70_supported] == [
+        d + "/nvcc" for d in ("/usr/bin", "/bin") if os.path.exists(d + "/nvcc")]
+    assert f"the ptxas first on PATH is {spaced}/ptxas (CUDA 13.0)" in mixed_toolkits_warning(tks)
+
+
+@needs_debian_cuda118
+@pytest.mark.parametrize("which", ["cuda13", "debian"])
+def test_nvcc_version_command_on_the_real_toolkits(which):
+    path = str(cuda13_bin()) if which == "cuda13" else "/usr/bin"
+    run = subprocess.run(["/bin/sh", "-c", cuda.NVCC_VERSION_COMMAND], env={"PATH": path},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0
+    v = parse_nvcc_version(run.stdout)
+    want = _wheel_version(cuda13_root()) if which == "cuda13" else _debian_version()
+    assert v.available and v.version == f"V{want}"
+    assert v.version_tuple == tuple(map(int, want.split(".")))
+    assert v.release == v.version_tuple[:2]
+    assert v.sm70_supported is (which == "debian")
 
 
 # --------------------------------------------------------------------------- cuobjdump

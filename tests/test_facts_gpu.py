@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -395,6 +396,111 @@ def test_probe_nvml_branch_with_fake_pynvml(tmp_path):
     assert g.clocks_event_reasons == ("idle", "sw_power_cap")
     assert g.throttling == ("sw_power_cap",)
     assert facts.warnings == ("GPU 0: pcie_gen: Not Supported",)
+
+
+# nvml.h's nvmlClocksEventReason* bits, keyed by the label nvidia-smi -q prints for each
+# (written out here, not taken from playbooks/facts/gpu.py, so the test is an independent check).
+NVML_EVENT_REASON_BITS = {
+    "Idle": 0x1, "Applications Clocks Setting": 0x2, "SW Power Cap": 0x4, "HW Slowdown": 0x8,
+    "Sync Boost": 0x10, "SW Thermal Slowdown": 0x20, "HW Thermal Slowdown": 0x40,
+    "HW Power Brake Slowdown": 0x80, "Display Clock Setting": 0x100,
+}
+
+_NEWER_PYNVML = '''
+"""STAND-IN pynvml written by tests/test_facts_gpu.py: a newer NVML binding, which has
+nvmlDeviceGetCurrentClocksEventReasons. Its answers are a real capture's (nvidia-smi -q of an
+H100-class GPU on an R535+ driver); what the capture does not show is not invented: those
+queries raise NVML_ERROR_NOT_SUPPORTED."""
+NVML_TEMPERATURE_GPU = 0
+NVML_CLOCK_SM = 1
+NVML_CLOCK_MEM = 2
+NVML_FEATURE_ENABLED = 1
+NVML_ERROR_NOT_SUPPORTED = 3
+MIB = 1024 * 1024
+
+
+class NVMLError(Exception):
+    def __init__(self, value):
+        self.value = value
+
+    def __str__(self):
+        return "Not Supported"
+
+
+def _not_supported(*args):
+    raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+
+
+class _Memory:
+    total = {total} * MIB
+    used = {used} * MIB
+    free = {free} * MIB
+
+
+def nvmlInit(): pass
+def nvmlShutdown(): pass
+def nvmlDeviceGetCount(): return 1
+def nvmlDeviceGetHandleByIndex(i): return i
+def nvmlDeviceGetMemoryInfo(h): return _Memory()
+def nvmlDeviceGetCurrentClocksEventReasons(h): return {mask}
+def nvmlDeviceGetCurrentClocksThrottleReasons(h):
+    raise AssertionError("the deprecated name was called although the new one exists")
+
+nvmlSystemGetDriverVersion = nvmlSystemGetCudaDriverVersion = _not_supported
+nvmlDeviceGetName = nvmlDeviceGetUUID = nvmlDeviceGetPciInfo = _not_supported
+nvmlDeviceGetCudaComputeCapability = nvmlDeviceGetTemperature = nvmlDeviceGetPowerUsage = _not_supported
+nvmlDeviceGetEnforcedPowerLimit = nvmlDeviceGetPowerManagementLimitConstraints = _not_supported
+nvmlDeviceGetClockInfo = nvmlDeviceGetMaxClockInfo = nvmlDeviceGetPersistenceMode = _not_supported
+nvmlDeviceGetCurrPcieLinkGeneration = nvmlDeviceGetCurrPcieLinkWidth = _not_supported
+'''
+
+
+def _capture_values(text):
+    """From nvidia-smi -q text, read by the test itself: the active reasons' bitmask and the
+    FB memory numbers (MiB)."""
+    block = re.search(r"^( *)Clocks Event Reasons\n((?:\1 +.*\n)+)", text, re.M).group(2)
+    mask = 0
+    for label, state in re.findall(r"^ +(.+?)\s+: (Active|Not Active)$", block, re.M):
+        mask |= NVML_EVENT_REASON_BITS[label] if state == "Active" else 0
+    fb = re.search(r"FB Memory Usage\n(?:.*\n)*? +Total +: (\d+) MiB\n(?:.*\n)*? +Used +: (\d+) MiB\n +Free +: (\d+) MiB",
+                   text).groups()
+    return mask, tuple(int(x) for x in fb)
+
+
+@pytest.mark.parametrize("variant", ["as captured", "sw power cap and hw thermal slowdown active"])
+def test_probe_newer_nvml_clocks_event_reasons_branch(tmp_path, variant):
+    """The probe's branch for newer NVML bindings (nvmlDeviceGetCurrentClocksEventReasons),
+    with no GPU here: the real probe script runs in a subprocess with a STAND-IN `pynvml`
+    module on PYTHONPATH that exposes the newer function (and a deprecated name that must not
+    be called). The stand-in answers with values taken from the captured real output in
+    tests/fixtures/nvidia-smi-q-clocks-event-reasons-newdriver-h100.txt ('Idle' active, FB
+    memory 81559/1/80995 MiB); the second variant edits that capture the way
+    test_q_old_throttle_section_name_and_active_reasons does. What the probe reports must equal
+    what voltaforge's nvidia-smi -q parser reads from the same text."""
+    text = fixture_text("nvidia-smi-q-clocks-event-reasons-newdriver-h100.txt")
+    if variant != "as captured":
+        text = text.replace("Idle                              : Active",
+                            "Idle                              : Not Active")
+        text = text.replace("SW Power Cap                      : Not Active",
+                            "SW Power Cap                      : Active")
+        text = text.replace("HW Thermal Slowdown           : Not Active",
+                            "HW Thermal Slowdown           : Active")
+    mask, (total, used, free) = _capture_values(text)
+    assert mask == (0x1 if variant == "as captured" else 0x4 | 0x40)
+    (tmp_path / "pynvml.py").write_text(_NEWER_PYNVML.format(mask=mask, total=total, used=used, free=free))
+
+    run = _run_probe(tmp_path)
+    assert run.returncode == 0 and "Traceback" not in run.stderr
+    raw = json.loads(run.stdout)["gpus"][0]
+    assert raw["clocks_event_reasons_mask"] == mask and "clocks_event_reasons_mask" not in raw["errors"]
+    facts = parse_gpu_probe_json(run.stdout)
+    (g,) = facts.gpus
+    (q,) = parse_nvidia_smi_q(text).gpus
+    assert g.clocks_event_reasons == q.clocks_event_reasons
+    assert g.throttling == q.throttling
+    assert (g.memory_total_mib, g.memory_used_mib, g.memory_free_mib) == (
+        q.memory_total_mib, q.memory_used_mib, q.memory_free_mib) == (total, used, free)
+    assert g.name is None and "GPU 0: name: Not Supported" in facts.warnings  # not invented
 
 
 def test_probe_with_broken_pynvml_import_still_prints_json(tmp_path):

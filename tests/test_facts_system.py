@@ -1,6 +1,15 @@
-"""System facts against outputs captured on this machine (Debian 12 container, no systemd)."""
+"""System facts: the parsers against outputs captured on this machine (Debian 12, no systemd),
+and the real fact commands run on this machine through the host layer (LocalHost, what
+`--host local` uses), their parsed output checked against what the test reads itself with
+Python's standard library."""
 
+import os
+import platform
+import shutil
 import subprocess
+from pathlib import Path
+
+import pytest
 
 from playbooks.facts import system
 from playbooks.facts.system import (
@@ -18,6 +27,9 @@ from playbooks.facts.system import (
     parse_systemd,
     parse_uname_machine,
 )
+from playbooks.config.inventory import resolve_host
+from playbooks.facts import read_fact
+from playbooks.host.hosts import LocalHost, connect
 from tests.helpers import fixture_body as fixture_text
 
 NO_TOOLS = {"PATH": "/nonexistent-voltaforge-bin"}
@@ -133,3 +145,61 @@ def test_nproc_and_uname_this_machine():
     assert parse_nproc("voltaforge: nproc not found") is None
     assert parse_uname_machine("voltaforge: uname not found") is None
     assert parse_nproc("") is None and parse_uname_machine("") is None
+
+
+# --------------------------------------------------------------------------- real commands
+
+
+@pytest.fixture
+def local(monkeypatch):
+    """This machine through the real host layer; the commands run as `bash -c COMMAND`."""
+    for var in ("OMP_NUM_THREADS", "OMP_THREAD_LIMIT"):  # nproc would print these instead
+        monkeypatch.delenv(var, raising=False)
+    with connect(resolve_host("local")) as host:
+        assert isinstance(host, LocalHost)
+        yield host
+
+
+def test_os_release_command_on_this_machine(local):
+    want = platform.freedesktop_os_release()  # /etc/os-release, else /usr/lib/os-release
+    got = parse_os_release(read_fact(local, system.OS_RELEASE_COMMAND))
+    assert got == OsRelease(
+        available=True, id=want["ID"].lower(), id_like=tuple(want.get("ID_LIKE", "").split()),
+        version_id=want.get("VERSION_ID"), codename=want.get("VERSION_CODENAME") or want.get("UBUNTU_CODENAME"),
+        pretty_name=want.get("PRETTY_NAME"),
+    )
+
+
+def test_meminfo_command_on_this_machine(local):
+    got = parse_meminfo(read_fact(local, system.MEMINFO_COMMAND))
+    # the kernel's total RAM through sysinfo(2), not through /proc/meminfo
+    assert got.mem_total_bytes == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    meminfo = {k: int(v.split()[0]) * 1024
+               for k, v in (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())}
+    assert got.available and got.mem_total_bytes == meminfo["MemTotal"]
+    assert got.swap_total_bytes == meminfo["SwapTotal"]
+    assert 0 < got.mem_available_bytes <= got.mem_total_bytes  # changes from one read to the next
+    assert 0 <= got.swap_free_bytes <= got.swap_total_bytes
+
+
+def test_nproc_command_on_this_machine(local):
+    # nproc counts the CPUs this process may run on (affinity), like sched_getaffinity
+    assert parse_nproc(read_fact(local, system.NPROC_COMMAND)) == len(os.sched_getaffinity(0))
+
+
+def test_uname_machine_command_on_this_machine(local):
+    assert parse_uname_machine(read_fact(local, system.UNAME_MACHINE_COMMAND)) == platform.machine()
+
+
+def test_systemd_command_on_this_machine(local):
+    got = parse_systemd(read_fact(local, system.SYSTEMD_COMMAND))
+    assert got.booted is os.path.isdir("/run/systemd/system")  # sd_booted(3)
+    assert got.systemctl_present is bool(shutil.which("systemctl"))
+
+
+def test_python_command_on_this_machine(local):
+    python3 = shutil.which("python3")
+    version = subprocess.run([python3, "-c", "import sys; print(*sys.version_info[:3])"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    got = parse_python_version(read_fact(local, system.PYTHON_VERSION_COMMAND))
+    assert got == PythonVersion(available=True, path=python3, version=tuple(map(int, version)))

@@ -2,11 +2,16 @@
 11.8, so the CUDA step is a no-op there) and to a booted Debian 12 container (no CUDA, no
 network: dry-run shows the apt lines; a real run fails cleanly and leaves apt as it was).
 
-PyTorch's index is not reachable here, so the venv mechanism is tested with the CPU torch
-this machine serves from /opt/wheels (a recipe override); the +cu118 pin stays the default."""
+The +cu118 torch pin stays the default; the venv mechanism is tested with the CPU torch
+(a recipe override), fetched once into the test cache by llamacpp_tools.cpu_torch_wheel():
+no PyTorch index is needed where pip's configuration serves it, and when no source has it the
+test fails, it does not skip."""
 
 import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -17,23 +22,31 @@ from playbooks.config.recipe import load_recipe
 from playbooks.cli.toolchain import run_toolchain
 from playbooks.steps.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, toolchain_ops
 from tests.helpers import inventory_for, recipe_with, spec_for
+from tests.llamacpp_tools import TORCH_CPU, cpu_torch_wheel
 
-WHEELS = "/opt/wheels"
 pytestmark = pytest.mark.slow
-
-TORCH_OVERRIDE = f"""
-toolchain:
-  torch: "2.13.0+cpu"
-  torch_index: https://pypi.org/simple
-  torch_find_links: {WHEELS}
-"""
 
 
 @pytest.fixture
 def cpu_torch_recipe(tmp_path):
-    if not any(n.startswith("torch-2.13.0") for n in os.listdir(WHEELS) if os.path.isdir(WHEELS)):
-        pytest.skip(f"needs the local torch 2.13.0 wheel in {WHEELS}")
-    return recipe_with(tmp_path, "qwen2.5-14b-v100-16gb", TORCH_OVERRIDE)
+    """A recipe whose torch pin is the CPU wheel, served from a find-links directory that
+    the test host's unprivileged user can read (the cache under /root is not readable)."""
+    wheel = cpu_torch_wheel()
+    links = Path(tempfile.mkdtemp(prefix="vf-torch-links-", dir="/tmp"))
+    os.chmod(links, 0o755)
+    try:
+        os.link(wheel, links / wheel.name)
+    except OSError:  # another filesystem
+        shutil.copyfile(wheel, links / wheel.name)
+    os.chmod(links / wheel.name, 0o644)
+    override = f"""
+toolchain:
+  torch: "{TORCH_CPU}"
+  torch_index: https://pypi.org/simple
+  torch_find_links: {links}
+"""
+    yield recipe_with(tmp_path, "qwen2.5-14b-v100-16gb", override)
+    shutil.rmtree(links, ignore_errors=True)
 
 
 def _files(root):
@@ -47,7 +60,7 @@ def test_toolchain_dry_run_then_twice(sshd_host, tmp_path, cpu_torch_recipe, cap
     # dry run: exact commands, nothing changes
     assert run_toolchain("gpu-box", str(cpu_torch_recipe), dry_run=True, inventory=str(inv)) == 0
     out = capsys.readouterr().out
-    assert "would run: mkdir" in out and "python3 -m venv" in out and "torch==2.13.0+cpu" in out
+    assert "would run: mkdir" in out and "python3 -m venv" in out and f"torch=={TORCH_CPU}" in out
     assert "CUDA 11.8 already at" in out
     assert _files(sshd_host.prefix) == before
     # first run: changes
@@ -55,7 +68,7 @@ def test_toolchain_dry_run_then_twice(sshd_host, tmp_path, cpu_torch_recipe, cap
     out = capsys.readouterr().out
     assert "changed" in out
     lock = json.loads((prefix / "toolchain.lock").read_text())
-    assert lock["torch"]["version"] == "2.13.0+cpu" and lock["cuda"]["release"] == "11.8"
+    assert lock["torch"]["version"] == TORCH_CPU and lock["cuda"]["release"] == "11.8"
     assert lock["cuda"]["nvcc"] == "/usr/bin/nvcc"
     # second run: nothing to do, each step says why
     spec = resolve_host("gpu-box", inv)
@@ -64,7 +77,7 @@ def test_toolchain_dry_run_then_twice(sshd_host, tmp_path, cpu_torch_recipe, cap
         changes = run_ops(host, toolchain_ops(spec.prefix, loaded.recipe.toolchain, host.user, True, False))
     assert [c.status for c in changes] == ["ok"] * 5, changes
     whys = " | ".join(c.why for c in changes)
-    assert "already" in whys and "torch 2.13.0+cpu already installed" in whys and "file is already up to date" in whys
+    assert "already" in whys and f"torch {TORCH_CPU} already installed" in whys and "file is already up to date" in whys
 
 
 def test_cuda_install_dry_run_on_a_debian_host_without_cuda(nspawn_host):

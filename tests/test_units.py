@@ -25,14 +25,14 @@ def exposure(unit_text: str, tmp_path, name="voltaforge-llama-server.service") -
     return float(m.group(1))
 
 
-@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze (Debian package systemd)")
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze (Debian package systemd: ci/install-system-deps.sh)")
 @pytest.mark.parametrize("name", LLAMACPP)
 def test_every_rendered_unit_scores_at_most_2(name, tmp_path):
     unit = render_llama_server_unit(load_recipe(name).recipe)
     assert exposure(unit.text, tmp_path) <= 2.0
 
 
-@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze (Debian package systemd)")
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze (Debian package systemd: ci/install-system-deps.sh)")
 def test_open_service_with_api_key(tmp_path):
     r = load_recipe(recipe_with(tmp_path, "qwen2.5-14b-v100-16gb",
                                 "service:\n  bind: 0.0.0.0\n  port: 8443\n  api_key_ref: lab-key\n")).recipe

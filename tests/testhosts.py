@@ -26,8 +26,8 @@ the first connection (it generated it) and writes it to ``known_hosts``; use
 set :class:`paramiko.RejectPolicy` -- never ``AutoAddPolicy``, which is Fabric's default.
 
 If the machine cannot run a kind of host (not root, a tool missing) the fixture skips with
-the reason; with ``VOLTAFORGE_REQUIRE_TESTHOSTS=1`` (default when ``CI`` is set) it fails
-instead, so CI can never silently skip the real-host tests.
+the reason; in strict mode (``VOLTAFORGE_STRICT=1``, exported by ci/test.sh; see
+tests/strict.py) it fails instead, so CI can never silently skip the real-host tests.
 
 Names of everything created system-wide (network namespaces, veths, cgroups, sudoers
 drop-ins) embed this process's pid and a counter, so parallel sessions (xdist workers, CI
@@ -58,6 +58,8 @@ from typing import Iterator
 
 import paramiko
 import pytest
+
+from strict import strict_mode
 
 __all__ = [
     "HostSetupError",
@@ -215,16 +217,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _strict_mode() -> bool:
-    flag = os.environ.get("VOLTAFORGE_REQUIRE_TESTHOSTS")
-    if flag is None:
-        flag = os.environ.get("CI", "")
-    return flag.lower() not in ("", "0", "false", "no")
-
-
 def _unavailable(reason: str):
-    """Skip (developer machine) or fail (CI / VOLTAFORGE_REQUIRE_TESTHOSTS=1)."""
-    if _strict_mode():
+    """Skip (developer machine) or fail (strict mode: VOLTAFORGE_STRICT=1, tests/strict.py).
+
+    The suite-wide hook would turn the skip into a failure as well; failing here directly
+    keeps the message specific when this module is used outside the suite."""
+    if strict_mode():
         pytest.fail(f"test host unavailable: {reason}", pytrace=False)
     pytest.skip(reason)
 
