@@ -29,7 +29,7 @@ from playbooks.facts.system import (
 )
 from playbooks.config.inventory import resolve_host
 from playbooks.facts import read_fact
-from playbooks.host.hosts import LocalHost, connect
+from playbooks.host import LocalHost, connect
 from tests.helpers import fixture_body as fixture_text
 
 NO_TOOLS = {"PATH": "/nonexistent-voltaforge-bin"}

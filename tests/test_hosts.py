@@ -1,4 +1,4 @@
-"""playbooks/host/hosts.py against real hosts: this machine (LocalHost) and a private sshd (SshHost).
+"""The host layer (playbooks/host/) against real hosts: this machine (LocalHost) and a private sshd (SshHost).
 
 Failure tests make the fault for real (an empty known_hosts, a regenerated host key, a closed
 port, a name under the reserved .invalid TLD, a sudo that wants a password, an sshd killed
