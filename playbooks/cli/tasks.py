@@ -35,7 +35,11 @@ DEFAULTS = {
 }
 
 
-def _cfg(c: Context, key: str) -> Any:
+def _cfg(c: Context, key: str, flag: Optional[str] = None) -> Any:
+    """The flag's value when given (even an empty one, which flags.py then refuses), else the
+    configuration's, else the built-in default."""
+    if flag is not None:
+        return flag
     return c.config.get("voltaforge", {}).get(key, DEFAULTS["voltaforge"][key])
 
 
@@ -65,7 +69,7 @@ def plan(c: Context, recipe: Optional[str] = None, gpu: Optional[str] = None, mo
         from playbooks.cli.plan import run_plan
 
         return run_plan(
-            recipe=flags.name_or_path("--recipe", recipe or (None if model_config else _cfg(c, "recipe"))),
+            recipe=flags.name_or_path("--recipe", recipe if (recipe is not None or model_config) else _cfg(c, "recipe")),
             gpu=gpu,
             model_config=model_config,
             ctx=flags.positive_int("--ctx", ctx, "tokens"),
@@ -87,10 +91,10 @@ def preflight(c: Context, host: Optional[str] = None, recipe: Optional[str] = No
         from playbooks.cli.preflight import run_preflight
 
         return run_preflight(
-            flags.one_host("--host", host or _cfg(c, "host")),
-            recipe=flags.name_or_path("--recipe", recipe or _cfg(c, "recipe")),
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             as_json=json,
-            inventory=flags.name_or_path("--inventory", inventory or _cfg(c, "inventory")) or "inventory.yaml",
+            inventory=flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml",
         )
 
     run_command(go)
@@ -106,10 +110,10 @@ def toolchain(c: Context, host: Optional[str] = None, recipe: Optional[str] = No
         from playbooks.cli.toolchain import run_toolchain
 
         return run_toolchain(
-            flags.one_host("--host", host or _cfg(c, "host")),
-            recipe=flags.name_or_path("--recipe", recipe or _cfg(c, "recipe")),
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             dry_run=dry_run,
-            inventory=flags.name_or_path("--inventory", inventory or _cfg(c, "inventory")) or "inventory.yaml",
+            inventory=flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml",
         )
 
     run_command(go)

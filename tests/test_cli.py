@@ -1,0 +1,151 @@
+"""The CLI edge, as a user meets it: real `invoke` subprocesses, real exit codes.
+
+Every flag of every task is walked with a bad value (one line on stderr, `error: ...`, exit 2,
+never a traceback); -h is help; defaults come from Invoke's own configuration; a bug prints
+one line and the path of a log holding the traceback; host text is shown as text.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from playbooks.cli.tasks import ns
+from tests.helpers import ROOT
+
+QWEN7 = "recipes/models/qwen2.5-7b-instruct.config.json"
+
+
+def invoke(*args, env=None, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+# (task, flag): bad values with the words the one-line error must hold
+BAD = {
+    ("plan", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
+    ("plan", "gpu"): [("v100-64gb", "unknown GPU 'v100-64gb'")],
+    ("plan", "model-config"): [("no/such/config.json", "cannot read model config")],
+    ("plan", "ctx"): [("abc", "--ctx 'abc' is not a number"), ("0", "--ctx must be a positive"),
+                      ("-3", "--ctx must be a positive"), ("1e9", "is not a number"),
+                      ("131072", "above the model's maximum")],
+    ("plan", "parallel"): [("x", "--parallel 'x' is not a number"), ("0", "--parallel must be a positive"),
+                           ("-3", "--parallel must be a positive")],
+    ("plan", "quant"): [("Q9_K", "--quant 'Q9_K' is not a known quant"), ("EXL2-9.5", "between 2.0 and 8.0"),
+                        ("EXL2-x", "EXL2 needs a number")],
+    ("preflight", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host"),
+                            ("-", "is not a valid host name"), (",", "give one or more host names")],
+    ("preflight", "recipe"): [("nope", "unknown recipe 'nope'")],
+    ("preflight", "inventory"): [("BROKEN", "inventory")],
+    ("toolchain", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
+    ("toolchain", "recipe"): [("nope", "unknown recipe 'nope'")],
+    ("toolchain", "inventory"): [("BROKEN", "inventory")],
+}
+# what else each bad value needs beside it, so that the flag under test is the one judged
+CONTEXT = {
+    ("plan", "gpu"): ["--model-config", QWEN7],
+    ("plan", "ctx"): ["--model-config", QWEN7],
+    ("plan", "parallel"): ["--model-config", QWEN7],
+    ("plan", "quant"): ["--model-config", QWEN7],
+    ("preflight", "recipe"): ["--host", "local"],
+    ("preflight", "inventory"): ["--host", "some-host"],
+    ("toolchain", "recipe"): ["--host", "local"],
+    ("toolchain", "inventory"): ["--host", "some-host"],
+}
+# flags that take no value to get wrong (booleans) or are not user input (the test runner's)
+NO_BAD_VALUE = {("plan", "json"), ("preflight", "json"), ("toolchain", "dry-run"), ("test", "k"), ("test", "fast")}
+
+
+def all_flags():
+    for name, t in ns.tasks.items():
+        for arg in t.get_arguments():
+            yield name, arg.name.replace("_", "-")
+
+
+def test_every_flag_of_every_task_is_walked():
+    assert set(all_flags()) == set(BAD) | NO_BAD_VALUE
+
+
+@pytest.mark.parametrize("task,flag,value,words",
+                         [(t, f, v, w) for (t, f), vals in BAD.items() for v, w in vals],
+                         ids=lambda x: str(x)[:30])
+def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
+    if value == "BROKEN":
+        value = str(tmp_path / "inventory.yaml")
+        (tmp_path / "inventory.yaml").write_text("hosts:\n  some-host: {host: [unclosed\n")
+    r = invoke(task, f"--{flag}={value}", *CONTEXT.get((task, flag), []))
+    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert words in lines[0] and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("task", ["plan", "preflight", "toolchain"])
+def test_dash_h_is_help_not_host(task):
+    r = invoke(task, "-h")
+    assert r.returncode == 0 and "Usage:" in r.stdout and "--host" not in r.stderr
+    assert "-h STRING" not in r.stdout and "-h, --host" not in r.stdout
+
+
+def test_defaults_come_from_invokes_configuration(tmp_path):
+    # an INVOKE_* variable, as Invoke users expect
+    r = invoke("plan", "--json", env={"INVOKE_VOLTAFORGE_RECIPE": "tiny-cpu"})
+    assert r.returncode == 0 and '"recipe": "tiny-cpu"' in r.stdout, r.stderr
+    # ~/.invoke.yaml (the user's file)
+    (tmp_path / ".invoke.yaml").write_text("voltaforge:\n  recipe: qwen2.5-14b-v100-16gb\n")
+    r = invoke("plan", "--json", env={"HOME": str(tmp_path)})
+    assert r.returncode == 0 and '"recipe": "qwen2.5-14b-v100-16gb"' in r.stdout, r.stderr
+    # the flag wins over both
+    r = invoke("plan", "--json", "--recipe", "tiny-cpu", env={"HOME": str(tmp_path)})
+    assert '"recipe": "tiny-cpu"' in r.stdout
+    # a runtime config file (-f) for the host default: preflight refuses the bad name from it
+    cfg = tmp_path / "site.yaml"
+    cfg.write_text("voltaforge:\n  host: bad..name\n")
+    r = invoke("-f", str(cfg), "preflight")
+    assert r.returncode == 2 and "'bad..name' is not a valid host name" in r.stderr
+
+
+def test_an_unexpected_error_is_one_line_and_a_log(tmp_path, capsys):
+    from playbooks.cli.edge import BUG_EXIT, run_command
+
+    def broken():
+        return {}["no such key"]
+
+    os.environ["VOLTAFORGE_LOG_DIR"] = str(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            run_command(broken)
+    finally:
+        del os.environ["VOLTAFORGE_LOG_DIR"]
+    assert exit_.value.code == BUG_EXIT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: unexpected KeyError: 'no such key'; the traceback is in ")
+    log = next(tmp_path.glob("error-*.log"))
+    assert str(log) in err[0] and "Traceback" in log.read_text() and "def broken" not in err[0]
+
+
+def test_host_text_is_data_not_markup():
+    """An OS called `Debian [/testing] [beta]` reaches the table as text (rich used to raise
+    MarkupError on the first and swallow the second)."""
+    from io import StringIO
+
+    from playbooks.cli.render import console, render_verdict
+    from playbooks.facts import cuda, gpu, system
+    from playbooks.steps.preflight import HostFacts, judge
+
+    name = "Debian GNU/Linux [/testing] [beta]"
+    facts = HostFacts(
+        host="box[1]", os=system.OsRelease(available=True, id="debian", version_id="13", pretty_name=name),
+        gpus=gpu.GpuFacts(available=False, reason="nvidia-smi [not found]"), toolkits=[],
+        gcc=cuda.GccVersion(available=False), gxx11=cuda.GccVersion(available=False),
+        python=system.PythonVersion(available=True, version=(3, 11, 2)), disk={},
+        memory=system.MemInfo(available=True, mem_total_bytes=8 << 30),
+        systemd=system.SystemdState(available=True, state="running", systemd_running=True, booted=True, systemctl_present=True),
+    )
+    out = StringIO()
+    render_verdict(judge(facts, None, "/opt/vf/models", "/opt/vf"), console(out, width=200))
+    text = out.getvalue()
+    assert name in text and "box[1]" in text and "nvidia-smi [not found]" in text
