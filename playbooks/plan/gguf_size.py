@@ -173,6 +173,10 @@ class GgufEstimate:
     metadata_bytes: int        # estimate
     token_embd_bytes: int      # llama.cpp keeps token_embd in host memory, not VRAM
     type_counts: dict[str, int]
+    # Tied embeddings (Gemma, small Qwen2.5): the file has no output.weight, and llama.cpp loads
+    # token_embd a second time as the output layer, on the GPU (llama-model-loader.cpp,
+    # buft_for_tensor: "the tensor is duplicated ... loaded as the output tensor").
+    tied_output: bool = False
 
     @property
     def file_bytes(self) -> int:
@@ -181,12 +185,13 @@ class GgufEstimate:
     @property
     def gpu_weight_bytes(self) -> int:
         """Bytes llama.cpp puts on the GPU with all layers offloaded (-ngl all)."""
-        return self.tensor_bytes - self.token_embd_bytes
+        return self.tensor_bytes if self.tied_output else self.tensor_bytes - self.token_embd_bytes
 
     @property
     def streamed_bytes_per_token(self) -> int:
-        """Weight bytes read per decoded token: all but token_embd, of which one row is read."""
-        return self.tensor_bytes - self.token_embd_bytes
+        """Weight bytes read per decoded token: all but token_embd, of which one row is read
+        (tied: all of it, since the output matmul reads the whole matrix)."""
+        return self.tensor_bytes if self.tied_output else self.tensor_bytes - self.token_embd_bytes
 
 
 def estimate_gguf(shape: ModelShape, ftype: str, imatrix: bool = False) -> GgufEstimate:
@@ -199,4 +204,4 @@ def estimate_gguf(shape: ModelShape, ftype: str, imatrix: bool = False) -> GgufE
         if t.cat is Cat.TOKEN_EMBD:
             embd = size
         counts[ttype.name] = counts.get(ttype.name, 0) + 1
-    return GgufEstimate(ftype, total, metadata_bytes_estimate(shape), embd, counts)
+    return GgufEstimate(ftype, total, metadata_bytes_estimate(shape), embd, counts, shape.tie_word_embeddings)
