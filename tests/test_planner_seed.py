@@ -1,4 +1,4 @@
-"""The seed report's own arithmetic, reproduced exactly (knowledge.md, section 1)."""
+"""The seed report's own arithmetic, reproduced exactly (docs/docs/knowledge.md, section 1)."""
 
 from fractions import Fraction
 
@@ -44,7 +44,7 @@ def test_seed_rooflines(gb, tok_s):
 
 
 def test_mbu_of_a_measured_run():
-    """knowledge.md section 8, measured on this kind of machine: llama-bench tg128 on the f16
+    """docs/knowledge.md section 8, measured on this kind of machine: llama-bench tg128 on the f16
     tiny model (a 1.57 GB file) ran 13.4 tok/s, "21 GB/s (~59% of a numpy-copy 35.9 GB/s)"."""
     assert round(mbu(13.4, 1.57e9, 35.9), 2) == 0.59
 

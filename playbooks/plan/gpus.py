@@ -48,7 +48,7 @@ _CATALOG = [
     Gpu(key="a100-80gb", name="NVIDIA A100-SXM4-80GB", memory_gib=80, bandwidth_gb_s=2039, compute_capability=(8, 0), bf16=True),
     Gpu(key="h200", name="NVIDIA H200", memory_gib=141 * 1e9 / GIB, bandwidth_gb_s=4800, compute_capability=(9, 0), bf16=True),
     # Not a GPU: the budget of the tiny CPU recipe. 20 GB/s is what a 2-core Debian VM read
-    # (16-24 GB/s, knowledge.md section 8); memory is a budget, not the machine's RAM.
+    # (16-24 GB/s, docs/knowledge.md section 8); memory is a budget, not the machine's RAM.
     Gpu(key="cpu", name="host CPU (llama.cpp CPU build)", memory_gib=4, bandwidth_gb_s=20, compute_capability=(0, 0), bf16=False, is_cpu=True),
 ]
 

@@ -27,7 +27,7 @@ from playbooks.plan.tensors import parameter_count
 # Minimum Linux driver per CUDA major release (NVIDIA's CUDA compatibility table, minor
 # version compatibility): 11.x needs >= 450.80.02, 12.x needs >= 525.60.13.
 MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13)}
-# R580 is the last driver branch that supports Volta (knowledge.md section 3).
+# R580 is the last driver branch that supports Volta (docs/docs/knowledge.md section 3).
 LAST_VOLTA_DRIVER_BRANCH = 580
 MIN_RAM_BYTES = 16 * GIB  # HF -> GGUF conversion and EXL2 measurement hold a layer plus buffers
 

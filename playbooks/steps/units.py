@@ -64,7 +64,7 @@ class ServerLayout:
 def llama_server_argv(recipe: Recipe, layout: ServerLayout) -> tuple[list[str], frozenset[int]]:
     """The llama-server command line for a recipe, and which arguments are systemd specifiers.
 
-    -c is the total context: llama-server splits it across -np slots (knowledge.md section 1).
+    -c is the total context: llama-server splits it across -np slots (docs/docs/knowledge.md section 1).
     Every flag is spelled out because defaults move between llama.cpp versions (the port did).
     """
     if recipe.backend != "llamacpp":
