@@ -323,3 +323,52 @@ def test_render_report():
                  "/opt/voltaforge/[x].env", "no space left on device at /opt/voltaforge/f"):
         assert word in text
     assert "v100-01: 1 changed, 1 ok, 0 failed" in text and "v100-02: 0 changed, 0 ok, 1 failed" in text
+
+
+def test_handlers_run_once_when_notified_and_not_when_nothing_changed(tmp_path):
+    """Two files notify the same handler: it runs once after both changed, not on a no-op
+    run; a non-idempotent operation acts every time and says so."""
+    from playbooks.host.ops import Handler, RunCommand, Shell
+
+    log = tmp_path / "handler.log"
+    host = LocalHost()
+    ops = [
+        EnsureFile(str(tmp_path / "a.conf"), b"a\n", notify=["reload"]),
+        EnsureFile(str(tmp_path / "b.conf"), b"b\n", notify=["reload"]),
+        RunCommand("Count runs", Shell(f"echo run >> {tmp_path}/runs"), "a smoke check runs every time"),
+    ]
+    handlers = [Handler("reload", (Shell(f"echo reload >> {log}"),)), Handler("unused", (Shell("false"),))]
+    dry = run_ops(host, ops, dry_run=True, handlers=handlers)
+    assert [c.step for c in dry][-1] == "reload" and not log.exists()
+    first = run_ops(host, ops, handlers=handlers)
+    assert [(c.step, c.status) for c in first][-1] == ("reload", "changed")
+    assert log.read_text() == "reload\n"
+    second = run_ops(host, ops, handlers=handlers)
+    assert [c.status for c in second] == ["ok", "ok", "changed"]  # the non-idempotent one acts again
+    assert second[2].why == "a smoke check runs every time"
+    assert log.read_text() == "reload\n" and (tmp_path / "runs").read_text() == "run\nrun\n"
+    with pytest.raises(ValueError, match="not among the handlers"):
+        run_ops(host, [EnsureFile(str(tmp_path / "c"), b"", notify=["nope"])], handlers=handlers)
+
+
+@pytest.mark.slow
+def test_one_operation_list_on_two_hosts_at_once(nspawn_host, tmp_path):
+    """Operations are values: the same list runs on this machine and on the container in
+    parallel threads, each host gets its own decisions (changed, then ok)."""
+    import concurrent.futures
+
+    path = f"/tmp/vf-parallel-{os.getpid()}"
+    ops = [EnsureDirectory(path, 0o755), EnsureFile(f"{path}/x.env", b"X=1\n", 0o600)]
+    local = LocalHost()
+    remote = connect(spec_for(nspawn_host))
+    try:
+        for expected in ("changed", "ok"):
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                results = list(pool.map(lambda h: run_ops(h, ops), [local, remote]))
+            for changes in results:
+                assert [c.status for c in changes] == [expected, expected], changes
+            assert {c.host for c in results[0]} == {"local"} and {c.host for c in results[1]} == {remote.name}
+    finally:
+        local.run(f"rm -rf {path}", check=False, stream=False)
+        remote.run(f"rm -rf {path}", check=False, stream=False)
+        remote.close()

@@ -18,7 +18,7 @@ from typing import Optional
 
 from playbooks.config.recipe import Toolchain
 from playbooks.errors import HostError
-from playbooks.facts import apt, cuda, python, read_fact, system
+from playbooks.facts import apt, cuda, files, python, read_fact, system
 from playbooks.host.base import Host
 from playbooks.host.ops import (
     Decision,
@@ -130,7 +130,7 @@ class EnsureVenv(Operation):
         self.name = f"Ensure the venv {venv} exists"
 
     def read(self, host: Host) -> bool:
-        return host.exists(f"{self.venv}/bin/python")
+        return files.parse_stat(read_fact(host, files.stat_command(f"{self.venv}/bin/python"))) is not None
 
     def decide(self, facts: bool) -> Decision:
         if facts:
