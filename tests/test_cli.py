@@ -43,6 +43,9 @@ BAD = {
     ("toolchain", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
     ("toolchain", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("toolchain", "inventory"): [("BROKEN", "inventory")],
+    ("build", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
+    ("build", "recipe"): [("nope", "unknown recipe 'nope'")],
+    ("build", "inventory"): [("BROKEN", "inventory")],
 }
 # what else each bad value needs beside it, so that the flag under test is the one judged
 CONTEXT = {
@@ -54,9 +57,12 @@ CONTEXT = {
     ("preflight", "inventory"): ["--host", "some-host"],
     ("toolchain", "recipe"): ["--host", "local"],
     ("toolchain", "inventory"): ["--host", "some-host"],
+    ("build", "recipe"): ["--host", "local"],
+    ("build", "inventory"): ["--host", "some-host"],
 }
 # flags that take no value to get wrong (booleans) or are not user input (the test runner's)
-NO_BAD_VALUE = {("plan", "json"), ("preflight", "json"), ("toolchain", "dry-run"), ("test", "k"), ("test", "fast")}
+NO_BAD_VALUE = {("plan", "json"), ("preflight", "json"), ("toolchain", "dry-run"), ("build", "dry-run"),
+                ("test", "k"), ("test", "fast")}
 
 
 def all_flags():
@@ -83,7 +89,7 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
     assert words in lines[0] and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("task", ["plan", "preflight", "toolchain"])
+@pytest.mark.parametrize("task", ["plan", "preflight", "toolchain", "build"])
 def test_dash_h_is_help_not_host(task):
     r = invoke(task, "-h")
     assert r.returncode == 0 and "Usage:" in r.stdout and "--host" not in r.stderr

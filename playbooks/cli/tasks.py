@@ -119,6 +119,25 @@ def toolchain(c: Context, host: Optional[str] = None, recipe: Optional[str] = No
     run_command(go)
 
 
+@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP,
+                                   "dry-run": "print the exact commands and change nothing", "inventory": INVENTORY_HELP})
+def build(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, dry_run: bool = False,
+          inventory: Optional[str] = None) -> None:
+    """Build llama.cpp from the pinned source for the host's GPU arch, prove it, switch it in."""
+
+    def go() -> int:
+        from playbooks.cli.build import run_build
+
+        return run_build(
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            dry_run=dry_run,
+            inventory=flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml",
+        )
+
+    run_command(go)
+
+
 @task(auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
 def test(c: Context, k: Optional[str] = None, fast: bool = False) -> None:
     """Run the test suite (what .ci/run runs): ruff, mypy, then pytest."""
@@ -135,5 +154,5 @@ def test(c: Context, k: Optional[str] = None, fast: bool = False) -> None:
     c.run(" ".join(shlex.quote(a) for a in args), pty=False)
 
 
-ns = Collection(plan, preflight, toolchain, test)
+ns = Collection(plan, preflight, toolchain, build, test)
 ns.configure(DEFAULTS)

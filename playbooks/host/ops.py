@@ -76,10 +76,26 @@ class Upload:
                 f"  # stdin: {len(self.content)} bytes, sha256 {self.digest[:12]}")
 
 
-Command = Union[Shell, Upload]
+@dataclass(frozen=True)
+class Record:
+    """A file whose content is only known while the operation runs (a build's stamp holds what
+    its proof found). The operation's own ``apply`` writes it; it is listed so that a dry run
+    shows every change."""
+
+    path: str
+    what: str
+    meta: str = field(default="", repr=False)  # what the operation already knows (JSON)
+
+    def show(self) -> str:
+        return f"record {self.what} in {self.path}"
+
+
+Command = Union[Shell, Upload, Record]
 
 
 def run_command(host: Host, cmd: Command) -> None:
+    if isinstance(cmd, Record):
+        raise TypeError(f"{cmd.show()}: written by its operation's apply(), not run as a command")
     if isinstance(cmd, Upload):
         host.write_file(cmd.path, cmd.content, cmd.mode, sudo=cmd.sudo, owner=cmd.owner)
     else:

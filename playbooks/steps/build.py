@@ -1,0 +1,424 @@
+"""`invoke build`: llama.cpp from the pinned source, for the host's arch, proven, stamped.
+
+The seed's first pitfall is a llama.cpp built without sm_70 ("no kernel image is available",
+or PTX JIT and slow generic kernels). So a build here:
+
+- compiles the pinned source: the llama.cpp tree the pinned ``llama-cpp-python`` sdist vendors,
+  fetched once on the controller from the package index (checksummed) and pushed over SSH, so
+  hosts need no internet (the offline source knowledge.md names);
+- configures in ``buildenv``'s environment only (one toolkit, never the caller's PATH), for the
+  arch the host's GPUs report (the recipe's ``cuda_arch`` when none is visible), Release,
+  ``GGML_NATIVE=OFF``, only the targets the later steps use;
+- proves itself: after a CUDA build ``cuobjdump --list-elf`` on ``libggml-cuda.so`` must list
+  real ``sm_XX`` cubins for every planned arch, or the step fails and nothing is switched;
+- lands in its own directory named by a hash of its inputs (source ref and sha256, flags,
+  toolkit, compiler, arch, targets) with a stamp holding the proof; the same inputs again are
+  ``ok`` in seconds, new inputs build beside the old one and switch the ``current`` symlink
+  atomically only once proven, so a running service keeps its binary through a failed or
+  interrupted build. The last two builds are kept.
+
+Decision (pure) and facts are separate, as everywhere: ``EnsureLlamacppBuild.decide`` takes
+what the host reported and returns the exact commands, tested table-driven without a host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import shlex
+import subprocess
+import sys
+import tarfile
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+from playbooks.errors import VoltaforgeError
+from playbooks.facts import builds, cuda, gpu, read_fact, system
+from playbooks.host.base import Host
+from playbooks.host.ops import (
+    Decision,
+    EnsureDirectory,
+    EnsureFile,
+    Operation,
+    OperationError,
+    Record,
+    Shell,
+    run_command,
+)
+from playbooks.steps.buildenv import SYSTEM_PATH, build_env, env_prefix, pick_toolkit, toolkit_root
+
+#: What the later steps run: serve, quantize (+ imatrix), measure quality and speed.
+LLAMACPP_TARGETS = ("llama-server", "llama-quantize", "llama-imatrix", "llama-perplexity", "llama-bench",
+                    "llama-batched-bench")
+KEEP_BUILDS = 2
+
+
+# ------------------------------------------------------------------------------------------
+# the source, on the controller
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """The pinned llama.cpp source as an archive on the controller."""
+
+    requirement: str          # llama-cpp-python==0.3.36
+    ref: str                  # the llama.cpp commit it vendors (the recipe's llamacpp_ref)
+    archive: Path
+    sha256: str
+    member: str               # the tree inside the archive: <top>/vendor/llama.cpp
+
+    @property
+    def filename(self) -> str:
+        return self.archive.name
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_cache_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("VOLTAFORGE_CACHE") or Path.home() / ".cache" / "voltaforge") / "sources"
+
+
+def fetch_sdist(requirement: str, ref: str, cache: Optional[Path] = None) -> Source:
+    """The sdist from the package index into the controller's cache, once (pip checks the
+    index's hash on download; the sha256 recorded here is what every host is checked against)."""
+    name, _, version = requirement.partition("==")
+    if not version or not all(c.isalnum() or c in "._-" for c in name + version):
+        raise VoltaforgeError(f"toolchain.llamacpp_sdist {requirement!r}: want NAME==VERSION")
+    where = (cache or source_cache_dir()) / requirement.replace("==", "-")
+    found = sorted(where.glob("*.tar.gz")) if where.is_dir() else []
+    if not found:
+        where.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                            "-d", str(where), requirement], capture_output=True, text=True)
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            raise VoltaforgeError(f"cannot fetch {requirement} (the llama.cpp source) from the package index: {last}")
+        found = sorted(where.glob("*.tar.gz"))
+    archive = found[0]
+    top = archive.name.removesuffix(".tar.gz")
+    member = f"{top}/vendor/llama.cpp"
+    with tarfile.open(archive) as tar:
+        try:
+            tar.getmember(f"{member}/CMakeLists.txt")
+        except KeyError:
+            raise VoltaforgeError(f"{archive}: holds no {member}/CMakeLists.txt: not a llama.cpp source") from None
+    return Source(requirement, ref, archive, file_sha256(archive), member)
+
+
+# ------------------------------------------------------------------------------------------
+# where things go on the host
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildLayout:
+    prefix: str
+
+    @property
+    def src(self) -> str:
+        return f"{self.prefix}/src"
+
+    def archive(self, source: Source) -> str:
+        return f"{self.src}/{source.filename}"
+
+    def tree(self, source: Source) -> str:
+        return f"{self.src}/llama.cpp-{source.ref}-{source.sha256[:12]}"
+
+    @property
+    def builds(self) -> str:
+        return f"{self.prefix}/llama.cpp/builds"
+
+    @property
+    def current(self) -> str:
+        return f"{self.prefix}/llama.cpp/current"
+
+    @property
+    def ccache_dir(self) -> str:
+        return f"{self.prefix}/llama.cpp/ccache"
+
+    def build_dir(self, build_id: str) -> str:
+        return f"{self.builds}/{build_id}"
+
+    @property
+    def llama_server(self) -> str:
+        """What a service runs: through `current`, so a switch-over needs only a restart."""
+        return f"{self.current}/bin/llama-server"
+
+
+# ------------------------------------------------------------------------------------------
+# the source on the host
+# ------------------------------------------------------------------------------------------
+
+SOURCE_MARKER = ".voltaforge-source"
+
+
+class EnsureSourceTree(Operation):
+    """The pinned tree unpacked from the pushed archive, once (a marker holds its sha256)."""
+
+    def __init__(self, layout: BuildLayout, source: Source):
+        self.layout, self.source = layout, source
+        self.tree = layout.tree(source)
+        self.name = f"Ensure the llama.cpp {source.ref} tree is unpacked"
+
+    def read(self, host: Host) -> str:
+        return read_fact(host, f"cat -- {shlex.quote(self.tree + '/' + SOURCE_MARKER)} 2>/dev/null || true").strip()
+
+    def decide(self, facts: str) -> Decision:
+        sha = self.source.sha256
+        if facts == sha:
+            return Decision.ok(f"already unpacked at {self.tree} (sha256 {sha[:12]})")
+        tmp = f"{self.tree}.vf-unpack"
+        q, qt = shlex.quote(self.tree), shlex.quote(tmp)
+        strip = self.source.member.count("/") + 1
+        script = (f"set -e; rm -rf -- {qt}; mkdir -p -- {qt}; "
+                  f"tar -xzf {shlex.quote(self.layout.archive(self.source))} -C {qt} "
+                  f"--strip-components={strip} {shlex.quote(self.source.member)}; "
+                  f"echo {sha} > {qt}/{SOURCE_MARKER}; rm -rf -- {q}; mv -T -- {qt} {q}")
+        return Decision.act("tree is missing" if not facts else "tree is from another archive", Shell(script))
+
+
+# ------------------------------------------------------------------------------------------
+# the build
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildInputs:
+    """Everything a build's result depends on; its hash names the build directory."""
+
+    ref: str
+    source_sha256: str
+    backend: str                     # cuda | cpu
+    arch: Optional[str]              # "70", "70;80" (CUDA), None (CPU)
+    toolkit: Optional[str]           # "11.8 V11.8.89 /usr/bin/nvcc"
+    compiler: str                    # "gcc 12.2.0" (+ the CUDA host compiler)
+    flags: tuple[str, ...]
+    targets: tuple[str, ...]
+
+    @property
+    def build_id(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return f"{self.ref}-{self.backend}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class Probe(Shell):
+    """A read-only command whose output the operation checks and records (the proof);
+    ``expect``: for the cubin listing, the archs that must have real cubins."""
+
+    key: str = ""
+    expect: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BuildFacts:
+    toolkits: tuple[cuda.Toolkit, ...] = ()
+    gcc: cuda.GccVersion = cuda.GccVersion(available=False)
+    gxx11: cuda.GccVersion = cuda.GccVersion(available=False)
+    nproc: Optional[int] = None
+    ccache: Optional[str] = None
+    gpus: gpu.GpuFacts = gpu.GpuFacts(available=False, reason="not read")
+    builds: tuple[str, ...] = ()
+    stamps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    current: Optional[str] = None
+
+
+def arch_list(gpus: gpu.GpuFacts, fallback: str) -> str:
+    """The archs of the GPUs the host reports ("70", or "70;80" for a mixed host); the recipe's
+    cuda_arch when none is visible (a build box, a container)."""
+    ccs = sorted({g.compute_capability for g in gpus.gpus if g.compute_capability}) if gpus.available else []
+    return ";".join(f"{a}{b}" for a, b in ccs) or fallback
+
+
+def cmake_flags(cuda_arch: Optional[str], host_compiler: Optional[str] = None) -> tuple[str, ...]:
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DLLAMA_OPENSSL=OFF",
+             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+    if cuda_arch:
+        flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
+        if host_compiler:
+            flags.append(f"-DCMAKE_CUDA_HOST_COMPILER={host_compiler}")
+    else:
+        # static, without OpenMP: the binaries run anywhere this libc does (a test container too)
+        flags += ["-DGGML_CUDA=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=OFF"]
+    return tuple(flags)
+
+
+class EnsureLlamacppBuild(Operation):
+    """A proven llama.cpp build of these inputs exists and `current` points at it."""
+
+    def __init__(self, layout: BuildLayout, source: Source, *, cuda_release: Optional[tuple[int, int]],
+                 recipe_arch: str, targets: tuple[str, ...] = LLAMACPP_TARGETS, extra_flags: tuple[str, ...] = ()):
+        self.layout, self.source = layout, source
+        self.cuda_release, self.recipe_arch = cuda_release, recipe_arch
+        self.targets, self.extra_flags = tuple(targets), tuple(extra_flags)
+        kind = "CUDA" if cuda_release else "CPU"
+        self.name = f"Ensure llama.cpp {source.ref} is built ({kind}) and current"
+
+    # -- facts ---------------------------------------------------------------------------
+
+    def read(self, host: Host) -> BuildFacts:
+        names = builds.parse_list_dir(read_fact(host, builds.list_dir_command(self.layout.builds)))
+        stamps = {}
+        for name in names:
+            stamp = builds.parse_stamp(read_fact(host, builds.stamp_command(self.layout.build_dir(name))))
+            if stamp:
+                stamps[name] = stamp
+        facts = BuildFacts(
+            gcc=cuda.parse_gcc_version(read_fact(host, cuda.GCC_VERSION_COMMAND)),
+            nproc=system.parse_nproc(read_fact(host, system.NPROC_COMMAND)),
+            ccache=builds.parse_ccache(read_fact(host, builds.CCACHE_COMMAND)),
+            builds=names, stamps=stamps,
+            current=builds.parse_readlink(read_fact(host, builds.readlink_command(self.layout.current))),
+        )
+        if self.cuda_release:
+            facts = BuildFacts(**{
+                **facts.__dict__,
+                "toolkits": tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
+                "gxx11": cuda.parse_gcc_version(read_fact(host, cuda.GXX11_VERSION_COMMAND)),
+                "gpus": gpu.parse_nvidia_smi_csv(read_fact(host, gpu.NVIDIA_SMI_CSV_COMMAND)),
+            })
+        return facts
+
+    # -- decision --------------------------------------------------------------------------
+
+    def plan(self, facts: BuildFacts) -> tuple[BuildInputs, dict[str, str], Optional[str]]:
+        """(inputs, build environment, cuobjdump path) for this host. Pure."""
+        compiler = f"gcc {'.'.join(map(str, facts.gcc.version or ())) or 'unknown'}"
+        env = {"PATH": ":".join(SYSTEM_PATH), "LC_ALL": "C"}
+        if not self.cuda_release:
+            flags = cmake_flags(None) + self.extra_flags
+            inputs = BuildInputs(self.source.ref, self.source.sha256, "cpu", None, None, compiler, flags, self.targets)
+            return inputs, env, None
+        arch = arch_list(facts.gpus, self.recipe_arch)
+        try:
+            nvcc = pick_toolkit(facts.toolkits, self.cuda_release)
+        except VoltaforgeError as exc:
+            raise OperationError(str(exc)) from None
+        if "70" in arch.split(";") and not cuda.sm70_supported(nvcc.release):
+            raise OperationError(f"CUDA {'.'.join(map(str, nvcc.release or ()))} ({nvcc.path}) cannot target sm_70: "
+                                 "pin toolchain.cuda 11.8 (or 12.x) in the recipe")
+        host_compiler = None
+        debian = toolkit_root(nvcc) == "/usr"
+        if nvcc.release and nvcc.release[0] == 11 and (facts.gcc.major or 0) > 11 and not debian:
+            # NVIDIA's CUDA 11.x refuses GCC > 11 (crt/host_config.h); Debian's wrapper routes to g++-11 itself
+            if not facts.gxx11.available:
+                raise OperationError(f"CUDA {nvcc.release[0]}.{nvcc.release[1]} refuses gcc {facts.gcc.major} "
+                                     "as its host compiler and no g++-11 is installed: install g++-11")
+            host_compiler = "/usr/bin/g++-11"
+        if host_compiler:
+            compiler += " + g++-11 for CUDA"
+        try:
+            env = {**build_env(nvcc, facts.toolkits, arch), "LC_ALL": "C"}
+        except VoltaforgeError as exc:
+            raise OperationError(str(exc)) from None
+        flags = cmake_flags(arch, host_compiler) + self.extra_flags
+        toolkit = f"{nvcc.release[0]}.{nvcc.release[1]} {nvcc.version} {nvcc.path}" if nvcc.release else nvcc.path
+        inputs = BuildInputs(self.source.ref, self.source.sha256, "cuda", arch, toolkit, compiler, flags, self.targets)
+        return inputs, env, f"{toolkit_root(nvcc)}/bin/cuobjdump"
+
+    def decide(self, facts: BuildFacts) -> Decision:
+        inputs, env, cuobjdump = self.plan(facts)
+        bid = inputs.build_id
+        target = self.layout.build_dir(bid)
+        stamp = facts.stamps.get(bid)
+        switch = Shell(f"ln -sfn -- {shlex.quote(target)} {shlex.quote(self.layout.current + '.vf-new')} && "
+                       f"mv -fT -- {shlex.quote(self.layout.current + '.vf-new')} {shlex.quote(self.layout.current)}")
+        prune = self._prune(facts, bid)
+        if stamp and facts.current == target:
+            return Decision.ok(f"built {stamp.get('built_at', '?')}, {bid}")
+        if stamp:
+            return Decision.act(f"build {bid} is proven; switching current from {facts.current or 'nothing'}",
+                                switch, *prune)
+        jobs = facts.nproc or 2
+        env = {**env, **({"CCACHE_DIR": self.layout.ccache_dir} if facts.ccache else {})}
+        run = env_prefix(env)
+        src, q = shlex.quote(self.layout.tree(self.source)), shlex.quote(target)
+        configure = Shell(f"{run} cmake -S {src} -B {q} {' '.join(shlex.quote(f) for f in inputs.flags)}")
+        build = Shell(f"{run} cmake --build {q} --config Release -j {jobs} --target "
+                      f"{' '.join(shlex.quote(t) for t in inputs.targets)}")
+        proof: list[Probe] = [Probe(f"{q}/bin/llama-server --version 2>&1", key="version")]
+        if cuobjdump:
+            wanted = tuple(f"sm_{a}" for a in (inputs.arch or "").split(";") if a)
+            proof.append(Probe(f"{run} {shlex.quote(cuobjdump)} --list-elf {q}/bin/libggml-cuda.so", key="cubins",
+                               expect=wanted))
+        why = ("an interrupted build of these inputs is resumed" if bid in facts.builds
+               else f"no build of these inputs ({bid})")
+        record = Record(f"{target}/{builds.STAMP_NAME}", "the inputs and the proof",
+                        json.dumps(asdict(inputs), sort_keys=True))
+        return Decision.act(why, configure, build, *proof, record, switch, *prune)
+
+    def _prune(self, facts: BuildFacts, keep: str) -> list[Shell]:
+        """Keep the new build and the one `current` points at now; remove the rest."""
+        current = posixpath.basename(facts.current) if facts.current else None
+        stale = [b for b in facts.builds if b not in (keep, current)]
+        if not stale:
+            return []
+        paths = " ".join(shlex.quote(self.layout.build_dir(b)) for b in stale)
+        return [Shell(f"rm -rf -- {paths}")]
+
+    # -- acting ------------------------------------------------------------------------------
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        proof: dict[str, str] = {}
+        for cmd in decision.commands:
+            if isinstance(cmd, Probe):
+                proof[cmd.key] = host.run(cmd.command, stream=False).stdout
+                if cmd.expect:
+                    check_cubins(proof[cmd.key], cmd.expect)
+            elif isinstance(cmd, Record):
+                host.write_file(cmd.path, stamp_bytes(cmd, proof), 0o644)
+            else:
+                run_command(host, cmd)
+
+
+def check_cubins(listing: str, wanted: tuple[str, ...]) -> None:
+    """Real cubins for every planned arch, not only PTX (PTX alone means a JIT at first start,
+    or "no kernel image is available" when the PTX is newer than the driver)."""
+    archs = cuda.parse_cuobjdump_list_elf(listing)
+    missing = sorted(set(wanted) - archs)
+    if missing:
+        raise OperationError(
+            f"libggml-cuda.so has no {', '.join(missing)} cubins (found: {', '.join(sorted(archs)) or 'none'}): "
+            "the build is kept for inspection and current is unchanged"
+        )
+
+
+def stamp_bytes(record: Record, proof: dict[str, str]) -> bytes:
+    version = proof.get("version", "")
+    line = next((x for x in version.splitlines() if x.startswith("version:")), version.strip())
+    stamp = {
+        "id": posixpath.basename(posixpath.dirname(record.path)),
+        "built_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "inputs": json.loads(record.meta) if record.meta else None,
+        "llama_server_version": line.removeprefix("version:").strip(),
+        "cubins": sorted(cuda.parse_cuobjdump_list_elf(proof["cubins"])) if "cubins" in proof else None,
+    }
+    return (json.dumps(stamp, indent=2, sort_keys=True) + "\n").encode()
+
+
+def build_ops(layout: BuildLayout, source: Source, *, cuda_release: Optional[tuple[int, int]], recipe_arch: str,
+              targets: tuple[str, ...] = LLAMACPP_TARGETS, extra_flags: tuple[str, ...] = (),
+              owner: Optional[str] = None, sudo: bool = False) -> list[Operation]:
+    """The build step as operations: directories, the archive pushed (checksummed), the tree
+    unpacked, the proven build switched in."""
+    return [
+        EnsureDirectory(layout.prefix, 0o755, owner=owner if sudo else None, sudo=sudo),
+        EnsureDirectory(layout.src, 0o755),
+        EnsureDirectory(layout.builds, 0o755),
+        EnsureFile(layout.archive(source), source.archive.read_bytes(), 0o644),
+        EnsureSourceTree(layout, source),
+        EnsureLlamacppBuild(layout, source, cuda_release=cuda_release, recipe_arch=recipe_arch, targets=targets,
+                            extra_flags=extra_flags),
+    ]
