@@ -17,7 +17,7 @@ tests/ on PYTHONPATH) loads them as a plugin on their own (tests/test_strict.py 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import pytest
 

@@ -9,9 +9,6 @@ import subprocess
 
 import pytest
 
-from tests.helpers import fixture_body as fixture_text
-from tests.toolkits import cuda13_bin, cuda13_root, needs_debian_cuda118
-
 from playbooks.facts import cuda
 from playbooks.facts.cuda import (
     CudaToolVersion,
@@ -28,7 +25,8 @@ from playbooks.facts.cuda import (
     parse_toolkits,
     sm70_supported,
 )
-
+from tests.helpers import fixture_body as fixture_text
+from tests.toolkits import cuda13_bin, cuda13_root, needs_debian_cuda118
 
 # --------------------------------------------------------------------------- nvcc --version
 

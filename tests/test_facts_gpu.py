@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import fixture_body as fixture_text
-
 from playbooks.facts import gpu
 from playbooks.facts.gpu import (
     QUERY_FIELDS,
@@ -24,6 +22,7 @@ from playbooks.facts.gpu import (
     parse_nvidia_smi_q,
     parse_nvidia_smi_table,
 )
+from tests.helpers import fixture_body as fixture_text
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "playbooks" / "facts" / "probes" / "gpu_probe.py"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from playbooks.facts import system
+from playbooks.config.inventory import resolve_host
+from playbooks.facts import read_fact, system
 from playbooks.facts.system import (
     DiskFree,
     MemInfo,
@@ -27,8 +28,6 @@ from playbooks.facts.system import (
     parse_systemd,
     parse_uname_machine,
 )
-from playbooks.config.inventory import resolve_host
-from playbooks.facts import read_fact
 from playbooks.host import LocalHost, connect
 from tests.helpers import fixture_body as fixture_text
 

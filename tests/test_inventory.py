@@ -2,8 +2,8 @@
 
 import pytest
 
-from playbooks.errors import RecipeError
 from playbooks.config.inventory import load_inventory, resolve_host
+from playbooks.errors import RecipeError
 
 
 def test_inventory_entry(tmp_path):

@@ -18,14 +18,14 @@ from hashlib import sha256
 
 import pytest
 from rich.console import Console
+from test_hosts import spec_for
 
-from playbooks.errors import HostError
-from playbooks.host import LocalHost, connect
 from playbooks.cli.render import render_report
+from playbooks.errors import HostError
 from playbooks.facts.files import FileStat, parse_stat
+from playbooks.host import LocalHost, connect
 from playbooks.host.lock import LOCK_NAME, host_lock
 from playbooks.host.ops import Change, EnsureDirectory, EnsureFile, run_ops
-from test_hosts import spec_for
 
 
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.slow)])

@@ -2,9 +2,9 @@
 machine's real CUDA 13 + 11.8 pair). Gathering over real SSH is in test_preflight_hosts.py."""
 
 
+from playbooks.config.recipe import load_recipe
 from playbooks.facts import cuda, gpu, system
 from playbooks.steps.preflight import HostFacts, judge
-from playbooks.config.recipe import load_recipe
 from tests.helpers import fixture_body
 
 GIB = 1 << 30

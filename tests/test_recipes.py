@@ -5,10 +5,10 @@ import textwrap
 
 import pytest
 
-from playbooks.errors import RecipeError
 from playbooks.cli.plan import run_plan
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import RECIPES_DIR, list_recipes, load_recipe
+from playbooks.errors import RecipeError
 
 SHIPPED = [p.stem for p in list_recipes()]
 

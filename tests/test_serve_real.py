@@ -8,10 +8,10 @@ import time
 import pytest
 import yaml
 
-from playbooks.host import connect
 from playbooks.config.recipe import load_recipe
-from playbooks.weights.tinymodel import write_tiny_llama
+from playbooks.host import connect
 from playbooks.steps.units import ServerLayout, render_llama_server_unit
+from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, spec_for
 

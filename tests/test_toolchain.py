@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from playbooks.host import connect
-from playbooks.config.inventory import resolve_host
-from playbooks.host.ops import run_ops
-from playbooks.config.recipe import load_recipe
 from playbooks.cli.toolchain import run_toolchain
+from playbooks.config.inventory import resolve_host
+from playbooks.config.recipe import load_recipe
+from playbooks.host import connect
+from playbooks.host.ops import run_ops
 from playbooks.steps.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, toolchain_ops
 from tests.helpers import inventory_for, recipe_with, spec_for
 from tests.llamacpp_tools import TORCH_CPU, cpu_torch_wheel

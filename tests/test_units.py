@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from playbooks.errors import VoltaforgeError
 from playbooks.config.recipe import list_recipes, load_recipe
+from playbooks.errors import VoltaforgeError
 from playbooks.steps.units import exec_line, render_llama_server_unit, systemd_quote
 from tests.helpers import recipe_with, spec_for
 

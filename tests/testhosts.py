@@ -53,8 +53,8 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import Iterator
 
 import paramiko
 import pytest
@@ -435,7 +435,7 @@ class NetnsLink:
         return ["ip", "netns", "exec", self.name]
 
     @classmethod
-    def create(cls) -> "NetnsLink":
+    def create(cls) -> NetnsLink:
         pid, n = _unique_tag()
         name = f"{NAME_PREFIX}{pid}-{n}"
         host_if = f"vf{pid}h{n}"[:15]  # interface names are limited to 15 bytes
@@ -555,7 +555,7 @@ class SshdHost:
         sudo: str | None = None,
         netns: bool = False,
         port: int | None = None,
-    ) -> "SshdHost":
+    ) -> SshdHost:
         """Configure and start a server; on any failure everything created is undone.
 
         ``config_dir`` (e.g. pytest's ``tmp_path``) receives the config, host key, client

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import TextIO
 
 from playbooks.cli.flags import UsageError
 from playbooks.cli.render import console, plan_json, render_plan
@@ -33,14 +33,14 @@ def _normalize_quant(quant: str) -> str:
 
 
 def run_plan(
-    recipe: Optional[str] = None,
-    gpu: Optional[str] = None,
-    model_config: Optional[str] = None,
-    ctx: Optional[int] = None,
-    parallel: Optional[int] = None,
-    quant: Optional[str] = None,
+    recipe: str | None = None,
+    gpu: str | None = None,
+    model_config: str | None = None,
+    ctx: int | None = None,
+    parallel: int | None = None,
+    quant: str | None = None,
     as_json: bool = False,
-    out: Optional[TextIO] = None,
+    out: TextIO | None = None,
 ) -> int:
     """Returns the exit code: 0 when the planned configuration fits, 1 when it does not."""
     out = out or sys.stdout

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Optional, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -25,7 +26,7 @@ from playbooks.steps.preflight import Verdict
 _gb = size_text
 
 
-def console(file: Optional[TextIO] = None, width: int = 120) -> Console:
+def console(file: TextIO | None = None, width: int = 120) -> Console:
     """The console every command prints to: a fixed width, so output is the same in a pipe."""
     return Console(file=file or sys.stdout, width=width)
 
@@ -211,7 +212,7 @@ def render_verdict(v: Verdict, out: Console) -> None:
 _CHANGE_STYLE = {"changed": "yellow", "ok": "green", "failed": "bold red"}
 
 
-def render_report(changes: Sequence[Change], out: Optional[Console] = None) -> Table:
+def render_report(changes: Sequence[Change], out: Console | None = None) -> Table:
     """Print one table, host | step | status | why, and a count per host; returns the table."""
     out = out or console()
     table = Table(title="voltaforge: what changed")

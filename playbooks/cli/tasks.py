@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from invoke import Collection, Context, task
 
@@ -56,8 +56,8 @@ INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.
         "json": "print JSON instead of tables",
     },
 )
-def plan(c: Context, recipe: Optional[str] = None, gpu: Optional[str] = None, model_config: Optional[str] = None,
-         ctx: Optional[str] = None, parallel: Optional[str] = None, quant: Optional[str] = None,
+def plan(c: Context, recipe: str | None = None, gpu: str | None = None, model_config: str | None = None,
+         ctx: str | None = None, parallel: str | None = None, quant: str | None = None,
          json: bool = False) -> None:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
 
@@ -79,8 +79,8 @@ def plan(c: Context, recipe: Optional[str] = None, gpu: Optional[str] = None, mo
 
 @task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "json": "print JSON instead of tables",
                                    "inventory": INVENTORY_HELP})
-def preflight(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, json: bool = False,
-              inventory: Optional[str] = None) -> None:
+def preflight(c: Context, host: str | None = None, recipe: str | None = None, json: bool = False,
+              inventory: str | None = None) -> None:
     """Read a host's facts and judge them: each check with a fix; non-zero exit when blocked."""
 
     def go() -> int:
@@ -98,8 +98,8 @@ def preflight(c: Context, host: Optional[str] = None, recipe: Optional[str] = No
 
 @task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP,
                                    "dry-run": "print the exact commands and change nothing", "inventory": INVENTORY_HELP})
-def toolchain(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, dry_run: bool = False,
-              inventory: Optional[str] = None) -> None:
+def toolchain(c: Context, host: str | None = None, recipe: str | None = None, dry_run: bool = False,
+              inventory: str | None = None) -> None:
     """Install the pinned CUDA toolkit and a venv with the pinned torch, idempotently."""
 
     def go() -> int:
@@ -116,7 +116,7 @@ def toolchain(c: Context, host: Optional[str] = None, recipe: Optional[str] = No
 
 
 @task(auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
-def test(c: Context, k: Optional[str] = None, fast: bool = False) -> None:
+def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     """Run the test suite (what .ci/run runs): ruff, mypy, then pytest."""
     # the interpreter running invoke, so the venv's tools are used whatever PATH says
     py = shlex.quote(sys.executable)

@@ -14,9 +14,10 @@ Each fact: a read-only POSIX sh command (*_COMMAND, always exit 0) + a pure pars
 from __future__ import annotations
 
 import re
-from shlex import quote
 from collections import Counter
-from typing import Literal, Optional, Sequence
+from collections.abc import Sequence
+from shlex import quote
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -42,12 +43,12 @@ class CudaToolVersion(BaseModel):
 
     available: bool
     reason: str = ""
-    tool: Optional[str] = None  # 'nvcc', 'ptxas', 'cuobjdump' (from the first banner line)
-    release: Optional[tuple[int, int]] = None  # 'release 11.8' -> (11, 8)
-    version: Optional[str] = None  # 'V11.8.89'
-    version_tuple: Optional[tuple[int, ...]] = None  # (11, 8, 89)
-    build: Optional[str] = None  # 'cuda_11.8.r11.8/compiler.31833905_0'
-    built_on: Optional[str] = None  # 'Wed_Sep_21_10:33:58_PDT_2022'
+    tool: str | None = None  # 'nvcc', 'ptxas', 'cuobjdump' (from the first banner line)
+    release: tuple[int, int] | None = None  # 'release 11.8' -> (11, 8)
+    version: str | None = None  # 'V11.8.89'
+    version_tuple: tuple[int, ...] | None = None  # (11, 8, 89)
+    build: str | None = None  # 'cuda_11.8.r11.8/compiler.31833905_0'
+    built_on: str | None = None  # 'Wed_Sep_21_10:33:58_PDT_2022'
 
     @property
     def sm70_supported(self) -> bool:
@@ -101,7 +102,7 @@ def nvcc_version_command(nvcc: str = "nvcc") -> str:
 NVCC_VERSION_COMMAND = nvcc_version_command("nvcc")
 
 
-def sm70_supported(release: Optional[tuple[int, int]]) -> bool:
+def sm70_supported(release: tuple[int, int] | None) -> bool:
     """Can a CUDA toolkit of this release compile sm_70 (V100) code?
 
     sm_70 arrived with Volta in CUDA 9.0, so anything older cannot target it. CUDA 12.x
@@ -167,13 +168,13 @@ class Toolkit(BaseModel):
 
     path: str
     kind: Literal["nvcc", "ptxas"]
-    release: Optional[tuple[int, int]] = None
-    version: Optional[str] = None  # 'V13.0.88'
+    release: tuple[int, int] | None = None
+    version: str | None = None  # 'V13.0.88'
     # Position among this kind's matches in PATH order (0 = what a bare `nvcc` runs);
     # None = found only in a standard place, not on PATH.
-    on_path_index: Optional[int] = None
-    realpath: Optional[str] = None
-    error: Optional[str] = None  # why the version could not be read
+    on_path_index: int | None = None
+    realpath: str | None = None
+    error: str | None = None  # why the version could not be read
 
     @property
     def on_path(self) -> bool:
@@ -195,7 +196,7 @@ def parse_toolkits(text: str) -> list[Toolkit]:
     An empty list means no nvcc/ptxas anywhere. A tool whose --version is unreadable is kept
     with release None and `error` set (a broken wrapper is still worth reporting)."""
     result: list[Toolkit] = []
-    current: Optional[dict] = None
+    current: dict | None = None
     body: list[str] = []
 
     def finish() -> None:
@@ -225,12 +226,12 @@ def parse_toolkits(text: str) -> list[Toolkit]:
     return result
 
 
-def first_on_path(toolkits: Sequence[Toolkit], kind: str) -> Optional[Toolkit]:
+def first_on_path(toolkits: Sequence[Toolkit], kind: str) -> Toolkit | None:
     """The nvcc/ptxas a bare command name runs (on_path_index 0), if any."""
     return next((t for t in toolkits if t.kind == kind and t.on_path_index == 0), None)
 
 
-def mixed_toolkits_warning(toolkits: Sequence[Toolkit]) -> Optional[str]:
+def mixed_toolkits_warning(toolkits: Sequence[Toolkit]) -> str | None:
     """A message when more than one CUDA release is installed.
 
     nvcc runs ptxas from its own directory when that holds one (NVIDIA layout) and otherwise
@@ -304,7 +305,7 @@ class NvccError(BaseModel):
     kind: Literal["unsupported_gpu_architecture", "ptxas_arch_not_defined",
                   "unsupported_host_compiler"]
     tool: str  # 'nvcc', 'ptxas', or the host compiler's header ('crt/host_config.h')
-    arch: Optional[str] = None  # 'compute_70', 'sm_70'
+    arch: str | None = None  # 'compute_70', 'sm_70'
     line: str
     hint: str
 
@@ -323,7 +324,7 @@ def parse_nvcc_error(text: str) -> list[NvccError]:
     """Find the toolchain errors that matter for sm_70 in build output (one per line; a line
     repeated by make or by gcc's caret excerpt is reported once)."""
     errors: list[NvccError] = []
-    seen: set[tuple[str, Optional[str], str]] = set()
+    seen: set[tuple[str, str | None, str]] = set()
     for raw in lines(text):
         line = raw.strip()
         if m := _ERR_UNSUPPORTED_ARCH.search(line):
@@ -364,12 +365,12 @@ class GccVersion(BaseModel):
 
     available: bool
     reason: str = ""
-    program: Optional[str] = None  # 'gcc', 'g++-11' (None for -dumpfullversion output)
-    package_version: Optional[str] = None  # 'Debian 12.2.0-14+deb12u1'
-    version: Optional[tuple[int, ...]] = None  # (12, 2, 0)
+    program: str | None = None  # 'gcc', 'g++-11' (None for -dumpfullversion output)
+    package_version: str | None = None  # 'Debian 12.2.0-14+deb12u1'
+    version: tuple[int, ...] | None = None  # (12, 2, 0)
 
     @property
-    def major(self) -> Optional[int]:
+    def major(self) -> int | None:
         return self.version[0] if self.version else None
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import re
-from shlex import quote
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from shlex import quote
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -32,33 +33,33 @@ class GpuInfo(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     index: int
-    name: Optional[str] = None
+    name: str | None = None
     # nvidia-smi's table truncates long names ('Tesla V100-SXM2...'); the name is then a prefix.
     name_truncated: bool = False
-    uuid: Optional[str] = None
-    pci_bus_id: Optional[str] = None
-    compute_capability: Optional[tuple[int, int]] = None
-    architecture: Optional[str] = None  # 'Volta' (nvidia-smi -q 'Product Architecture')
-    memory_total_mib: Optional[int] = None
-    memory_used_mib: Optional[int] = None
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    compute_capability: tuple[int, int] | None = None
+    architecture: str | None = None  # 'Volta' (nvidia-smi -q 'Product Architecture')
+    memory_total_mib: int | None = None
+    memory_used_mib: int | None = None
     # From the table this is total - used; nvidia-smi/NVML 'free' also excludes reserved memory.
-    memory_free_mib: Optional[int] = None
-    driver_version: Optional[str] = None
-    temperature_c: Optional[int] = None
-    power_draw_w: Optional[float] = None
-    power_limit_w: Optional[float] = None  # the limit in force (enforced/current)
-    power_min_limit_w: Optional[float] = None
-    power_max_limit_w: Optional[float] = None
-    sm_clock_mhz: Optional[int] = None
-    max_sm_clock_mhz: Optional[int] = None
-    mem_clock_mhz: Optional[int] = None
-    max_mem_clock_mhz: Optional[int] = None
-    persistence_mode: Optional[bool] = None
-    pcie_gen: Optional[int] = None
-    pcie_width: Optional[int] = None
+    memory_free_mib: int | None = None
+    driver_version: str | None = None
+    temperature_c: int | None = None
+    power_draw_w: float | None = None
+    power_limit_w: float | None = None  # the limit in force (enforced/current)
+    power_min_limit_w: float | None = None
+    power_max_limit_w: float | None = None
+    sm_clock_mhz: int | None = None
+    max_sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    max_mem_clock_mhz: int | None = None
+    persistence_mode: bool | None = None
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
     # Active clock throttle ("event") reasons, normalised ('idle', 'sw_power_cap',
     # 'hw_thermal_slowdown', ...); None when the source does not report them at all.
-    clocks_event_reasons: Optional[tuple[str, ...]] = None
+    clocks_event_reasons: tuple[str, ...] | None = None
 
     @property
     def is_volta(self) -> bool:
@@ -66,7 +67,7 @@ class GpuInfo(BaseModel):
         return self.compute_capability == (7, 0)
 
     @property
-    def memory_total_bytes(self) -> Optional[int]:
+    def memory_total_bytes(self) -> int | None:
         return None if self.memory_total_mib is None else self.memory_total_mib * 2**20
 
     @property
@@ -90,12 +91,12 @@ class GpuFacts(BaseModel):
     reason: str = ""
     source: Source = "none"
     gpus: tuple[GpuInfo, ...] = ()
-    driver_version: Optional[str] = None
+    driver_version: str | None = None
     # Newest CUDA the driver supports ('CUDA Version: 12.8' in the nvidia-smi header).
-    cuda_driver_version: Optional[tuple[int, int]] = None
+    cuda_driver_version: tuple[int, int] | None = None
     # nvidia-smi older than ~R510 rejects the compute_cap field: rerun with the legacy query.
     needs_legacy_query: bool = False
-    invalid_field: Optional[str] = None
+    invalid_field: str | None = None
     # The output ended before the GPU section closed (e.g. a cut-off paste): more GPUs may exist.
     truncated: bool = False
     warnings: tuple[str, ...] = ()
@@ -135,7 +136,7 @@ _NAME_TO_CC: tuple[tuple[re.Pattern[str], tuple[int, int]], ...] = tuple(
 _ARCH_TO_CC = {"volta": (7, 0)}
 
 
-def compute_capability_from_name(name: Optional[str]) -> Optional[tuple[int, int]]:
+def compute_capability_from_name(name: str | None) -> tuple[int, int] | None:
     """Compute capability from a GPU name ('Tesla V100-SXM2...' -> (7, 0)); None if unknown."""
     if not name:
         return None
@@ -186,14 +187,14 @@ _MISSING_VALUES = {"", "n/a", "[n/a]", "[not supported]", "not supported", "[unk
                    "[insufficient permissions]", "[gpu is lost]", "err!", "[err!]", "unknown"}
 
 
-def _clean(value: Optional[str]) -> Optional[str]:
+def _clean(value: str | None) -> str | None:
     if value is None:
         return None
     value = value.strip()
     return None if value.lower() in _MISSING_VALUES else value
 
 
-def _number(value: Optional[str]) -> Optional[float]:
+def _number(value: str | None) -> float | None:
     """Leading number of a value with or without unit ('16384 MiB', '300.00 W', '32 C', '16x')."""
     value = _clean(value)
     if value is None:
@@ -202,12 +203,12 @@ def _number(value: Optional[str]) -> Optional[float]:
     return float(m.group()) if m else None
 
 
-def _int(value: Optional[str]) -> Optional[int]:
+def _int(value: str | None) -> int | None:
     number = _number(value)
     return None if number is None else int(number)
 
 
-def _bool(value: Optional[str]) -> Optional[bool]:
+def _bool(value: str | None) -> bool | None:
     value = _clean(value)
     if value is None:
         return None
@@ -219,20 +220,20 @@ def _bool(value: Optional[str]) -> Optional[bool]:
     return None
 
 
-def _cc(value: Optional[str]) -> Optional[tuple[int, int]]:
+def _cc(value: str | None) -> tuple[int, int] | None:
     value = _clean(value)
     m = re.fullmatch(r"(\d+)\.(\d+)", value or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _major_minor(value: Optional[str]) -> Optional[tuple[int, int]]:
+def _major_minor(value: str | None) -> tuple[int, int] | None:
     m = re.match(r"(\d+)\.(\d+)", _clean(value) or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 
 
-def _nvidia_smi_failure(text: Optional[str]) -> Optional[GpuFacts]:
+def _nvidia_smi_failure(text: str | None) -> GpuFacts | None:
     """The outputs that mean 'no usable GPU' whatever was asked of nvidia-smi."""
     stripped = (text or "").strip()
     if not stripped:
@@ -291,7 +292,7 @@ _INVALID_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
 _HEADER_CELL = re.compile(r"[a-z_][a-z0-9_.]*")
 
 
-def _csv_row_to_gpu(row: dict[str, Optional[str]], position: int) -> GpuInfo:
+def _csv_row_to_gpu(row: dict[str, str | None], position: int) -> GpuInfo:
     index = _int(row.get("index"))
     name = _clean(row.get("name"))
     cc = _cc(row.get("compute_cap")) or compute_capability_from_name(name)
@@ -326,7 +327,7 @@ def _csv_row_to_gpu(row: dict[str, Optional[str]], position: int) -> GpuInfo:
     )
 
 
-def parse_nvidia_smi_csv(text: str, fields: Optional[Sequence[str]] = QUERY_FIELDS) -> GpuFacts:
+def parse_nvidia_smi_csv(text: str, fields: Sequence[str] | None = QUERY_FIELDS) -> GpuFacts:
     """Parse `nvidia-smi --query-gpu=<fields> --format=csv[,noheader][,nounits]`.
 
     `fields` is the list the command asked for. A header line (plain `--format=csv`) takes
@@ -480,9 +481,9 @@ _Q_KEY_VALUE = re.compile(r"^(?P<indent> *)(?P<key>[^:]*?[^:\s])\s*:\s?(?P<value
 _REASON_SECTIONS = ("Clocks Event Reasons", "Clocks Throttle Reasons")
 
 
-def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: Optional[str],
-           driver: Optional[str]) -> GpuInfo:
-    def get(*paths: tuple[str, ...]) -> Optional[str]:
+def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: str | None,
+           driver: str | None) -> GpuInfo:
+    def get(*paths: tuple[str, ...]) -> str | None:
         for path in paths:
             if path in values:
                 return values[path]
@@ -491,7 +492,7 @@ def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: Optional[str],
     name = _clean(get(("Product Name",)))
     arch = _clean(get(("Product Architecture",)))
     cc = compute_capability_from_name(name) or _ARCH_TO_CC.get((arch or "").lower())
-    reasons: Optional[tuple[str, ...]] = None
+    reasons: tuple[str, ...] | None = None
     for section in _REASON_SECTIONS:
         entries = [(p[1], v) for p, v in values.items() if len(p) == 2 and p[0] == section]
         if entries:
@@ -540,7 +541,7 @@ def parse_nvidia_smi_q(text: str) -> GpuFacts:
     if failure is not None:
         return failure
     top: dict[str, str] = {}
-    blocks: list[tuple[Optional[str], dict[tuple[str, ...], str]]] = []
+    blocks: list[tuple[str | None, dict[tuple[str, ...], str]]] = []
     stack: list[tuple[int, str]] = []
     warnings: list[str] = []
     for line in lines(text):

@@ -14,8 +14,8 @@ plus a pure parser that returns an explicit "absent" value instead of raising.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from shlex import quote
-from typing import Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -39,11 +39,11 @@ class OsRelease(BaseModel):
 
     available: bool
     reason: str = ""
-    id: Optional[str] = None  # 'debian', 'ubuntu'
+    id: str | None = None  # 'debian', 'ubuntu'
     id_like: tuple[str, ...] = ()
-    version_id: Optional[str] = None  # '12', '22.04'
-    codename: Optional[str] = None  # 'bookworm'
-    pretty_name: Optional[str] = None
+    version_id: str | None = None  # '12', '22.04'
+    codename: str | None = None  # 'bookworm'
+    pretty_name: str | None = None
 
 
 def _unquote(value: str) -> str:
@@ -108,12 +108,12 @@ class DiskFree(BaseModel):
 
     path: str  # the path asked about
     existing_path: str  # the path df was run on (path itself, or its nearest existing parent)
-    filesystem: Optional[str] = None
-    size_bytes: Optional[int] = None
-    used_bytes: Optional[int] = None
-    available_bytes: Optional[int] = None  # what an unprivileged user can still write
-    mount_point: Optional[str] = None
-    error: Optional[str] = None
+    filesystem: str | None = None
+    size_bytes: int | None = None
+    used_bytes: int | None = None
+    available_bytes: int | None = None  # what an unprivileged user can still write
+    mount_point: str | None = None
+    error: str | None = None
 
     @property
     def exists(self) -> bool:
@@ -129,8 +129,8 @@ def parse_df(text: str) -> dict[str, DiskFree]:
     """Parse disk_free_command() output (or plain `df -P -B1` output, keyed by mount point)
     into {asked path: DiskFree}."""
     result: dict[str, DiskFree] = {}
-    path: Optional[str] = None
-    existing: Optional[str] = None
+    path: str | None = None
+    existing: str | None = None
     errors: list[str] = []
 
     def close() -> None:
@@ -170,11 +170,11 @@ class MemInfo(BaseModel):
 
     available: bool
     reason: str = ""
-    mem_total_bytes: Optional[int] = None
+    mem_total_bytes: int | None = None
     # Kernel's estimate of memory usable without swapping (absent before Linux 3.14).
-    mem_available_bytes: Optional[int] = None
-    swap_total_bytes: Optional[int] = None
-    swap_free_bytes: Optional[int] = None
+    mem_available_bytes: int | None = None
+    swap_total_bytes: int | None = None
+    swap_free_bytes: int | None = None
 
 
 def parse_meminfo(text: str) -> MemInfo:
@@ -209,8 +209,8 @@ class PythonVersion(BaseModel):
 
     available: bool
     reason: str = ""
-    path: Optional[str] = None
-    version: Optional[tuple[int, ...]] = None  # (3, 11, 2)
+    path: str | None = None
+    version: tuple[int, ...] | None = None  # (3, 11, 2)
 
     @property
     def runs_gpu_probe(self) -> bool:
@@ -256,13 +256,13 @@ class SystemdState(BaseModel):
     systemd_running: bool
     booted: bool  # /run/systemd/system present
     systemctl_present: bool
-    state: Optional[str] = None  # `systemctl is-system-running`: running, degraded, offline, ...
+    state: str | None = None  # `systemctl is-system-running`: running, degraded, offline, ...
 
 
 def parse_systemd(text: str) -> SystemdState:
     """Parse SYSTEMD_COMMAND output. systemd_running = booted with systemd and in a usable state."""
     booted = False
-    state: Optional[str] = None
+    state: str | None = None
     present = False
     for line in lines(text):
         line = line.strip()
@@ -286,7 +286,7 @@ NPROC_COMMAND = (
 UNAME_MACHINE_COMMAND = "uname -m 2>/dev/null || echo 'voltaforge: uname not found'"
 
 
-def parse_nproc(text: str) -> Optional[int]:
+def parse_nproc(text: str) -> int | None:
     """CPUs available to this process (nproc honours affinity/cgroup cpusets); None if unknown."""
     for line in lines(text):
         if re.fullmatch(r"\d+", line.strip()) and int(line.strip()) > 0:
@@ -297,7 +297,7 @@ def parse_nproc(text: str) -> Optional[int]:
 _ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 
 
-def parse_uname_machine(text: str) -> Optional[str]:
+def parse_uname_machine(text: str) -> str | None:
     """`uname -m` -> 'x86_64' / 'aarch64' (amd64/arm64 spellings normalised); None if unknown.
 
     V100 hosts are x86_64 or ppc64le (IBM AC922); CUDA wheels and packages differ per arch."""

@@ -16,13 +16,13 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO
 
 from playbooks.errors import HostError
 from playbooks.host.commands import build_command, write_file_command
 from playbooks.host.output import Printer, Result
 
-Content = Union[bytes, BinaryIO]
+Content = bytes | BinaryIO
 CHUNK = 64 * 1024
 _SUDO_NEEDS_PASSWORD = "a password is required"
 
@@ -33,7 +33,7 @@ class Process:
     #: What it wrote to stderr, once closed.
     stderr: str = ""
     _buf: bytes = b""
-    _host: "Host"
+    _host: Host
 
     def _read_chunk(self, deadline: float) -> bytes | None:
         """Some stdout bytes (b"" at end of output), or None when the deadline passed."""

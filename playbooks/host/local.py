@@ -16,7 +16,7 @@ from playbooks.host.output import LineSplitter, Printer
 
 
 class _LocalProcess(Process):
-    def __init__(self, host: "LocalHost", command: str):
+    def __init__(self, host: LocalHost, command: str):
         self._host = host
         self._proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=_local_env(), start_new_session=True)

@@ -7,9 +7,9 @@ import os
 import posixpath
 import shlex
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Iterator
 
 from playbooks.errors import HostError
 from playbooks.host.base import Host

@@ -23,12 +23,12 @@ Two shapes beside the idempotent default, for the steps that deploy services:
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import sha256
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal
 
 from playbooks.errors import HostError
-from playbooks.facts import read_fact
 from playbooks.facts.files import FileStat, parse_sha256, parse_stat, sha256_command, stat_command
 from playbooks.host.base import Host
 from playbooks.host.commands import check_mode, check_owner, check_path, write_file_command
@@ -59,7 +59,7 @@ class Upload:
     path: str
     content: bytes = field(repr=False)
     mode: int = 0o644
-    owner: Optional[str] = None
+    owner: str | None = None
     sudo: bool = False
 
     def __post_init__(self) -> None:
@@ -76,7 +76,7 @@ class Upload:
                 f"  # stdin: {len(self.content)} bytes, sha256 {self.digest[:12]}")
 
 
-Command = Union[Shell, Upload]
+Command = Shell | Upload
 
 
 def run_command(host: Host, cmd: Command) -> None:
@@ -94,11 +94,11 @@ class Decision:
     reason: str
 
     @classmethod
-    def ok(cls, reason: str) -> "Decision":
+    def ok(cls, reason: str) -> Decision:
         return cls((), reason)
 
     @classmethod
-    def act(cls, reason: str, *commands: Command) -> "Decision":
+    def act(cls, reason: str, *commands: Command) -> Decision:
         return cls(tuple(commands), reason)
 
     def shown(self) -> list[str]:
@@ -168,14 +168,14 @@ class RunCommand(Operation):
         return Decision.act(self.reason, self.command)
 
 
-def _owner_differs(st: FileStat, owner: Optional[str]) -> bool:
+def _owner_differs(st: FileStat, owner: str | None) -> bool:
     if owner is None:
         return False
     user, _, group = owner.partition(":")
     return st.owner != user or bool(group and st.group != group)
 
 
-def _mode_owner_fixes(st: FileStat, path: str, mode: int, owner: Optional[str],
+def _mode_owner_fixes(st: FileStat, path: str, mode: int, owner: str | None,
                       sudo: bool) -> tuple[list[Command], list[str]]:
     """(commands, what differs) to give an existing path this mode and owner."""
     q = shlex.quote(path)
@@ -193,7 +193,7 @@ def _mode_owner_fixes(st: FileStat, path: str, mode: int, owner: Optional[str],
 class EnsureDirectory(Operation):
     """A directory exists with this mode (and owner, when given)."""
 
-    def __init__(self, path: str, mode: int = 0o755, owner: Optional[str] = None, sudo: bool = False,
+    def __init__(self, path: str, mode: int = 0o755, owner: str | None = None, sudo: bool = False,
                  notify: Sequence[str] = ()):
         self.path = check_path(path)
         self.mode = check_mode(mode)
@@ -201,11 +201,11 @@ class EnsureDirectory(Operation):
         self.owner, self.sudo, self.notify = owner, sudo, tuple(notify)
         self.name = f"Ensure {self.path} exists"
 
-    def read(self, host: Host) -> Optional[FileStat]:
+    def read(self, host: Host) -> FileStat | None:
         run = host.sudo if self.sudo else host.run
         return parse_stat(run(stat_command(self.path), stream=False).stdout)
 
-    def decide(self, facts: Optional[FileStat]) -> Decision:
+    def decide(self, facts: FileStat | None) -> Decision:
         q = shlex.quote(self.path)
         if facts is None:
             cmds: list[Command] = [Shell(f"mkdir -p -m {self.mode:04o} -- {q}", self.sudo)]
@@ -221,8 +221,8 @@ class EnsureDirectory(Operation):
 
 @dataclass(frozen=True)
 class FileFacts:
-    stat: Optional[FileStat]
-    sha256: Optional[str]
+    stat: FileStat | None
+    sha256: str | None
 
 
 def read_file_facts(host: Host, path: str, sudo: bool) -> FileFacts:
@@ -254,7 +254,7 @@ class EnsureFile(Operation):
     """
 
     def __init__(self, path: str, content: bytes, mode: int = 0o644, sudo: bool = False,
-                 owner: Optional[str] = None, notify: Sequence[str] = ()):
+                 owner: str | None = None, notify: Sequence[str] = ()):
         self.upload = Upload(check_path(path), bytes(content), check_mode(mode), owner, sudo)
         self.path, self.sudo, self.notify = self.upload.path, sudo, tuple(notify)
         self.name = f"Ensure {self.path} is up to date"

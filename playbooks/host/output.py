@@ -5,8 +5,9 @@ from __future__ import annotations
 import codecs
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TextIO
+from typing import TextIO
 
 
 @dataclass(frozen=True)

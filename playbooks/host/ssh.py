@@ -45,7 +45,7 @@ def _known_hosts_name(host: str, port: int) -> str:
 
 
 class _SshProcess(Process):
-    def __init__(self, host: "SshHost", command: str):
+    def __init__(self, host: SshHost, command: str):
         self._host = host
         self._chan = host._open_channel(command)
 
@@ -132,7 +132,7 @@ class SshHost(Host):
         client.set_missing_host_key_policy(_RejectUnknownHostKey())
         return client
 
-    def open(self) -> "SshHost":
+    def open(self) -> SshHost:
         """Connect now; every way it can fail becomes one HostError that says what to do."""
         if self.conn.is_connected:
             return self

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from playbooks.plan.tensors import Cat, model_tensors
 from playbooks.plan.model_config import ModelShape
+from playbooks.plan.tensors import Cat, model_tensors
 
 EXL2_BPW_LADDER = (2.5, 3.0, 3.3, 3.5, 4.0, 4.5, 5.0, 6.0, 8.0)
 EXL2_BPW_RANGE = (2.0, 8.0)

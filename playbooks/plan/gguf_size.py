@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.tensors import Cat, Tensor, model_tensors
-
 
 # File types: the name llama-quantize takes -> the default (base) tensor type.
 FILE_TYPES: dict[str, T] = {

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from playbooks.plan.model_config import ModelShape
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import posixpath
 import shlex
-from typing import Sequence
+from collections.abc import Sequence
 
 from playbooks.errors import VoltaforgeError
 from playbooks.facts.cuda import Toolkit

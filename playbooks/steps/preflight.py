@@ -7,11 +7,9 @@ fails and is blocking makes preflight exit non-zero.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Optional
 
 from pydantic import BaseModel
 
@@ -43,8 +41,8 @@ class HostFacts(BaseModel):
     disk: dict[str, system.DiskFree]
     memory: system.MemInfo
     systemd: system.SystemdState
-    nproc: Optional[int] = None
-    machine: Optional[str] = None
+    nproc: int | None = None
+    machine: str | None = None
 
 
 
@@ -99,7 +97,7 @@ class Check:
 class Verdict:
     facts: HostFacts
     checks: list[Check] = field(default_factory=list)
-    plan_summary: Optional[str] = None
+    plan_summary: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -134,11 +132,11 @@ def _gpu_health(gpus: list[gpufacts.GpuInfo]) -> list[Check]:
     return out
 
 
-def _version_tuple(v: Optional[str]) -> tuple[int, ...]:
+def _version_tuple(v: str | None) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v or ""))
 
 
-def host_gpu(facts: HostFacts) -> Optional[Gpu]:
+def host_gpu(facts: HostFacts) -> Gpu | None:
     """The catalog entry for the host's first GPU, with the memory the driver reports."""
     if not facts.gpus.available or not facts.gpus.gpus:
         return None
@@ -156,13 +154,13 @@ class Context:
     """What every check may look at: the facts, the recipe (if any) and where things go."""
 
     facts: HostFacts
-    loaded: Optional[LoadedRecipe]
+    loaded: LoadedRecipe | None
     model_dir: str
     prefix: str
-    inventory_gpu: Optional[str]
+    inventory_gpu: str | None
 
     @property
-    def recipe(self) -> Optional[Recipe]:
+    def recipe(self) -> Recipe | None:
         return self.loaded.recipe if self.loaded else None
 
     @property
@@ -225,7 +223,7 @@ def check_gpu(cx: Context) -> list[Check]:
     return out
 
 
-def _driver_check(cx: Context, cc: Optional[tuple[int, int]]) -> Check:
+def _driver_check(cx: Context, cc: tuple[int, int] | None) -> Check:
     drv_text = cx.facts.gpus.driver_version
     drv = _version_tuple(drv_text)
     need = MIN_DRIVER.get(cx.cuda_pin[0])
@@ -274,7 +272,7 @@ def check_cuda(cx: Context) -> list[Check]:
     return out
 
 
-def plan_for_host(cx: Context) -> Optional[Plan]:
+def plan_for_host(cx: Context) -> Plan | None:
     """The recipe planned on the GPU the host reports, else the inventory's, else the recipe's."""
     if cx.loaded is None or cx.recipe is None:
         return None
@@ -283,7 +281,7 @@ def plan_for_host(cx: Context) -> Optional[Plan]:
     return make_plan(cx.loaded.shape, gpu, serving_from_recipe(cx.loaded), quant=r.quant_name, min_bpw=r.planner.min_bpw)
 
 
-def check_disk_and_ram(cx: Context, plan: Optional[Plan]) -> list[Check]:
+def check_disk_and_ram(cx: Context, plan: Plan | None) -> list[Check]:
     if plan is None or plan.chosen is None or cx.loaded is None:
         return []
     out = []
@@ -317,8 +315,8 @@ def fit_summary(cx: Context, plan: Plan) -> tuple[str, Check]:
     return f"{verdict} on {target}; {plan.reason}", Check("fit", "pass" if chosen.fits else "fail", f"{verdict} on {target}", fix, blocking=True)
 
 
-def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, prefix: str,
-          inventory_gpu: Optional[str] = None) -> Verdict:
+def judge(facts: HostFacts, loaded: LoadedRecipe | None, model_dir: str, prefix: str,
+          inventory_gpu: str | None = None) -> Verdict:
     """Pure: turn facts (and the recipe, when given) into checks with fixes, one area at a time.
 
     The GPU the plan is judged against: the one the host reports; else the inventory's `gpu`;

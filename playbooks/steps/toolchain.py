@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
-from typing import Optional
 
 from playbooks.config.recipe import Toolchain
 from playbooks.errors import HostError
@@ -55,7 +54,7 @@ class CudaFacts:
     toolkits: tuple[cuda.Toolkit, ...]
     os: system.OsRelease
     nonfree_sources: tuple[str, ...]   # files that enable Debian's non-free component
-    debian_mirror: Optional[str]
+    debian_mirror: str | None
 
 
 class EnsureCudaToolkit(Operation):
@@ -155,10 +154,10 @@ class EnsureTorch(Operation):
         self.venv, self.tc = venv, tc
         self.name = f"Ensure torch {tc.torch} is installed in the venv"
 
-    def read(self, host: Host) -> Optional[str]:
+    def read(self, host: Host) -> str | None:
         return python.parse_package_version(read_fact(host, python.package_version_command(self.venv, "torch")))
 
-    def decide(self, facts: Optional[str]) -> Decision:
+    def decide(self, facts: str | None) -> Decision:
         if facts == self.tc.torch:
             return Decision.ok(f"torch {facts} already installed")
         return Decision.act(f"torch is {facts or 'not installed'}, want {self.tc.torch}",
@@ -168,7 +167,7 @@ class EnsureTorch(Operation):
 @dataclass(frozen=True)
 class LockFacts:
     toolkits: tuple[cuda.Toolkit, ...]
-    torch: Optional[str]
+    torch: str | None
     file: FileFacts
 
 
@@ -201,7 +200,7 @@ class EnsureToolchainLock(Operation):
         return decide_file(Upload(self.path, self.content(facts), 0o644), facts.file)
 
 
-def toolchain_ops(prefix: str, tc: Toolchain, owner: Optional[str], needs_cuda: bool, prefix_sudo: bool) -> list[Operation]:
+def toolchain_ops(prefix: str, tc: Toolchain, owner: str | None, needs_cuda: bool, prefix_sudo: bool) -> list[Operation]:
     venv = f"{prefix}/venv"
     ops: list[Operation] = [EnsureDirectory(prefix, 0o755, owner=owner if prefix_sudo else None, sudo=prefix_sudo)]
     if needs_cuda:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import jinja2
 
-from playbooks.errors import VoltaforgeError
-from playbooks.resources import resource_dir
-from playbooks.plan.gpus import get_gpu
 from playbooks.config.recipe import Recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.plan.gpus import get_gpu
+from playbooks.resources import resource_dir
 
 TEMPLATES = resource_dir("templates")
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")

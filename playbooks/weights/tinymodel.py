@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from playbooks.plan.tensors import Cat, model_tensors
 from playbooks.plan.model_config import shape_from_config
+from playbooks.plan.tensors import Cat, model_tensors
 
 # HF parameter names for llama.cpp's GGUF names (convert_hf_to_gguf.py maps them back).
 _HF_NAMES = {
