@@ -49,7 +49,7 @@ def test_bpw_steps_match_a_published_vram_table():
     for model, rs in by_model.items():
         shape = _shape(model)
         rs.sort(key=lambda r: -r["bpw"])
-        for hi, lo in zip(rs, rs[1:]):
+        for hi, lo in zip(rs, rs[1:], strict=False):
             published = (hi["size"] - lo["size"]) * 1e9
             predicted = (estimate_exl2(shape, hi["bpw"], hi["head_bits"] or 6).gpu_weight_bytes
                          - estimate_exl2(shape, lo["bpw"], lo["head_bits"] or 6).gpu_weight_bytes)

@@ -321,7 +321,7 @@ def test_probe_runs_here_and_prints_one_json_object():
     run = _run_probe()
     assert run.returncode == 0
     assert "Traceback" not in run.stderr
-    lines = [l for l in run.stdout.splitlines() if l.strip()]
+    lines = [ln for ln in run.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1
     data = json.loads(lines[0])
     assert data["probe"] == "voltaforge-gpu" and data["source"] in ("nvml", "none")

@@ -124,7 +124,7 @@ def test_context_above_model_maximum(tmp_path):
 
 
 def test_missing_model(tmp_path):
-    body = "\n".join(l for l in GOOD.splitlines() if not l.startswith(("model:", "  "))) + "\n"
+    body = "\n".join(ln for ln in GOOD.splitlines() if not ln.startswith(("model:", "  "))) + "\n"
     msg = _error(tmp_path, body)
     assert "model: missing" in msg
 

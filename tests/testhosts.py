@@ -204,9 +204,9 @@ def _wait_tcp(host: str, port: int, timeout: float, alive=lambda: True) -> None:
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return
-        except OSError:
+        except OSError as e:
             if time.monotonic() > deadline:
-                raise HostSetupError(f"nothing listens on {host}:{port} after {timeout:.0f} s")
+                raise HostSetupError(f"nothing listens on {host}:{port} after {timeout:.0f} s") from e
             time.sleep(0.02)
 
 

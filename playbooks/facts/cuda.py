@@ -83,7 +83,7 @@ def parse_nvcc_version(text: str) -> CudaToolVersion:
         if built_on is None and (m := _BUILT_ON.match(line)):
             built_on = m.group(1)
     if release is None or version is None:
-        first = next(l.strip() for l in lines(stripped) if l.strip())
+        first = next(ln.strip() for ln in lines(stripped) if ln.strip())
         return CudaToolVersion(available=False, tool=tool,
                                reason=f"no 'release X.Y' line in version output: {first}")
     return CudaToolVersion(

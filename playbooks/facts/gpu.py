@@ -363,14 +363,14 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str] | None = QUERY_FIELDS)
         if columns is None or len(cells) != len(columns):
             warnings.append(f"ignored line: {line.strip()}")
             continue
-        row = dict(zip(columns, cells))
+        row = dict(zip(columns, cells, strict=True))
         if "index" in row and _int(row["index"]) is None:
             warnings.append(f"ignored line: {line.strip()}")
             continue
         gpus.append(_csv_row_to_gpu(row, len(gpus)))
 
     if not gpus:
-        first = next((l.strip() for l in lines(text) if l.strip()), "")
+        first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
         return GpuFacts(available=False, source="nvidia-smi",
                         reason=f"no GPU rows in nvidia-smi CSV output: {first}",
                         warnings=tuple(warnings))
@@ -454,7 +454,7 @@ def parse_nvidia_smi_table(text: str) -> GpuFacts:
                 gpu.update(memory_used_mib=used, memory_total_mib=total,
                            memory_free_mib=total - used)
     if driver is None:
-        first = next((l.strip() for l in lines(text) if l.strip()), "")
+        first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
         return GpuFacts(available=False, source="nvidia-smi",
                         reason=f"no nvidia-smi table header in output: {first}")
     infos = []
@@ -610,9 +610,9 @@ def gpu_probe_command(remote_path: str) -> str:
 def parse_gpu_probe_json(text: str) -> GpuFacts:
     """Parse the probe's one JSON line (the last line starting with '{'; other lines are noise
     such as a vGPU shim's messages). Anything unreadable gives available=False."""
-    candidates = [l.strip() for l in lines(text) if l.strip().startswith("{")]
+    candidates = [ln.strip() for ln in lines(text) if ln.strip().startswith("{")]
     if not candidates:
-        first = next((l.strip() for l in lines(text) if l.strip()), "")
+        first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
         return GpuFacts(available=False, source="none",
                         reason=f"GPU probe printed no JSON: {first}" if first
                         else "GPU probe printed nothing")

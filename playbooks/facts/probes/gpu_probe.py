@@ -131,13 +131,13 @@ def probe():
     try:
         import pynvml  # from PyPI nvidia-ml-py (or the older pynvml package)
     except Exception as exc:  # ImportError, or a broken install raising anything else
-        return _none("pynvml not importable: %s" % _describe(exc))
+        return _none(f"pynvml not importable: {_describe(exc)}")
 
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # NVMLError: LIBRARY_NOT_FOUND, DRIVER_NOT_LOADED, ...
         name = _error_name(exc, pynvml)
-        return _none("NVML init failed: %s" % _describe(exc), name)
+        return _none(f"NVML init failed: {_describe(exc)}", name)
 
     try:
         result = {"source": "nvml", "gpus": []}
@@ -158,7 +158,7 @@ def probe():
                 result["gpus"].append({"index": index, "errors": {"handle": _describe(exc)}})
         return result
     except Exception as exc:
-        return _none("NVML query failed: %s" % _describe(exc), _error_name(exc, pynvml))
+        return _none(f"NVML query failed: {_describe(exc)}", _error_name(exc, pynvml))
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -170,11 +170,11 @@ def main():
     try:
         result = probe()
     except BaseException as exc:  # never a traceback: the caller parses stdout as JSON
-        result = _none("probe crashed: %s: %s" % (exc.__class__.__name__, _describe(exc)))
+        result = _none(f"probe crashed: {exc.__class__.__name__}: {_describe(exc)}")
     try:
         _emit(result)
     except Exception as exc:  # e.g. a non-serialisable value from an odd pynvml build
-        _emit(_none("probe output not serialisable: %s" % _describe(exc)))
+        _emit(_none(f"probe output not serialisable: {_describe(exc)}"))
     return 0
 
 
