@@ -338,8 +338,7 @@ def test_closed_port(sshd_host):
     with pytest.raises(HostError) as exc:
         connect(spec_for(sshd_host, port=port))
     assert str(exc.value) == (
-        f"v100-test (127.0.0.1:{port}): 127.0.0.1:{port} refused the connection "
-        "(is sshd running, is the port right?)"
+        f"v100-test (127.0.0.1:{port}): 127.0.0.1:{port} refused the connection (is sshd running, is the port right?)"
     )
 
 

@@ -52,11 +52,19 @@ def test_declared_head_dim_wins_over_hidden_over_heads():
     from playbooks.plan.model_config import shape_from_config
 
     # Gemma-2-27B: hidden 4608 / 32 heads would be 144, but it declares head_dim 128
-    shape = shape_from_config({
-        "model_type": "gemma2", "hidden_size": 4608, "intermediate_size": 36864,
-        "num_hidden_layers": 46, "num_attention_heads": 32, "num_key_value_heads": 16,
-        "head_dim": 128, "vocab_size": 256000, "max_position_embeddings": 8192,
-    })
+    shape = shape_from_config(
+        {
+            "model_type": "gemma2",
+            "hidden_size": 4608,
+            "intermediate_size": 36864,
+            "num_hidden_layers": 46,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 16,
+            "head_dim": 128,
+            "vocab_size": 256000,
+            "max_position_embeddings": 8192,
+        }
+    )
     assert shape.head_dim == 128
     assert llamacpp_kv_bytes_per_token(shape) == 2 * 46 * 16 * 128 * 2
 
@@ -96,10 +104,18 @@ def test_a_draft_model_costs_its_weights_and_its_own_cache(seed):
     from playbooks.plan.model_config import shape_from_config
     from playbooks.plan.planner import DraftPlan
 
-    draft = shape_from_config({  # a Qwen2.5-0.5B-shaped draft, same vocabulary
-        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 152064, "tie_word_embeddings": True,
-    })
+    draft = shape_from_config(
+        {  # a Qwen2.5-0.5B-shaped draft, same vocabulary
+            "model_type": "qwen2",
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "vocab_size": 152064,
+            "tie_word_embeddings": True,
+        }
+    )
     gpu, s = get_gpu("v100-16gb"), Serving(context=4096)
     alone = evaluate(seed, "Q4_K_M", gpu, s)
     paired = evaluate(seed, "Q4_K_M", gpu, s, DraftPlan(draft, "Q8_0"))

@@ -14,8 +14,13 @@ from playbooks.host import connect
 from playbooks.steps.preflight import gather, judge
 
 
-def run_preflight(host_name: str, recipe: str | None = None, as_json: bool = False,
-                  inventory: str | Path = "inventory.yaml", out: TextIO | None = None) -> int:
+def run_preflight(
+    host_name: str,
+    recipe: str | None = None,
+    as_json: bool = False,
+    inventory: str | Path = "inventory.yaml",
+    out: TextIO | None = None,
+) -> int:
     out = out or sys.stdout
     spec = resolve_host(host_name, Path(inventory))
     loaded = load_recipe(recipe or spec.recipe) if (recipe or spec.recipe) else None

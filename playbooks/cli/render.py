@@ -64,8 +64,10 @@ def option_json(o: Option) -> dict[str, Any]:
 def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
     s = plan.serving
     # kv_bytes_per_token is the recipe's backend and cache type: the number a user plans with
-    kv = plan.chosen.kv_bytes_per_token if plan.chosen else next(
-        o.kv_bytes_per_token for o in plan.options if o.backend == s.backend
+    kv = (
+        plan.chosen.kv_bytes_per_token
+        if plan.chosen
+        else next(o.kv_bytes_per_token for o in plan.options if o.backend == s.backend)
     )
     return {
         "recipe": recipe,
@@ -140,8 +142,14 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
         )
     table = Table(title=f"Fit table: {s.context} tokens x {s.parallel} slot(s) on {plan.gpu.key}")
     for col, just in [
-        ("quant", "left"), ("backend", "left"), ("file", "right"), ("bits/w", "right"),
-        ("VRAM", "right"), ("fits?", "left"), ("max ctx/slot", "right"), ("roofline tok/s", "right"),
+        ("quant", "left"),
+        ("backend", "left"),
+        ("file", "right"),
+        ("bits/w", "right"),
+        ("VRAM", "right"),
+        ("fits?", "left"),
+        ("max ctx/slot", "right"),
+        ("roofline tok/s", "right"),
     ]:
         table.add_column(col, justify=just)
     for o in plan.options:
@@ -192,8 +200,10 @@ def render_verdict(v: Verdict, out: Console) -> None:
     f = v.facts
     head = Text()
     head.append(f.host, style="bold")
-    head.append(f": {f.os.pretty_name or 'unknown OS'}, {f.machine or '?'}, {f.nproc or '?'} CPUs, "
-                f"{(f.memory.mem_total_bytes or 0) / GIB:.1f} GiB RAM")
+    head.append(
+        f": {f.os.pretty_name or 'unknown OS'}, {f.machine or '?'}, {f.nproc or '?'} CPUs, "
+        f"{(f.memory.mem_total_bytes or 0) / GIB:.1f} GiB RAM"
+    )
     out.print(head)
     table = Table(title=Text(f"preflight {f.host}"))
     for col in ("check", "status", "detail", "fix"):

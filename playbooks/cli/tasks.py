@@ -39,7 +39,9 @@ def _cfg(c: Context, key: str) -> Any:
     return c.config.get("voltaforge", {}).get(key, DEFAULTS["voltaforge"][key])
 
 
-HOST_HELP = "inventory name, ~/.ssh/config name, address or 'local' (default: voltaforge.host in invoke.yaml, else local)"
+HOST_HELP = (
+    "inventory name, ~/.ssh/config name, address or 'local' (default: voltaforge.host in invoke.yaml, else local)"
+)
 RECIPE_HELP = "recipe name (recipes/NAME.yaml) or path (default: voltaforge.recipe, else the inventory's)"
 INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.yaml)"
 
@@ -56,9 +58,16 @@ INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.
         "json": "print JSON instead of tables",
     },
 )
-def plan(c: Context, recipe: str | None = None, gpu: str | None = None, model_config: str | None = None,
-         ctx: str | None = None, parallel: str | None = None, quant: str | None = None,
-         json: bool = False) -> None:
+def plan(
+    c: Context,
+    recipe: str | None = None,
+    gpu: str | None = None,
+    model_config: str | None = None,
+    ctx: str | None = None,
+    parallel: str | None = None,
+    quant: str | None = None,
+    json: bool = False,
+) -> None:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
 
     def go() -> int:
@@ -77,10 +86,18 @@ def plan(c: Context, recipe: str | None = None, gpu: str | None = None, model_co
     run_command(go)
 
 
-@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "json": "print JSON instead of tables",
-                                   "inventory": INVENTORY_HELP})
-def preflight(c: Context, host: str | None = None, recipe: str | None = None, json: bool = False,
-              inventory: str | None = None) -> None:
+@task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "json": "print JSON instead of tables",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def preflight(
+    c: Context, host: str | None = None, recipe: str | None = None, json: bool = False, inventory: str | None = None
+) -> None:
     """Read a host's facts and judge them: each check with a fix; non-zero exit when blocked."""
 
     def go() -> int:
@@ -96,10 +113,18 @@ def preflight(c: Context, host: str | None = None, recipe: str | None = None, js
     run_command(go)
 
 
-@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP,
-                                   "dry-run": "print the exact commands and change nothing", "inventory": INVENTORY_HELP})
-def toolchain(c: Context, host: str | None = None, recipe: str | None = None, dry_run: bool = False,
-              inventory: str | None = None) -> None:
+@task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "dry-run": "print the exact commands and change nothing",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def toolchain(
+    c: Context, host: str | None = None, recipe: str | None = None, dry_run: bool = False, inventory: str | None = None
+) -> None:
     """Install the pinned CUDA toolkit and a venv with the pinned torch, idempotently."""
 
     def go() -> int:
@@ -115,7 +140,9 @@ def toolchain(c: Context, host: str | None = None, recipe: str | None = None, dr
     run_command(go)
 
 
-@task(auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
+@task(
+    auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"}
+)
 def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     """Run the test suite (what .ci/run runs): ruff, mypy, then pytest."""
     # the interpreter running invoke, so the venv's tools are used whatever PATH says

@@ -75,7 +75,9 @@ class ModelSource(_Strict):
         if len(sources) != 1:
             raise ValueError("give exactly one of repo (with revision), path or generate")
         if self.repo and not self.revision:
-            raise ValueError("repo needs a revision: a 40-hex commit sha pins it (a branch name is accepted and flagged)")
+            raise ValueError(
+                "repo needs a revision: a 40-hex commit sha pins it (a branch name is accepted and flagged)"
+            )
         if self.config is None:
             raise ValueError("config is required: a config.json file or the config inline, so plans need no download")
         return self
@@ -158,9 +160,7 @@ class Toolchain(_Strict):
 class Service(_Strict):
     bind: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
-    api_key_ref: str | None = Field(
-        None, description="name of a secret file on the host (never the key itself)"
-    )
+    api_key_ref: str | None = Field(None, description="name of a secret file on the host (never the key itself)")
 
     @field_validator("bind")
     @classmethod
@@ -330,7 +330,9 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
         data = _deep_merge(defaults or {}, data)
     data.setdefault("name", path.stem)
     if "model" not in data:
-        raise RecipeError(f"{path}: model: missing; give model.repo + revision, model.path or model.generate, and model.config")
+        raise RecipeError(
+            f"{path}: model: missing; give model.repo + revision, model.path or model.generate, and model.config"
+        )
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:

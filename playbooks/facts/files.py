@@ -47,8 +47,10 @@ def parse_sha256(output: str) -> str | None:
 def writable_command(path: str) -> str:
     """Prints 'yes' when the login user can write ``path`` or, if it is missing, its parent."""
     parent = path.rsplit("/", 1)[0] or "/"
-    return (f"if test -w {shlex.quote(path)} || {{ ! test -e {shlex.quote(path)} && test -w {shlex.quote(parent)}; }}; "
-            "then echo yes; else echo no; fi")
+    return (
+        f"if test -w {shlex.quote(path)} || {{ ! test -e {shlex.quote(path)} && test -w {shlex.quote(parent)}; }}; "
+        "then echo yes; else echo no; fi"
+    )
 
 
 def parse_writable(output: str) -> bool:

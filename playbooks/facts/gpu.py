@@ -160,8 +160,7 @@ CLOCKS_EVENT_REASON_BITS: dict[int, str] = {
 }
 
 THROTTLE_REASONS = frozenset(
-    {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
-     "hw_power_brake_slowdown"}
+    {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
 )
 
 
@@ -183,8 +182,19 @@ def _normalise_reason(label: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", label.strip().lower()).strip("_")
 
 
-_MISSING_VALUES = {"", "n/a", "[n/a]", "[not supported]", "not supported", "[unknown error]",
-                   "[insufficient permissions]", "[gpu is lost]", "err!", "[err!]", "unknown"}
+_MISSING_VALUES = {
+    "",
+    "n/a",
+    "[n/a]",
+    "[not supported]",
+    "not supported",
+    "[unknown error]",
+    "[insufficient permissions]",
+    "[gpu is lost]",
+    "err!",
+    "[err!]",
+    "unknown",
+}
 
 
 def _clean(value: str | None) -> str | None:
@@ -231,8 +241,6 @@ def _major_minor(value: str | None) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-
-
 def _nvidia_smi_failure(text: str | None) -> GpuFacts | None:
     """The outputs that mean 'no usable GPU' whatever was asked of nvidia-smi."""
     stripped = (text or "").strip()
@@ -260,10 +268,25 @@ def _nvidia_smi_command(args: str) -> str:
 # The fields voltaforge asks for, in order. clocks_throttle_reasons.active is the old name of
 # clocks_event_reasons.active; the old name is the one drivers back to R384 know.
 QUERY_FIELDS: tuple[str, ...] = (
-    "index", "name", "uuid", "pci.bus_id", "compute_cap", "driver_version",
-    "memory.total", "memory.used", "memory.free", "temperature.gpu",
-    "power.draw", "power.limit", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem",
-    "persistence_mode", "pcie.link.gen.current", "pcie.link.width.current",
+    "index",
+    "name",
+    "uuid",
+    "pci.bus_id",
+    "compute_cap",
+    "driver_version",
+    "memory.total",
+    "memory.used",
+    "memory.free",
+    "temperature.gpu",
+    "power.draw",
+    "power.limit",
+    "clocks.sm",
+    "clocks.max.sm",
+    "clocks.mem",
+    "clocks.max.mem",
+    "persistence_mode",
+    "pcie.link.gen.current",
+    "pcie.link.width.current",
     "clocks_throttle_reasons.active",
 )
 # Drivers before ~R510 (e.g. 470.182.03) reject compute_cap and then print NOTHING else:
@@ -281,8 +304,11 @@ NVIDIA_SMI_CSV_LEGACY_COMMAND = nvidia_smi_csv_command(QUERY_FIELDS_LEGACY)
 
 # Alternative spellings nvidia-smi accepts (and prints in CSV headers) for the same value.
 _FIELD_ALIASES = {
-    "gpu_name": "name", "gpu_uuid": "uuid", "gpu_bus_id": "pci.bus_id",
-    "clocks.current.sm": "clocks.sm", "clocks.current.memory": "clocks.mem",
+    "gpu_name": "name",
+    "gpu_uuid": "uuid",
+    "gpu_bus_id": "pci.bus_id",
+    "clocks.current.sm": "clocks.sm",
+    "clocks.current.memory": "clocks.mem",
     "clocks.max.memory": "clocks.max.mem",
     "clocks_event_reasons.active": "clocks_throttle_reasons.active",
     "enforced.power.limit": "power.limit",
@@ -343,7 +369,10 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str] | None = QUERY_FIELDS)
         if m:
             field = m.group(1)
             return GpuFacts(
-                available=False, source="nvidia-smi", reason=line.strip(), invalid_field=field,
+                available=False,
+                source="nvidia-smi",
+                reason=line.strip(),
+                invalid_field=field,
                 needs_legacy_query=field == "compute_cap",
             )
 
@@ -371,12 +400,17 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str] | None = QUERY_FIELDS)
 
     if not gpus:
         first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
-        return GpuFacts(available=False, source="nvidia-smi",
-                        reason=f"no GPU rows in nvidia-smi CSV output: {first}",
-                        warnings=tuple(warnings))
+        return GpuFacts(
+            available=False,
+            source="nvidia-smi",
+            reason=f"no GPU rows in nvidia-smi CSV output: {first}",
+            warnings=tuple(warnings),
+        )
     drivers = {g.driver_version for g in gpus if g.driver_version}
     return GpuFacts(
-        available=True, source="nvidia-smi", gpus=tuple(gpus),
+        available=True,
+        source="nvidia-smi",
+        gpus=tuple(gpus),
         driver_version=drivers.pop() if len(drivers) == 1 else None,
         warnings=tuple(warnings),
     )
@@ -434,14 +468,16 @@ def parse_nvidia_smi_table(text: str) -> GpuFacts:
         if (m := _TABLE_ROW1.match(cells[0])) and len(cells) >= 2:
             bus = _TABLE_BUS.search(cells[1])
             name = m.group(2).strip()
-            gpus.append({
-                "index": int(m.group(1)),
-                "name": name[:-3].rstrip() if name.endswith("...") else name,
-                "name_truncated": name.endswith("..."),
-                "persistence_mode": _bool(m.group(3)),
-                "pci_bus_id": bus.group(1) if bus else None,
-                "driver_version": driver,
-            })
+            gpus.append(
+                {
+                    "index": int(m.group(1)),
+                    "name": name[:-3].rstrip() if name.endswith("...") else name,
+                    "name_truncated": name.endswith("..."),
+                    "persistence_mode": _bool(m.group(3)),
+                    "pci_bus_id": bus.group(1) if bus else None,
+                    "driver_version": driver,
+                }
+            )
             closed = False
             continue
         if gpus and (m := _TABLE_ROW2.match(cells[0])):
@@ -451,24 +487,26 @@ def parse_nvidia_smi_table(text: str) -> GpuFacts:
             gpu["power_limit_w"] = _number(m.group("cap"))
             if len(cells) >= 2 and (mem := _TABLE_MEM.search(cells[1])):
                 used, total = int(mem.group(1)), int(mem.group(2))
-                gpu.update(memory_used_mib=used, memory_total_mib=total,
-                           memory_free_mib=total - used)
+                gpu.update(memory_used_mib=used, memory_total_mib=total, memory_free_mib=total - used)
     if driver is None:
         first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
-        return GpuFacts(available=False, source="nvidia-smi",
-                        reason=f"no nvidia-smi table header in output: {first}")
+        return GpuFacts(available=False, source="nvidia-smi", reason=f"no nvidia-smi table header in output: {first}")
     infos = []
     for gpu in gpus:
         name = gpu["name"]
         infos.append(GpuInfo(compute_capability=compute_capability_from_name(name), **gpu))
     # A complete table closes every GPU block with a '+---' border line.
     truncated = bool(gpus) and not closed
-    warnings = ("output ends inside the GPU section (truncated): more GPUs may exist",) \
-        if truncated else ()
+    warnings = ("output ends inside the GPU section (truncated): more GPUs may exist",) if truncated else ()
     return GpuFacts(
-        available=bool(infos), reason="" if infos else "nvidia-smi table lists no GPU",
-        source="nvidia-smi", gpus=tuple(infos), driver_version=driver,
-        cuda_driver_version=cuda, truncated=truncated, warnings=warnings,
+        available=bool(infos),
+        reason="" if infos else "nvidia-smi table lists no GPU",
+        source="nvidia-smi",
+        gpus=tuple(infos),
+        driver_version=driver,
+        cuda_driver_version=cuda,
+        truncated=truncated,
+        warnings=warnings,
     )
 
 
@@ -481,8 +519,7 @@ _Q_KEY_VALUE = re.compile(r"^(?P<indent> *)(?P<key>[^:]*?[^:\s])\s*:\s?(?P<value
 _REASON_SECTIONS = ("Clocks Event Reasons", "Clocks Throttle Reasons")
 
 
-def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: str | None,
-           driver: str | None) -> GpuInfo:
+def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: str | None, driver: str | None) -> GpuInfo:
     def get(*paths: tuple[str, ...]) -> str | None:
         for path in paths:
             if path in values:
@@ -496,8 +533,7 @@ def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: str | None,
     for section in _REASON_SECTIONS:
         entries = [(p[1], v) for p, v in values.items() if len(p) == 2 and p[0] == section]
         if entries:
-            reasons = tuple(_normalise_reason(k) for k, v in entries
-                            if v.strip().lower() == "active")
+            reasons = tuple(_normalise_reason(k) for k, v in entries if v.strip().lower() == "active")
             break
     power = ("Power Readings", "GPU Power Readings")
     return GpuInfo(
@@ -512,10 +548,12 @@ def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: str | None,
         memory_free_mib=_int(get(("FB Memory Usage", "Free"))),
         driver_version=driver,
         temperature_c=_int(get(("Temperature", "GPU Current Temp"))),
-        power_draw_w=_number(get(*[(s, k) for s in power for k in (
-            "Power Draw", "Instantaneous Power Draw", "Average Power Draw")])),
-        power_limit_w=_number(get(*[(s, k) for s in power for k in (
-            "Enforced Power Limit", "Current Power Limit", "Power Limit")])),
+        power_draw_w=_number(
+            get(*[(s, k) for s in power for k in ("Power Draw", "Instantaneous Power Draw", "Average Power Draw")])
+        ),
+        power_limit_w=_number(
+            get(*[(s, k) for s in power for k in ("Enforced Power Limit", "Current Power Limit", "Power Limit")])
+        ),
         power_min_limit_w=_number(get(*[(s, "Min Power Limit") for s in power])),
         power_max_limit_w=_number(get(*[(s, "Max Power Limit") for s in power])),
         sm_clock_mhz=_int(get(("Clocks", "SM"))),
@@ -593,8 +631,7 @@ _PROBE_NO_PYTHON = '{"source": "none", "reason": "python3 not found"}'
 
 # Feed the probe on stdin (`ssh host "$GPU_PROBE_STDIN_COMMAND" < gpu_probe.py`): no file push.
 GPU_PROBE_STDIN_COMMAND = (
-    "if command -v python3 >/dev/null 2>&1; then python3 - 2>&1 || true; "
-    f"else echo '{_PROBE_NO_PYTHON}'; fi"
+    f"if command -v python3 >/dev/null 2>&1; then python3 - 2>&1 || true; else echo '{_PROBE_NO_PYTHON}'; fi"
 )
 
 
@@ -613,9 +650,11 @@ def parse_gpu_probe_json(text: str) -> GpuFacts:
     candidates = [ln.strip() for ln in lines(text) if ln.strip().startswith("{")]
     if not candidates:
         first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
-        return GpuFacts(available=False, source="none",
-                        reason=f"GPU probe printed no JSON: {first}" if first
-                        else "GPU probe printed nothing")
+        return GpuFacts(
+            available=False,
+            source="none",
+            reason=f"GPU probe printed no JSON: {first}" if first else "GPU probe printed nothing",
+        )
     try:
         data = json.loads(candidates[-1])
     except ValueError as exc:
@@ -641,8 +680,11 @@ def parse_gpu_probe_json(text: str) -> GpuFacts:
         fields = {k: v for k, v in raw.items() if k in GpuInfo.model_fields and v is not None}
         fields.setdefault("index", position)
         cc = fields.get("compute_capability")
-        fields["compute_capability"] = (tuple(cc) if isinstance(cc, (list, tuple)) and len(cc) == 2
-                                        else compute_capability_from_name(fields.get("name")))
+        fields["compute_capability"] = (
+            tuple(cc)
+            if isinstance(cc, (list, tuple)) and len(cc) == 2
+            else compute_capability_from_name(fields.get("name"))
+        )
         mask = raw.get("clocks_event_reasons_mask")
         if isinstance(mask, int):
             fields["clocks_event_reasons"] = decode_clocks_event_reasons(mask)

@@ -24,13 +24,10 @@ from playbooks.facts import lines
 _ABSENT = re.compile(r"^voltaforge: (.+) not found$", re.MULTILINE)
 
 
-
-
 # --------------------------------------------------------------------------- os-release
 
 OS_RELEASE_COMMAND = (
-    "cat /etc/os-release 2>/dev/null || cat /usr/lib/os-release 2>/dev/null "
-    "|| echo 'voltaforge: os-release not found'"
+    "cat /etc/os-release 2>/dev/null || cat /usr/lib/os-release 2>/dev/null || echo 'voltaforge: os-release not found'"
 )
 
 
@@ -94,7 +91,7 @@ def disk_free_command(paths: Sequence[str]) -> str:
     quoted = " ".join(quote(p) for p in paths)
     return (
         f"for vf_p in {quoted}; do "
-        'vf_q=$vf_p; '
+        "vf_q=$vf_p; "
         'while [ ! -e "$vf_q" ] && [ "$vf_q" != / ] && [ "$vf_q" != . ]; do '
         'vf_q=$(dirname -- "$vf_q"); done; '
         f'echo "{DF_PATH_MARKER}$vf_p"; echo "{DF_EXISTING_MARKER}$vf_q"; '
@@ -135,24 +132,29 @@ def parse_df(text: str) -> dict[str, DiskFree]:
 
     def close() -> None:
         if path is not None and path not in result:
-            result[path] = DiskFree(path=path, existing_path=existing or path,
-                                    error="; ".join(errors) or "no df output")
+            result[path] = DiskFree(
+                path=path, existing_path=existing or path, error="; ".join(errors) or "no df output"
+            )
 
     for line in lines(text):
         if line.startswith(DF_PATH_MARKER):
             close()
-            path, existing, errors = line[len(DF_PATH_MARKER):], None, []
+            path, existing, errors = line[len(DF_PATH_MARKER) :], None, []
             continue
         if line.startswith(DF_EXISTING_MARKER):
-            existing = line[len(DF_EXISTING_MARKER):]
+            existing = line[len(DF_EXISTING_MARKER) :]
             continue
         m = _DF_ROW.match(line.strip())
         if m:
             key = path if path is not None else m.group("mount")
             result[key] = DiskFree(
-                path=key, existing_path=existing or key, filesystem=m.group("fs"),
-                size_bytes=int(m.group("size")), used_bytes=int(m.group("used")),
-                available_bytes=int(m.group("avail")), mount_point=m.group("mount"),
+                path=key,
+                existing_path=existing or key,
+                filesystem=m.group("fs"),
+                size_bytes=int(m.group("size")),
+                used_bytes=int(m.group("used")),
+                available_bytes=int(m.group("avail")),
+                mount_point=m.group("mount"),
             )
         elif line.strip() and not line.startswith("Filesystem"):
             errors.append(line.strip())
@@ -226,7 +228,7 @@ def parse_python_version(text: str) -> PythonVersion:
     for line in lines(text):
         line = line.strip()
         if line.startswith("path="):
-            path = line[len("path="):] or None
+            path = line[len("path=") :] or None
         elif m := re.match(r"^Python (\d+(?:\.\d+)*)", line):
             version = tuple(int(p) for p in m.group(1).split("."))
     if version is None:
@@ -269,20 +271,20 @@ def parse_systemd(text: str) -> SystemdState:
         if line.startswith("booted="):
             booted = line == "booted=yes"
         elif line.startswith("state="):
-            value = line[len("state="):].strip()
+            value = line[len("state=") :].strip()
             present = value != "no-systemctl"
             state = value if present and value else None
     return SystemdState(
         systemd_running=booted and state in SYSTEMD_USABLE_STATES,
-        booted=booted, systemctl_present=present, state=state,
+        booted=booted,
+        systemctl_present=present,
+        state=state,
     )
 
 
 # --------------------------------------------------------------------------- CPUs, arch
 
-NPROC_COMMAND = (
-    "nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 'voltaforge: nproc not found'"
-)
+NPROC_COMMAND = "nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 'voltaforge: nproc not found'"
 UNAME_MACHINE_COMMAND = "uname -m 2>/dev/null || echo 'voltaforge: uname not found'"
 
 

@@ -18,8 +18,14 @@ from playbooks.host.output import LineSplitter, Printer
 class _LocalProcess(Process):
     def __init__(self, host: LocalHost, command: str):
         self._host = host
-        self._proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, env=_local_env(), start_new_session=True)
+        self._proc = subprocess.Popen(
+            ["bash", "-c", command],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_local_env(),
+            start_new_session=True,
+        )
 
     def _read_chunk(self, deadline: float) -> bytes | None:
         fd = self._proc.stdout.fileno()
@@ -65,9 +71,13 @@ class LocalHost(Host):
         proc = subprocess.Popen(
             ["bash", "-c", command],
             stdin=subprocess.PIPE if reader is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_local_env(), start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_local_env(),
+            start_new_session=True,
         )
         if reader is not None:
+
             def feed():
                 try:
                     while chunk := reader.read(CHUNK):
@@ -77,6 +87,7 @@ class LocalHost(Host):
                 finally:
                     with contextlib.suppress(OSError):
                         proc.stdin.close()
+
             threading.Thread(target=feed, daemon=True).start()
         chunks = {proc.stdout: [], proc.stderr: []}
         splitters = {f: LineSplitter(self._print) for f in chunks} if stream else {}
@@ -91,8 +102,7 @@ class LocalHost(Host):
                 if not events and deadline is not None and time.monotonic() >= deadline:
                     os.killpg(proc.pid, 9)
                     proc.wait()
-                    raise HostError(f"{self.name}: timed out after {timeout:g} s running: "
-                                    f"{self._redacted(shown)[:80]}")
+                    raise HostError(f"{self.name}: timed out after {timeout:g} s running: {self._redacted(shown)[:80]}")
                 for key, _ in events:
                     data = os.read(key.fileobj.fileno(), CHUNK)
                     if not data:

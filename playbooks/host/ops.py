@@ -72,8 +72,10 @@ class Upload:
         return sha256(self.content).hexdigest()
 
     def show(self) -> str:
-        return (f"{write_file_command(self.path, self.mode, self.owner)}"
-                f"  # stdin: {len(self.content)} bytes, sha256 {self.digest[:12]}")
+        return (
+            f"{write_file_command(self.path, self.mode, self.owner)}"
+            f"  # stdin: {len(self.content)} bytes, sha256 {self.digest[:12]}"
+        )
 
 
 Command = Shell | Upload
@@ -175,8 +177,9 @@ def _owner_differs(st: FileStat, owner: str | None) -> bool:
     return st.owner != user or bool(group and st.group != group)
 
 
-def _mode_owner_fixes(st: FileStat, path: str, mode: int, owner: str | None,
-                      sudo: bool) -> tuple[list[Command], list[str]]:
+def _mode_owner_fixes(
+    st: FileStat, path: str, mode: int, owner: str | None, sudo: bool
+) -> tuple[list[Command], list[str]]:
     """(commands, what differs) to give an existing path this mode and owner."""
     q = shlex.quote(path)
     cmds: list[Command] = []
@@ -193,8 +196,9 @@ def _mode_owner_fixes(st: FileStat, path: str, mode: int, owner: str | None,
 class EnsureDirectory(Operation):
     """A directory exists with this mode (and owner, when given)."""
 
-    def __init__(self, path: str, mode: int = 0o755, owner: str | None = None, sudo: bool = False,
-                 notify: Sequence[str] = ()):
+    def __init__(
+        self, path: str, mode: int = 0o755, owner: str | None = None, sudo: bool = False, notify: Sequence[str] = ()
+    ):
         self.path = check_path(path)
         self.mode = check_mode(mode)
         check_owner(owner)
@@ -253,8 +257,15 @@ class EnsureFile(Operation):
     fixed with chmod/chown, without an upload.
     """
 
-    def __init__(self, path: str, content: bytes, mode: int = 0o644, sudo: bool = False,
-                 owner: str | None = None, notify: Sequence[str] = ()):
+    def __init__(
+        self,
+        path: str,
+        content: bytes,
+        mode: int = 0o644,
+        sudo: bool = False,
+        owner: str | None = None,
+        notify: Sequence[str] = (),
+    ):
         self.upload = Upload(check_path(path), bytes(content), check_mode(mode), owner, sudo)
         self.path, self.sudo, self.notify = self.upload.path, sudo, tuple(notify)
         self.name = f"Ensure {self.path} is up to date"
@@ -280,8 +291,9 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def run_ops(host: Host, ops: Sequence[Operation], dry_run: bool = False,
-            handlers: Sequence[Handler] = ()) -> list[Change]:
+def run_ops(
+    host: Host, ops: Sequence[Operation], dry_run: bool = False, handlers: Sequence[Handler] = ()
+) -> list[Change]:
     """Check and apply ``ops`` in order on one host; stop at the first failure.
 
     Operations after a failure are not attempted (they usually depend on it), so the list
@@ -319,7 +331,9 @@ def run_ops(host: Host, ops: Sequence[Operation], dry_run: bool = False,
             for line in shown:
                 host.printer.line(host.name, f"would run: {line}")
             why = f"dry run: would run {_plural(len(shown), 'command')}"
-            record(Change(host.name, op.name, "changed", f"{why} ({decision.reason})" if decision.reason else why, shown))
+            record(
+                Change(host.name, op.name, "changed", f"{why} ({decision.reason})" if decision.reason else why, shown)
+            )
         else:
             try:
                 op.apply(host, decision)

@@ -63,5 +63,3 @@ class LineSplitter:
         if self._buf:
             self._emit(self._buf)
         self._buf = ""
-
-

@@ -127,8 +127,9 @@ def exl2_scratch_bytes(shape: ModelShape, max_input_len: int = EXL2_MAX_INPUT_LE
     return max(attention, mlp, head)
 
 
-def exl2_attention_bytes(shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN,
-                         batch: int = 1) -> int:
+def exl2_attention_bytes(
+    shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN, batch: int = 1
+) -> int:
     """What attention allocates per forward outside the scratch, in attn.py's own sizes, on the
     path a V100 takes (flash-attn has no sm_70 build, so _attn_torch):
 

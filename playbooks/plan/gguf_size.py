@@ -169,9 +169,9 @@ def metadata_bytes_estimate(shape: ModelShape) -> int:
 @dataclass(frozen=True)
 class GgufEstimate:
     ftype: str
-    tensor_bytes: int          # exact: sum over tensors
-    metadata_bytes: int        # estimate
-    token_embd_bytes: int      # llama.cpp keeps token_embd in host memory, not VRAM
+    tensor_bytes: int  # exact: sum over tensors
+    metadata_bytes: int  # estimate
+    token_embd_bytes: int  # llama.cpp keeps token_embd in host memory, not VRAM
     type_counts: dict[str, int]
 
     @property

@@ -84,8 +84,9 @@ def llamacpp_kv_cells(shape: ModelShape, n_ctx: int, n_ubatch: int = 512) -> tup
     return full, _pad(min(full, shape.sliding_window + n_ubatch))
 
 
-def llamacpp_kv_bytes(shape: ModelShape, n_ctx: int, type_k: str = "f16", type_v: str | None = None,
-                      n_ubatch: int = 512) -> int:
+def llamacpp_kv_bytes(
+    shape: ModelShape, n_ctx: int, type_k: str = "f16", type_v: str | None = None, n_ubatch: int = 512
+) -> int:
     """Total KV buffer llama.cpp allocates for n_ctx cells (all slots together)."""
     per_layer_token = llamacpp_kv_bytes_per_token(shape, type_k, type_v) // shape.num_hidden_layers
     full, swa = llamacpp_kv_cells(shape, n_ctx, n_ubatch)

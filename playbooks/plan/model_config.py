@@ -73,7 +73,6 @@ class ModelShape(BaseModel):
         return self.num_key_value_heads * self.head_dim
 
 
-
 def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelShape:
     """Build a ModelShape from a config.json dict; errors name `where` and the key."""
     if not isinstance(cfg, dict):

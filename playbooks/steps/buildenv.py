@@ -64,11 +64,7 @@ def build_env(nvcc: Toolkit, toolkits: Sequence[Toolkit], arch: str = "70") -> d
     """Environment variables for building CUDA code for `arch` with exactly this nvcc."""
     root = toolkit_root(nvcc)
     own_bin = toolkit_bin(nvcc)
-    foreign = {
-        posixpath.dirname(t.path)
-        for t in toolkits
-        if t.release is not None and t.release != nvcc.release
-    }
+    foreign = {posixpath.dirname(t.path) for t in toolkits if t.release is not None and t.release != nvcc.release}
     path = [own_bin] + [d for d in SYSTEM_PATH if d not in foreign and d != own_bin]
     clash = sorted(foreign & set(SYSTEM_PATH))
     if clash:

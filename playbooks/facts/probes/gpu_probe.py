@@ -74,8 +74,7 @@ def _gpu(pynvml, index):
     query("name", lambda: _text(pynvml.nvmlDeviceGetName(handle)))
     query("uuid", lambda: _text(pynvml.nvmlDeviceGetUUID(handle)))
     query("pci_bus_id", lambda: _text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
-    query("compute_capability",
-          lambda: list(pynvml.nvmlDeviceGetCudaComputeCapability(handle)))
+    query("compute_capability", lambda: list(pynvml.nvmlDeviceGetCudaComputeCapability(handle)))
 
     def memory():
         info = pynvml.nvmlDeviceGetMemoryInfo(handle)
@@ -89,8 +88,7 @@ def _gpu(pynvml, index):
             gpu[key] = None
         errors["memory"] = _describe(exc)
 
-    query("temperature_c",
-          lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+    query("temperature_c", lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
     query("power_draw_w", lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
     query("power_limit_w", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0)
 
@@ -105,13 +103,10 @@ def _gpu(pynvml, index):
         errors["power_range"] = _describe(exc)
 
     query("sm_clock_mhz", lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
-    query("max_sm_clock_mhz",
-          lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
+    query("max_sm_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
     query("mem_clock_mhz", lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM))
-    query("max_mem_clock_mhz",
-          lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))
-    query("persistence_mode",
-          lambda: pynvml.nvmlDeviceGetPersistenceMode(handle) == pynvml.NVML_FEATURE_ENABLED)
+    query("max_mem_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))
+    query("persistence_mode", lambda: pynvml.nvmlDeviceGetPersistenceMode(handle) == pynvml.NVML_FEATURE_ENABLED)
     query("pcie_gen", lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
     query("pcie_width", lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
 
