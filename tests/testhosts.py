@@ -905,7 +905,8 @@ class NspawnHost:
         proc = subprocess.run(self.ssh_command(command, user=user), capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise HostSetupError(
-                f"inside {self.machine}: {command!r} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+                f"inside {self.machine}: {command!r} exited {proc.returncode}: "
+                f"{proc.stderr.strip() or proc.stdout.strip()}"
             )
         return proc
 

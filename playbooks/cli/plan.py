@@ -56,7 +56,8 @@ def run_plan(
         loaded = load_recipe(recipe)
         if ctx and ctx > loaded.shape.max_position_embeddings:
             raise VoltaforgeError(
-                f"--ctx {ctx} is above the model's maximum (max_position_embeddings {loaded.shape.max_position_embeddings})"
+                f"--ctx {ctx} is above the model's maximum "
+                f"(max_position_embeddings {loaded.shape.max_position_embeddings})"
             )
         plan = plan_recipe(loaded, gpu, ctx)
         label = loaded.recipe.name
@@ -65,7 +66,8 @@ def run_plan(
         context = ctx or min(4096, shape.max_position_embeddings)
         if context > shape.max_position_embeddings:
             raise VoltaforgeError(
-                f"--ctx {context} is above the model's maximum (max_position_embeddings {shape.max_position_embeddings})"
+                f"--ctx {context} is above the model's maximum "
+                f"(max_position_embeddings {shape.max_position_embeddings})"
             )
         quant = _normalize_quant(quant or "Q4_K_M")
         if quant not in quant_names() and not quant.startswith("EXL2-"):

@@ -281,7 +281,8 @@ def check_gpu(cx: Context) -> list[Check]:
                 "bf16",
                 "warn",
                 f"compute capability {cc[0]}.{cc[1]} has no BF16",
-                "BF16 weights are converted to FP16 (FP16-only paths can overflow for some models: the smoke gate checks text)",
+                "BF16 weights are converted to FP16 "
+                "(FP16-only paths can overflow for some models: the smoke gate checks text)",
             )
         )
     out.append(_driver_check(cx, cc))
@@ -348,8 +349,10 @@ def check_cuda(cx: Context) -> list[Check]:
             Check(
                 "cuda-on-path",
                 "warn",
-                f"the nvcc first on PATH ({first_nvcc.path}) is CUDA {first_nvcc.release[0]}.{first_nvcc.release[1]}, which cannot target sm_70",
-                "voltaforge builds with PATH/CUDA_HOME/CUDACXX pinned to the recipe's toolkit; do the same for manual builds",
+                f"the nvcc first on PATH ({first_nvcc.path}) is CUDA "
+                f"{first_nvcc.release[0]}.{first_nvcc.release[1]}, which cannot target sm_70",
+                "voltaforge builds with PATH/CUDA_HOME/CUDACXX pinned to the recipe's toolkit; "
+                "do the same for manual builds",
             )
         )
     mixed = cuda.mixed_toolkits_warning(facts.toolkits)
@@ -360,7 +363,8 @@ def check_cuda(cx: Context) -> list[Check]:
                 "warn",
                 mixed,
                 "voltaforge's build environment pins one toolkit (playbooks/steps/buildenv.py); by hand: "
-                "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> CUDACXX=<nvcc> (root /usr for Debian's package)",
+                "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> "
+                "CUDACXX=<nvcc> (root /usr for Debian's package)",
             )
         )
     # nvcc 11.x refuses GCC > 11 (crt/host_config.h) unless a g++-11 is used
