@@ -15,7 +15,8 @@ class _Runs(Protocol):
 
 
 class _Output(Protocol):
-    stdout: str
+    @property
+    def stdout(self) -> str: ...  # read-only: a frozen Result satisfies it
 
 
 def read_fact(host: _Runs, command: str) -> str:
