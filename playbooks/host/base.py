@@ -16,7 +16,7 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from playbooks.errors import HostError
 from playbooks.host.commands import build_command, write_file_command
@@ -137,7 +137,7 @@ class Host:
     def _needs_sudo_binary(self, sudo: bool) -> bool:
         return sudo
 
-    def _run(self, cmd, *, sudo, check, stream, env, timeout, stdin, raw=False):  # type: ignore[no-untyped-def]
+    def _run(self, cmd, *, sudo, check, stream, env, timeout, stdin, raw=False):
         use_sudo = self._needs_sudo_binary(sudo)
         line = build_command(cmd, env=env, sudo=use_sudo, timeout=timeout)
         if stream:
@@ -270,5 +270,5 @@ class Host:
 
 def stdin_reader(stdin: Content | None) -> BinaryIO | None:
     if stdin is None or hasattr(stdin, "read"):
-        return stdin
+        return cast("BinaryIO | None", stdin)  # hasattr does not narrow the union
     return io.BytesIO(stdin)

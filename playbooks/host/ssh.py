@@ -13,6 +13,8 @@ import os
 import shlex
 import socket
 import time
+from collections.abc import Mapping
+from typing import Any, cast
 
 import paramiko
 
@@ -93,7 +95,7 @@ class SshHost(Host):
         self.spec = spec
         self.connect_timeout = connect_timeout
         self.known_hosts = os.path.expanduser(spec.known_hosts or "~/.ssh/known_hosts")
-        connect_kwargs = {"banner_timeout": connect_timeout, "auth_timeout": connect_timeout}
+        connect_kwargs: dict[str, Any] = {"banner_timeout": connect_timeout, "auth_timeout": connect_timeout}
         if spec.key_file:
             # Like IdentitiesOnly: the inventory named a key, so that key and nothing else.
             connect_kwargs.update(
@@ -178,10 +180,12 @@ class SshHost(Host):
         if isinstance(exc, socket.gaierror):
             return f"{where}: cannot resolve host name {host!r} ({exc.strerror})"
         if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
-            errnos = {e.errno for e in exc.errors.values()}
+            # SSHClient.connect only collects socket errors (OSError); the stub says Exception
+            errors = cast(Mapping[Any, OSError], exc.errors)
+            errnos = {e.errno for e in errors.values()}
             if errnos <= {errno.ECONNREFUSED}:
                 return f"{where}: {host}:{port} refused the connection (is sshd running, is the port right?)"
-            first = next(iter(exc.errors.values()))
+            first = next(iter(errors.values()))
             return f"{where}: cannot connect to {host}:{port}: {first.strerror or first}"
         if isinstance(exc, (socket.timeout, TimeoutError)):
             return f"{where}: timed out after {self.connect_timeout:g} s connecting to {host}:{port}"
