@@ -330,7 +330,7 @@ class NvccError(BaseModel):
 
     @property
     def is_volta(self) -> bool:
-        return bool(self.arch) and self.arch.endswith("_70")
+        return self.arch is not None and self.arch.endswith("_70")
 
 
 _ERR_UNSUPPORTED_ARCH = re.compile(r"nvcc fatal\s*:\s*Unsupported gpu architecture '(?P<arch>[^']+)'")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from shlex import quote
 from typing import Literal
@@ -318,7 +318,7 @@ _INVALID_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
 _HEADER_CELL = re.compile(r"[a-z_][a-z0-9_.]*")
 
 
-def _csv_row_to_gpu(row: dict[str, str | None], position: int) -> GpuInfo:
+def _csv_row_to_gpu(row: Mapping[str, str], position: int) -> GpuInfo:
     index = _int(row.get("index"))
     name = _clean(row.get("name"))
     cc = _cc(row.get("compute_cap")) or compute_capability_from_name(name)

@@ -135,7 +135,7 @@ def probe():
         return _none(f"NVML init failed: {_describe(exc)}", name)
 
     try:
-        result = {"source": "nvml", "gpus": []}
+        result: dict = {"source": "nvml", "gpus": []}  # the JSON object printed: values of any type
         try:
             result["driver"] = _text(pynvml.nvmlSystemGetDriverVersion())
         except Exception:
