@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -131,7 +132,8 @@ def resolve_host(name: str, inventory: Path = DEFAULT_INVENTORY, ssh_config: Pat
     import paramiko
 
     cfg_path = ssh_config or Path.home() / ".ssh" / "config"
-    looked = {}
+    # paramiko's SSHConfigDict holds lists too (identityfile), though its stub says dict[str, str]
+    looked: dict[str, Any] = {}
     if cfg_path.exists():
         looked = paramiko.SSHConfig.from_path(str(cfg_path)).lookup(name)
     files = looked.get("identityfile") or [None]

@@ -310,6 +310,7 @@ def _load_shape(src: ModelSource, recipe_path: Path, lines: Lines, loc: tuple) -
     where = f"{recipe_path}:{line}" if line else str(recipe_path)
     if isinstance(src.config, dict):
         return shape_from_config(src.config, where=f"{where}: {'.'.join(loc)}.config")
+    assert src.config is not None  # ModelSource._one_source requires it
     cfg_path = (recipe_path.parent / src.config).resolve()
     if not cfg_path.exists():
         raise RecipeError(f"{where}: {'.'.join(loc)}.config: file {src.config!r} not found (looked at {cfg_path})")

@@ -81,6 +81,7 @@ def llamacpp_kv_cells(shape: ModelShape, n_ctx: int, n_ubatch: int = 512) -> tup
     full = _pad(n_ctx)
     if not shape.swa_layers:
         return full, 0
+    assert shape.sliding_window is not None  # SWA layers come with their window (model_config._sliding_window)
     return full, _pad(min(full, shape.sliding_window + n_ubatch))
 
 

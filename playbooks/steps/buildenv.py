@@ -68,6 +68,7 @@ def build_env(nvcc: Toolkit, toolkits: Sequence[Toolkit], arch: str = "70") -> d
     path = [own_bin] + [d for d in SYSTEM_PATH if d not in foreign and d != own_bin]
     clash = sorted(foreign & set(SYSTEM_PATH))
     if clash:
+        assert nvcc.release is not None  # a release differs from this nvcc's only if it has one (pick_toolkit)
         raise VoltaforgeError(
             f"another CUDA release has nvcc/ptxas in {', '.join(clash)}, a system directory a build "
             f"needs; remove it or install CUDA {nvcc.release[0]}.{nvcc.release[1]} elsewhere"

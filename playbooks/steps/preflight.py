@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -108,7 +109,7 @@ HOT_C = 85
 BUSY_MIB = 1024  # more than a CUDA context's worth held by someone else
 
 
-def _gpu_health(gpus: list[gpufacts.GpuInfo]) -> list[Check]:
+def _gpu_health(gpus: Sequence[gpufacts.GpuInfo]) -> list[Check]:
     """Thermal/power throttling, persistence mode and memory already in use, per GPU."""
     out: list[Check] = []
     add = out.append
