@@ -23,7 +23,8 @@ def run_preflight(
 ) -> int:
     out = out or sys.stdout
     spec = resolve_host(host_name, Path(inventory))
-    loaded = load_recipe(recipe or spec.recipe) if (recipe or spec.recipe) else None
+    recipe_name = recipe or spec.recipe
+    loaded = load_recipe(recipe_name) if recipe_name else None
     model_dir = f"{spec.prefix}/models"
     with connect(spec) as host:
         facts = gather(host, spec.prefix, model_dir)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -141,7 +141,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             f"{c.roofline_tok_s:.0f} tok/s ({c.roofline_full_ctx_tok_s:.0f} tok/s with a full {s.context}-token cache)"
         )
     table = Table(title=f"Fit table: {s.context} tokens x {s.parallel} slot(s) on {plan.gpu.key}")
-    for col, just in [
+    columns: list[tuple[str, JustifyMethod]] = [
         ("quant", "left"),
         ("backend", "left"),
         ("file", "right"),
@@ -150,7 +150,8 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
         ("fits?", "left"),
         ("max ctx/slot", "right"),
         ("roofline tok/s", "right"),
-    ]:
+    ]
+    for col, just in columns:
         table.add_column(col, justify=just)
     for o in plan.options:
         mark = ""
