@@ -47,8 +47,10 @@ def llamacpp_tree() -> Path:
     if done.exists():
         return tree
     root.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-          "-d", str(root), SDIST], root / "download.log")
+    _run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(root), SDIST],
+        root / "download.log",
+    )
     sdist = next(root.glob("llama_cpp_python-*.tar.gz"))
     with tarfile.open(sdist) as tar:
         tar.extractall(root / "src", filter="data")
@@ -71,12 +73,25 @@ def build_tools() -> Path:
     if done.exists() and all((build / "bin" / t).exists() for t in TARGETS):
         return build / "bin"
     build.mkdir(parents=True, exist_ok=True)
-    _run(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_CUDA=OFF",
-          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
-          "-DGGML_OPENMP=OFF", "-DGGML_NATIVE=OFF"],
-         build / "configure.log")
-    _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
-         build / "build.log")
+    _run(
+        [
+            "cmake",
+            "-S",
+            str(tree),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_CUDA=OFF",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DBUILD_SHARED_LIBS=OFF",
+            "-DGGML_OPENMP=OFF",
+            "-DGGML_NATIVE=OFF",
+        ],
+        build / "configure.log",
+    )
+    _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS], build / "build.log")
     done.touch()
     return build / "bin"
 
@@ -110,16 +125,38 @@ def cpu_torch_wheel() -> Path:
     for extra in ([], ["--index-url", PYTORCH_CPU_INDEX]):
         tmp = Path(tempfile.mkdtemp(prefix=".torch-download-", dir=wheels))
         try:
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q",
-                                "--no-deps", "--only-binary", ":all:", "--timeout", "30", "--retries", "1",
-                                "-d", str(tmp), *extra, f"torch=={TORCH_CPU}"],
-                               capture_output=True, text=True, timeout=1800)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--disable-pip-version-check",
+                    "-q",
+                    "--no-deps",
+                    "--only-binary",
+                    ":all:",
+                    "--timeout",
+                    "30",
+                    "--retries",
+                    "1",
+                    "-d",
+                    str(tmp),
+                    *extra,
+                    f"torch=={TORCH_CPU}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             got = sorted(tmp.glob(pattern))
             if r.returncode == 0 and got:
                 os.replace(got[-1], wheels / got[-1].name)  # whole file or nothing
                 return wheels / got[-1].name
-            failures.append(f"pip download {' '.join(extra) or '(pip configuration)'}: exit {r.returncode}: "
-                            f"{r.stderr.strip()[-800:]}")
+            failures.append(
+                f"pip download {' '.join(extra) or '(pip configuration)'}: exit {r.returncode}: "
+                f"{r.stderr.strip()[-800:]}"
+            )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     raise RuntimeError(f"no torch=={TORCH_CPU} wheel for {sys.executable}:\n" + "\n".join(failures))
@@ -142,8 +179,18 @@ def convert_python() -> Path:
 
 def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f16") -> Path:
     tree = llamacpp_tree()
-    _run([str(convert_python()), str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
-          "--outfile", str(out)], out.with_suffix(".convert.log"))
+    _run(
+        [
+            str(convert_python()),
+            str(tree / "convert_hf_to_gguf.py"),
+            str(hf_dir),
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(out),
+        ],
+        out.with_suffix(".convert.log"),
+    )
     return out
 
 

@@ -17,7 +17,7 @@ tests/ on PYTHONPATH) loads them as a plugin on their own (tests/test_strict.py 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import pytest
 
@@ -43,8 +43,7 @@ def _skip_reason(report) -> str:
 def _fail_if_skipped(report) -> None:
     if report.skipped and not hasattr(report, "wasxfail") and strict_mode():
         report.outcome = "failed"
-        report.longrepr = (f"{STRICT_ENV}=1: a skip is a failure here (the test did not run): "
-                           f"{_skip_reason(report)}")
+        report.longrepr = f"{STRICT_ENV}=1: a skip is a failure here (the test did not run): {_skip_reason(report)}"
 
 
 @pytest.hookimpl(wrapper=True)

@@ -18,20 +18,29 @@ from playbooks.steps.buildenv import build_env, pick_toolkit
 from tests.toolkits import DEBIAN_CUOBJDUMP, DEBIAN_NVCC, cuda13_first_path, needs_debian_cuda118, system_path
 
 KERNEL = "__global__ void scale(float *x, float a) { x[threadIdx.x] *= a; }\n"
-CMAKE_FLAGS = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=70", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+CMAKE_FLAGS = [
+    "-DGGML_CUDA=ON",
+    "-DCMAKE_CUDA_ARCHITECTURES=70",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+]
 
 
 def toolkits_on(path: str):
     """TOOLKITS_COMMAND run for real with this PATH (plus the standard places it looks in)."""
-    out = subprocess.run(["sh", "-c", TOOLKITS_COMMAND], capture_output=True, text=True, timeout=120,
-                         env={"PATH": path}).stdout
+    out = subprocess.run(
+        ["sh", "-c", TOOLKITS_COMMAND], capture_output=True, text=True, timeout=120, env={"PATH": path}
+    ).stdout
     return parse_toolkits(out)
 
 
 def elf_archs(obj, env) -> set[str]:
-    listing = subprocess.run([DEBIAN_CUOBJDUMP, "--list-elf", str(obj)], capture_output=True, text=True,
-                             env=env, timeout=60)
+    listing = subprocess.run(
+        [DEBIAN_CUOBJDUMP, "--list-elf", str(obj)], capture_output=True, text=True, env=env, timeout=60
+    )
     assert listing.returncode == 0, listing.stderr
     return parse_cuobjdump_list_elf(listing.stdout)
 
@@ -61,8 +70,13 @@ def test_build_env_compiles_sm70_cubins_with_debian_cuda118(tmp_path, kernel):
     env = build_env(nvcc, toolkits)
     assert env["CUDACXX"] == DEBIAN_NVCC and env["CUDA_HOME"] == "/usr"
     obj = tmp_path / "k.o"
-    good = subprocess.run([env["CUDACXX"], "-arch=sm_70", "-c", "-o", str(obj), str(kernel)],
-                          capture_output=True, text=True, timeout=300, env={**env, "HOME": str(tmp_path)})
+    good = subprocess.run(
+        [env["CUDACXX"], "-arch=sm_70", "-c", "-o", str(obj), str(kernel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "HOME": str(tmp_path)},
+    )
     assert good.returncode == 0, good.stderr
     assert elf_archs(obj, env) == {"sm_70"}
 
@@ -78,12 +92,22 @@ def test_llamacpp_cmake_builds_sm70_objects_in_voltaforges_environment(tmp_path)
     toolkits = toolkits_on(system_path())
     env = {"HOME": str(tmp_path), **build_env(pick_toolkit(toolkits, (11, 8)), toolkits)}
     build = tmp_path / "voltaforge"
-    good = subprocess.run(["cmake", "-S", str(llamacpp_tools.llamacpp_tree()), "-B", str(build), *CMAKE_FLAGS],
-                          capture_output=True, text=True, env=env, timeout=300)
+    good = subprocess.run(
+        ["cmake", "-S", str(llamacpp_tools.llamacpp_tree()), "-B", str(build), *CMAKE_FLAGS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
     assert "The CUDA compiler identification is NVIDIA 11.8" in good.stdout
-    obj = subprocess.run(["make", "-C", str(build / "ggml/src/ggml-cuda"), "arange.o"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    obj = subprocess.run(
+        ["make", "-C", str(build / "ggml/src/ggml-cuda"), "arange.o"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert obj.returncode == 0, obj.stdout[-2000:] + obj.stderr[-2000:]
     assert elf_archs(next(build.rglob("arange.cu.o")), env) == {"sm_70"}
 
@@ -102,12 +126,22 @@ def test_cuda13_nvcc_cannot_target_sm70_but_is_a_working_toolkit(tmp_path, kerne
     assert nvcc13.release == (13, 0) and not nvcc13.sm70_supported
     env = {"PATH": path, "HOME": str(tmp_path)}
     # a complete toolkit: it builds for a newer GPU...
-    ok = subprocess.run([nvcc13.path, "-arch=sm_80", "-c", "-o", str(tmp_path / "k80.o"), str(kernel)],
-                        capture_output=True, text=True, timeout=300, env=env)
+    ok = subprocess.run(
+        [nvcc13.path, "-arch=sm_80", "-c", "-o", str(tmp_path / "k80.o"), str(kernel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert ok.returncode == 0, ok.stderr
     # ...and refuses Volta
-    r = subprocess.run([nvcc13.path, "-arch=sm_70", "-c", "-o", str(tmp_path / "k.o"), str(kernel)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [nvcc13.path, "-arch=sm_70", "-c", "-o", str(tmp_path / "k.o"), str(kernel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode != 0
     (err,) = parse_nvcc_error(r.stderr + r.stdout)
     assert (err.kind, err.arch) == ("unsupported_gpu_architecture", "sm_70")
@@ -128,8 +162,13 @@ def test_mixed_path_fails_and_build_env_compiles_sm70(tmp_path, kernel, mixed):
     cuda13_dir = path.split(":")[0]
     assert cuda13_dir not in env["PATH"].split(":")
     obj = tmp_path / "k.o"
-    good = subprocess.run([env["CUDACXX"], "-arch=sm_70", "-c", "-o", str(obj), str(kernel)],
-                          capture_output=True, text=True, timeout=300, env={**env, "HOME": str(tmp_path)})
+    good = subprocess.run(
+        [env["CUDACXX"], "-arch=sm_70", "-c", "-o", str(obj), str(kernel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "HOME": str(tmp_path)},
+    )
     assert good.returncode == 0, good.stderr
     assert elf_archs(obj, env) == {"sm_70"}
 
@@ -143,7 +182,12 @@ def test_llamacpp_cmake_with_cuda13_first_on_path_fails_in_ptxas(tmp_path, mixed
 
     path, _ = mixed
     env = {"PATH": path, "HOME": str(tmp_path), "CUDACXX": DEBIAN_NVCC}
-    bad = subprocess.run(["cmake", "-S", str(llamacpp_tools.llamacpp_tree()), "-B", str(tmp_path / "b"), *CMAKE_FLAGS],
-                         capture_output=True, text=True, env=env, timeout=300)
+    bad = subprocess.run(
+        ["cmake", "-S", str(llamacpp_tools.llamacpp_tree()), "-B", str(tmp_path / "b"), *CMAKE_FLAGS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert bad.returncode != 0
     assert "ptxas fatal" in bad.stderr and "is not defined for option 'gpu-name'" in bad.stderr

@@ -20,8 +20,14 @@ QWEN7 = "recipes/models/qwen2.5-7b-instruct.config.json"
 
 
 def invoke(*args, env=None, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 # (task, flag): bad values with the words the one-line error must hold
@@ -29,15 +35,29 @@ BAD = {
     ("plan", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
     ("plan", "gpu"): [("v100-64gb", "unknown GPU 'v100-64gb'")],
     ("plan", "model-config"): [("no/such/config.json", "cannot read model config")],
-    ("plan", "ctx"): [("abc", "--ctx 'abc' is not a number"), ("0", "--ctx must be a positive"),
-                      ("-3", "--ctx must be a positive"), ("1e9", "is not a number"),
-                      ("131072", "above the model's maximum")],
-    ("plan", "parallel"): [("x", "--parallel 'x' is not a number"), ("0", "--parallel must be a positive"),
-                           ("-3", "--parallel must be a positive")],
-    ("plan", "quant"): [("Q9_K", "--quant 'Q9_K' is not a known quant"), ("EXL2-9.5", "between 2.0 and 8.0"),
-                        ("EXL2-x", "EXL2 needs a number")],
-    ("preflight", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host"),
-                            ("-", "is not a valid host name"), (",", "give one or more host names")],
+    ("plan", "ctx"): [
+        ("abc", "--ctx 'abc' is not a number"),
+        ("0", "--ctx must be a positive"),
+        ("-3", "--ctx must be a positive"),
+        ("1e9", "is not a number"),
+        ("131072", "above the model's maximum"),
+    ],
+    ("plan", "parallel"): [
+        ("x", "--parallel 'x' is not a number"),
+        ("0", "--parallel must be a positive"),
+        ("-3", "--parallel must be a positive"),
+    ],
+    ("plan", "quant"): [
+        ("Q9_K", "--quant 'Q9_K' is not a known quant"),
+        ("EXL2-9.5", "between 2.0 and 8.0"),
+        ("EXL2-x", "EXL2 needs a number"),
+    ],
+    ("preflight", "host"): [
+        ("nosuch..host", "is not a valid host name"),
+        ("a,b", "takes one host"),
+        ("-", "is not a valid host name"),
+        (",", "give one or more host names"),
+    ],
     ("preflight", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("preflight", "inventory"): [("BROKEN", "inventory")],
     ("toolchain", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
@@ -61,8 +81,14 @@ CONTEXT = {
     ("build", "inventory"): ["--host", "some-host"],
 }
 # flags that take no value to get wrong (booleans) or are not user input (the test runner's)
-NO_BAD_VALUE = {("plan", "json"), ("preflight", "json"), ("toolchain", "dry-run"), ("build", "dry-run"),
-                ("test", "k"), ("test", "fast")}
+NO_BAD_VALUE = {
+    ("plan", "json"),
+    ("preflight", "json"),
+    ("toolchain", "dry-run"),
+    ("build", "dry-run"),
+    ("test", "k"),
+    ("test", "fast"),
+}
 
 
 def all_flags():
@@ -75,9 +101,9 @@ def test_every_flag_of_every_task_is_walked():
     assert set(all_flags()) == set(BAD) | NO_BAD_VALUE
 
 
-@pytest.mark.parametrize("task,flag,value,words",
-                         [(t, f, v, w) for (t, f), vals in BAD.items() for v, w in vals],
-                         ids=lambda x: str(x)[:30])
+@pytest.mark.parametrize(
+    "task,flag,value,words", [(t, f, v, w) for (t, f), vals in BAD.items() for v, w in vals], ids=lambda x: str(x)[:30]
+)
 def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
     if value == "BROKEN":
         value = str(tmp_path / "inventory.yaml")
@@ -144,12 +170,18 @@ def test_host_text_is_data_not_markup():
 
     name = "Debian GNU/Linux [/testing] [beta]"
     facts = HostFacts(
-        host="box[1]", os=system.OsRelease(available=True, id="debian", version_id="13", pretty_name=name),
-        gpus=gpu.GpuFacts(available=False, reason="nvidia-smi [not found]"), toolkits=[],
-        gcc=cuda.GccVersion(available=False), gxx11=cuda.GccVersion(available=False),
-        python=system.PythonVersion(available=True, version=(3, 11, 2)), disk={},
+        host="box[1]",
+        os=system.OsRelease(available=True, id="debian", version_id="13", pretty_name=name),
+        gpus=gpu.GpuFacts(available=False, reason="nvidia-smi [not found]"),
+        toolkits=[],
+        gcc=cuda.GccVersion(available=False),
+        gxx11=cuda.GccVersion(available=False),
+        python=system.PythonVersion(available=True, version=(3, 11, 2)),
+        disk={},
         memory=system.MemInfo(available=True, mem_total_bytes=8 << 30),
-        systemd=system.SystemdState(available=True, state="running", systemd_running=True, booted=True, systemctl_present=True),
+        systemd=system.SystemdState(
+            available=True, state="running", systemd_running=True, booted=True, systemctl_present=True
+        ),
     )
     out = StringIO()
     render_verdict(judge(facts, None, "/opt/vf/models", "/opt/vf"), console(out, width=200))

@@ -49,10 +49,12 @@ def test_bpw_steps_match_a_published_vram_table():
     for model, rs in by_model.items():
         shape = _shape(model)
         rs.sort(key=lambda r: -r["bpw"])
-        for hi, lo in zip(rs, rs[1:]):
+        for hi, lo in zip(rs, rs[1:], strict=False):
             published = (hi["size"] - lo["size"]) * 1e9
-            predicted = (estimate_exl2(shape, hi["bpw"], hi["head_bits"] or 6).gpu_weight_bytes
-                         - estimate_exl2(shape, lo["bpw"], lo["head_bits"] or 6).gpu_weight_bytes)
+            predicted = (
+                estimate_exl2(shape, hi["bpw"], hi["head_bits"] or 6).gpu_weight_bytes
+                - estimate_exl2(shape, lo["bpw"], lo["head_bits"] or 6).gpu_weight_bytes
+            )
             # the card rounds to 0.1 GB: each difference carries up to 0.1 GB of rounding
             assert abs(predicted - published) <= 0.1e9, (model, hi["bpw"], lo["bpw"], predicted, published)
 
@@ -116,9 +118,15 @@ def test_scratch_is_the_largest_module_by_hand():
     odd_vocab = MISTRAL.model_copy(update={"vocab_size": 32001})
     assert exl2_scratch_bytes(odd_vocab) == 2 * 4096 * 32032
     # Attention decides: a narrow model with wide attention (hidden 1024, 32 x 256 query dims)
-    wide_attn = GEMMA.model_copy(update={"hidden_size": 1024, "intermediate_size": 1024,
-                                         "num_attention_heads": 32, "num_key_value_heads": 8,
-                                         "vocab_size": 1000})
+    wide_attn = GEMMA.model_copy(
+        update={
+            "hidden_size": 1024,
+            "intermediate_size": 1024,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 1000,
+        }
+    )
     assert exl2_scratch_bytes(wide_attn) == (2048 * 8192 * 2 + 128) + 2 * 1024 * 8192
 
 
@@ -163,8 +171,13 @@ OVER_BOUND = 0.6 * GIB
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r['model']}-{r['bpw']}-{r['quantity']}")
 def test_planned_vram_is_not_below_the_card(row):
     shape = _shape(row["model"])
-    s = Serving(backend="exllamav2", context=CONTEXT[row["quantity"]], cache_k="FP16", cache_v="FP16",
-                head_bits=row["head_bits"] or 6)
+    s = Serving(
+        backend="exllamav2",
+        context=CONTEXT[row["quantity"]],
+        cache_k="FP16",
+        cache_v="FP16",
+        head_bits=row["head_bits"] or 6,
+    )
     o = evaluate(shape, f"EXL2-{row['bpw']}", get_gpu("a100-80gb"), s)
     assert o.overhead_bytes == (400 + 256) * MIB  # the CUDA context and margin the bound is about
     over = o.vram_bytes - row["size"] * GIB

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import fixture_body as fixture_text
-
 from playbooks.facts import gpu
 from playbooks.facts.gpu import (
     QUERY_FIELDS,
@@ -24,11 +22,10 @@ from playbooks.facts.gpu import (
     parse_nvidia_smi_q,
     parse_nvidia_smi_table,
 )
+from tests.helpers import fixture_body as fixture_text
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "playbooks" / "facts" / "probes" / "gpu_probe.py"
-
-
 
 
 # --------------------------------------------------------------------------- table
@@ -143,17 +140,18 @@ def test_csv_with_header_titan_v_and_ada():
 def test_csv_noheader_nounits_full_query_constructed():
     # CONSTRUCTED, not captured (no V100 CSV capture exists): one row in QUERY_FIELDS order,
     # values taken from the V100 fixtures, with nvidia-smi's '[N/A]'/'[Not Supported]' markers.
-    row = ("0, Tesla V100-SXM2-16GB, GPU-3a6ec8f0-24eb-1905-1f17-7bdb4e850ffa, 00000000:07:00.0, "
-           "7.0, 570.211.01, 16384, 5, 16379, 31, 43.12, 300.00, 1290, 1530, 877, 877, Enabled, "
-           "[N/A], [Not Supported], 0x0000000000000005")
+    row = (
+        "0, Tesla V100-SXM2-16GB, GPU-3a6ec8f0-24eb-1905-1f17-7bdb4e850ffa, 00000000:07:00.0, "
+        "7.0, 570.211.01, 16384, 5, 16379, 31, 43.12, 300.00, 1290, 1530, 877, 877, Enabled, "
+        "[N/A], [Not Supported], 0x0000000000000005"
+    )
     facts = parse_nvidia_smi_csv(row + "\n")
     (g,) = facts.gpus
     assert facts.driver_version == "570.211.01" and not facts.warnings
     assert (g.index, g.name, g.compute_capability) == (0, "Tesla V100-SXM2-16GB", (7, 0))
     assert (g.memory_total_mib, g.memory_used_mib, g.memory_free_mib) == (16384, 5, 16379)
     assert (g.power_draw_w, g.power_limit_w) == (43.12, 300.0)
-    assert (g.sm_clock_mhz, g.max_sm_clock_mhz, g.mem_clock_mhz, g.max_mem_clock_mhz) == (
-        1290, 1530, 877, 877)
+    assert (g.sm_clock_mhz, g.max_sm_clock_mhz, g.mem_clock_mhz, g.max_mem_clock_mhz) == (1290, 1530, 877, 877)
     assert g.persistence_mode is True
     assert (g.pcie_gen, g.pcie_width) == (None, None)
     assert g.clocks_event_reasons == ("idle", "sw_power_cap")
@@ -247,12 +245,9 @@ def test_q_old_throttle_section_name_and_active_reasons():
     # Same layout as the H100 fixture with the pre-R535 section name and two reasons active.
     text = fixture_text("nvidia-smi-q-clocks-event-reasons-newdriver-h100.txt")
     text = text.replace("Clocks Event Reasons", "Clocks Throttle Reasons")
-    text = text.replace("Idle                              : Active",
-                        "Idle                              : Not Active")
-    text = text.replace("SW Power Cap                      : Not Active",
-                        "SW Power Cap                      : Active")
-    text = text.replace("HW Thermal Slowdown           : Not Active",
-                        "HW Thermal Slowdown           : Active")
+    text = text.replace("Idle                              : Active", "Idle                              : Not Active")
+    text = text.replace("SW Power Cap                      : Not Active", "SW Power Cap                      : Active")
+    text = text.replace("HW Thermal Slowdown           : Not Active", "HW Thermal Slowdown           : Active")
     (g,) = parse_nvidia_smi_q(text).gpus
     assert g.clocks_event_reasons == ("sw_power_cap", "hw_thermal_slowdown")
     assert g.throttling == ("sw_power_cap", "hw_thermal_slowdown")
@@ -261,23 +256,26 @@ def test_q_old_throttle_section_name_and_active_reasons():
 # --------------------------------------------------------------------------- helpers
 
 
-@pytest.mark.parametrize("name,cc", [
-    ("Tesla V100-SXM2-16GB", (7, 0)),
-    ("Tesla V100-SXM2...", (7, 0)),
-    ("Tesla V100S-PCIE-32GB", (7, 0)),
-    ("NVIDIA TITAN V", (7, 0)),
-    ("Tesla P100-PCIE-16GB", (6, 0)),
-    ("Tesla P40", (6, 1)),
-    ("Tesla T4", (7, 5)),
-    ("NVIDIA A100-SXM4-80GB", (8, 0)),
-    ("NVIDIA H100 80GB HBM3", (9, 0)),
-    ("NVIDIA H200", (9, 0)),
-    ("NVIDIA GeForce RTX 3090", (8, 6)),
-    ("NVIDIA GeForce RTX 4090", (8, 9)),
-    ("NVIDIA TITAN RTX", None),
-    ("NVIDIA RTX 5880 Ada Generation", None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "name,cc",
+    [
+        ("Tesla V100-SXM2-16GB", (7, 0)),
+        ("Tesla V100-SXM2...", (7, 0)),
+        ("Tesla V100S-PCIE-32GB", (7, 0)),
+        ("NVIDIA TITAN V", (7, 0)),
+        ("Tesla P100-PCIE-16GB", (6, 0)),
+        ("Tesla P40", (6, 1)),
+        ("Tesla T4", (7, 5)),
+        ("NVIDIA A100-SXM4-80GB", (8, 0)),
+        ("NVIDIA H100 80GB HBM3", (9, 0)),
+        ("NVIDIA H200", (9, 0)),
+        ("NVIDIA GeForce RTX 3090", (8, 6)),
+        ("NVIDIA GeForce RTX 4090", (8, 9)),
+        ("NVIDIA TITAN RTX", None),
+        ("NVIDIA RTX 5880 Ada Generation", None),
+        (None, None),
+    ],
+)
 def test_compute_capability_from_name(name, cc):
     assert compute_capability_from_name(name) == cc
 
@@ -292,13 +290,20 @@ def test_decode_clocks_event_reasons_bitmask():
 # --------------------------------------------------------------------------- probe
 
 
-@pytest.mark.parametrize("name,reason", [
-    ("thishost-gpu-probe-no-pynvml.json", "pynvml not importable: No module named 'pynvml'"),
-    ("thishost-gpu-probe-nvml-driver-not-loaded.json",
-     "NVML init failed: Driver Not Loaded (NVML_ERROR_DRIVER_NOT_LOADED)"),
-    ("thishost-gpu-probe-nvml-library-not-found.json",
-     "NVML init failed: NVML Shared Library Not Found (NVML_ERROR_LIBRARY_NOT_FOUND)"),
-])
+@pytest.mark.parametrize(
+    "name,reason",
+    [
+        ("thishost-gpu-probe-no-pynvml.json", "pynvml not importable: No module named 'pynvml'"),
+        (
+            "thishost-gpu-probe-nvml-driver-not-loaded.json",
+            "NVML init failed: Driver Not Loaded (NVML_ERROR_DRIVER_NOT_LOADED)",
+        ),
+        (
+            "thishost-gpu-probe-nvml-library-not-found.json",
+            "NVML init failed: NVML Shared Library Not Found (NVML_ERROR_LIBRARY_NOT_FOUND)",
+        ),
+    ],
+)
 def test_probe_json_none_cases_from_real_runs(name, reason):
     facts = parse_gpu_probe_json(fixture_text(name))
     assert facts == GpuFacts(available=False, source="none", reason=reason)
@@ -314,15 +319,14 @@ def _run_probe(extra_path=None):
     env.pop("PYTHONPATH", None)
     if extra_path:
         env["PYTHONPATH"] = str(extra_path)
-    return subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_probe_runs_here_and_prints_one_json_object():
     run = _run_probe()
     assert run.returncode == 0
     assert "Traceback" not in run.stderr
-    lines = [l for l in run.stdout.splitlines() if l.strip()]
+    lines = [ln for ln in run.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1
     data = json.loads(lines[0])
     assert data["probe"] == "voltaforge-gpu" and data["source"] in ("nvml", "none")
@@ -401,9 +405,15 @@ def test_probe_nvml_branch_with_fake_pynvml(tmp_path):
 # nvml.h's nvmlClocksEventReason* bits, keyed by the label nvidia-smi -q prints for each
 # (written out here, not taken from playbooks/facts/gpu.py, so the test is an independent check).
 NVML_EVENT_REASON_BITS = {
-    "Idle": 0x1, "Applications Clocks Setting": 0x2, "SW Power Cap": 0x4, "HW Slowdown": 0x8,
-    "Sync Boost": 0x10, "SW Thermal Slowdown": 0x20, "HW Thermal Slowdown": 0x40,
-    "HW Power Brake Slowdown": 0x80, "Display Clock Setting": 0x100,
+    "Idle": 0x1,
+    "Applications Clocks Setting": 0x2,
+    "SW Power Cap": 0x4,
+    "HW Slowdown": 0x8,
+    "Sync Boost": 0x10,
+    "SW Thermal Slowdown": 0x20,
+    "HW Thermal Slowdown": 0x40,
+    "HW Power Brake Slowdown": 0x80,
+    "Display Clock Setting": 0x100,
 }
 
 _NEWER_PYNVML = '''
@@ -462,8 +472,9 @@ def _capture_values(text):
     mask = 0
     for label, state in re.findall(r"^ +(.+?)\s+: (Active|Not Active)$", block, re.M):
         mask |= NVML_EVENT_REASON_BITS[label] if state == "Active" else 0
-    fb = re.search(r"FB Memory Usage\n(?:.*\n)*? +Total +: (\d+) MiB\n(?:.*\n)*? +Used +: (\d+) MiB\n +Free +: (\d+) MiB",
-                   text).groups()
+    fb = re.search(
+        r"FB Memory Usage\n(?:.*\n)*? +Total +: (\d+) MiB\n(?:.*\n)*? +Used +: (\d+) MiB\n +Free +: (\d+) MiB", text
+    ).groups()
     return mask, tuple(int(x) for x in fb)
 
 
@@ -479,12 +490,13 @@ def test_probe_newer_nvml_clocks_event_reasons_branch(tmp_path, variant):
     what voltaforge's nvidia-smi -q parser reads from the same text."""
     text = fixture_text("nvidia-smi-q-clocks-event-reasons-newdriver-h100.txt")
     if variant != "as captured":
-        text = text.replace("Idle                              : Active",
-                            "Idle                              : Not Active")
-        text = text.replace("SW Power Cap                      : Not Active",
-                            "SW Power Cap                      : Active")
-        text = text.replace("HW Thermal Slowdown           : Not Active",
-                            "HW Thermal Slowdown           : Active")
+        text = text.replace(
+            "Idle                              : Active", "Idle                              : Not Active"
+        )
+        text = text.replace(
+            "SW Power Cap                      : Not Active", "SW Power Cap                      : Active"
+        )
+        text = text.replace("HW Thermal Slowdown           : Not Active", "HW Thermal Slowdown           : Active")
     mask, (total, used, free) = _capture_values(text)
     assert mask == (0x1 if variant == "as captured" else 0x4 | 0x40)
     (tmp_path / "pynvml.py").write_text(_NEWER_PYNVML.format(mask=mask, total=total, used=used, free=free))
@@ -498,8 +510,11 @@ def test_probe_newer_nvml_clocks_event_reasons_branch(tmp_path, variant):
     (q,) = parse_nvidia_smi_q(text).gpus
     assert g.clocks_event_reasons == q.clocks_event_reasons
     assert g.throttling == q.throttling
-    assert (g.memory_total_mib, g.memory_used_mib, g.memory_free_mib) == (
-        q.memory_total_mib, q.memory_used_mib, q.memory_free_mib) == (total, used, free)
+    assert (
+        (g.memory_total_mib, g.memory_used_mib, g.memory_free_mib)
+        == (q.memory_total_mib, q.memory_used_mib, q.memory_free_mib)
+        == (total, used, free)
+    )
     assert g.name is None and "GPU 0: name: Not Supported" in facts.warnings  # not invented
 
 

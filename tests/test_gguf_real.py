@@ -20,8 +20,22 @@ pytestmark = pytest.mark.slow
 
 TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())["model"]["config"]
 # imatrix-free file types (Q2_K and the IQ types below 4 bits want an importance matrix)
-FTYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_XS", "IQ4_NL",
-          "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K"]
+FTYPES = [
+    "Q8_0",
+    "Q6_K",
+    "Q5_K_M",
+    "Q5_K_S",
+    "Q5_0",
+    "Q4_K_M",
+    "Q4_K_S",
+    "Q4_0",
+    "IQ4_XS",
+    "IQ4_NL",
+    "Q3_K_L",
+    "Q3_K_M",
+    "Q3_K_S",
+    "Q2_K",
+]
 
 
 @pytest.fixture(scope="module")

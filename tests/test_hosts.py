@@ -17,12 +17,12 @@ import time
 
 import pytest
 
+from playbooks.config.inventory import HostSpec
 from playbooks.errors import HostError
 from playbooks.host import LocalHost, Printer, SshHost, connect
 from playbooks.host.commands import build_command, write_file_command
-from playbooks.config.inventory import HostSpec
-from tests import helpers
 from testhosts import _descendants, free_port
+from tests import helpers
 
 #: Tests that start a real sshd or container (see the marker in pyproject.toml).
 slow = pytest.mark.slow
@@ -338,8 +338,7 @@ def test_closed_port(sshd_host):
     with pytest.raises(HostError) as exc:
         connect(spec_for(sshd_host, port=port))
     assert str(exc.value) == (
-        f"v100-test (127.0.0.1:{port}): 127.0.0.1:{port} refused the connection "
-        "(is sshd running, is the port right?)"
+        f"v100-test (127.0.0.1:{port}): 127.0.0.1:{port} refused the connection (is sshd running, is the port right?)"
     )
 
 

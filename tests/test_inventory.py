@@ -2,15 +2,23 @@
 
 import pytest
 
-from playbooks.errors import RecipeError
 from playbooks.config.inventory import load_inventory, resolve_host
+from playbooks.errors import RecipeError
 
 
 def test_inventory_entry(tmp_path):
     inv = tmp_path / "inventory.yaml"
-    inv.write_text("hosts:\n  v100-01:\n    host: 10.0.0.21\n    user: deploy\n    gpu: v100-16gb\n    recipe: tiny-cpu\n")
+    inv.write_text(
+        "hosts:\n  v100-01:\n    host: 10.0.0.21\n    user: deploy\n    gpu: v100-16gb\n    recipe: tiny-cpu\n"
+    )
     spec = resolve_host("v100-01", inv)
-    assert (spec.host, spec.user, spec.port, spec.gpu, spec.prefix) == ("10.0.0.21", "deploy", 22, "v100-16gb", "/opt/voltaforge")
+    assert (spec.host, spec.user, spec.port, spec.gpu, spec.prefix) == (
+        "10.0.0.21",
+        "deploy",
+        22,
+        "v100-16gb",
+        "/opt/voltaforge",
+    )
 
 
 def test_unlisted_host_falls_back_to_ssh_config(tmp_path):
@@ -30,7 +38,9 @@ def test_bad_inventory_messages(tmp_path):
     with pytest.raises(RecipeError, match=r"inventory.yaml:4: hosts.v100-01.gpu: unknown GPU"):
         load_inventory(inv)
     inv.write_text("hosts:\n  v100-01:\n    hostname: 10.0.0.21\n")
-    with pytest.raises(RecipeError, match=r"inventory.yaml:3: unknown key 'hosts.v100-01.hostname'; allowed here: .*host, user, port"):
+    with pytest.raises(
+        RecipeError, match=r"inventory.yaml:3: unknown key 'hosts.v100-01.hostname'; allowed here: .*host, user, port"
+    ):
         load_inventory(inv)
     inv.write_text("hosts:\n  v100-01:\n    host: 10.0.0.21\n    prefix: /opt/vf; rm -rf /\n")
     with pytest.raises(RecipeError, match=r"prefix"):

@@ -83,7 +83,9 @@ def test_imports_go_down_only(module):
     for target, _, line in imports_of(MODULES[module]):
         # `from playbooks.facts import lines` names the facts package itself
         to = layer(target) if target != "playbooks" else "__init__"
-        assert to in ANYONE or to in allowed, f"{module} (line {line}) imports {target}: {layer(module)} may not use {to}"
+        assert to in ANYONE or to in allowed, (
+            f"{module} (line {line}) imports {target}: {layer(module)} may not use {to}"
+        )
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -106,7 +108,7 @@ def test_no_import_cycles():
 
     def visit(m):
         if m in stack:
-            cycles.append(stack[stack.index(m):] + [m])
+            cycles.append(stack[stack.index(m) :] + [m])
             return
         if m in seen:
             return
@@ -127,5 +129,5 @@ def test_the_checker_sees_a_violation(tmp_path):
     """The rules are not vacuous: an upward import in a plan module is caught."""
     bad = tmp_path / "bad.py"
     bad.write_text("from playbooks.host.ops import run_ops\n")
-    (target, _, _), = imports_of(bad)
+    ((target, _, _),) = imports_of(bad)
     assert layer(target) == "host" and layer(target) not in ALLOWED["plan"]

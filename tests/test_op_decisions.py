@@ -42,13 +42,23 @@ def _mode(args):
 
 BUILD = {
     "ensure_directory": (lambda a: EnsureDirectory(**_mode(a)), _stat),
-    "ensure_file": (lambda a: EnsureFile(**{**_mode(a), "content": a["content"].encode()}),
-                    lambda f: FileFacts(_stat(f["stat"]), f["sha256"])),
-    "ensure_cuda_toolkit": (lambda a: EnsureCudaToolkit(**a), lambda f: CudaFacts(
-        toolkits=tuple(Toolkit(**t) for t in f["toolkits"]), os=OsRelease(**f["os"]),
-        nonfree_sources=tuple(f["nonfree_sources"]), debian_mirror=f["debian_mirror"])),
-    "ensure_torch": (lambda a: EnsureTorch(a["venv"], Toolchain(torch=a["torch"], torch_index=a["torch_index"])),
-                     lambda f: f),
+    "ensure_file": (
+        lambda a: EnsureFile(**{**_mode(a), "content": a["content"].encode()}),
+        lambda f: FileFacts(_stat(f["stat"]), f["sha256"]),
+    ),
+    "ensure_cuda_toolkit": (
+        lambda a: EnsureCudaToolkit(**a),
+        lambda f: CudaFacts(
+            toolkits=tuple(Toolkit(**t) for t in f["toolkits"]),
+            os=OsRelease(**f["os"]),
+            nonfree_sources=tuple(f["nonfree_sources"]),
+            debian_mirror=f["debian_mirror"],
+        ),
+    ),
+    "ensure_torch": (
+        lambda a: EnsureTorch(a["venv"], Toolchain(torch=a["torch"], torch_index=a["torch_index"])),
+        lambda f: f,
+    ),
     "ensure_venv": (lambda a: EnsureVenv(**a), lambda f: f),
 }
 

@@ -18,14 +18,14 @@ from hashlib import sha256
 
 import pytest
 from rich.console import Console
+from test_hosts import spec_for
 
-from playbooks.errors import HostError
-from playbooks.host import LocalHost, connect
 from playbooks.cli.render import render_report
+from playbooks.errors import HostError
 from playbooks.facts.files import FileStat, parse_stat
+from playbooks.host import LocalHost, connect
 from playbooks.host.lock import LOCK_NAME, host_lock
 from playbooks.host.ops import Change, EnsureDirectory, EnsureFile, run_ops
-from test_hosts import spec_for
 
 
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.slow)])
@@ -108,7 +108,7 @@ def test_ensure_file(target, capsys):
 
     dry = run_ops(host, [op], dry_run=True)
     assert statuses(dry) == [("changed", "dry run: would run 1 command (file is missing)")]
-    assert dry[0].commands[0].endswith(f"mv -fT \"$tmp\" {path}  # stdin: 24 bytes, sha256 {sha256(v1).hexdigest()[:12]}")
+    assert dry[0].commands[0].endswith(f'mv -fT "$tmp" {path}  # stdin: 24 bytes, sha256 {sha256(v1).hexdigest()[:12]}')
     assert "would run: set -e; umask 077; tmp=$(mktemp" in capsys.readouterr().out
     assert list(base.iterdir()) == []
 
@@ -121,8 +121,12 @@ def test_ensure_file(target, capsys):
     assert run_ops(host, [op2], dry_run=True)[0].why.startswith("dry run: would run 1 command (content differs")
     assert path.read_bytes() == v1
     changed = run_ops(host, [op2])
-    assert statuses(changed) == [("changed", f"content differs (sha256 {sha256(v1).hexdigest()[:12]} on the host, "
-                                             f"{sha256(v2).hexdigest()[:12]} wanted)")]
+    assert statuses(changed) == [
+        (
+            "changed",
+            f"content differs (sha256 {sha256(v1).hexdigest()[:12]} on the host, {sha256(v2).hexdigest()[:12]} wanted)",
+        )
+    ]
     assert path.read_bytes() == v2 and run_ops(host, [op2])[0].status == "ok"
 
     # A mode difference alone is a chmod, not an upload (same inode).
@@ -162,8 +166,9 @@ def test_disk_full_leaves_no_partial_file(sshd_host):
         path = disk / "model.gguf"
         with connect(spec_for(sshd_host)) as host:
             assert run_ops(host, [EnsureFile(str(path), b"old weights\n")])[0].status == "changed"
-            changes = run_ops(host, [EnsureFile(str(path), os.urandom(256 * 1024)),
-                                     EnsureDirectory(str(disk / "after"))])
+            changes = run_ops(
+                host, [EnsureFile(str(path), os.urandom(256 * 1024)), EnsureDirectory(str(disk / "after"))]
+            )
         assert statuses(changes) == [("failed", f"no space left on device at {path}")]
         assert os.listdir(disk) == ["model.gguf"]  # no temp file, nothing after the failure
         assert path.read_bytes() == b"old weights\n"  # the old file is intact
@@ -319,8 +324,15 @@ def test_render_report():
     console = Console(file=io.StringIO(), width=200, color_system=None)
     render_report(changes, console)
     text = console.file.getvalue()
-    for word in ("host", "step", "status", "why", "directory already exists with mode 0755",
-                 "/opt/voltaforge/[x].env", "no space left on device at /opt/voltaforge/f"):
+    for word in (
+        "host",
+        "step",
+        "status",
+        "why",
+        "directory already exists with mode 0755",
+        "/opt/voltaforge/[x].env",
+        "no space left on device at /opt/voltaforge/f",
+    ):
         assert word in text
     assert "v100-01: 1 changed, 1 ok, 0 failed" in text and "v100-02: 0 changed, 0 ok, 1 failed" in text
 

@@ -84,8 +84,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 COMPUTE_LOGS = yaml.safe_load((ROOT / "tests/data/compute_buffers.yaml").read_text())
 
 
-@pytest.mark.parametrize("entry", [e for e in COMPUTE_LOGS if e.get("kind") != "embedding"],
-                         ids=lambda e: e["fixture"])
+@pytest.mark.parametrize("entry", [e for e in COMPUTE_LOGS if e.get("kind") != "embedding"], ids=lambda e: e["fixture"])
 def test_compute_buffer_estimate_against_real_load_logs(entry):
     """Each entry's numbers are read back from its fixture, then compared with the estimate."""
     log = fixture_body(entry["fixture"])
@@ -101,10 +100,16 @@ def test_kv_buffer_of_a_real_v100_load_log():
 
     log = fixture_body("llamacpp-load-v100-pcie-16gb-full-offload-b4916.log")
     kv = float(re.search(r"CUDA0 KV buffer size =\s+([\d.]+) MiB", log).group(1)) * MIB
-    pythia = shape_from_config({  # Pythia 2.8B: 32 layers, 32 heads of 80, n_ctx 2048 in the log
-        "model_type": "llama", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "vocab_size": 50304,
-    })
+    pythia = shape_from_config(
+        {  # Pythia 2.8B: 32 layers, 32 heads of 80, n_ctx 2048 in the log
+            "model_type": "llama",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "vocab_size": 50304,
+        }
+    )
     assert llamacpp_kv_bytes(pythia, 2048) == kv
 
 

@@ -53,11 +53,19 @@ def test_declared_head_dim_wins_over_hidden_over_heads():
     from playbooks.plan.model_config import shape_from_config
 
     # Gemma-2-27B: hidden 4608 / 32 heads would be 144, but it declares head_dim 128
-    shape = shape_from_config({
-        "model_type": "gemma2", "hidden_size": 4608, "intermediate_size": 36864,
-        "num_hidden_layers": 46, "num_attention_heads": 32, "num_key_value_heads": 16,
-        "head_dim": 128, "vocab_size": 256000, "max_position_embeddings": 8192,
-    })
+    shape = shape_from_config(
+        {
+            "model_type": "gemma2",
+            "hidden_size": 4608,
+            "intermediate_size": 36864,
+            "num_hidden_layers": 46,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 16,
+            "head_dim": 128,
+            "vocab_size": 256000,
+            "max_position_embeddings": 8192,
+        }
+    )
     assert shape.head_dim == 128
     assert llamacpp_kv_bytes_per_token(shape) == 2 * 46 * 16 * 128 * 2
 
@@ -97,15 +105,23 @@ def test_a_draft_model_costs_its_weights_and_its_own_cache(seed):
     from playbooks.plan.model_config import shape_from_config
     from playbooks.plan.planner import DraftPlan
 
-    draft = shape_from_config({  # Qwen2.5-0.5B's config.json
-        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 152064, "tie_word_embeddings": True,
-    })
-    per_layer = 896 * 896 + 896 * 128 + 896 * 128 + 896 * 896 + 3 * 896 * 4864   # q, k, v, o, gate/up/down
-    linear = 24 * per_layer * 34 // 32                                           # 380,190,720 B
-    small = (24 * (896 + 896 + 896 + 128 + 128) + 896) * 4                       # norms + qkv biases, F32
-    tied_output = 152064 * 896 * 34 // 32                                        # 144,764,928 B
-    kv = 24 * 2 * 2 * 64 * 2 * 4096                                              # f16 K and V, 4096 cells
+    draft = shape_from_config(
+        {  # Qwen2.5-0.5B's config.json
+            "model_type": "qwen2",
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "vocab_size": 152064,
+            "tie_word_embeddings": True,
+        }
+    )
+    per_layer = 896 * 896 + 896 * 128 + 896 * 128 + 896 * 896 + 3 * 896 * 4864  # q, k, v, o, gate/up/down
+    linear = 24 * per_layer * 34 // 32  # 380,190,720 B
+    small = (24 * (896 + 896 + 896 + 128 + 128) + 896) * 4  # norms + qkv biases, F32
+    tied_output = 152064 * 896 * 34 // 32  # 144,764,928 B
+    kv = 24 * 2 * 2 * 64 * 2 * 4096  # f16 K and V, 4096 cells
     gpu, s = get_gpu("v100-16gb"), Serving(context=4096)
     alone = evaluate(seed, "Q4_K_M", gpu, s)
     paired = evaluate(seed, "Q4_K_M", gpu, s, DraftPlan(draft, "Q8_0"))

@@ -22,8 +22,14 @@ pytestmark = pytest.mark.slow
 
 
 def preflight(inv, *args, env=None):
-    return subprocess.run([sys.executable, "-m", "invoke", "preflight", *args, "--inventory", str(inv)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", "preflight", *args, "--inventory", str(inv)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
 
 
 def checks(stdout):
@@ -65,8 +71,9 @@ def gpu_present() -> bool:
 def test_preflight_sshd_host_real_facts(sshd_host, tmp_path):
     """The private sshd shares this machine: its facts are this machine's, as the login
     session of its user sees them."""
-    session_path = subprocess.run(sshd_host.ssh_command('printf %s "$PATH"'), capture_output=True, text=True,
-                                  timeout=60, check=True).stdout
+    session_path = subprocess.run(
+        sshd_host.ssh_command('printf %s "$PATH"'), capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     releases = cuda_releases(session_path)
     os_release = platform.freedesktop_os_release()
 
@@ -76,7 +83,8 @@ def test_preflight_sshd_host_real_facts(sshd_host, tmp_path):
     facts = data["facts"]
     assert facts["os"]["id"] == os_release["ID"] and facts["os"]["version_id"] == os_release.get("VERSION_ID")
     assert {(t["kind"], t["path"], tuple(t["release"])) for t in facts["toolkits"] if t["release"]} == {
-        (os.path.basename(exe), exe, rel) for exe, rel in releases.items()}
+        (os.path.basename(exe), exe, rel) for exe, rel in releases.items()
+    }
     several = len(set(releases.values())) > 1
     assert ("mixed-toolkits" in c) is several
     if several:
@@ -102,8 +110,11 @@ def test_preflight_warns_about_the_mixed_toolkits_the_test_put_on_path(tmp_path)
     inv.write_text("hosts: {}\n")
     r = preflight(inv, "--host", "local", "--recipe", "qwen2.5-14b-v100-16gb", "--json", env=env)
     data, c = checks(r.stdout)
-    on_path = sorted((t["on_path_index"], t["path"], tuple(t["release"])) for t in data["facts"]["toolkits"]
-                     if t["kind"] == "nvcc" and t["on_path_index"] is not None)
+    on_path = sorted(
+        (t["on_path_index"], t["path"], tuple(t["release"]))
+        for t in data["facts"]["toolkits"]
+        if t["kind"] == "nvcc" and t["on_path_index"] is not None
+    )
     assert on_path[:2] == [(0, f"{cuda13_bin}/nvcc", (13, 0)), (1, DEBIAN_NVCC, (11, 8))]
     assert c["mixed-toolkits"]["status"] == "warn"
     assert f"the ptxas first on PATH is {cuda13_bin}/ptxas (CUDA 13.0)" in c["mixed-toolkits"]["detail"]

@@ -1,12 +1,11 @@
 """preflight's judgement, on facts parsed from real captured outputs (V100 hosts and this
 machine's real CUDA 13 + 11.8 pair). Gathering over real SSH is in test_preflight_hosts.py."""
 
-
 import re
 
+from playbooks.config.recipe import load_recipe
 from playbooks.facts import cuda, gpu, system
 from playbooks.steps.preflight import HostFacts, judge
-from playbooks.config.recipe import load_recipe
 from tests.helpers import fixture_body
 
 GIB = 1 << 30
@@ -22,9 +21,15 @@ def facts(gpu_fixture="nvidia-smi-v100-sxm2-16gb-aws-p3-driver525.txt", free_byt
         gcc=cuda.parse_gcc_version(fixture_body("thishost-gcc-12-version.txt")),
         gxx11=cuda.parse_gcc_version(fixture_body("thishost-gxx-11-version.txt")),
         python=system.parse_python_version(fixture_body("thishost-python3-version.txt")),
-        disk={"/opt/voltaforge/models": system.DiskFree(path="/opt/voltaforge/models", existing_path="/opt", available_bytes=free_bytes)},
+        disk={
+            "/opt/voltaforge/models": system.DiskFree(
+                path="/opt/voltaforge/models", existing_path="/opt", available_bytes=free_bytes
+            )
+        },
         memory=system.parse_meminfo(fixture_body("thishost-proc-meminfo.txt")),
-        systemd=system.SystemdState(systemd_running=booted, booted=booted, systemctl_present=True, state="running" if booted else "offline"),
+        systemd=system.SystemdState(
+            systemd_running=booted, booted=booted, systemctl_present=True, state="running" if booted else "offline"
+        ),
         nproc=2,
         machine="x86_64",
     )
@@ -46,7 +51,11 @@ def test_v100_host_ready_for_a_recipe_that_fits():
     assert c["cuda-toolkit"].status == "pass" and "/usr/bin/nvcc" in c["cuda-toolkit"].detail
     # this machine's real pair: CUDA 13 first on PATH, Debian's 11.8 in /usr/bin
     assert c["cuda-on-path"].status == "warn" and "cannot target sm_70" in c["cuda-on-path"].detail
-    assert c["mixed-toolkits"].status == "warn" and "13.0" in c["mixed-toolkits"].detail and "CUDACXX" in c["mixed-toolkits"].fix
+    assert (
+        c["mixed-toolkits"].status == "warn"
+        and "13.0" in c["mixed-toolkits"].detail
+        and "CUDACXX" in c["mixed-toolkits"].fix
+    )
     assert c["host-compiler"].status == "pass"
     assert c["fit"].status == "pass" and "fits with" in c["fit"].detail
 
@@ -60,8 +69,12 @@ def test_recipe_that_does_not_fit_the_real_gpu_blocks():
 
 
 def test_old_driver_for_cuda_11_8():
-    v = judge(facts("nvidia-smi-v100-sxm2-32gb-8gpu-dgx1-driver384.txt"), load_recipe("qwen2.5-32b-v100-32gb"),
-              "/opt/voltaforge/models", "/opt/voltaforge")
+    v = judge(
+        facts("nvidia-smi-v100-sxm2-32gb-8gpu-dgx1-driver384.txt"),
+        load_recipe("qwen2.5-32b-v100-32gb"),
+        "/opt/voltaforge/models",
+        "/opt/voltaforge",
+    )
     drv = by_name(v)["driver"]
     assert drv.status == "fail" and "384.183" in drv.detail and "450.80.2" in drv.detail and not v.ok
 
@@ -84,7 +97,9 @@ def test_disk_too_small_for_download_plus_conversion():
     params = 48 * per_layer + 2 * 152064 * 5120 + 5120
     assert params == 14_770_033_664
     need = 4 * params + 8_988_110_976
-    v = judge(facts(free_bytes=40 * 10**9), load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    v = judge(
+        facts(free_bytes=40 * 10**9), load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge"
+    )
     disk = by_name(v)["disk"]
     assert disk.status == "fail" and disk.blocking and not v.ok
     shown = float(re.search(r"need ([\d.]+) GB", disk.detail).group(1)) * 1e9
@@ -100,8 +115,12 @@ def test_recipe_pinning_cuda_13_is_refused(tmp_path):
     from playbooks.config.recipe import RECIPES_DIR
 
     r = tmp_path / "r.yaml"
-    r.write_text((RECIPES_DIR / "qwen2.5-14b-v100-16gb.yaml").read_text().replace(
-        "config: models/", f"config: {RECIPES_DIR}/models/") + "toolchain:\n  cuda: '13.0'\n")
+    r.write_text(
+        (RECIPES_DIR / "qwen2.5-14b-v100-16gb.yaml")
+        .read_text()
+        .replace("config: models/", f"config: {RECIPES_DIR}/models/")
+        + "toolchain:\n  cuda: '13.0'\n"
+    )
     v = judge(facts(), load_recipe(r), "/opt/voltaforge/models", "/opt/voltaforge")
     assert by_name(v)["cuda-pin"].status == "fail" and "cannot target sm_70" in by_name(v)["cuda-pin"].detail
 
@@ -109,12 +128,24 @@ def test_recipe_pinning_cuda_13_is_refused(tmp_path):
 def test_hot_throttled_busy_gpu_is_flagged():
     f = facts()
     g = f.gpus.gpus[0]
-    sick = g.model_copy(update={"temperature_c": 86, "clocks_event_reasons": ("hw_thermal_slowdown",),
-                                "persistence_mode": False, "memory_used_mib": 4096})
-    v = judge(f.model_copy(update={"gpus": f.gpus.model_copy(update={"gpus": [sick]})}),
-              load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge")
+    sick = g.model_copy(
+        update={
+            "temperature_c": 86,
+            "clocks_event_reasons": ("hw_thermal_slowdown",),
+            "persistence_mode": False,
+            "memory_used_mib": 4096,
+        }
+    )
+    v = judge(
+        f.model_copy(update={"gpus": f.gpus.model_copy(update={"gpus": [sick]})}),
+        load_recipe("qwen2.5-14b-v100-16gb"),
+        "/opt/voltaforge/models",
+        "/opt/voltaforge",
+    )
     c = by_name(v)
-    assert c["thermal"].status == "warn" and "86 C" in c["thermal"].detail and "hw_thermal_slowdown" in c["thermal"].detail
+    assert (
+        c["thermal"].status == "warn" and "86 C" in c["thermal"].detail and "hw_thermal_slowdown" in c["thermal"].detail
+    )
     assert c["persistence"].status == "warn" and "nvidia-persistenced" in c["persistence"].fix
     assert c["gpu-memory-in-use"].status == "warn" and "4096 MiB" in c["gpu-memory-in-use"].detail
     assert v.ok  # warnings, not blockers
@@ -129,12 +160,22 @@ def test_healthy_gpu_reports_its_temperature():
 
 def test_inventory_gpu_is_the_fallback_and_is_cross_checked():
     # no GPU seen: the inventory's kind is what the plan is judged against
-    v = judge(facts(gpu_fixture=None), load_recipe("qwen2.5-32b-v100-32gb"), "/opt/voltaforge/models",
-              "/opt/voltaforge", inventory_gpu="v100-32gb")
+    v = judge(
+        facts(gpu_fixture=None),
+        load_recipe("qwen2.5-32b-v100-32gb"),
+        "/opt/voltaforge/models",
+        "/opt/voltaforge",
+        inventory_gpu="v100-32gb",
+    )
     assert "Tesla V100-SXM2-32GB (the inventory's GPU: none seen on the host)" in by_name(v)["fit"].detail
     # the host reports a 16 GB V100 but the inventory claims an A100: flagged, the host wins
-    v = judge(facts(), load_recipe("qwen2.5-14b-v100-16gb"), "/opt/voltaforge/models", "/opt/voltaforge",
-              inventory_gpu="a100-40gb")
+    v = judge(
+        facts(),
+        load_recipe("qwen2.5-14b-v100-16gb"),
+        "/opt/voltaforge/models",
+        "/opt/voltaforge",
+        inventory_gpu="a100-40gb",
+    )
     c = by_name(v)
     assert c["gpu-kind"].status == "warn" and "a100-40gb" in c["gpu-kind"].detail
     assert "Tesla V100-SXM2-16GB" in c["fit"].detail

@@ -5,19 +5,24 @@ import textwrap
 
 import pytest
 
-from playbooks.errors import RecipeError
 from playbooks.cli.plan import run_plan
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import RECIPES_DIR, list_recipes, load_recipe
+from playbooks.errors import RecipeError
 
 SHIPPED = [p.stem for p in list_recipes()]
 
 
 def test_the_required_recipes_ship():
     for name in (
-        "seed-llamacpp-q4km-v100-16gb", "seed-exl2-4.0-v100-16gb", "seed-exl2-3.3-v100-16gb",
-        "qwen2.5-32b-v100-16gb", "qwen2.5-32b-v100-32gb", "qwen2.5-14b-v100-16gb",
-        "qwen2.5-14b-v100-32gb", "tiny-cpu",
+        "seed-llamacpp-q4km-v100-16gb",
+        "seed-exl2-4.0-v100-16gb",
+        "seed-exl2-3.3-v100-16gb",
+        "qwen2.5-32b-v100-16gb",
+        "qwen2.5-32b-v100-32gb",
+        "qwen2.5-14b-v100-16gb",
+        "qwen2.5-14b-v100-32gb",
+        "tiny-cpu",
     ):
         assert name in SHIPPED
 
@@ -47,10 +52,18 @@ def test_shipped_recipe_json_and_table(name, capsys):
 def _write(tmp_path, body, name="r.yaml"):
     (tmp_path / "models").mkdir(exist_ok=True)
     (tmp_path / "models" / "q.json").write_text((RECIPES_DIR / "models/qwen2.5-14b-instruct.config.json").read_text())
-    (tmp_path / "models" / "small.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
-        "num_attention_heads": 8, "vocab_size": 32000,
-    }))
+    (tmp_path / "models" / "small.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 512,
+                "intermediate_size": 1024,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 8,
+                "vocab_size": 32000,
+            }
+        )
+    )
     p = tmp_path / name
     p.write_text(body)
     return p
@@ -107,7 +120,9 @@ def test_bpw_out_of_range(tmp_path):
 
 
 def test_head_bits_not_an_option(tmp_path):
-    body = GOOD.replace("backend: llamacpp", "backend: exllamav2").replace("quant: Q4_K_M", "quant: {bpw: 4.0, head_bits: 7}")
+    body = GOOD.replace("backend: llamacpp", "backend: exllamav2").replace(
+        "quant: Q4_K_M", "quant: {bpw: 4.0, head_bits: 7}"
+    )
     msg = _error(tmp_path, body + "cache: {k: Q8, v: Q8}\n")
     assert "head_bits" in msg and "2, 3, 4, 5, 6, 8" in msg
 
@@ -124,7 +139,7 @@ def test_context_above_model_maximum(tmp_path):
 
 
 def test_missing_model(tmp_path):
-    body = "\n".join(l for l in GOOD.splitlines() if not l.startswith(("model:", "  "))) + "\n"
+    body = "\n".join(ln for ln in GOOD.splitlines() if not ln.startswith(("model:", "  "))) + "\n"
     msg = _error(tmp_path, body)
     assert "model: missing" in msg
 

@@ -8,10 +8,10 @@ import time
 import pytest
 import yaml
 
-from playbooks.host import connect
 from playbooks.config.recipe import load_recipe
-from playbooks.weights.tinymodel import write_tiny_llama
+from playbooks.host import connect
 from playbooks.steps.units import ServerLayout, render_llama_server_unit
+from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, spec_for
 
@@ -42,16 +42,21 @@ def test_tiny_cpu_unit_serves_over_http(nspawn_host, tiny_q4):
             deadline = time.monotonic() + 60
             health = None
             while time.monotonic() < deadline:
-                health = host.run(f"curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{port}/health",
-                                  check=False, stream=False).stdout.strip()
+                health = host.run(
+                    f"curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{port}/health",
+                    check=False,
+                    stream=False,
+                ).stdout.strip()
                 if health == "200":
                     break
                 time.sleep(0.5)
             log = host.sudo(f"journalctl -u {unit.name} -o cat --no-pager", check=False, stream=False).stdout
             assert health == "200", log[-3000:]
             body = json.dumps({"prompt": "ka lo mi", "n_predict": 16, "ignore_eos": True})
-            r = host.run(f"curl -s http://127.0.0.1:{port}/completion -H 'Content-Type: application/json' -d '{body}'",
-                         stream=False)
+            r = host.run(
+                f"curl -s http://127.0.0.1:{port}/completion -H 'Content-Type: application/json' -d '{body}'",
+                stream=False,
+            )
             data = json.loads(r.stdout)
             assert data["timings"]["predicted_n"] == 16 and data["timings"]["predicted_per_second"] > 0
             # unprivileged: DynamicUser gives the process a transient uid, never root
@@ -62,5 +67,8 @@ def test_tiny_cpu_unit_serves_over_http(nspawn_host, tiny_q4):
             listening = host.sudo(f"ss -ltnH 'sport = :{port}'", stream=False).stdout
             assert [line.split()[3] for line in listening.splitlines()] == [f"127.0.0.1:{port}"]
         finally:
-            host.sudo(f"systemctl stop {unit.name}; rm -f /etc/systemd/system/{unit.name}; systemctl daemon-reload",
-                      check=False, stream=False)
+            host.sudo(
+                f"systemctl stop {unit.name}; rm -f /etc/systemd/system/{unit.name}; systemctl daemon-reload",
+                check=False,
+                stream=False,
+            )

@@ -12,7 +12,7 @@ import pytest
 import strict
 from tests.helpers import ROOT
 
-SKIPPING = '''
+SKIPPING = """
 import pytest
 
 @pytest.fixture
@@ -38,15 +38,15 @@ def test_xfail():
 
 def test_passes():
     pass
-'''
+"""
 
-MODULE_SKIP = '''
+MODULE_SKIP = """
 import pytest
 pytest.skip("a module-level skip", allow_module_level=True)
 
 def test_never_runs():
     pass
-'''
+"""
 
 
 def _pytest(path: Path, strict_flag: str | None):
@@ -55,9 +55,29 @@ def _pytest(path: Path, strict_flag: str | None):
         env[strict.STRICT_ENV] = strict_flag
     env["PYTHONPATH"] = str(ROOT / "tests")
     # -p strict: the plugin module itself, without the suite's conftest (no test hosts needed)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "strict", "-p", "no:cacheprovider",
-                        "--rootdir", str(path.parent), "-c", os.devnull, str(path)],
-                       capture_output=True, text=True, env=env, timeout=120, cwd=path.parent)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rA",
+            "-p",
+            "strict",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(path.parent),
+            "-c",
+            os.devnull,
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=path.parent,
+    )
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|xfailed|errors?)\b", r.stdout)}
     return r, counts
 
@@ -77,8 +97,12 @@ def test_strict_mode_turns_every_skip_into_a_failure_with_its_reason(tmp_path):
     assert r.returncode == 1, r.stdout
     # skips in setup (mark, fixture) become errors, skips in the body failures; xfail stays
     assert counts == {"passed": 1, "failed": 2, "errors": 2, "xfailed": 1}, r.stdout
-    for reason in ("a skipif mark", "a skip in the body", "a fixture that cannot set up",
-                   "could not import 'voltaforge_no_such_module'"):
+    for reason in (
+        "a skipif mark",
+        "a skip in the body",
+        "a fixture that cannot set up",
+        "could not import 'voltaforge_no_such_module'",
+    ):
         assert re.search(rf"VOLTAFORGE_STRICT=1: a skip is a failure here .*{re.escape(reason)}", r.stdout), reason
 
 
@@ -92,18 +116,27 @@ def test_strict_mode_fails_a_module_level_skip(tmp_path):
     assert "a module-level skip" in r.stdout and "ERROR collecting" in r.stdout
 
 
-@pytest.mark.parametrize("environ,on", [
-    ({}, False), ({"VOLTAFORGE_STRICT": "1"}, True), ({"VOLTAFORGE_STRICT": "0"}, False),
-    ({"CI": "true"}, True), ({"CI": "true", "VOLTAFORGE_STRICT": "0"}, False), ({"CI": ""}, False),
-])
+@pytest.mark.parametrize(
+    "environ,on",
+    [
+        ({}, False),
+        ({"VOLTAFORGE_STRICT": "1"}, True),
+        ({"VOLTAFORGE_STRICT": "0"}, False),
+        ({"CI": "true"}, True),
+        ({"CI": "true", "VOLTAFORGE_STRICT": "0"}, False),
+        ({"CI": ""}, False),
+    ],
+)
 def test_strict_mode_switch(environ, on):
     assert strict.strict_mode(environ) is on
 
 
 def test_the_suite_runs_with_the_strict_hooks(pytestconfig):
     """tests/conftest.py puts the hooks in force for this very suite."""
-    for hook in (pytestconfig.pluginmanager.hook.pytest_runtest_makereport,
-                 pytestconfig.pluginmanager.hook.pytest_make_collect_report):
+    for hook in (
+        pytestconfig.pluginmanager.hook.pytest_runtest_makereport,
+        pytestconfig.pluginmanager.hook.pytest_make_collect_report,
+    ):
         impls = [i.function for i in hook.get_hookimpls()]
         assert any(f.__module__ == "strict" for f in impls), impls
 

@@ -171,8 +171,11 @@ def test_netns_host_only_reachable_through_its_veth(netns_host):
 
     # The same port on this machine's loopback is not this server.
     loopback = types.SimpleNamespace(
-        hostname="127.0.0.1", port=netns_host.port, user=netns_host.user,
-        key_filename=netns_host.key_filename, known_hosts=netns_host.known_hosts,
+        hostname="127.0.0.1",
+        port=netns_host.port,
+        user=netns_host.user,
+        key_filename=netns_host.key_filename,
+        known_hosts=netns_host.known_hosts,
     )
     with pytest.raises(CONNECT_ERRORS):
         strict_connection(loopback).open()

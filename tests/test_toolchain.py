@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from playbooks.host import connect
-from playbooks.config.inventory import resolve_host
-from playbooks.host.ops import run_ops
-from playbooks.config.recipe import load_recipe
 from playbooks.cli.toolchain import run_toolchain
+from playbooks.config.inventory import resolve_host
+from playbooks.config.recipe import load_recipe
+from playbooks.host import connect
+from playbooks.host.ops import run_ops
 from playbooks.steps.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, toolchain_ops
 from tests.helpers import inventory_for, recipe_with, spec_for
 from tests.llamacpp_tools import TORCH_CPU, cpu_torch_wheel
@@ -106,7 +106,6 @@ def test_cuda_install_without_the_package_fails_cleanly(nspawn_host):
     assert sources_after == sources_before
 
 
-
 UBUNTU_2204_OS_RELEASE = """PRETTY_NAME="Ubuntu 22.04.4 LTS"
 NAME="Ubuntu"
 VERSION_ID="22.04"
@@ -123,8 +122,10 @@ def as_ubuntu(nspawn_host):
     """The container, answering as Ubuntu 22.04 (its /etc/os-release swapped; the overlay
     keeps the cached rootfs clean). No Ubuntu mirror is reachable here, so only the decision
     and the dry run are exercised, over real SSH."""
-    nspawn_host.run_inside("cp -P /etc/os-release /etc/os-release.vf-saved && rm /etc/os-release && "
-                           f"printf %s '{UBUNTU_2204_OS_RELEASE}' > /etc/os-release")
+    nspawn_host.run_inside(
+        "cp -P /etc/os-release /etc/os-release.vf-saved && rm /etc/os-release && "
+        f"printf %s '{UBUNTU_2204_OS_RELEASE}' > /etc/os-release"
+    )
     yield nspawn_host
     nspawn_host.run_inside("rm -f /etc/os-release && mv /etc/os-release.vf-saved /etc/os-release")
 

@@ -27,9 +27,13 @@ def test_wheel_outside_the_checkout_plans_tiny_cpu(tmp_path):
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)])
     wheel = next(dist.glob("voltaforge-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for shipped in ("playbooks/_data/recipes/tiny-cpu.yaml", "playbooks/_data/recipes/defaults.yaml",
-                    "playbooks/_data/recipes/models/qwen2.5-14b-instruct.config.json",
-                    "playbooks/_data/templates/llama-server.service.j2", "playbooks/facts/probes/gpu_probe.py"):
+    for shipped in (
+        "playbooks/_data/recipes/tiny-cpu.yaml",
+        "playbooks/_data/recipes/defaults.yaml",
+        "playbooks/_data/recipes/models/qwen2.5-14b-instruct.config.json",
+        "playbooks/_data/templates/llama-server.service.j2",
+        "playbooks/facts/probes/gpu_probe.py",
+    ):
         assert shipped in names, shipped
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)])
@@ -39,9 +43,15 @@ def test_wheel_outside_the_checkout_plans_tiny_cpu(tmp_path):
     r = run([str(venv / "bin" / "voltaforge"), "plan", "--recipe", "tiny-cpu"], cwd=elsewhere)
     assert r.stdout.startswith("tiny-cpu: llama, 4.00M parameters") and "Recommendation:" in r.stdout
     # it is the installed copy that answered, not this checkout
-    where = run([str(venv / "bin" / "python"), "-c", "import playbooks.resources as r; print(r.resource_dir('recipes'))"],
-                cwd=elsewhere).stdout.strip()
+    where = run(
+        [str(venv / "bin" / "python"), "-c", "import playbooks.resources as r; print(r.resource_dir('recipes'))"],
+        cwd=elsewhere,
+    ).stdout.strip()
     assert where.startswith(str(venv)) and where.endswith("playbooks/_data/recipes")
-    r = subprocess.run([str(venv / "bin" / "voltaforge"), "plan", "--ctx", "x", "--recipe", "tiny-cpu"],
-                       capture_output=True, text=True, cwd=elsewhere)
+    r = subprocess.run(
+        [str(venv / "bin" / "voltaforge"), "plan", "--ctx", "x", "--recipe", "tiny-cpu"],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+    )
     assert r.returncode == 2 and r.stderr.strip() == "error: --ctx 'x' is not a number of tokens"

@@ -53,8 +53,8 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import Iterator
 
 import paramiko
 import pytest
@@ -110,9 +110,7 @@ def _unique_tag() -> tuple[int, int]:
 def _run(cmd: list[str], *, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
     if check and proc.returncode != 0:
-        raise HostSetupError(
-            f"{' '.join(cmd)!r} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}"
-        )
+        raise HostSetupError(f"{' '.join(cmd)!r} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}")
     return proc
 
 
@@ -204,9 +202,9 @@ def _wait_tcp(host: str, port: int, timeout: float, alive=lambda: True) -> None:
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return
-        except OSError:
+        except OSError as e:
             if time.monotonic() > deadline:
-                raise HostSetupError(f"nothing listens on {host}:{port} after {timeout:.0f} s")
+                raise HostSetupError(f"nothing listens on {host}:{port} after {timeout:.0f} s") from e
             time.sleep(0.02)
 
 
@@ -233,9 +231,7 @@ def require(*, binaries: tuple[str, ...] = (), what: str = "this test host") -> 
         _unavailable(f"{what} needs root (user, sshd, netns and nspawn setup)")
     missing = [b for b in binaries if not (Path(b).exists() if b.startswith("/") else shutil.which(b))]
     if missing:
-        _unavailable(
-            f"{what} needs {', '.join(missing)} (install with ci/install-system-deps.sh)"
-        )
+        _unavailable(f"{what} needs {', '.join(missing)} (install with ci/install-system-deps.sh)")
 
 
 # --------------------------------------------------------------------------------------
@@ -287,19 +283,32 @@ def strict_connection(host, *, user: str | None = None, known_hosts: str | None 
 def _ssh_command(host, command: str, user: str) -> list[str]:
     """``ssh`` argv for ``host``: only its key, only its known_hosts, never a prompt."""
     return [
-        "ssh", "-F", "/dev/null",  # no user/system ssh_config rewriting host, port or user
-        "-o", "StrictHostKeyChecking=yes",
-        "-o", f"UserKnownHostsFile={host.known_hosts}",
-        "-o", "GlobalKnownHostsFile=/dev/null",
-        "-o", "BatchMode=yes",
-        "-o", "IdentitiesOnly=yes",
-        "-o", "IdentityAgent=none",
-        "-o", "ConnectTimeout=5",
-        "-o", "LogLevel=ERROR",
-        "-i", host.key_filename,
-        "-p", str(host.port),
+        "ssh",
+        "-F",
+        "/dev/null",  # no user/system ssh_config rewriting host, port or user
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={host.known_hosts}",
+        "-o",
+        "GlobalKnownHostsFile=/dev/null",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "IdentityAgent=none",
+        "-o",
+        "ConnectTimeout=5",
+        "-o",
+        "LogLevel=ERROR",
+        "-i",
+        host.key_filename,
+        "-p",
+        str(host.port),
         f"{user}@{host.hostname}",
-        "--", command,
+        "--",
+        command,
     ]
 
 
@@ -338,8 +347,9 @@ def ensure_test_user(name: str | None = None) -> pwd.struct_passwd:
             pwd.getpwnam(name)
         except KeyError:
             for attempt in range(20):  # useradd exits 10 while another tool locks /etc/passwd
-                proc = _run(["useradd", "-m", "-U", "-s", "/bin/bash", "-c", "voltaforge test host", name],
-                            check=attempt == 19)
+                proc = _run(
+                    ["useradd", "-m", "-U", "-s", "/bin/bash", "-c", "voltaforge test host", name], check=attempt == 19
+                )
                 if proc.returncode == 0:
                     break
                 time.sleep(0.1)
@@ -384,10 +394,7 @@ class SudoersDropIn:
         else:
             self.password = secrets.token_urlsafe(12)
             _run(["chpasswd"], input=f"{self.user}:{self.password}\n")
-            body = (
-                f"Defaults:{self.user} lecture=never, timestamp_timeout=0\n"
-                f"{self.user} ALL=(ALL:ALL) ALL\n"
-            )
+            body = f"Defaults:{self.user} lecture=never, timestamp_timeout=0\n{self.user} ALL=(ALL:ALL) ALL\n"
         text = f"# voltaforge test host (pid {os.getpid()}), removed at teardown\n{body}"
         tmp = SUDOERS_DIR / f".{self.path.name}.tmp"
         tmp.write_text(text)
@@ -435,7 +442,7 @@ class NetnsLink:
         return ["ip", "netns", "exec", self.name]
 
     @classmethod
-    def create(cls) -> "NetnsLink":
+    def create(cls) -> NetnsLink:
         pid, n = _unique_tag()
         name = f"{NAME_PREFIX}{pid}-{n}"
         host_if = f"vf{pid}h{n}"[:15]  # interface names are limited to 15 bytes
@@ -470,9 +477,7 @@ def _pick_subnet(seed: int) -> tuple[str, str]:
                 used.append(ipaddress.ip_network(tok, strict=False))
     subnets = VETH_POOL.num_addresses // 4
     for i in range(subnets):
-        net = ipaddress.ip_network(
-            (int(VETH_POOL.network_address) + ((seed + i) % subnets) * 4, 30)
-        )
+        net = ipaddress.ip_network((int(VETH_POOL.network_address) + ((seed + i) % subnets) * 4, 30))
         if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
             hosts = list(net.hosts())
             return str(hosts[0]), str(hosts[1])
@@ -555,7 +560,7 @@ class SshdHost:
         sudo: str | None = None,
         netns: bool = False,
         port: int | None = None,
-    ) -> "SshdHost":
+    ) -> SshdHost:
         """Configure and start a server; on any failure everything created is undone.
 
         ``config_dir`` (e.g. pytest's ``tmp_path``) receives the config, host key, client
@@ -800,8 +805,17 @@ def _unpacked_rootfs(tarball: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=root))
         try:
             _run(
-                ["tar", "--zstd", "--numeric-owner", "--xattrs", "--xattrs-include=*",
-                 "-xpf", str(tarball), "-C", str(tmp)],
+                [
+                    "tar",
+                    "--zstd",
+                    "--numeric-owner",
+                    "--xattrs",
+                    "--xattrs-include=*",
+                    "-xpf",
+                    str(tarball),
+                    "-C",
+                    str(tmp),
+                ],
                 timeout=600,
             )
             os.chmod(tmp, 0o755)
@@ -879,7 +893,9 @@ class NspawnHost:
         """An OpenSSH client command line with strict host-key checking for this host."""
         return _ssh_command(self, command, user)
 
-    def run_inside(self, command: str, *, check: bool = True, timeout: float = 60, user: str = "root") -> subprocess.CompletedProcess:
+    def run_inside(
+        self, command: str, *, check: bool = True, timeout: float = 60, user: str = "root"
+    ) -> subprocess.CompletedProcess:
         """Run a shell command in the container (as root over SSH, strict host key).
 
         SSH rather than ``ip netns exec``: that would only share the container's network,
@@ -889,7 +905,8 @@ class NspawnHost:
         proc = subprocess.run(self.ssh_command(command, user=user), capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise HostSetupError(
-                f"inside {self.machine}: {command!r} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+                f"inside {self.machine}: {command!r} exited {proc.returncode}: "
+                f"{proc.stderr.strip() or proc.stdout.strip()}"
             )
         return proc
 
@@ -903,13 +920,19 @@ class NspawnHost:
             return
         procs_files = " ".join(str(cg / "cgroup.procs") for cg in self.cgroups)
         cmd = [
-            "sh", "-c", 'for f in $VF_CGROUP_PROCS; do echo $$ > "$f" || exit 111; done; exec "$@"', "vf-nspawn",
+            "sh",
+            "-c",
+            'for f in $VF_CGROUP_PROCS; do echo $$ > "$f" || exit 111; done; exec "$@"',
+            "vf-nspawn",
             "systemd-nspawn",
             # Boot the image's own init (systemd) instead of running a single command.
             "-b",
-            "-D", str(self.rootfs),
-            "--machine", self.machine,
-            "--hostname", self.machine,
+            "-D",
+            str(self.rootfs),
+            "--machine",
+            self.machine,
+            "--hostname",
+            self.machine,
             # The netns prepared with a veth pair: the container is reachable at its
             # veth address from here, and sees nothing else of this machine's network.
             f"--network-namespace-path={self.link.path}",
@@ -947,7 +970,9 @@ class NspawnHost:
                 if state in ("running", "degraded"):
                     break
                 if self._proc.poll() is not None or left <= 0:
-                    raise HostSetupError(f"container {self.machine} did not boot: state {state!r} {proc.stderr.strip()}")
+                    raise HostSetupError(
+                        f"container {self.machine} did not boot: state {state!r} {proc.stderr.strip()}"
+                    )
                 time.sleep(0.2)
         except BaseException as exc:
             self.stop()
@@ -994,8 +1019,9 @@ def start_nspawn_host(work_dir: Path, *, boot_timeout: float = 60) -> NspawnHost
     SSH host key and authorized_keys written into the tree -> known_hosts from that host
     key (no ssh-keyscan, no trust on first use) -> netns + veth -> own cgroups -> boot.
     """
-    require(binaries=("systemd-nspawn", "ip", "ssh", "ssh-keygen", "tar", "zstd", "mount", "umount"),
-            what="nspawn_host")
+    require(
+        binaries=("systemd-nspawn", "ip", "ssh", "ssh-keygen", "tar", "zstd", "mount", "umount"), what="nspawn_host"
+    )
     if "overlay" not in Path("/proc/filesystems").read_text():
         _unavailable("nspawn_host needs overlayfs in the kernel")
     cg_roots = _cgroup_roots()
@@ -1016,8 +1042,17 @@ def start_nspawn_host(work_dir: Path, *, boot_timeout: float = 60) -> NspawnHost
         upper, ovl_work, merged = layer / "upper", layer / "work", layer / "rootfs"
         for d in (upper, ovl_work, merged):
             d.mkdir()
-        _run(["mount", "-t", "overlay", "overlay", "-o",
-              f"lowerdir={lower},upperdir={upper},workdir={ovl_work}", str(merged)])
+        _run(
+            [
+                "mount",
+                "-t",
+                "overlay",
+                "overlay",
+                "-o",
+                f"lowerdir={lower},upperdir={upper},workdir={ovl_work}",
+                str(merged),
+            ]
+        )
         stack.callback(_umount, merged)
 
         # Per-boot identity, written before boot so we know the host key in advance.
@@ -1121,8 +1156,9 @@ def reap_stale_resources() -> None:
         m = _STALE_RE.match(name)
         return bool(m) and not _pid_alive(int(m.group(1)))
 
-    stale_cgroups = [cg for root in _cgroup_roots() for cg in root.glob(f"{NAME_PREFIX}*")
-                     if cg.is_dir() and dead(cg.name)]
+    stale_cgroups = [
+        cg for root in _cgroup_roots() for cg in root.glob(f"{NAME_PREFIX}*") if cg.is_dir() and dead(cg.name)
+    ]
     if any(_cgroup_procs(cg) for cg in stale_cgroups):
         # Everything in these cgroups was started by a test host of a dead session.
         for cg in stale_cgroups:

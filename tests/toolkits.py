@@ -50,8 +50,13 @@ def cuda13_bin() -> Path:
     root = cuda13_root()
     nvcc = root / "nvidia" / "cu13" / "bin" / "nvcc"
     if not ((root / ".installed").exists() and nvcc.exists()):
-        r = subprocess.run(["bash", str(CUDA13_SCRIPT), sys.executable], capture_output=True, text=True,
-                           timeout=600, env={**os.environ, "VOLTAFORGE_CACHE": str(cache_dir())})
+        r = subprocess.run(
+            ["bash", str(CUDA13_SCRIPT), sys.executable],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "VOLTAFORGE_CACHE": str(cache_dir())},
+        )
         if r.returncode != 0 or not nvcc.exists():
             raise RuntimeError(f"{CUDA13_SCRIPT} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
     return nvcc.parent

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from playbooks.cli.render import render_report
 from playbooks.config.inventory import resolve_host
@@ -18,22 +17,36 @@ from playbooks.plan.gpus import get_gpu
 from playbooks.steps.build import LLAMACPP_TARGETS, BuildLayout, build_ops, fetch_sdist
 
 
-def run_build(host_name: str, recipe: Optional[str] = None, dry_run: bool = False,
-              inventory: str | Path = "inventory.yaml", targets: tuple[str, ...] = LLAMACPP_TARGETS,
-              extra_flags: tuple[str, ...] = ()) -> int:
+def run_build(
+    host_name: str,
+    recipe: str | None = None,
+    dry_run: bool = False,
+    inventory: str | Path = "inventory.yaml",
+    targets: tuple[str, ...] = LLAMACPP_TARGETS,
+    extra_flags: tuple[str, ...] = (),
+) -> int:
     spec = resolve_host(host_name, Path(inventory))
     name = recipe or spec.recipe
     if not name:
         raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
     r = load_recipe(name).recipe
     tc = r.toolchain
-    cuda_release = None if get_gpu(r.gpu).is_cpu else tuple(int(x) for x in tc.cuda.split("."))
+    major, minor = (int(x) for x in tc.cuda.split("."))  # the recipe schema checks MAJOR.MINOR
+    cuda_release = None if get_gpu(r.gpu).is_cpu else (major, minor)
     source = fetch_sdist(tc.llamacpp_sdist, tc.llamacpp_ref)
     layout = BuildLayout(spec.prefix)
     with connect(spec) as host:
         sudo = not parse_writable(read_fact(host, writable_command(spec.prefix)))
-        ops = build_ops(layout, source, cuda_release=cuda_release, recipe_arch=tc.cuda_arch,  # type: ignore[arg-type]
-                        targets=targets, extra_flags=extra_flags, owner=host.user, sudo=sudo)
+        ops = build_ops(
+            layout,
+            source,
+            cuda_release=cuda_release,
+            recipe_arch=tc.cuda_arch,
+            targets=targets,
+            extra_flags=extra_flags,
+            owner=host.user,
+            sudo=sudo,
+        )
         if dry_run:
             changes = run_ops(host, ops, dry_run=True)
         else:

@@ -8,7 +8,6 @@ tokens``, and exit 2, never a traceback or a silently wrong plan ("-3 slot(s)").
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from playbooks.config.inventory import is_host_address
 from playbooks.errors import VoltaforgeError
@@ -18,7 +17,7 @@ class UsageError(VoltaforgeError):
     """A flag has a value the command cannot use."""
 
 
-def positive_int(flag: str, value: object, what: str) -> Optional[int]:
+def positive_int(flag: str, value: object, what: str) -> int | None:
     """``--ctx 4096`` -> 4096; None stays None; anything else but a whole number > 0 is refused."""
     if value is None:
         return None
@@ -32,7 +31,7 @@ def positive_int(flag: str, value: object, what: str) -> Optional[int]:
     return number
 
 
-def name_or_path(flag: str, value: object) -> Optional[str]:
+def name_or_path(flag: str, value: object) -> str | None:
     """A recipe or inventory given by name or path: a non-empty single line."""
     if value is None:
         return None
@@ -42,7 +41,7 @@ def name_or_path(flag: str, value: object) -> Optional[str]:
     return text
 
 
-def existing_file(flag: str, value: object) -> Optional[Path]:
+def existing_file(flag: str, value: object) -> Path | None:
     if value is None:
         return None
     path = Path(str(value))

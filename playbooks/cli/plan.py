@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import TextIO
 
 from playbooks.cli.flags import UsageError
 from playbooks.cli.render import console, plan_json, render_plan
@@ -33,14 +33,14 @@ def _normalize_quant(quant: str) -> str:
 
 
 def run_plan(
-    recipe: Optional[str] = None,
-    gpu: Optional[str] = None,
-    model_config: Optional[str] = None,
-    ctx: Optional[int] = None,
-    parallel: Optional[int] = None,
-    quant: Optional[str] = None,
+    recipe: str | None = None,
+    gpu: str | None = None,
+    model_config: str | None = None,
+    ctx: int | None = None,
+    parallel: int | None = None,
+    quant: str | None = None,
     as_json: bool = False,
-    out: Optional[TextIO] = None,
+    out: TextIO | None = None,
 ) -> int:
     """Returns the exit code: 0 when the planned configuration fits, 1 when it does not."""
     out = out or sys.stdout
@@ -56,7 +56,8 @@ def run_plan(
         loaded = load_recipe(recipe)
         if ctx and ctx > loaded.shape.max_position_embeddings:
             raise VoltaforgeError(
-                f"--ctx {ctx} is above the model's maximum (max_position_embeddings {loaded.shape.max_position_embeddings})"
+                f"--ctx {ctx} is above the model's maximum "
+                f"(max_position_embeddings {loaded.shape.max_position_embeddings})"
             )
         plan = plan_recipe(loaded, gpu, ctx)
         label = loaded.recipe.name
@@ -65,7 +66,8 @@ def run_plan(
         context = ctx or min(4096, shape.max_position_embeddings)
         if context > shape.max_position_embeddings:
             raise VoltaforgeError(
-                f"--ctx {context} is above the model's maximum (max_position_embeddings {shape.max_position_embeddings})"
+                f"--ctx {context} is above the model's maximum "
+                f"(max_position_embeddings {shape.max_position_embeddings})"
             )
         quant = _normalize_quant(quant or "Q4_K_M")
         if quant not in quant_names() and not quant.startswith("EXL2-"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import TextIO
 
 from playbooks.cli.render import console, render_verdict, verdict_json
 from playbooks.config.inventory import resolve_host
@@ -14,11 +14,17 @@ from playbooks.host import connect
 from playbooks.steps.preflight import gather, judge
 
 
-def run_preflight(host_name: str, recipe: Optional[str] = None, as_json: bool = False,
-                  inventory: str | Path = "inventory.yaml", out: Optional[TextIO] = None) -> int:
+def run_preflight(
+    host_name: str,
+    recipe: str | None = None,
+    as_json: bool = False,
+    inventory: str | Path = "inventory.yaml",
+    out: TextIO | None = None,
+) -> int:
     out = out or sys.stdout
     spec = resolve_host(host_name, Path(inventory))
-    loaded = load_recipe(recipe or spec.recipe) if (recipe or spec.recipe) else None
+    recipe_name = recipe or spec.recipe
+    loaded = load_recipe(recipe_name) if recipe_name else None
     model_dir = f"{spec.prefix}/models"
     with connect(spec) as host:
         facts = gather(host, spec.prefix, model_dir)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Optional, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -25,7 +26,7 @@ from playbooks.steps.preflight import Verdict
 _gb = size_text
 
 
-def console(file: Optional[TextIO] = None, width: int = 120) -> Console:
+def console(file: TextIO | None = None, width: int = 120) -> Console:
     """The console every command prints to: a fixed width, so output is the same in a pipe."""
     return Console(file=file or sys.stdout, width=width)
 
@@ -63,8 +64,10 @@ def option_json(o: Option) -> dict[str, Any]:
 def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
     s = plan.serving
     # kv_bytes_per_token is the recipe's backend and cache type: the number a user plans with
-    kv = plan.chosen.kv_bytes_per_token if plan.chosen else next(
-        o.kv_bytes_per_token for o in plan.options if o.backend == s.backend
+    kv = (
+        plan.chosen.kv_bytes_per_token
+        if plan.chosen
+        else next(o.kv_bytes_per_token for o in plan.options if o.backend == s.backend)
     )
     return {
         "recipe": recipe,
@@ -138,10 +141,17 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             f"{c.roofline_tok_s:.0f} tok/s ({c.roofline_full_ctx_tok_s:.0f} tok/s with a full {s.context}-token cache)"
         )
     table = Table(title=f"Fit table: {s.context} tokens x {s.parallel} slot(s) on {plan.gpu.key}")
-    for col, just in [
-        ("quant", "left"), ("backend", "left"), ("file", "right"), ("bits/w", "right"),
-        ("VRAM", "right"), ("fits?", "left"), ("max ctx/slot", "right"), ("roofline tok/s", "right"),
-    ]:
+    columns: list[tuple[str, JustifyMethod]] = [
+        ("quant", "left"),
+        ("backend", "left"),
+        ("file", "right"),
+        ("bits/w", "right"),
+        ("VRAM", "right"),
+        ("fits?", "left"),
+        ("max ctx/slot", "right"),
+        ("roofline tok/s", "right"),
+    ]
+    for col, just in columns:
         table.add_column(col, justify=just)
     for o in plan.options:
         mark = ""
@@ -191,8 +201,10 @@ def render_verdict(v: Verdict, out: Console) -> None:
     f = v.facts
     head = Text()
     head.append(f.host, style="bold")
-    head.append(f": {f.os.pretty_name or 'unknown OS'}, {f.machine or '?'}, {f.nproc or '?'} CPUs, "
-                f"{(f.memory.mem_total_bytes or 0) / GIB:.1f} GiB RAM")
+    head.append(
+        f": {f.os.pretty_name or 'unknown OS'}, {f.machine or '?'}, {f.nproc or '?'} CPUs, "
+        f"{(f.memory.mem_total_bytes or 0) / GIB:.1f} GiB RAM"
+    )
     out.print(head)
     table = Table(title=Text(f"preflight {f.host}"))
     for col in ("check", "status", "detail", "fix"):
@@ -211,7 +223,7 @@ def render_verdict(v: Verdict, out: Console) -> None:
 _CHANGE_STYLE = {"changed": "yellow", "ok": "green", "failed": "bold red"}
 
 
-def render_report(changes: Sequence[Change], out: Optional[Console] = None) -> Table:
+def render_report(changes: Sequence[Change], out: Console | None = None) -> Table:
     """Print one table, host | step | status | why, and a count per host; returns the table."""
     out = out or console()
     table = Table(title="voltaforge: what changed")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from invoke import Collection, Context, task
 
@@ -35,7 +35,7 @@ DEFAULTS = {
 }
 
 
-def _cfg(c: Context, key: str, flag: Optional[str] = None) -> Any:
+def _cfg(c: Context, key: str, flag: str | None = None) -> Any:
     """The flag's value when given (even an empty one, which flags.py then refuses), else the
     configuration's, else the built-in default."""
     if flag is not None:
@@ -43,7 +43,9 @@ def _cfg(c: Context, key: str, flag: Optional[str] = None) -> Any:
     return c.config.get("voltaforge", {}).get(key, DEFAULTS["voltaforge"][key])
 
 
-HOST_HELP = "inventory name, ~/.ssh/config name, address or 'local' (default: voltaforge.host in invoke.yaml, else local)"
+HOST_HELP = (
+    "inventory name, ~/.ssh/config name, address or 'local' (default: voltaforge.host in invoke.yaml, else local)"
+)
 RECIPE_HELP = "recipe name (recipes/NAME.yaml) or path (default: voltaforge.recipe, else the inventory's)"
 INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.yaml)"
 
@@ -60,16 +62,25 @@ INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.
         "json": "print JSON instead of tables",
     },
 )
-def plan(c: Context, recipe: Optional[str] = None, gpu: Optional[str] = None, model_config: Optional[str] = None,
-         ctx: Optional[str] = None, parallel: Optional[str] = None, quant: Optional[str] = None,
-         json: bool = False) -> None:
+def plan(
+    c: Context,
+    recipe: str | None = None,
+    gpu: str | None = None,
+    model_config: str | None = None,
+    ctx: str | None = None,
+    parallel: str | None = None,
+    quant: str | None = None,
+    json: bool = False,
+) -> None:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
 
     def go() -> int:
         from playbooks.cli.plan import run_plan
 
         return run_plan(
-            recipe=flags.name_or_path("--recipe", recipe if (recipe is not None or model_config) else _cfg(c, "recipe")),
+            recipe=flags.name_or_path(
+                "--recipe", recipe if (recipe is not None or model_config) else _cfg(c, "recipe")
+            ),
             gpu=gpu,
             model_config=model_config,
             ctx=flags.positive_int("--ctx", ctx, "tokens"),
@@ -81,10 +92,18 @@ def plan(c: Context, recipe: Optional[str] = None, gpu: Optional[str] = None, mo
     run_command(go)
 
 
-@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "json": "print JSON instead of tables",
-                                   "inventory": INVENTORY_HELP})
-def preflight(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, json: bool = False,
-              inventory: Optional[str] = None) -> None:
+@task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "json": "print JSON instead of tables",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def preflight(
+    c: Context, host: str | None = None, recipe: str | None = None, json: bool = False, inventory: str | None = None
+) -> None:
     """Read a host's facts and judge them: each check with a fix; non-zero exit when blocked."""
 
     def go() -> int:
@@ -100,10 +119,18 @@ def preflight(c: Context, host: Optional[str] = None, recipe: Optional[str] = No
     run_command(go)
 
 
-@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP,
-                                   "dry-run": "print the exact commands and change nothing", "inventory": INVENTORY_HELP})
-def toolchain(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, dry_run: bool = False,
-              inventory: Optional[str] = None) -> None:
+@task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "dry-run": "print the exact commands and change nothing",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def toolchain(
+    c: Context, host: str | None = None, recipe: str | None = None, dry_run: bool = False, inventory: str | None = None
+) -> None:
     """Install the pinned CUDA toolkit and a venv with the pinned torch, idempotently."""
 
     def go() -> int:
@@ -119,10 +146,22 @@ def toolchain(c: Context, host: Optional[str] = None, recipe: Optional[str] = No
     run_command(go)
 
 
-@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP,
-                                   "dry-run": "print the exact commands and change nothing", "inventory": INVENTORY_HELP})
-def build(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, dry_run: bool = False,
-          inventory: Optional[str] = None) -> None:
+@task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "dry-run": "print the exact commands and change nothing",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def build(
+    c: Context,
+    host: str | None = None,
+    recipe: str | None = None,
+    dry_run: bool = False,
+    inventory: str | None = None,
+) -> None:
     """Build llama.cpp from the pinned source for the host's GPU arch, prove it, switch it in."""
 
     def go() -> int:
@@ -138,8 +177,10 @@ def build(c: Context, host: Optional[str] = None, recipe: Optional[str] = None, 
     run_command(go)
 
 
-@task(auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
-def test(c: Context, k: Optional[str] = None, fast: bool = False) -> None:
+@task(
+    auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"}
+)
+def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     """Run the test suite (what .ci/run runs): ruff, mypy, then pytest."""
     # the interpreter running invoke, so the venv's tools are used whatever PATH says
     py = shlex.quote(sys.executable)

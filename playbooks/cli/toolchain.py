@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from playbooks.cli.render import render_report
 from playbooks.config.inventory import resolve_host
@@ -18,8 +17,9 @@ from playbooks.plan.gpus import get_gpu
 from playbooks.steps.toolchain import toolchain_ops
 
 
-def run_toolchain(host_name: str, recipe: Optional[str] = None, dry_run: bool = False,
-                  inventory: str | Path = "inventory.yaml") -> int:
+def run_toolchain(
+    host_name: str, recipe: str | None = None, dry_run: bool = False, inventory: str | Path = "inventory.yaml"
+) -> int:
     spec = resolve_host(host_name, Path(inventory))
     name = recipe or spec.recipe
     if not name:

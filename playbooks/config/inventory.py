@@ -9,13 +9,13 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from playbooks.config.yamlfile import explain_validation, load_yaml
 from playbooks.errors import RecipeError
 from playbooks.plan.gpus import get_gpu, gpu_names
-from playbooks.config.yamlfile import explain_validation, load_yaml
 
 DEFAULT_INVENTORY = Path("inventory.yaml")
 DEFAULT_PREFIX = "/opt/voltaforge"
@@ -45,13 +45,13 @@ class HostSpec(BaseModel):
 
     name: str
     host: str = Field(description="address or name the SSH client connects to")
-    user: Optional[str] = None
+    user: str | None = None
     port: int = Field(22, ge=1, le=65535)
-    gpu: Optional[str] = None
-    recipe: Optional[str] = None
-    key_file: Optional[str] = None
-    known_hosts: Optional[str] = Field(None, description="known_hosts file to trust (default ~/.ssh/known_hosts)")
-    host_key: Optional[str] = Field(None, description="pinned public host key: 'ssh-ed25519 AAAA...'")
+    gpu: str | None = None
+    recipe: str | None = None
+    key_file: str | None = None
+    known_hosts: str | None = Field(None, description="known_hosts file to trust (default ~/.ssh/known_hosts)")
+    host_key: str | None = Field(None, description="pinned public host key: 'ssh-ed25519 AAAA...'")
     prefix: str = DEFAULT_PREFIX
     local: bool = False
 
@@ -132,7 +132,8 @@ def resolve_host(name: str, inventory: Path = DEFAULT_INVENTORY, ssh_config: Pat
     import paramiko
 
     cfg_path = ssh_config or Path.home() / ".ssh" / "config"
-    looked = {}
+    # paramiko's SSHConfigDict holds lists too (identityfile), though its stub says dict[str, str]
+    looked: dict[str, Any] = {}
     if cfg_path.exists():
         looked = paramiko.SSHConfig.from_path(str(cfg_path)).lookup(name)
     files = looked.get("identityfile") or [None]

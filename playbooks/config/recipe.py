@@ -10,18 +10,18 @@ import copy
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from playbooks.config.yamlfile import Lines, explain_validation, line_of, load_yaml
 from playbooks.errors import RecipeError
-from playbooks.resources import resource_dir
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
 from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.plan.gpus import get_gpu, gpu_names
 from playbooks.plan.kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file, shape_from_config
-from playbooks.config.yamlfile import Lines, explain_validation, line_of, load_yaml
+from playbooks.resources import resource_dir
 
 RECIPES_DIR = resource_dir("recipes")
 DEFAULTS_FILE = "defaults.yaml"
@@ -40,13 +40,13 @@ class _Strict(BaseModel):
 class ModelSource(_Strict):
     """Where the weights come from and what shape they have."""
 
-    repo: Optional[str] = Field(None, description="Hugging Face repo id, e.g. Qwen/Qwen2.5-32B-Instruct")
-    revision: Optional[str] = Field(None, description="pinned commit sha (40 hex) of the repo")
-    path: Optional[str] = Field(None, description="local directory with the weights instead of a repo")
-    config: Union[str, dict[str, Any], None] = Field(
+    repo: str | None = Field(None, description="Hugging Face repo id, e.g. Qwen/Qwen2.5-32B-Instruct")
+    revision: str | None = Field(None, description="pinned commit sha (40 hex) of the repo")
+    path: str | None = Field(None, description="local directory with the weights instead of a repo")
+    config: str | dict[str, Any] | None = Field(
         None, description="config.json: a file (relative to the recipe) or the JSON inline"
     )
-    generate: Optional[Literal["tiny-llama"]] = Field(
+    generate: Literal["tiny-llama"] | None = Field(
         None, description="generate a tiny random model (tests and the demo)"
     )
 
@@ -75,7 +75,9 @@ class ModelSource(_Strict):
         if len(sources) != 1:
             raise ValueError("give exactly one of repo (with revision), path or generate")
         if self.repo and not self.revision:
-            raise ValueError("repo needs a revision: a 40-hex commit sha pins it (a branch name is accepted and flagged)")
+            raise ValueError(
+                "repo needs a revision: a 40-hex commit sha pins it (a branch name is accepted and flagged)"
+            )
         if self.config is None:
             raise ValueError("config is required: a config.json file or the config inline, so plans need no download")
         return self
@@ -119,7 +121,7 @@ class Toolchain(_Strict):
     cuda: str = "11.8"
     torch: str = "2.7.1+cu118"
     torch_index: str = "https://download.pytorch.org/whl/cu118"
-    torch_find_links: Optional[str] = Field(None, description="a local wheel directory (offline hosts, tests)")
+    torch_find_links: str | None = Field(None, description="a local wheel directory (offline hosts, tests)")
     llamacpp_ref: str = "0c1e570"
     llamacpp_sdist: str = "llama-cpp-python==0.3.36"
     exllamav2: str = "0.3.2"
@@ -158,9 +160,7 @@ class Toolchain(_Strict):
 class Service(_Strict):
     bind: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
-    api_key_ref: Optional[str] = Field(
-        None, description="name of a secret file on the host (never the key itself)"
-    )
+    api_key_ref: str | None = Field(None, description="name of a secret file on the host (never the key itself)")
 
     @field_validator("bind")
     @classmethod
@@ -200,12 +200,12 @@ class Recipe(_Strict):
     model: ModelSource
     gpu: str
     backend: Literal["llamacpp", "exllamav2"]
-    quant: Union[Exl2Quant, str]
+    quant: Exl2Quant | str
     context: int = Field(gt=0, description="tokens per slot")
     parallel: int = Field(1, gt=0)
     cache: Cache = Cache()
     flash_attn: bool = True
-    draft: Optional[Draft] = None
+    draft: Draft | None = None
     toolchain: Toolchain = Toolchain()
     service: Service = Service()
     gate: Gate = Gate()
@@ -281,7 +281,7 @@ class LoadedRecipe(BaseModel):
     path: Path
     recipe: Recipe
     shape: ModelShape
-    draft_shape: Optional[ModelShape] = None
+    draft_shape: ModelShape | None = None
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -310,6 +310,7 @@ def _load_shape(src: ModelSource, recipe_path: Path, lines: Lines, loc: tuple) -
     where = f"{recipe_path}:{line}" if line else str(recipe_path)
     if isinstance(src.config, dict):
         return shape_from_config(src.config, where=f"{where}: {'.'.join(loc)}.config")
+    assert src.config is not None  # ModelSource._one_source requires it
     cfg_path = (recipe_path.parent / src.config).resolve()
     if not cfg_path.exists():
         raise RecipeError(f"{where}: {'.'.join(loc)}.config: file {src.config!r} not found (looked at {cfg_path})")
@@ -330,7 +331,9 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
         data = _deep_merge(defaults or {}, data)
     data.setdefault("name", path.stem)
     if "model" not in data:
-        raise RecipeError(f"{path}: model: missing; give model.repo + revision, model.path or model.generate, and model.config")
+        raise RecipeError(
+            f"{path}: model: missing; give model.repo + revision, model.path or model.generate, and model.config"
+        )
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 import re
+from pathlib import Path
 from typing import Any, get_args
 
 import yaml
@@ -65,15 +65,21 @@ def _allowed_keys(model: type[BaseModel] | None, loc: tuple) -> list[str]:
         if field is None:
             return []
         model = next(
-            (a for a in (field.annotation, *get_args(field.annotation))
-             if isinstance(a, type) and issubclass(a, BaseModel)),
+            (
+                a
+                for a in (field.annotation, *get_args(field.annotation))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
             None,
         )
     return list(model.model_fields) if model is not None else []
 
 
 def explain_validation(
-    exc: ValidationError, where: Path, lines: Lines, root: type[BaseModel] | None = None,
+    exc: ValidationError,
+    where: Path,
+    lines: Lines,
+    root: type[BaseModel] | None = None,
     prefix: tuple = (),
 ) -> RecipeError:
     """Turn pydantic's first error into one line: file:line: key: what is wrong.
@@ -84,8 +90,7 @@ def explain_validation(
     # A misspelt key also shows up as a missing one: report the unknown key, it explains both.
     err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = prefix + tuple(
-        p for p in err["loc"]
-        if not (isinstance(p, str) and (p.startswith("function-") or p in ("str", "Exl2Quant")))
+        p for p in err["loc"] if not (isinstance(p, str) and (p.startswith("function-") or p in ("str", "Exl2Quant")))
     )
     msg = err["msg"].removeprefix("Value error, ")
     # Cross-field checks raise at the model level; they name their key as "key: message".
@@ -97,7 +102,7 @@ def explain_validation(
     line = line_of(lines, loc)
     at = f"{where}:{line}" if line else str(where)
     if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(root, loc[len(prefix):-1])
+        allowed = _allowed_keys(root, loc[len(prefix) : -1])
         hint = f"; allowed here: {', '.join(allowed)}" if allowed else ""
         return RecipeError(f"{at}: unknown key {key!r}{hint}")
     got = err.get("input")

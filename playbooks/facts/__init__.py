@@ -7,15 +7,16 @@ reads of their own. Parsers are tested on captured real output, without a host.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Protocol
 
 
 class _Runs(Protocol):
-    def run(self, cmd: str, *, check: bool = ..., stream: bool = ...) -> "_Output": ...
+    def run(self, cmd: str, *, check: bool = ..., stream: bool = ...) -> _Output: ...
 
 
 class _Output(Protocol):
-    stdout: str
+    @property
+    def stdout(self) -> str: ...  # read-only: a frozen Result satisfies it
 
 
 def read_fact(host: _Runs, command: str) -> str:
@@ -23,6 +24,6 @@ def read_fact(host: _Runs, command: str) -> str:
     return host.run(command, check=False, stream=False).stdout
 
 
-def lines(text: Optional[str]) -> list[str]:
+def lines(text: str | None) -> list[str]:
     """Output split into lines whatever the line endings (CRLF from some tools, CR from others)."""
     return (text or "").replace("\r\n", "\n").replace("\r", "\n").split("\n")

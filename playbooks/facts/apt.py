@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 NONFREE_ENABLED_COMMAND = (
     "grep -rlsE '(^Components:.*|^deb .*)non-free' /etc/apt/sources.list /etc/apt/sources.list.d/ || true"
 )
@@ -18,7 +16,7 @@ DEBIAN_MIRROR_COMMAND = "sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.s
 _UNSAFE = set(" '\"$`\\;")
 
 
-def parse_debian_mirror(output: str) -> Optional[str]:
+def parse_debian_mirror(output: str) -> str | None:
     """The mirror of debian.sources, when it is a plain http(s) URL that is safe to write back."""
     mirror = output.strip()
     if not mirror.startswith(("http://", "https://")) or any(c in _UNSAFE for c in mirror):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any, Optional
+from typing import Any
 
 STAMP_NAME = "voltaforge-stamp.json"
 
@@ -14,7 +14,7 @@ def stamp_command(build_dir: str) -> str:
     return f"cat -- {shlex.quote(build_dir + '/' + STAMP_NAME)} 2>/dev/null || true"
 
 
-def parse_stamp(output: str) -> Optional[dict[str, Any]]:
+def parse_stamp(output: str) -> dict[str, Any] | None:
     """The stamp a finished, proven build wrote; None when absent or unreadable (a build that
     was interrupted never wrote one, so it does not count)."""
     try:
@@ -28,7 +28,7 @@ def readlink_command(path: str) -> str:
     return f"readlink -- {shlex.quote(path)} 2>/dev/null || true"
 
 
-def parse_readlink(output: str) -> Optional[str]:
+def parse_readlink(output: str) -> str | None:
     text = output.strip()
     return text or None
 
@@ -45,6 +45,6 @@ def parse_list_dir(output: str) -> tuple[str, ...]:
 CCACHE_COMMAND = "command -v ccache 2>/dev/null || true"
 
 
-def parse_ccache(output: str) -> Optional[str]:
+def parse_ccache(output: str) -> str | None:
     path = output.strip()
     return path if path.startswith("/") else None

@@ -14,9 +14,10 @@ Each fact: a read-only POSIX sh command (*_COMMAND, always exit 0) + a pure pars
 from __future__ import annotations
 
 import re
-from shlex import quote
 from collections import Counter
-from typing import Literal, Optional, Sequence
+from collections.abc import Sequence
+from shlex import quote
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -30,8 +31,6 @@ def _absent(program: str) -> str:
     return f"voltaforge: {program} not found"
 
 
-
-
 # --------------------------------------------------------------------------- nvcc --version
 
 
@@ -42,12 +41,12 @@ class CudaToolVersion(BaseModel):
 
     available: bool
     reason: str = ""
-    tool: Optional[str] = None  # 'nvcc', 'ptxas', 'cuobjdump' (from the first banner line)
-    release: Optional[tuple[int, int]] = None  # 'release 11.8' -> (11, 8)
-    version: Optional[str] = None  # 'V11.8.89'
-    version_tuple: Optional[tuple[int, ...]] = None  # (11, 8, 89)
-    build: Optional[str] = None  # 'cuda_11.8.r11.8/compiler.31833905_0'
-    built_on: Optional[str] = None  # 'Wed_Sep_21_10:33:58_PDT_2022'
+    tool: str | None = None  # 'nvcc', 'ptxas', 'cuobjdump' (from the first banner line)
+    release: tuple[int, int] | None = None  # 'release 11.8' -> (11, 8)
+    version: str | None = None  # 'V11.8.89'
+    version_tuple: tuple[int, ...] | None = None  # (11, 8, 89)
+    build: str | None = None  # 'cuda_11.8.r11.8/compiler.31833905_0'
+    built_on: str | None = None  # 'Wed_Sep_21_10:33:58_PDT_2022'
 
     @property
     def sm70_supported(self) -> bool:
@@ -82,26 +81,29 @@ def parse_nvcc_version(text: str) -> CudaToolVersion:
         if built_on is None and (m := _BUILT_ON.match(line)):
             built_on = m.group(1)
     if release is None or version is None:
-        first = next(l.strip() for l in lines(stripped) if l.strip())
-        return CudaToolVersion(available=False, tool=tool,
-                               reason=f"no 'release X.Y' line in version output: {first}")
+        first = next(ln.strip() for ln in lines(stripped) if ln.strip())
+        return CudaToolVersion(available=False, tool=tool, reason=f"no 'release X.Y' line in version output: {first}")
     return CudaToolVersion(
-        available=True, tool=tool, release=release, version=f"V{version}",
-        version_tuple=tuple(int(p) for p in version.split(".")), build=build, built_on=built_on,
+        available=True,
+        tool=tool,
+        release=release,
+        version=f"V{version}",
+        version_tuple=tuple(int(p) for p in version.split(".")),
+        build=build,
+        built_on=built_on,
     )
 
 
 def nvcc_version_command(nvcc: str = "nvcc") -> str:
     """`<nvcc> --version`, printing 'voltaforge: <nvcc> not found' instead of failing when there is none."""
     q = quote(nvcc)
-    return (f"if command -v {q} >/dev/null 2>&1; then {q} --version 2>&1 || true; "
-            f"else echo {quote(_absent(nvcc))}; fi")
+    return f"if command -v {q} >/dev/null 2>&1; then {q} --version 2>&1 || true; else echo {quote(_absent(nvcc))}; fi"
 
 
 NVCC_VERSION_COMMAND = nvcc_version_command("nvcc")
 
 
-def sm70_supported(release: Optional[tuple[int, int]]) -> bool:
+def sm70_supported(release: tuple[int, int] | None) -> bool:
     """Can a CUDA toolkit of this release compile sm_70 (V100) code?
 
     sm_70 arrived with Volta in CUDA 9.0, so anything older cannot target it. CUDA 12.x
@@ -120,14 +122,18 @@ def sm70_supported(release: Optional[tuple[int, int]]) -> bool:
 TOOLKIT_MARKER = "### voltaforge-tool"
 TOOLKIT_END = "### voltaforge-tool-end"
 STANDARD_TOOLKIT_DIRS: tuple[str, ...] = (
-    "/usr/local/cuda*/bin", "/opt/cuda/bin", "/usr/lib/nvidia-cuda-toolkit/bin", "/usr/bin",
+    "/usr/local/cuda*/bin",
+    "/opt/cuda/bin",
+    "/usr/lib/nvidia-cuda-toolkit/bin",
+    "/usr/bin",
 )
 
 # Lists every nvcc and ptxas on PATH (in PATH order: on_path_index 0 is the one a bare
 # `nvcc` runs) and then in the standard places (on_path_index '-'), each once, with its
 # resolved path and `--version` output between marker lines. POSIX sh: no `type -a`/`which
 # -a` (not in dash/busybox); PATH is split with IFS=: and globbing off.
-TOOLKITS_COMMAND = r"""vf_seen='
+TOOLKITS_COMMAND = (
+    r"""vf_seen='
 '
 vf_emit() {
   case "$vf_seen" in *"
@@ -151,13 +157,16 @@ for vf_kind in nvcc ptxas; do
     fi
   done
   IFS=$vf_ifs; set +f
-  for vf_dir in """ + " ".join(STANDARD_TOOLKIT_DIRS) + r"""; do
+  for vf_dir in """
+    + " ".join(STANDARD_TOOLKIT_DIRS)
+    + r"""; do
     if [ -f "$vf_dir/$vf_kind" ] && [ -x "$vf_dir/$vf_kind" ]; then
       vf_emit "$vf_kind" "$vf_dir/$vf_kind" - || :
     fi
   done
 done
 :"""
+)
 
 
 class Toolkit(BaseModel):
@@ -167,13 +176,13 @@ class Toolkit(BaseModel):
 
     path: str
     kind: Literal["nvcc", "ptxas"]
-    release: Optional[tuple[int, int]] = None
-    version: Optional[str] = None  # 'V13.0.88'
+    release: tuple[int, int] | None = None
+    version: str | None = None  # 'V13.0.88'
     # Position among this kind's matches in PATH order (0 = what a bare `nvcc` runs);
     # None = found only in a standard place, not on PATH.
-    on_path_index: Optional[int] = None
-    realpath: Optional[str] = None
-    error: Optional[str] = None  # why the version could not be read
+    on_path_index: int | None = None
+    realpath: str | None = None
+    error: str | None = None  # why the version could not be read
 
     @property
     def on_path(self) -> bool:
@@ -195,27 +204,34 @@ def parse_toolkits(text: str) -> list[Toolkit]:
     An empty list means no nvcc/ptxas anywhere. A tool whose --version is unreadable is kept
     with release None and `error` set (a broken wrapper is still worth reporting)."""
     result: list[Toolkit] = []
-    current: Optional[dict] = None
+    current: dict | None = None
     body: list[str] = []
 
     def finish() -> None:
         if current is None:
             return
         parsed = parse_nvcc_version("\n".join(body))
-        result.append(Toolkit(
-            release=parsed.release, version=parsed.version,
-            error=None if parsed.available else parsed.reason, **current,
-        ))
+        result.append(
+            Toolkit(
+                release=parsed.release,
+                version=parsed.version,
+                error=None if parsed.available else parsed.reason,
+                **current,
+            )
+        )
 
     for line in lines(text):
         if m := _TOOL_HEADER.match(line):
             finish()
             idx = m.group("idx")
-            current = {"kind": m.group("kind"), "path": m.group("path"),
-                       "on_path_index": None if idx == "-" else int(idx)}
+            current = {
+                "kind": m.group("kind"),
+                "path": m.group("path"),
+                "on_path_index": None if idx == "-" else int(idx),
+            }
             body = []
         elif current is not None and line.startswith("### realpath="):
-            current["realpath"] = line[len("### realpath="):] or None
+            current["realpath"] = line[len("### realpath=") :] or None
         elif line.strip() == TOOLKIT_END:
             finish()
             current = None
@@ -225,12 +241,12 @@ def parse_toolkits(text: str) -> list[Toolkit]:
     return result
 
 
-def first_on_path(toolkits: Sequence[Toolkit], kind: str) -> Optional[Toolkit]:
+def first_on_path(toolkits: Sequence[Toolkit], kind: str) -> Toolkit | None:
     """The nvcc/ptxas a bare command name runs (on_path_index 0), if any."""
     return next((t for t in toolkits if t.kind == kind and t.on_path_index == 0), None)
 
 
-def mixed_toolkits_warning(toolkits: Sequence[Toolkit]) -> Optional[str]:
+def mixed_toolkits_warning(toolkits: Sequence[Toolkit]) -> str | None:
     """A message when more than one CUDA release is installed.
 
     nvcc runs ptxas from its own directory when that holds one (NVIDIA layout) and otherwise
@@ -241,10 +257,15 @@ def mixed_toolkits_warning(toolkits: Sequence[Toolkit]) -> Optional[str]:
         return None
     names = ", ".join(f"{a}.{b}" for a, b in releases)
     ptxas = first_on_path(toolkits, "ptxas")
-    where = (f"; the ptxas first on PATH is {ptxas.path} (CUDA {ptxas.release[0]}.{ptxas.release[1]})"
-             if ptxas is not None and ptxas.release else "")
-    return (f"several CUDA releases installed ({names}){where}: set PATH, CUDA_HOME and CUDACXX "
-            f"to one toolkit before building")
+    where = (
+        f"; the ptxas first on PATH is {ptxas.path} (CUDA {ptxas.release[0]}.{ptxas.release[1]})"
+        if ptxas is not None and ptxas.release
+        else ""
+    )
+    return (
+        f"several CUDA releases installed ({names}){where}: set PATH, CUDA_HOME and CUDACXX "
+        f"to one toolkit before building"
+    )
 
 
 # --------------------------------------------------------------------------- cuobjdump
@@ -301,21 +322,19 @@ class NvccError(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    kind: Literal["unsupported_gpu_architecture", "ptxas_arch_not_defined",
-                  "unsupported_host_compiler"]
+    kind: Literal["unsupported_gpu_architecture", "ptxas_arch_not_defined", "unsupported_host_compiler"]
     tool: str  # 'nvcc', 'ptxas', or the host compiler's header ('crt/host_config.h')
-    arch: Optional[str] = None  # 'compute_70', 'sm_70'
+    arch: str | None = None  # 'compute_70', 'sm_70'
     line: str
     hint: str
 
     @property
     def is_volta(self) -> bool:
-        return bool(self.arch) and self.arch.endswith("_70")
+        return self.arch is not None and self.arch.endswith("_70")
 
 
 _ERR_UNSUPPORTED_ARCH = re.compile(r"nvcc fatal\s*:\s*Unsupported gpu architecture '(?P<arch>[^']+)'")
-_ERR_PTXAS_ARCH = re.compile(
-    r"ptxas fatal\s*:\s*Value '(?P<arch>[^']+)' is not defined for option 'gpu-name'")
+_ERR_PTXAS_ARCH = re.compile(r"ptxas fatal\s*:\s*Value '(?P<arch>[^']+)' is not defined for option 'gpu-name'")
 _ERR_HOST_GCC = re.compile(r"#error -- unsupported GNU version!.*")
 
 
@@ -323,27 +342,34 @@ def parse_nvcc_error(text: str) -> list[NvccError]:
     """Find the toolchain errors that matter for sm_70 in build output (one per line; a line
     repeated by make or by gcc's caret excerpt is reported once)."""
     errors: list[NvccError] = []
-    seen: set[tuple[str, Optional[str], str]] = set()
+    seen: set[tuple[str, str | None, str]] = set()
     for raw in lines(text):
         line = raw.strip()
         if m := _ERR_UNSUPPORTED_ARCH.search(line):
             err = NvccError(
-                kind="unsupported_gpu_architecture", tool="nvcc", arch=m.group("arch"), line=line,
+                kind="unsupported_gpu_architecture",
+                tool="nvcc",
+                arch=m.group("arch"),
+                line=line,
                 hint="this nvcc cannot target that GPU: sm_70 needs CUDA 9.0-12.x, not 13+",
             )
         elif m := _ERR_PTXAS_ARCH.search(line):
             err = NvccError(
-                kind="ptxas_arch_not_defined", tool="ptxas", arch=m.group("arch"), line=line,
+                kind="ptxas_arch_not_defined",
+                tool="ptxas",
+                arch=m.group("arch"),
+                line=line,
                 hint="nvcc ran a ptxas from another (newer) CUDA release found on PATH: "
-                     "put the toolkit's own bin directory first on PATH",
+                "put the toolkit's own bin directory first on PATH",
             )
         elif _ERR_HOST_GCC.search(line):
             if "host_config.h" not in line:
                 continue  # gcc's caret excerpt repeats the #error text without the file name
             err = NvccError(
-                kind="unsupported_host_compiler", tool="crt/host_config.h", line=line,
-                hint="host GCC too new for this CUDA release: use an older g++ via -ccbin "
-                     "(CUDA 11.8: g++-11)",
+                kind="unsupported_host_compiler",
+                tool="crt/host_config.h",
+                line=line,
+                hint="host GCC too new for this CUDA release: use an older g++ via -ccbin (CUDA 11.8: g++-11)",
             )
         else:
             continue
@@ -364,12 +390,12 @@ class GccVersion(BaseModel):
 
     available: bool
     reason: str = ""
-    program: Optional[str] = None  # 'gcc', 'g++-11' (None for -dumpfullversion output)
-    package_version: Optional[str] = None  # 'Debian 12.2.0-14+deb12u1'
-    version: Optional[tuple[int, ...]] = None  # (12, 2, 0)
+    program: str | None = None  # 'gcc', 'g++-11' (None for -dumpfullversion output)
+    package_version: str | None = None  # 'Debian 12.2.0-14+deb12u1'
+    version: tuple[int, ...] | None = None  # (12, 2, 0)
 
     @property
-    def major(self) -> Optional[int]:
+    def major(self) -> int | None:
         return self.version[0] if self.version else None
 
 
@@ -391,7 +417,9 @@ def parse_gcc_version(text: str) -> GccVersion:
             return GccVersion(available=True, version=tuple(int(p) for p in line.split(".")))
         if m := _GCC_BANNER.match(line):
             return GccVersion(
-                available=True, program=m.group("prog"), package_version=m.group("pkg"),
+                available=True,
+                program=m.group("prog"),
+                package_version=m.group("pkg"),
                 version=tuple(int(p) for p in m.group("ver").split(".")),
             )
     return GccVersion(available=False, reason=f"unrecognised gcc output: {lines(stripped)[0]}")
@@ -400,8 +428,10 @@ def parse_gcc_version(text: str) -> GccVersion:
 def gcc_version_command(compiler: str = "gcc") -> str:
     """`<compiler> --version` (first line only), printing 'voltaforge: <compiler> not found' when there is none."""
     q = quote(compiler)
-    return (f"if command -v {q} >/dev/null 2>&1; then {q} --version 2>&1 | head -n 1; "
-            f"else echo {quote(_absent(compiler))}; fi")
+    return (
+        f"if command -v {q} >/dev/null 2>&1; then {q} --version 2>&1 | head -n 1; "
+        f"else echo {quote(_absent(compiler))}; fi"
+    )
 
 
 GCC_VERSION_COMMAND = gcc_version_command("gcc")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ def stat_command(path: str) -> str:
     return f"if [ -e {q} ]; then stat -L -c '%F|%a|%U|%G' -- {q}; else echo missing; fi"
 
 
-def parse_stat(output: str) -> Optional[FileStat]:
+def parse_stat(output: str) -> FileStat | None:
     """Parse ``stat_command`` output: None when the path does not exist."""
     text = output.strip()
     if text == "missing":
@@ -39,7 +38,7 @@ def sha256_command(path: str) -> str:
     return f"if [ -f {q} ]; then sha256sum < {q}; else echo missing; fi"
 
 
-def parse_sha256(output: str) -> Optional[str]:
+def parse_sha256(output: str) -> str | None:
     """Hex SHA-256 of a regular file, None when there is none (or the output is not a hash)."""
     word = (output.split() or [""])[0]
     return word if len(word) == 64 and all(c in "0123456789abcdef" for c in word) else None
@@ -48,8 +47,10 @@ def parse_sha256(output: str) -> Optional[str]:
 def writable_command(path: str) -> str:
     """Prints 'yes' when the login user can write ``path`` or, if it is missing, its parent."""
     parent = path.rsplit("/", 1)[0] or "/"
-    return (f"if test -w {shlex.quote(path)} || {{ ! test -e {shlex.quote(path)} && test -w {shlex.quote(parent)}; }}; "
-            "then echo yes; else echo no; fi")
+    return (
+        f"if test -w {shlex.quote(path)} || {{ ! test -e {shlex.quote(path)} && test -w {shlex.quote(parent)}; }}; "
+        "then echo yes; else echo no; fi"
+    )
 
 
 def parse_writable(output: str) -> bool:

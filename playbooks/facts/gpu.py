@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import re
-from shlex import quote
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from shlex import quote
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -32,33 +33,33 @@ class GpuInfo(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     index: int
-    name: Optional[str] = None
+    name: str | None = None
     # nvidia-smi's table truncates long names ('Tesla V100-SXM2...'); the name is then a prefix.
     name_truncated: bool = False
-    uuid: Optional[str] = None
-    pci_bus_id: Optional[str] = None
-    compute_capability: Optional[tuple[int, int]] = None
-    architecture: Optional[str] = None  # 'Volta' (nvidia-smi -q 'Product Architecture')
-    memory_total_mib: Optional[int] = None
-    memory_used_mib: Optional[int] = None
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    compute_capability: tuple[int, int] | None = None
+    architecture: str | None = None  # 'Volta' (nvidia-smi -q 'Product Architecture')
+    memory_total_mib: int | None = None
+    memory_used_mib: int | None = None
     # From the table this is total - used; nvidia-smi/NVML 'free' also excludes reserved memory.
-    memory_free_mib: Optional[int] = None
-    driver_version: Optional[str] = None
-    temperature_c: Optional[int] = None
-    power_draw_w: Optional[float] = None
-    power_limit_w: Optional[float] = None  # the limit in force (enforced/current)
-    power_min_limit_w: Optional[float] = None
-    power_max_limit_w: Optional[float] = None
-    sm_clock_mhz: Optional[int] = None
-    max_sm_clock_mhz: Optional[int] = None
-    mem_clock_mhz: Optional[int] = None
-    max_mem_clock_mhz: Optional[int] = None
-    persistence_mode: Optional[bool] = None
-    pcie_gen: Optional[int] = None
-    pcie_width: Optional[int] = None
+    memory_free_mib: int | None = None
+    driver_version: str | None = None
+    temperature_c: int | None = None
+    power_draw_w: float | None = None
+    power_limit_w: float | None = None  # the limit in force (enforced/current)
+    power_min_limit_w: float | None = None
+    power_max_limit_w: float | None = None
+    sm_clock_mhz: int | None = None
+    max_sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    max_mem_clock_mhz: int | None = None
+    persistence_mode: bool | None = None
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
     # Active clock throttle ("event") reasons, normalised ('idle', 'sw_power_cap',
     # 'hw_thermal_slowdown', ...); None when the source does not report them at all.
-    clocks_event_reasons: Optional[tuple[str, ...]] = None
+    clocks_event_reasons: tuple[str, ...] | None = None
 
     @property
     def is_volta(self) -> bool:
@@ -66,7 +67,7 @@ class GpuInfo(BaseModel):
         return self.compute_capability == (7, 0)
 
     @property
-    def memory_total_bytes(self) -> Optional[int]:
+    def memory_total_bytes(self) -> int | None:
         return None if self.memory_total_mib is None else self.memory_total_mib * 2**20
 
     @property
@@ -90,12 +91,12 @@ class GpuFacts(BaseModel):
     reason: str = ""
     source: Source = "none"
     gpus: tuple[GpuInfo, ...] = ()
-    driver_version: Optional[str] = None
+    driver_version: str | None = None
     # Newest CUDA the driver supports ('CUDA Version: 12.8' in the nvidia-smi header).
-    cuda_driver_version: Optional[tuple[int, int]] = None
+    cuda_driver_version: tuple[int, int] | None = None
     # nvidia-smi older than ~R510 rejects the compute_cap field: rerun with the legacy query.
     needs_legacy_query: bool = False
-    invalid_field: Optional[str] = None
+    invalid_field: str | None = None
     # The output ended before the GPU section closed (e.g. a cut-off paste): more GPUs may exist.
     truncated: bool = False
     warnings: tuple[str, ...] = ()
@@ -135,7 +136,7 @@ _NAME_TO_CC: tuple[tuple[re.Pattern[str], tuple[int, int]], ...] = tuple(
 _ARCH_TO_CC = {"volta": (7, 0)}
 
 
-def compute_capability_from_name(name: Optional[str]) -> Optional[tuple[int, int]]:
+def compute_capability_from_name(name: str | None) -> tuple[int, int] | None:
     """Compute capability from a GPU name ('Tesla V100-SXM2...' -> (7, 0)); None if unknown."""
     if not name:
         return None
@@ -159,8 +160,7 @@ CLOCKS_EVENT_REASON_BITS: dict[int, str] = {
 }
 
 THROTTLE_REASONS = frozenset(
-    {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
-     "hw_power_brake_slowdown"}
+    {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
 )
 
 
@@ -182,18 +182,29 @@ def _normalise_reason(label: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", label.strip().lower()).strip("_")
 
 
-_MISSING_VALUES = {"", "n/a", "[n/a]", "[not supported]", "not supported", "[unknown error]",
-                   "[insufficient permissions]", "[gpu is lost]", "err!", "[err!]", "unknown"}
+_MISSING_VALUES = {
+    "",
+    "n/a",
+    "[n/a]",
+    "[not supported]",
+    "not supported",
+    "[unknown error]",
+    "[insufficient permissions]",
+    "[gpu is lost]",
+    "err!",
+    "[err!]",
+    "unknown",
+}
 
 
-def _clean(value: Optional[str]) -> Optional[str]:
+def _clean(value: str | None) -> str | None:
     if value is None:
         return None
     value = value.strip()
     return None if value.lower() in _MISSING_VALUES else value
 
 
-def _number(value: Optional[str]) -> Optional[float]:
+def _number(value: str | None) -> float | None:
     """Leading number of a value with or without unit ('16384 MiB', '300.00 W', '32 C', '16x')."""
     value = _clean(value)
     if value is None:
@@ -202,12 +213,12 @@ def _number(value: Optional[str]) -> Optional[float]:
     return float(m.group()) if m else None
 
 
-def _int(value: Optional[str]) -> Optional[int]:
+def _int(value: str | None) -> int | None:
     number = _number(value)
     return None if number is None else int(number)
 
 
-def _bool(value: Optional[str]) -> Optional[bool]:
+def _bool(value: str | None) -> bool | None:
     value = _clean(value)
     if value is None:
         return None
@@ -219,20 +230,18 @@ def _bool(value: Optional[str]) -> Optional[bool]:
     return None
 
 
-def _cc(value: Optional[str]) -> Optional[tuple[int, int]]:
+def _cc(value: str | None) -> tuple[int, int] | None:
     value = _clean(value)
     m = re.fullmatch(r"(\d+)\.(\d+)", value or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _major_minor(value: Optional[str]) -> Optional[tuple[int, int]]:
+def _major_minor(value: str | None) -> tuple[int, int] | None:
     m = re.match(r"(\d+)\.(\d+)", _clean(value) or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-
-
-def _nvidia_smi_failure(text: Optional[str]) -> Optional[GpuFacts]:
+def _nvidia_smi_failure(text: str | None) -> GpuFacts | None:
     """The outputs that mean 'no usable GPU' whatever was asked of nvidia-smi."""
     stripped = (text or "").strip()
     if not stripped:
@@ -259,10 +268,25 @@ def _nvidia_smi_command(args: str) -> str:
 # The fields voltaforge asks for, in order. clocks_throttle_reasons.active is the old name of
 # clocks_event_reasons.active; the old name is the one drivers back to R384 know.
 QUERY_FIELDS: tuple[str, ...] = (
-    "index", "name", "uuid", "pci.bus_id", "compute_cap", "driver_version",
-    "memory.total", "memory.used", "memory.free", "temperature.gpu",
-    "power.draw", "power.limit", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem",
-    "persistence_mode", "pcie.link.gen.current", "pcie.link.width.current",
+    "index",
+    "name",
+    "uuid",
+    "pci.bus_id",
+    "compute_cap",
+    "driver_version",
+    "memory.total",
+    "memory.used",
+    "memory.free",
+    "temperature.gpu",
+    "power.draw",
+    "power.limit",
+    "clocks.sm",
+    "clocks.max.sm",
+    "clocks.mem",
+    "clocks.max.mem",
+    "persistence_mode",
+    "pcie.link.gen.current",
+    "pcie.link.width.current",
     "clocks_throttle_reasons.active",
 )
 # Drivers before ~R510 (e.g. 470.182.03) reject compute_cap and then print NOTHING else:
@@ -280,8 +304,11 @@ NVIDIA_SMI_CSV_LEGACY_COMMAND = nvidia_smi_csv_command(QUERY_FIELDS_LEGACY)
 
 # Alternative spellings nvidia-smi accepts (and prints in CSV headers) for the same value.
 _FIELD_ALIASES = {
-    "gpu_name": "name", "gpu_uuid": "uuid", "gpu_bus_id": "pci.bus_id",
-    "clocks.current.sm": "clocks.sm", "clocks.current.memory": "clocks.mem",
+    "gpu_name": "name",
+    "gpu_uuid": "uuid",
+    "gpu_bus_id": "pci.bus_id",
+    "clocks.current.sm": "clocks.sm",
+    "clocks.current.memory": "clocks.mem",
     "clocks.max.memory": "clocks.max.mem",
     "clocks_event_reasons.active": "clocks_throttle_reasons.active",
     "enforced.power.limit": "power.limit",
@@ -291,7 +318,7 @@ _INVALID_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
 _HEADER_CELL = re.compile(r"[a-z_][a-z0-9_.]*")
 
 
-def _csv_row_to_gpu(row: dict[str, Optional[str]], position: int) -> GpuInfo:
+def _csv_row_to_gpu(row: Mapping[str, str], position: int) -> GpuInfo:
     index = _int(row.get("index"))
     name = _clean(row.get("name"))
     cc = _cc(row.get("compute_cap")) or compute_capability_from_name(name)
@@ -326,7 +353,7 @@ def _csv_row_to_gpu(row: dict[str, Optional[str]], position: int) -> GpuInfo:
     )
 
 
-def parse_nvidia_smi_csv(text: str, fields: Optional[Sequence[str]] = QUERY_FIELDS) -> GpuFacts:
+def parse_nvidia_smi_csv(text: str, fields: Sequence[str] | None = QUERY_FIELDS) -> GpuFacts:
     """Parse `nvidia-smi --query-gpu=<fields> --format=csv[,noheader][,nounits]`.
 
     `fields` is the list the command asked for. A header line (plain `--format=csv`) takes
@@ -342,7 +369,10 @@ def parse_nvidia_smi_csv(text: str, fields: Optional[Sequence[str]] = QUERY_FIEL
         if m:
             field = m.group(1)
             return GpuFacts(
-                available=False, source="nvidia-smi", reason=line.strip(), invalid_field=field,
+                available=False,
+                source="nvidia-smi",
+                reason=line.strip(),
+                invalid_field=field,
                 needs_legacy_query=field == "compute_cap",
             )
 
@@ -362,20 +392,25 @@ def parse_nvidia_smi_csv(text: str, fields: Optional[Sequence[str]] = QUERY_FIEL
         if columns is None or len(cells) != len(columns):
             warnings.append(f"ignored line: {line.strip()}")
             continue
-        row = dict(zip(columns, cells))
+        row = dict(zip(columns, cells, strict=True))
         if "index" in row and _int(row["index"]) is None:
             warnings.append(f"ignored line: {line.strip()}")
             continue
         gpus.append(_csv_row_to_gpu(row, len(gpus)))
 
     if not gpus:
-        first = next((l.strip() for l in lines(text) if l.strip()), "")
-        return GpuFacts(available=False, source="nvidia-smi",
-                        reason=f"no GPU rows in nvidia-smi CSV output: {first}",
-                        warnings=tuple(warnings))
+        first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
+        return GpuFacts(
+            available=False,
+            source="nvidia-smi",
+            reason=f"no GPU rows in nvidia-smi CSV output: {first}",
+            warnings=tuple(warnings),
+        )
     drivers = {g.driver_version for g in gpus if g.driver_version}
     return GpuFacts(
-        available=True, source="nvidia-smi", gpus=tuple(gpus),
+        available=True,
+        source="nvidia-smi",
+        gpus=tuple(gpus),
         driver_version=drivers.pop() if len(drivers) == 1 else None,
         warnings=tuple(warnings),
     )
@@ -433,14 +468,16 @@ def parse_nvidia_smi_table(text: str) -> GpuFacts:
         if (m := _TABLE_ROW1.match(cells[0])) and len(cells) >= 2:
             bus = _TABLE_BUS.search(cells[1])
             name = m.group(2).strip()
-            gpus.append({
-                "index": int(m.group(1)),
-                "name": name[:-3].rstrip() if name.endswith("...") else name,
-                "name_truncated": name.endswith("..."),
-                "persistence_mode": _bool(m.group(3)),
-                "pci_bus_id": bus.group(1) if bus else None,
-                "driver_version": driver,
-            })
+            gpus.append(
+                {
+                    "index": int(m.group(1)),
+                    "name": name[:-3].rstrip() if name.endswith("...") else name,
+                    "name_truncated": name.endswith("..."),
+                    "persistence_mode": _bool(m.group(3)),
+                    "pci_bus_id": bus.group(1) if bus else None,
+                    "driver_version": driver,
+                }
+            )
             closed = False
             continue
         if gpus and (m := _TABLE_ROW2.match(cells[0])):
@@ -450,24 +487,26 @@ def parse_nvidia_smi_table(text: str) -> GpuFacts:
             gpu["power_limit_w"] = _number(m.group("cap"))
             if len(cells) >= 2 and (mem := _TABLE_MEM.search(cells[1])):
                 used, total = int(mem.group(1)), int(mem.group(2))
-                gpu.update(memory_used_mib=used, memory_total_mib=total,
-                           memory_free_mib=total - used)
+                gpu.update(memory_used_mib=used, memory_total_mib=total, memory_free_mib=total - used)
     if driver is None:
-        first = next((l.strip() for l in lines(text) if l.strip()), "")
-        return GpuFacts(available=False, source="nvidia-smi",
-                        reason=f"no nvidia-smi table header in output: {first}")
+        first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
+        return GpuFacts(available=False, source="nvidia-smi", reason=f"no nvidia-smi table header in output: {first}")
     infos = []
     for gpu in gpus:
         name = gpu["name"]
         infos.append(GpuInfo(compute_capability=compute_capability_from_name(name), **gpu))
     # A complete table closes every GPU block with a '+---' border line.
     truncated = bool(gpus) and not closed
-    warnings = ("output ends inside the GPU section (truncated): more GPUs may exist",) \
-        if truncated else ()
+    warnings = ("output ends inside the GPU section (truncated): more GPUs may exist",) if truncated else ()
     return GpuFacts(
-        available=bool(infos), reason="" if infos else "nvidia-smi table lists no GPU",
-        source="nvidia-smi", gpus=tuple(infos), driver_version=driver,
-        cuda_driver_version=cuda, truncated=truncated, warnings=warnings,
+        available=bool(infos),
+        reason="" if infos else "nvidia-smi table lists no GPU",
+        source="nvidia-smi",
+        gpus=tuple(infos),
+        driver_version=driver,
+        cuda_driver_version=cuda,
+        truncated=truncated,
+        warnings=warnings,
     )
 
 
@@ -480,9 +519,8 @@ _Q_KEY_VALUE = re.compile(r"^(?P<indent> *)(?P<key>[^:]*?[^:\s])\s*:\s?(?P<value
 _REASON_SECTIONS = ("Clocks Event Reasons", "Clocks Throttle Reasons")
 
 
-def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: Optional[str],
-           driver: Optional[str]) -> GpuInfo:
-    def get(*paths: tuple[str, ...]) -> Optional[str]:
+def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: str | None, driver: str | None) -> GpuInfo:
+    def get(*paths: tuple[str, ...]) -> str | None:
         for path in paths:
             if path in values:
                 return values[path]
@@ -491,12 +529,11 @@ def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: Optional[str],
     name = _clean(get(("Product Name",)))
     arch = _clean(get(("Product Architecture",)))
     cc = compute_capability_from_name(name) or _ARCH_TO_CC.get((arch or "").lower())
-    reasons: Optional[tuple[str, ...]] = None
+    reasons: tuple[str, ...] | None = None
     for section in _REASON_SECTIONS:
         entries = [(p[1], v) for p, v in values.items() if len(p) == 2 and p[0] == section]
         if entries:
-            reasons = tuple(_normalise_reason(k) for k, v in entries
-                            if v.strip().lower() == "active")
+            reasons = tuple(_normalise_reason(k) for k, v in entries if v.strip().lower() == "active")
             break
     power = ("Power Readings", "GPU Power Readings")
     return GpuInfo(
@@ -511,10 +548,12 @@ def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: Optional[str],
         memory_free_mib=_int(get(("FB Memory Usage", "Free"))),
         driver_version=driver,
         temperature_c=_int(get(("Temperature", "GPU Current Temp"))),
-        power_draw_w=_number(get(*[(s, k) for s in power for k in (
-            "Power Draw", "Instantaneous Power Draw", "Average Power Draw")])),
-        power_limit_w=_number(get(*[(s, k) for s in power for k in (
-            "Enforced Power Limit", "Current Power Limit", "Power Limit")])),
+        power_draw_w=_number(
+            get(*[(s, k) for s in power for k in ("Power Draw", "Instantaneous Power Draw", "Average Power Draw")])
+        ),
+        power_limit_w=_number(
+            get(*[(s, k) for s in power for k in ("Enforced Power Limit", "Current Power Limit", "Power Limit")])
+        ),
         power_min_limit_w=_number(get(*[(s, "Min Power Limit") for s in power])),
         power_max_limit_w=_number(get(*[(s, "Max Power Limit") for s in power])),
         sm_clock_mhz=_int(get(("Clocks", "SM"))),
@@ -540,7 +579,7 @@ def parse_nvidia_smi_q(text: str) -> GpuFacts:
     if failure is not None:
         return failure
     top: dict[str, str] = {}
-    blocks: list[tuple[Optional[str], dict[tuple[str, ...], str]]] = []
+    blocks: list[tuple[str | None, dict[tuple[str, ...], str]]] = []
     stack: list[tuple[int, str]] = []
     warnings: list[str] = []
     for line in lines(text):
@@ -592,8 +631,7 @@ _PROBE_NO_PYTHON = '{"source": "none", "reason": "python3 not found"}'
 
 # Feed the probe on stdin (`ssh host "$GPU_PROBE_STDIN_COMMAND" < gpu_probe.py`): no file push.
 GPU_PROBE_STDIN_COMMAND = (
-    "if command -v python3 >/dev/null 2>&1; then python3 - 2>&1 || true; "
-    f"else echo '{_PROBE_NO_PYTHON}'; fi"
+    f"if command -v python3 >/dev/null 2>&1; then python3 - 2>&1 || true; else echo '{_PROBE_NO_PYTHON}'; fi"
 )
 
 
@@ -609,12 +647,14 @@ def gpu_probe_command(remote_path: str) -> str:
 def parse_gpu_probe_json(text: str) -> GpuFacts:
     """Parse the probe's one JSON line (the last line starting with '{'; other lines are noise
     such as a vGPU shim's messages). Anything unreadable gives available=False."""
-    candidates = [l.strip() for l in lines(text) if l.strip().startswith("{")]
+    candidates = [ln.strip() for ln in lines(text) if ln.strip().startswith("{")]
     if not candidates:
-        first = next((l.strip() for l in lines(text) if l.strip()), "")
-        return GpuFacts(available=False, source="none",
-                        reason=f"GPU probe printed no JSON: {first}" if first
-                        else "GPU probe printed nothing")
+        first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
+        return GpuFacts(
+            available=False,
+            source="none",
+            reason=f"GPU probe printed no JSON: {first}" if first else "GPU probe printed nothing",
+        )
     try:
         data = json.loads(candidates[-1])
     except ValueError as exc:
@@ -640,8 +680,11 @@ def parse_gpu_probe_json(text: str) -> GpuFacts:
         fields = {k: v for k, v in raw.items() if k in GpuInfo.model_fields and v is not None}
         fields.setdefault("index", position)
         cc = fields.get("compute_capability")
-        fields["compute_capability"] = (tuple(cc) if isinstance(cc, (list, tuple)) and len(cc) == 2
-                                        else compute_capability_from_name(fields.get("name")))
+        fields["compute_capability"] = (
+            tuple(cc)
+            if isinstance(cc, (list, tuple)) and len(cc) == 2
+            else compute_capability_from_name(fields.get("name"))
+        )
         mask = raw.get("clocks_event_reasons_mask")
         if isinstance(mask, int):
             fields["clocks_event_reasons"] = decode_clocks_event_reasons(mask)

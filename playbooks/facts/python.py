@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-from typing import Optional
 
 
 def package_version_command(venv: str, package: str) -> str:
@@ -11,7 +10,7 @@ def package_version_command(venv: str, package: str) -> str:
     return f"{shlex.quote(venv + '/bin/python')} -c {shlex.quote(code)} 2>/dev/null || true"
 
 
-def parse_package_version(output: str) -> Optional[str]:
+def parse_package_version(output: str) -> str | None:
     """The installed version, None when the venv or the package is missing."""
     text = output.strip()
     return text.splitlines()[-1] if text else None

@@ -14,8 +14,8 @@ plus a pure parser that returns an explicit "absent" value instead of raising.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from shlex import quote
-from typing import Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -24,13 +24,10 @@ from playbooks.facts import lines
 _ABSENT = re.compile(r"^voltaforge: (.+) not found$", re.MULTILINE)
 
 
-
-
 # --------------------------------------------------------------------------- os-release
 
 OS_RELEASE_COMMAND = (
-    "cat /etc/os-release 2>/dev/null || cat /usr/lib/os-release 2>/dev/null "
-    "|| echo 'voltaforge: os-release not found'"
+    "cat /etc/os-release 2>/dev/null || cat /usr/lib/os-release 2>/dev/null || echo 'voltaforge: os-release not found'"
 )
 
 
@@ -39,11 +36,11 @@ class OsRelease(BaseModel):
 
     available: bool
     reason: str = ""
-    id: Optional[str] = None  # 'debian', 'ubuntu'
+    id: str | None = None  # 'debian', 'ubuntu'
     id_like: tuple[str, ...] = ()
-    version_id: Optional[str] = None  # '12', '22.04'
-    codename: Optional[str] = None  # 'bookworm'
-    pretty_name: Optional[str] = None
+    version_id: str | None = None  # '12', '22.04'
+    codename: str | None = None  # 'bookworm'
+    pretty_name: str | None = None
 
 
 def _unquote(value: str) -> str:
@@ -94,7 +91,7 @@ def disk_free_command(paths: Sequence[str]) -> str:
     quoted = " ".join(quote(p) for p in paths)
     return (
         f"for vf_p in {quoted}; do "
-        'vf_q=$vf_p; '
+        "vf_q=$vf_p; "
         'while [ ! -e "$vf_q" ] && [ "$vf_q" != / ] && [ "$vf_q" != . ]; do '
         'vf_q=$(dirname -- "$vf_q"); done; '
         f'echo "{DF_PATH_MARKER}$vf_p"; echo "{DF_EXISTING_MARKER}$vf_q"; '
@@ -108,12 +105,12 @@ class DiskFree(BaseModel):
 
     path: str  # the path asked about
     existing_path: str  # the path df was run on (path itself, or its nearest existing parent)
-    filesystem: Optional[str] = None
-    size_bytes: Optional[int] = None
-    used_bytes: Optional[int] = None
-    available_bytes: Optional[int] = None  # what an unprivileged user can still write
-    mount_point: Optional[str] = None
-    error: Optional[str] = None
+    filesystem: str | None = None
+    size_bytes: int | None = None
+    used_bytes: int | None = None
+    available_bytes: int | None = None  # what an unprivileged user can still write
+    mount_point: str | None = None
+    error: str | None = None
 
     @property
     def exists(self) -> bool:
@@ -129,30 +126,35 @@ def parse_df(text: str) -> dict[str, DiskFree]:
     """Parse disk_free_command() output (or plain `df -P -B1` output, keyed by mount point)
     into {asked path: DiskFree}."""
     result: dict[str, DiskFree] = {}
-    path: Optional[str] = None
-    existing: Optional[str] = None
+    path: str | None = None
+    existing: str | None = None
     errors: list[str] = []
 
     def close() -> None:
         if path is not None and path not in result:
-            result[path] = DiskFree(path=path, existing_path=existing or path,
-                                    error="; ".join(errors) or "no df output")
+            result[path] = DiskFree(
+                path=path, existing_path=existing or path, error="; ".join(errors) or "no df output"
+            )
 
     for line in lines(text):
         if line.startswith(DF_PATH_MARKER):
             close()
-            path, existing, errors = line[len(DF_PATH_MARKER):], None, []
+            path, existing, errors = line[len(DF_PATH_MARKER) :], None, []
             continue
         if line.startswith(DF_EXISTING_MARKER):
-            existing = line[len(DF_EXISTING_MARKER):]
+            existing = line[len(DF_EXISTING_MARKER) :]
             continue
         m = _DF_ROW.match(line.strip())
         if m:
             key = path if path is not None else m.group("mount")
             result[key] = DiskFree(
-                path=key, existing_path=existing or key, filesystem=m.group("fs"),
-                size_bytes=int(m.group("size")), used_bytes=int(m.group("used")),
-                available_bytes=int(m.group("avail")), mount_point=m.group("mount"),
+                path=key,
+                existing_path=existing or key,
+                filesystem=m.group("fs"),
+                size_bytes=int(m.group("size")),
+                used_bytes=int(m.group("used")),
+                available_bytes=int(m.group("avail")),
+                mount_point=m.group("mount"),
             )
         elif line.strip() and not line.startswith("Filesystem"):
             errors.append(line.strip())
@@ -170,11 +172,11 @@ class MemInfo(BaseModel):
 
     available: bool
     reason: str = ""
-    mem_total_bytes: Optional[int] = None
+    mem_total_bytes: int | None = None
     # Kernel's estimate of memory usable without swapping (absent before Linux 3.14).
-    mem_available_bytes: Optional[int] = None
-    swap_total_bytes: Optional[int] = None
-    swap_free_bytes: Optional[int] = None
+    mem_available_bytes: int | None = None
+    swap_total_bytes: int | None = None
+    swap_free_bytes: int | None = None
 
 
 def parse_meminfo(text: str) -> MemInfo:
@@ -209,8 +211,8 @@ class PythonVersion(BaseModel):
 
     available: bool
     reason: str = ""
-    path: Optional[str] = None
-    version: Optional[tuple[int, ...]] = None  # (3, 11, 2)
+    path: str | None = None
+    version: tuple[int, ...] | None = None  # (3, 11, 2)
 
     @property
     def runs_gpu_probe(self) -> bool:
@@ -226,7 +228,7 @@ def parse_python_version(text: str) -> PythonVersion:
     for line in lines(text):
         line = line.strip()
         if line.startswith("path="):
-            path = line[len("path="):] or None
+            path = line[len("path=") :] or None
         elif m := re.match(r"^Python (\d+(?:\.\d+)*)", line):
             version = tuple(int(p) for p in m.group(1).split("."))
     if version is None:
@@ -256,37 +258,37 @@ class SystemdState(BaseModel):
     systemd_running: bool
     booted: bool  # /run/systemd/system present
     systemctl_present: bool
-    state: Optional[str] = None  # `systemctl is-system-running`: running, degraded, offline, ...
+    state: str | None = None  # `systemctl is-system-running`: running, degraded, offline, ...
 
 
 def parse_systemd(text: str) -> SystemdState:
     """Parse SYSTEMD_COMMAND output. systemd_running = booted with systemd and in a usable state."""
     booted = False
-    state: Optional[str] = None
+    state: str | None = None
     present = False
     for line in lines(text):
         line = line.strip()
         if line.startswith("booted="):
             booted = line == "booted=yes"
         elif line.startswith("state="):
-            value = line[len("state="):].strip()
+            value = line[len("state=") :].strip()
             present = value != "no-systemctl"
             state = value if present and value else None
     return SystemdState(
         systemd_running=booted and state in SYSTEMD_USABLE_STATES,
-        booted=booted, systemctl_present=present, state=state,
+        booted=booted,
+        systemctl_present=present,
+        state=state,
     )
 
 
 # --------------------------------------------------------------------------- CPUs, arch
 
-NPROC_COMMAND = (
-    "nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 'voltaforge: nproc not found'"
-)
+NPROC_COMMAND = "nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 'voltaforge: nproc not found'"
 UNAME_MACHINE_COMMAND = "uname -m 2>/dev/null || echo 'voltaforge: uname not found'"
 
 
-def parse_nproc(text: str) -> Optional[int]:
+def parse_nproc(text: str) -> int | None:
     """CPUs available to this process (nproc honours affinity/cgroup cpusets); None if unknown."""
     for line in lines(text):
         if re.fullmatch(r"\d+", line.strip()) and int(line.strip()) > 0:
@@ -297,7 +299,7 @@ def parse_nproc(text: str) -> Optional[int]:
 _ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 
 
-def parse_uname_machine(text: str) -> Optional[str]:
+def parse_uname_machine(text: str) -> str | None:
     """`uname -m` -> 'x86_64' / 'aarch64' (amd64/arm64 spellings normalised); None if unknown.
 
     V100 hosts are x86_64 or ppc64le (IBM AC922); CUDA wheels and packages differ per arch."""

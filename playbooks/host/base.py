@@ -16,13 +16,13 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO, cast
 
 from playbooks.errors import HostError
 from playbooks.host.commands import build_command, write_file_command
 from playbooks.host.output import Printer, Result
 
-Content = Union[bytes, BinaryIO]
+Content = bytes | BinaryIO
 CHUNK = 64 * 1024
 _SUDO_NEEDS_PASSWORD = "a password is required"
 
@@ -33,7 +33,7 @@ class Process:
     #: What it wrote to stderr, once closed.
     stderr: str = ""
     _buf: bytes = b""
-    _host: "Host"
+    _host: Host
 
     def _read_chunk(self, deadline: float) -> bytes | None:
         """Some stdout bytes (b"" at end of output), or None when the deadline passed."""
@@ -69,8 +69,9 @@ class Host:
 
     # -- to implement ------------------------------------------------------------------
 
-    def _exec(self, command: str, *, stdin: Content | None, stream: bool,
-              timeout: float | None, shown: str) -> tuple[bytes, bytes, int]:
+    def _exec(
+        self, command: str, *, stdin: Content | None, stream: bool, timeout: float | None, shown: str
+    ) -> tuple[bytes, bytes, int]:
         """Run a full shell line; return (stdout, stderr, exit code)."""
         raise NotImplementedError
 
@@ -107,22 +108,36 @@ class Host:
 
     # -- commands ------------------------------------------------------------------------
 
-    def run(self, cmd: str, *, check: bool = True, stream: bool = True,
-            env: dict[str, str] | None = None, timeout: float | None = None,
-            stdin: Content | None = None) -> Result:
+    def run(
+        self,
+        cmd: str,
+        *,
+        check: bool = True,
+        stream: bool = True,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: Content | None = None,
+    ) -> Result:
         """Run ``cmd`` with bash on the host. ``check``: a non-zero exit raises HostError."""
         return self._run(cmd, sudo=False, check=check, stream=stream, env=env, timeout=timeout, stdin=stdin)
 
-    def sudo(self, cmd: str, *, check: bool = True, stream: bool = True,
-             env: dict[str, str] | None = None, timeout: float | None = None,
-             stdin: Content | None = None) -> Result:
+    def sudo(
+        self,
+        cmd: str,
+        *,
+        check: bool = True,
+        stream: bool = True,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: Content | None = None,
+    ) -> Result:
         """Like :meth:`run`, as root through ``sudo -n`` (never prompts; see module doc)."""
         return self._run(cmd, sudo=True, check=check, stream=stream, env=env, timeout=timeout, stdin=stdin)
 
     def _needs_sudo_binary(self, sudo: bool) -> bool:
         return sudo
 
-    def _run(self, cmd, *, sudo, check, stream, env, timeout, stdin, raw=False):  # type: ignore[no-untyped-def]
+    def _run(self, cmd, *, sudo, check, stream, env, timeout, stdin, raw=False):
         use_sudo = self._needs_sudo_binary(sudo)
         line = build_command(cmd, env=env, sudo=use_sudo, timeout=timeout)
         if stream:
@@ -159,8 +174,9 @@ class Host:
     # -- files -----------------------------------------------------------------------------
 
     def exists(self, path: str, *, sudo: bool = False) -> bool:
-        r = self._run(f"test -e {shlex.quote(path)}", sudo=sudo, check=False, stream=False,
-                      env=None, timeout=None, stdin=None)
+        r = self._run(
+            f"test -e {shlex.quote(path)}", sudo=sudo, check=False, stream=False, env=None, timeout=None, stdin=None
+        )
         if r.exited not in (0, 1):
             raise HostError(self._failure(f"test -e {path}", r))
         return r.ok
@@ -168,16 +184,24 @@ class Host:
     def sha256(self, path: str, *, sudo: bool = False) -> str | None:
         """Hex SHA-256 of a regular file, None if there is none at ``path``."""
         q = shlex.quote(path)
-        r = self._run(f"if [ -f {q} ]; then sha256sum < {q}; else exit 3; fi", sudo=sudo, check=False,
-                      stream=False, env=None, timeout=None, stdin=None)
+        r = self._run(
+            f"if [ -f {q} ]; then sha256sum < {q}; else exit 3; fi",
+            sudo=sudo,
+            check=False,
+            stream=False,
+            env=None,
+            timeout=None,
+            stdin=None,
+        )
         if r.exited == 3:
             return None
         if not r.ok:
             raise HostError(self._failure(f"sha256sum < {path}", r))
         return r.stdout.split()[0]
 
-    def write_file(self, remote_path: str, content: Content, mode: int, *, sudo: bool = False,
-                   owner: str | None = None) -> None:
+    def write_file(
+        self, remote_path: str, content: Content, mode: int, *, sudo: bool = False, owner: str | None = None
+    ) -> None:
         """Write ``content`` to ``remote_path`` atomically (see :func:`write_file_command`)."""
         script = write_file_command(remote_path, mode, owner)
         r = self._run(script, sudo=sudo, check=False, stream=False, env=None, timeout=None, stdin=content)
@@ -188,13 +212,19 @@ class Host:
         tail = self._redacted(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.exited}")
         raise HostError(f"{self.name}: cannot write {remote_path}: {tail}")
 
-    def put(self, local_path_or_bytes: bytes | str | os.PathLike, remote_path: str,
-            mode: int | None = None, *, sudo: bool = False, owner: str | None = None) -> None:
+    def put(
+        self,
+        local_path_or_bytes: bytes | str | os.PathLike,
+        remote_path: str,
+        mode: int | None = None,
+        *,
+        sudo: bool = False,
+        owner: str | None = None,
+    ) -> None:
         """Upload bytes or a local file (atomically). ``mode`` defaults to the local file's
         permission bits, or 0644 for bytes."""
         if isinstance(local_path_or_bytes, bytes):
-            self.write_file(remote_path, local_path_or_bytes, 0o644 if mode is None else mode,
-                            sudo=sudo, owner=owner)
+            self.write_file(remote_path, local_path_or_bytes, 0o644 if mode is None else mode, sudo=sudo, owner=owner)
             return
         local = Path(local_path_or_bytes)
         if mode is None:
@@ -202,15 +232,22 @@ class Host:
         with open(local, "rb") as fh:
             self.write_file(remote_path, fh, mode, sudo=sudo, owner=owner)
 
-    def put_secret(self, remote_path: str, secret: bytes, *, sudo: bool = False,
-                   owner: str | None = None) -> None:
+    def put_secret(self, remote_path: str, secret: bytes, *, sudo: bool = False, owner: str | None = None) -> None:
         """Write a secret with mode 0600. It travels on stdin (never argv) and is redacted."""
         self.redact(secret)
         self.write_file(remote_path, secret, 0o600, sudo=sudo, owner=owner)
 
     def read_bytes(self, path: str, *, sudo: bool = False) -> bytes:
-        out, err, code = self._run(f"cat -- {shlex.quote(path)}", sudo=sudo, check=False, stream=False,
-                                   env=None, timeout=None, stdin=None, raw=True)
+        out, err, code = self._run(
+            f"cat -- {shlex.quote(path)}",
+            sudo=sudo,
+            check=False,
+            stream=False,
+            env=None,
+            timeout=None,
+            stdin=None,
+            raw=True,
+        )
         if code != 0:
             raise HostError(self._redacted(f"{self.name}: cannot read {path}: {err.strip() or f'exit {code}'}"))
         return out
@@ -233,5 +270,5 @@ class Host:
 
 def stdin_reader(stdin: Content | None) -> BinaryIO | None:
     if stdin is None or hasattr(stdin, "read"):
-        return stdin
+        return cast("BinaryIO | None", stdin)  # hasattr does not narrow the union
     return io.BytesIO(stdin)

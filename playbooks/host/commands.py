@@ -33,8 +33,9 @@ def validate_env(env: dict[str, str] | None) -> list[str]:
     return out
 
 
-def build_command(cmd: str, *, env: dict[str, str] | None = None, sudo: bool = False,
-                  timeout: float | None = None) -> str:
+def build_command(
+    cmd: str, *, env: dict[str, str] | None = None, sudo: bool = False, timeout: float | None = None
+) -> str:
     """The exact shell line sent to the host for ``cmd``. Pure: tested with plain asserts.
 
     ``env LC_ALL=C`` comes first so sudo's own messages are English too; under sudo the

@@ -8,6 +8,7 @@ import selectors
 import subprocess
 import threading
 import time
+from typing import IO, cast
 
 from playbooks.errors import HostError
 from playbooks.host.base import CHUNK, Host, Process, stdin_reader
@@ -16,12 +17,19 @@ from playbooks.host.output import LineSplitter, Printer
 
 
 class _LocalProcess(Process):
-    def __init__(self, host: "LocalHost", command: str):
+    def __init__(self, host: LocalHost, command: str):
         self._host = host
-        self._proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, env=_local_env(), start_new_session=True)
+        self._proc = subprocess.Popen(
+            ["bash", "-c", command],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_local_env(),
+            start_new_session=True,
+        )
 
     def _read_chunk(self, deadline: float) -> bytes | None:
+        assert self._proc.stdout is not None  # stdout=PIPE in __init__
         fd = self._proc.stdout.fileno()
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
@@ -30,6 +38,8 @@ class _LocalProcess(Process):
         return os.read(fd, CHUNK)
 
     def close(self, timeout: float = 10) -> int:
+        # all three are PIPEs (__init__)
+        assert self._proc.stdin is not None and self._proc.stdout is not None and self._proc.stderr is not None
         try:
             self._proc.stdin.close()
         except BrokenPipeError:
@@ -65,20 +75,28 @@ class LocalHost(Host):
         proc = subprocess.Popen(
             ["bash", "-c", command],
             stdin=subprocess.PIPE if reader is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_local_env(), start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_local_env(),
+            start_new_session=True,
         )
+        assert proc.stdout is not None and proc.stderr is not None  # both PIPEs
         if reader is not None:
-            def feed():
+            pipe = proc.stdin
+            assert pipe is not None  # stdin=PIPE when there is a reader
+
+            def feed() -> None:
                 try:
                     while chunk := reader.read(CHUNK):
-                        proc.stdin.write(chunk)
+                        pipe.write(chunk)
                 except OSError:
                     pass  # the command stopped reading (it failed): its exit code says why
                 finally:
                     with contextlib.suppress(OSError):
-                        proc.stdin.close()
+                        pipe.close()
+
             threading.Thread(target=feed, daemon=True).start()
-        chunks = {proc.stdout: [], proc.stderr: []}
+        chunks: dict[IO[bytes], list[bytes]] = {proc.stdout: [], proc.stderr: []}
         splitters = {f: LineSplitter(self._print) for f in chunks} if stream else {}
         # Backstop only: the `timeout` command on the host is what normally stops it.
         deadline = time.monotonic() + timeout + KILL_AFTER_S + 5 if timeout else None
@@ -91,17 +109,17 @@ class LocalHost(Host):
                 if not events and deadline is not None and time.monotonic() >= deadline:
                     os.killpg(proc.pid, 9)
                     proc.wait()
-                    raise HostError(f"{self.name}: timed out after {timeout:g} s running: "
-                                    f"{self._redacted(shown)[:80]}")
+                    raise HostError(f"{self.name}: timed out after {timeout:g} s running: {self._redacted(shown)[:80]}")
                 for key, _ in events:
-                    data = os.read(key.fileobj.fileno(), CHUNK)
+                    f = cast(IO[bytes], key.fileobj)  # the selector holds the pipes registered above
+                    data = os.read(f.fileno(), CHUNK)
                     if not data:
-                        sel.unregister(key.fileobj)
-                        key.fileobj.close()
+                        sel.unregister(f)
+                        f.close()
                         continue
-                    chunks[key.fileobj].append(data)
+                    chunks[f].append(data)
                     if stream:
-                        splitters[key.fileobj].feed(data)
+                        splitters[f].feed(data)
         for s in splitters.values():
             s.flush()
         code = proc.wait()

@@ -7,9 +7,9 @@ import os
 import posixpath
 import shlex
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Iterator
 
 from playbooks.errors import HostError
 from playbooks.host.base import Host
@@ -41,7 +41,7 @@ def host_lock(host: Host, prefix: str, *, sudo: bool = False, timeout: float = 3
     info = f"since {since} by {getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}"
     script = (
         f"mkdir -p -- {shlex.quote(prefix)} && exec 9>>{ql} || exit 1; "
-        f"if ! flock -n 9; then echo \"busy $(cat {ql})\"; exit {_BUSY_EXIT}; fi; "
+        f'if ! flock -n 9; then echo "busy $(cat {ql})"; exit {_BUSY_EXIT}; fi; '
         f"printf '%s\\n' {shlex.quote(info)} > {ql}; echo locked; exec cat >/dev/null"
     )
     proc = host.spawn(script, sudo=sudo)
@@ -54,9 +54,7 @@ def host_lock(host: Host, prefix: str, *, sudo: bool = False, timeout: float = 3
         code = proc.close()
         if line and line.startswith("busy"):
             held = line.removeprefix("busy").strip() or "by a run that is just starting"
-            raise HostError(
-                f"{host.name} is being provisioned by another voltaforge run (lock {lock} held {held})"
-            )
+            raise HostError(f"{host.name} is being provisioned by another voltaforge run (lock {lock} held {held})")
         if "a password is required" in proc.stderr:
             raise host.sudo_needs_password()
         raise HostError(f"{host.name}: cannot take the lock {lock} (exit {code}): {proc.stderr.strip()}")

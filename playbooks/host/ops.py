@@ -23,12 +23,12 @@ Two shapes beside the idempotent default, for the steps that deploy services:
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import sha256
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal
 
 from playbooks.errors import HostError
-from playbooks.facts import read_fact
 from playbooks.facts.files import FileStat, parse_sha256, parse_stat, sha256_command, stat_command
 from playbooks.host.base import Host
 from playbooks.host.commands import check_mode, check_owner, check_path, write_file_command
@@ -59,7 +59,7 @@ class Upload:
     path: str
     content: bytes = field(repr=False)
     mode: int = 0o644
-    owner: Optional[str] = None
+    owner: str | None = None
     sudo: bool = False
 
     def __post_init__(self) -> None:
@@ -72,8 +72,10 @@ class Upload:
         return sha256(self.content).hexdigest()
 
     def show(self) -> str:
-        return (f"{write_file_command(self.path, self.mode, self.owner)}"
-                f"  # stdin: {len(self.content)} bytes, sha256 {self.digest[:12]}")
+        return (
+            f"{write_file_command(self.path, self.mode, self.owner)}"
+            f"  # stdin: {len(self.content)} bytes, sha256 {self.digest[:12]}"
+        )
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class Record:
         return f"record {self.what} in {self.path}"
 
 
-Command = Union[Shell, Upload, Record]
+Command = Shell | Upload | Record
 
 
 def run_command(host: Host, cmd: Command) -> None:
@@ -110,11 +112,11 @@ class Decision:
     reason: str
 
     @classmethod
-    def ok(cls, reason: str) -> "Decision":
+    def ok(cls, reason: str) -> Decision:
         return cls((), reason)
 
     @classmethod
-    def act(cls, reason: str, *commands: Command) -> "Decision":
+    def act(cls, reason: str, *commands: Command) -> Decision:
         return cls(tuple(commands), reason)
 
     def shown(self) -> list[str]:
@@ -184,15 +186,16 @@ class RunCommand(Operation):
         return Decision.act(self.reason, self.command)
 
 
-def _owner_differs(st: FileStat, owner: Optional[str]) -> bool:
+def _owner_differs(st: FileStat, owner: str | None) -> bool:
     if owner is None:
         return False
     user, _, group = owner.partition(":")
     return st.owner != user or bool(group and st.group != group)
 
 
-def _mode_owner_fixes(st: FileStat, path: str, mode: int, owner: Optional[str],
-                      sudo: bool) -> tuple[list[Command], list[str]]:
+def _mode_owner_fixes(
+    st: FileStat, path: str, mode: int, owner: str | None, sudo: bool
+) -> tuple[list[Command], list[str]]:
     """(commands, what differs) to give an existing path this mode and owner."""
     q = shlex.quote(path)
     cmds: list[Command] = []
@@ -209,19 +212,20 @@ def _mode_owner_fixes(st: FileStat, path: str, mode: int, owner: Optional[str],
 class EnsureDirectory(Operation):
     """A directory exists with this mode (and owner, when given)."""
 
-    def __init__(self, path: str, mode: int = 0o755, owner: Optional[str] = None, sudo: bool = False,
-                 notify: Sequence[str] = ()):
+    def __init__(
+        self, path: str, mode: int = 0o755, owner: str | None = None, sudo: bool = False, notify: Sequence[str] = ()
+    ):
         self.path = check_path(path)
         self.mode = check_mode(mode)
         check_owner(owner)
         self.owner, self.sudo, self.notify = owner, sudo, tuple(notify)
         self.name = f"Ensure {self.path} exists"
 
-    def read(self, host: Host) -> Optional[FileStat]:
+    def read(self, host: Host) -> FileStat | None:
         run = host.sudo if self.sudo else host.run
         return parse_stat(run(stat_command(self.path), stream=False).stdout)
 
-    def decide(self, facts: Optional[FileStat]) -> Decision:
+    def decide(self, facts: FileStat | None) -> Decision:
         q = shlex.quote(self.path)
         if facts is None:
             cmds: list[Command] = [Shell(f"mkdir -p -m {self.mode:04o} -- {q}", self.sudo)]
@@ -237,8 +241,8 @@ class EnsureDirectory(Operation):
 
 @dataclass(frozen=True)
 class FileFacts:
-    stat: Optional[FileStat]
-    sha256: Optional[str]
+    stat: FileStat | None
+    sha256: str | None
 
 
 def read_file_facts(host: Host, path: str, sudo: bool) -> FileFacts:
@@ -269,8 +273,15 @@ class EnsureFile(Operation):
     fixed with chmod/chown, without an upload.
     """
 
-    def __init__(self, path: str, content: bytes, mode: int = 0o644, sudo: bool = False,
-                 owner: Optional[str] = None, notify: Sequence[str] = ()):
+    def __init__(
+        self,
+        path: str,
+        content: bytes,
+        mode: int = 0o644,
+        sudo: bool = False,
+        owner: str | None = None,
+        notify: Sequence[str] = (),
+    ):
         self.upload = Upload(check_path(path), bytes(content), check_mode(mode), owner, sudo)
         self.path, self.sudo, self.notify = self.upload.path, sudo, tuple(notify)
         self.name = f"Ensure {self.path} is up to date"
@@ -296,8 +307,9 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def run_ops(host: Host, ops: Sequence[Operation], dry_run: bool = False,
-            handlers: Sequence[Handler] = ()) -> list[Change]:
+def run_ops(
+    host: Host, ops: Sequence[Operation], dry_run: bool = False, handlers: Sequence[Handler] = ()
+) -> list[Change]:
     """Check and apply ``ops`` in order on one host; stop at the first failure.
 
     Operations after a failure are not attempted (they usually depend on it), so the list
@@ -335,7 +347,9 @@ def run_ops(host: Host, ops: Sequence[Operation], dry_run: bool = False,
             for line in shown:
                 host.printer.line(host.name, f"would run: {line}")
             why = f"dry run: would run {_plural(len(shown), 'command')}"
-            record(Change(host.name, op.name, "changed", f"{why} ({decision.reason})" if decision.reason else why, shown))
+            record(
+                Change(host.name, op.name, "changed", f"{why} ({decision.reason})" if decision.reason else why, shown)
+            )
         else:
             try:
                 op.apply(host, decision)

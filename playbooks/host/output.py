@@ -5,8 +5,9 @@ from __future__ import annotations
 import codecs
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TextIO
+from typing import TextIO
 
 
 @dataclass(frozen=True)
@@ -62,5 +63,3 @@ class LineSplitter:
         if self._buf:
             self._emit(self._buf)
         self._buf = ""
-
-

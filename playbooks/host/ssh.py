@@ -13,6 +13,8 @@ import os
 import shlex
 import socket
 import time
+from collections.abc import Mapping
+from typing import Any, cast
 
 import paramiko
 
@@ -45,7 +47,7 @@ def _known_hosts_name(host: str, port: int) -> str:
 
 
 class _SshProcess(Process):
-    def __init__(self, host: "SshHost", command: str):
+    def __init__(self, host: SshHost, command: str):
         self._host = host
         self._chan = host._open_channel(command)
 
@@ -93,15 +95,21 @@ class SshHost(Host):
         self.spec = spec
         self.connect_timeout = connect_timeout
         self.known_hosts = os.path.expanduser(spec.known_hosts or "~/.ssh/known_hosts")
-        connect_kwargs = {"banner_timeout": connect_timeout, "auth_timeout": connect_timeout}
+        connect_kwargs: dict[str, Any] = {"banner_timeout": connect_timeout, "auth_timeout": connect_timeout}
         if spec.key_file:
             # Like IdentitiesOnly: the inventory named a key, so that key and nothing else.
-            connect_kwargs.update(key_filename=[os.path.expanduser(spec.key_file)],
-                                  look_for_keys=False, allow_agent=False)
+            connect_kwargs.update(
+                key_filename=[os.path.expanduser(spec.key_file)], look_for_keys=False, allow_agent=False
+            )
         config = fabric.Config(lazy=True, overrides={"load_ssh_configs": False})
-        self.conn = fabric.Connection(spec.host, user=spec.user or getpass.getuser(), port=spec.port,
-                                      config=config, connect_timeout=connect_timeout,
-                                      connect_kwargs=connect_kwargs)
+        self.conn = fabric.Connection(
+            spec.host,
+            user=spec.user or getpass.getuser(),
+            port=spec.port,
+            config=config,
+            connect_timeout=connect_timeout,
+            connect_kwargs=connect_kwargs,
+        )
         self.conn.client = self._strict_client()
 
     @property
@@ -127,12 +135,14 @@ class SshHost(Host):
             try:
                 key = paramiko.PKey.from_type_string(keytype, base64.b64decode(b64))
             except Exception as exc:
-                raise HostError(f"{self.where}: host_key in the inventory is not a valid {keytype} key: {exc}") from None
+                raise HostError(
+                    f"{self.where}: host_key in the inventory is not a valid {keytype} key: {exc}"
+                ) from None
             keys.add(_known_hosts_name(self.spec.host, self.spec.port), keytype, key)
         client.set_missing_host_key_policy(_RejectUnknownHostKey())
         return client
 
-    def open(self) -> "SshHost":
+    def open(self) -> SshHost:
         """Connect now; every way it can fail becomes one HostError that says what to do."""
         if self.conn.is_connected:
             return self
@@ -170,10 +180,12 @@ class SshHost(Host):
         if isinstance(exc, socket.gaierror):
             return f"{where}: cannot resolve host name {host!r} ({exc.strerror})"
         if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
-            errnos = {e.errno for e in exc.errors.values()}
+            # SSHClient.connect only collects socket errors (OSError); the stub says Exception
+            errors = cast(Mapping[Any, OSError], exc.errors)
+            errnos = {e.errno for e in errors.values()}
             if errnos <= {errno.ECONNREFUSED}:
                 return f"{where}: {host}:{port} refused the connection (is sshd running, is the port right?)"
-            first = next(iter(exc.errors.values()))
+            first = next(iter(errors.values()))
             return f"{where}: cannot connect to {host}:{port}: {first.strerror or first}"
         if isinstance(exc, (socket.timeout, TimeoutError)):
             return f"{where}: timed out after {self.connect_timeout:g} s connecting to {host}:{port}"
@@ -183,15 +195,17 @@ class SshHost(Host):
             "protocol banner" in str(exc) or str(exc) == "No existing session"
         ):
             # paramiko says the second when its handshake wait ends just before the banner read
-            return (f"{where}: {host}:{port} accepted the connection but did not answer as an SSH "
-                    f"server within {self.connect_timeout:g} s")
+            return (
+                f"{where}: {host}:{port} accepted the connection but did not answer as an SSH "
+                f"server within {self.connect_timeout:g} s"
+            )
         if isinstance(exc, (paramiko.SSHException, EOFError)):
             return f"{where}: SSH handshake with {host}:{port} failed: {exc or type(exc).__name__}"
         return None
 
     def _kh_shown(self) -> str:
         home = os.path.expanduser("~")
-        return "~" + self.known_hosts[len(home):] if self.known_hosts.startswith(home + "/") else self.known_hosts
+        return "~" + self.known_hosts[len(home) :] if self.known_hosts.startswith(home + "/") else self.known_hosts
 
     def close(self) -> None:
         self.conn.close()
@@ -238,7 +252,7 @@ class SshHost(Host):
                     pending = pending or reader.read(CHUNK)
                     if pending:
                         try:
-                            pending = pending[chan.send(pending):]
+                            pending = pending[chan.send(pending) :]
                         except OSError:
                             reader, pending = None, b""  # the command closed its stdin
                     else:
@@ -246,16 +260,19 @@ class SshHost(Host):
                         reader = None
                     busy = True
                 # OpenSSH may send the exit status before the last output: done only at EOF.
-                if (chan.eof_received or chan.closed) and chan.exit_status_ready() \
-                        and not chan.recv_ready() and not chan.recv_stderr_ready():
+                if (
+                    (chan.eof_received or chan.closed)
+                    and chan.exit_status_ready()
+                    and not chan.recv_ready()
+                    and not chan.recv_stderr_ready()
+                ):
                     break
                 if busy:
                     idle = 0.001
                     continue
                 if deadline is not None and time.monotonic() > deadline:
                     chan.close()
-                    raise HostError(f"{self.name}: timed out after {timeout:g} s running: "
-                                    f"{self._redacted(shown)[:80]}")
+                    raise HostError(f"{self.name}: timed out after {timeout:g} s running: {self._redacted(shown)[:80]}")
                 # Poll, backing off to 50 ms while a long command is quiet; the exit status
                 # (or a dropped connection) sets status_event and ends the wait at once.
                 chan.status_event.wait(idle)

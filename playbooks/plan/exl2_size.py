@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from playbooks.plan.tensors import Cat, model_tensors
 from playbooks.plan.model_config import ModelShape
+from playbooks.plan.tensors import Cat, model_tensors
 
 EXL2_BPW_LADDER = (2.5, 3.0, 3.3, 3.5, 4.0, 4.5, 5.0, 6.0, 8.0)
 EXL2_BPW_RANGE = (2.0, 8.0)
@@ -127,8 +127,9 @@ def exl2_scratch_bytes(shape: ModelShape, max_input_len: int = EXL2_MAX_INPUT_LE
     return max(attention, mlp, head)
 
 
-def exl2_attention_bytes(shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN,
-                         batch: int = 1) -> int:
+def exl2_attention_bytes(
+    shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN, batch: int = 1
+) -> int:
     """What attention allocates per forward outside the scratch, in attn.py's own sizes, on the
     path a V100 takes (flash-attn has no sm_70 build, so _attn_torch):
 

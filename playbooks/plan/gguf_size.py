@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.tensors import Cat, Tensor, model_tensors
-
 
 # File types: the name llama-quantize takes -> the default (base) tensor type.
 FILE_TYPES: dict[str, T] = {
@@ -169,9 +169,9 @@ def metadata_bytes_estimate(shape: ModelShape) -> int:
 @dataclass(frozen=True)
 class GgufEstimate:
     ftype: str
-    tensor_bytes: int          # exact: sum over tensors
-    metadata_bytes: int        # estimate
-    token_embd_bytes: int      # llama.cpp keeps token_embd in host memory, not VRAM
+    tensor_bytes: int  # exact: sum over tensors
+    metadata_bytes: int  # estimate
+    token_embd_bytes: int  # llama.cpp keeps token_embd in host memory, not VRAM
     type_counts: dict[str, int]
     # Tied embeddings (Gemma, small Qwen2.5): the file has no output.weight, and llama.cpp loads
     # token_embd a second time as the output layer, on the GPU (llama-model-loader.cpp,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from playbooks.plan.model_config import ModelShape
 
@@ -80,11 +81,13 @@ def llamacpp_kv_cells(shape: ModelShape, n_ctx: int, n_ubatch: int = 512) -> tup
     full = _pad(n_ctx)
     if not shape.swa_layers:
         return full, 0
+    assert shape.sliding_window is not None  # SWA layers come with their window (model_config._sliding_window)
     return full, _pad(min(full, shape.sliding_window + n_ubatch))
 
 
-def llamacpp_kv_bytes(shape: ModelShape, n_ctx: int, type_k: str = "f16", type_v: str | None = None,
-                      n_ubatch: int = 512) -> int:
+def llamacpp_kv_bytes(
+    shape: ModelShape, n_ctx: int, type_k: str = "f16", type_v: str | None = None, n_ubatch: int = 512
+) -> int:
     """Total KV buffer llama.cpp allocates for n_ctx cells (all slots together)."""
     per_layer_token = llamacpp_kv_bytes_per_token(shape, type_k, type_v) // shape.num_hidden_layers
     full, swa = llamacpp_kv_cells(shape, n_ctx, n_ubatch)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -48,11 +48,11 @@ class ModelShape(BaseModel):
     attention_bias: bool = False
     torch_dtype: str = "bfloat16"
     # sliding-window attention as llama.cpp runs it (Gemma 2/3 only): window and SWA layer count
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     swa_layers: int = 0
 
     @model_validator(mode="after")
-    def _gqa_divides(self) -> "ModelShape":
+    def _gqa_divides(self) -> ModelShape:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -71,7 +71,6 @@ class ModelShape(BaseModel):
     @property
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
 
 
 def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelShape:

@@ -68,8 +68,9 @@ def llamacpp_compute_buffer_bytes(shape: ModelShape, n_ctx: int, n_ubatch: int, 
     return max(attention_peak, output_peak)
 
 
-def exl2_compute_bytes(shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN,
-                       batch: int = 1) -> int:
+def exl2_compute_bytes(
+    shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN, batch: int = 1
+) -> int:
     """ExLlamaV2's own memory besides weights and cache (exllamav2 0.3.2 source):
     RoPE sin/cos tables for max_seq_len (device.py prepare_sincos), the hidden state and
     attention mask of one input chunk (model.py set_device_map's state_size and mask_size),
@@ -89,36 +90,36 @@ def exl2_compute_bytes(shape: ModelShape, max_seq_len: int, max_input_len: int =
 class Serving:
     """How the model is served: what the budget depends on besides the weights."""
 
-    backend: str = "llamacpp"          # llamacpp | exllamav2
-    context: int = 4096                # tokens per slot (per request)
-    parallel: int = 1                  # slots served at once
-    cache_k: str = "f16"               # llama.cpp: f16|q8_0|q4_0...; exllamav2: FP16|Q8|Q6|Q4
+    backend: str = "llamacpp"  # llamacpp | exllamav2
+    context: int = 4096  # tokens per slot (per request)
+    parallel: int = 1  # slots served at once
+    cache_k: str = "f16"  # llama.cpp: f16|q8_0|q4_0...; exllamav2: FP16|Q8|Q6|Q4
     cache_v: str = "f16"
     flash_attn: bool = True
     n_ubatch: int = 512
-    cuda_context_mib: int = 400        # CUDA context + cuBLAS workspace: 0.3-0.5 GiB on V100
+    cuda_context_mib: int = 400  # CUDA context + cuBLAS workspace: 0.3-0.5 GiB on V100
     margin_mib: int = 256
     imatrix: bool = True
-    head_bits: int = 6                 # EXL2 lm_head bits (convert.py -hb)
+    head_bits: int = 6  # EXL2 lm_head bits (convert.py -hb)
 
 
 @dataclass(frozen=True)
 class Option:
     """One quantization evaluated against one GPU at one serving setting."""
 
-    quant: str                 # "Q4_K_M" or "EXL2-3.3"
+    quant: str  # "Q4_K_M" or "EXL2-3.3"
     backend: str
-    weights_bytes: int         # predicted file size on disk
+    weights_bytes: int  # predicted file size on disk
     params: int
-    gpu_weights_bytes: int     # what the backend puts in VRAM
-    streamed_bytes: int        # weight bytes read per decoded token
+    gpu_weights_bytes: int  # what the backend puts in VRAM
+    streamed_bytes: int  # weight bytes read per decoded token
     kv_bytes_per_token: int
     kv_bytes: int
     compute_bytes: int
-    overhead_bytes: int        # CUDA context + margin (+ draft model, when planned)
+    overhead_bytes: int  # CUDA context + margin (+ draft model, when planned)
     vram_bytes: int
     gpu_bytes: int
-    max_ctx: int               # largest per-slot context that fits (0: not even CTX_STEP)
+    max_ctx: int  # largest per-slot context that fits (0: not even CTX_STEP)
     roofline_tok_s: float
     roofline_full_ctx_tok_s: float
     draft_bytes: int = 0
@@ -239,7 +240,17 @@ def serving_for(quant: str, s: Serving) -> Serving:
     backend = "exllamav2" if quant.startswith("EXL2-") else "llamacpp"
     if backend == s.backend:
         return s
-    to_exl2 = {"f16": "FP16", "bf16": "FP16", "f32": "FP16", "q8_0": "Q8", "q5_1": "Q6", "q5_0": "Q6", "q4_1": "Q4", "q4_0": "Q4", "iq4_nl": "Q4"}
+    to_exl2 = {
+        "f16": "FP16",
+        "bf16": "FP16",
+        "f32": "FP16",
+        "q8_0": "Q8",
+        "q5_1": "Q6",
+        "q5_0": "Q6",
+        "q4_1": "Q4",
+        "q4_0": "Q4",
+        "iq4_nl": "Q4",
+    }
     to_llama = {"FP16": ("f16", "f16"), "Q8": ("q8_0", "q8_0"), "Q6": ("q8_0", "q4_0"), "Q4": ("q4_0", "q4_0")}
     if backend == "exllamav2":
         mode = to_exl2[s.cache_k]
@@ -317,7 +328,5 @@ def make_plan(
             "a loose ceiling here (docs/docs/knowledge.md section 8: Q4_K_M and Q8_0 on 2 cores)"
         )
     elif not gpu.bf16 and shape.torch_dtype == "bfloat16":
-        plan.notes.append(
-            f"{gpu.name} has no BF16: the BF16 weights are converted to FP16 before quantizing"
-        )
+        plan.notes.append(f"{gpu.name} has no BF16: the BF16 weights are converted to FP16 before quantizing")
     return plan

@@ -86,7 +86,6 @@ def model_tensors(shape: ModelShape) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-
 def parameter_count(shape: ModelShape) -> int:
     """Weights only (no buffers), counted from the same tensor list the GGUF model uses."""
     return sum(t.n_elements for t in model_tensors(shape))

@@ -33,7 +33,7 @@ import tarfile
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds, cuda, gpu, read_fact, system
@@ -51,8 +51,14 @@ from playbooks.host.ops import (
 from playbooks.steps.buildenv import SYSTEM_PATH, build_env, env_prefix, pick_toolkit, toolkit_root
 
 #: What the later steps run: serve, quantize (+ imatrix), measure quality and speed.
-LLAMACPP_TARGETS = ("llama-server", "llama-quantize", "llama-imatrix", "llama-perplexity", "llama-bench",
-                    "llama-batched-bench")
+LLAMACPP_TARGETS = (
+    "llama-server",
+    "llama-quantize",
+    "llama-imatrix",
+    "llama-perplexity",
+    "llama-bench",
+    "llama-batched-bench",
+)
 KEEP_BUILDS = 2
 
 
@@ -65,11 +71,11 @@ KEEP_BUILDS = 2
 class Source:
     """The pinned llama.cpp source as an archive on the controller."""
 
-    requirement: str          # llama-cpp-python==0.3.36
-    ref: str                  # the llama.cpp commit it vendors (the recipe's llamacpp_ref)
+    requirement: str  # llama-cpp-python==0.3.36
+    ref: str  # the llama.cpp commit it vendors (the recipe's llamacpp_ref)
     archive: Path
     sha256: str
-    member: str               # the tree inside the archive: <top>/vendor/llama.cpp
+    member: str  # the tree inside the archive: <top>/vendor/llama.cpp
 
     @property
     def filename(self) -> str:
@@ -90,7 +96,7 @@ def source_cache_dir() -> Path:
     return Path(os.environ.get("VOLTAFORGE_CACHE") or Path.home() / ".cache" / "voltaforge") / "sources"
 
 
-def fetch_sdist(requirement: str, ref: str, cache: Optional[Path] = None) -> Source:
+def fetch_sdist(requirement: str, ref: str, cache: Path | None = None) -> Source:
     """The sdist from the package index into the controller's cache, once (pip checks the
     index's hash on download; the sha256 recorded here is what every host is checked against)."""
     name, _, version = requirement.partition("==")
@@ -100,8 +106,23 @@ def fetch_sdist(requirement: str, ref: str, cache: Optional[Path] = None) -> Sou
     found = sorted(where.glob("*.tar.gz")) if where.is_dir() else []
     if not found:
         where.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                            "-d", str(where), requirement], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(where),
+                requirement,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
             raise VoltaforgeError(f"cannot fetch {requirement} (the llama.cpp source) from the package index: {last}")
@@ -182,10 +203,12 @@ class EnsureSourceTree(Operation):
         tmp = f"{self.tree}.vf-unpack"
         q, qt = shlex.quote(self.tree), shlex.quote(tmp)
         strip = self.source.member.count("/") + 1
-        script = (f"set -e; rm -rf -- {qt}; mkdir -p -- {qt}; "
-                  f"tar -xzf {shlex.quote(self.layout.archive(self.source))} -C {qt} "
-                  f"--strip-components={strip} {shlex.quote(self.source.member)}; "
-                  f"echo {sha} > {qt}/{SOURCE_MARKER}; rm -rf -- {q}; mv -T -- {qt} {q}")
+        script = (
+            f"set -e; rm -rf -- {qt}; mkdir -p -- {qt}; "
+            f"tar -xzf {shlex.quote(self.layout.archive(self.source))} -C {qt} "
+            f"--strip-components={strip} {shlex.quote(self.source.member)}; "
+            f"echo {sha} > {qt}/{SOURCE_MARKER}; rm -rf -- {q}; mv -T -- {qt} {q}"
+        )
         return Decision.act("tree is missing" if not facts else "tree is from another archive", Shell(script))
 
 
@@ -200,10 +223,10 @@ class BuildInputs:
 
     ref: str
     source_sha256: str
-    backend: str                     # cuda | cpu
-    arch: Optional[str]              # "70", "70;80" (CUDA), None (CPU)
-    toolkit: Optional[str]           # "11.8 V11.8.89 /usr/bin/nvcc"
-    compiler: str                    # "gcc 12.2.0" (+ the CUDA host compiler)
+    backend: str  # cuda | cpu
+    arch: str | None  # "70", "70;80" (CUDA), None (CPU)
+    toolkit: str | None  # "11.8 V11.8.89 /usr/bin/nvcc"
+    compiler: str  # "gcc 12.2.0" (+ the CUDA host compiler)
     flags: tuple[str, ...]
     targets: tuple[str, ...]
 
@@ -227,12 +250,12 @@ class BuildFacts:
     toolkits: tuple[cuda.Toolkit, ...] = ()
     gcc: cuda.GccVersion = cuda.GccVersion(available=False)
     gxx11: cuda.GccVersion = cuda.GccVersion(available=False)
-    nproc: Optional[int] = None
-    ccache: Optional[str] = None
+    nproc: int | None = None
+    ccache: str | None = None
     gpus: gpu.GpuFacts = gpu.GpuFacts(available=False, reason="not read")
     builds: tuple[str, ...] = ()
     stamps: dict[str, dict[str, Any]] = field(default_factory=dict)
-    current: Optional[str] = None
+    current: str | None = None
 
 
 def arch_list(gpus: gpu.GpuFacts, fallback: str) -> str:
@@ -242,9 +265,14 @@ def arch_list(gpus: gpu.GpuFacts, fallback: str) -> str:
     return ";".join(f"{a}{b}" for a, b in ccs) or fallback
 
 
-def cmake_flags(cuda_arch: Optional[str], host_compiler: Optional[str] = None) -> tuple[str, ...]:
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DLLAMA_OPENSSL=OFF",
-             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+def cmake_flags(cuda_arch: str | None, host_compiler: str | None = None) -> tuple[str, ...]:
+    flags = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+    ]
     if cuda_arch:
         flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
         if host_compiler:
@@ -258,8 +286,16 @@ def cmake_flags(cuda_arch: Optional[str], host_compiler: Optional[str] = None) -
 class EnsureLlamacppBuild(Operation):
     """A proven llama.cpp build of these inputs exists and `current` points at it."""
 
-    def __init__(self, layout: BuildLayout, source: Source, *, cuda_release: Optional[tuple[int, int]],
-                 recipe_arch: str, targets: tuple[str, ...] = LLAMACPP_TARGETS, extra_flags: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        layout: BuildLayout,
+        source: Source,
+        *,
+        cuda_release: tuple[int, int] | None,
+        recipe_arch: str,
+        targets: tuple[str, ...] = LLAMACPP_TARGETS,
+        extra_flags: tuple[str, ...] = (),
+    ):
         self.layout, self.source = layout, source
         self.cuda_release, self.recipe_arch = cuda_release, recipe_arch
         self.targets, self.extra_flags = tuple(targets), tuple(extra_flags)
@@ -279,21 +315,24 @@ class EnsureLlamacppBuild(Operation):
             gcc=cuda.parse_gcc_version(read_fact(host, cuda.GCC_VERSION_COMMAND)),
             nproc=system.parse_nproc(read_fact(host, system.NPROC_COMMAND)),
             ccache=builds.parse_ccache(read_fact(host, builds.CCACHE_COMMAND)),
-            builds=names, stamps=stamps,
+            builds=names,
+            stamps=stamps,
             current=builds.parse_readlink(read_fact(host, builds.readlink_command(self.layout.current))),
         )
         if self.cuda_release:
-            facts = BuildFacts(**{
-                **facts.__dict__,
-                "toolkits": tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
-                "gxx11": cuda.parse_gcc_version(read_fact(host, cuda.GXX11_VERSION_COMMAND)),
-                "gpus": gpu.parse_nvidia_smi_csv(read_fact(host, gpu.NVIDIA_SMI_CSV_COMMAND)),
-            })
+            facts = BuildFacts(
+                **{
+                    **facts.__dict__,
+                    "toolkits": tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
+                    "gxx11": cuda.parse_gcc_version(read_fact(host, cuda.GXX11_VERSION_COMMAND)),
+                    "gpus": gpu.parse_nvidia_smi_csv(read_fact(host, gpu.NVIDIA_SMI_CSV_COMMAND)),
+                }
+            )
         return facts
 
     # -- decision --------------------------------------------------------------------------
 
-    def plan(self, facts: BuildFacts) -> tuple[BuildInputs, dict[str, str], Optional[str]]:
+    def plan(self, facts: BuildFacts) -> tuple[BuildInputs, dict[str, str], str | None]:
         """(inputs, build environment, cuobjdump path) for this host. Pure."""
         compiler = f"gcc {'.'.join(map(str, facts.gcc.version or ())) or 'unknown'}"
         env = {"PATH": ":".join(SYSTEM_PATH), "LC_ALL": "C"}
@@ -307,15 +346,19 @@ class EnsureLlamacppBuild(Operation):
         except VoltaforgeError as exc:
             raise OperationError(str(exc)) from None
         if "70" in arch.split(";") and not cuda.sm70_supported(nvcc.release):
-            raise OperationError(f"CUDA {'.'.join(map(str, nvcc.release or ()))} ({nvcc.path}) cannot target sm_70: "
-                                 "pin toolchain.cuda 11.8 (or 12.x) in the recipe")
+            raise OperationError(
+                f"CUDA {'.'.join(map(str, nvcc.release or ()))} ({nvcc.path}) cannot target sm_70: "
+                "pin toolchain.cuda 11.8 (or 12.x) in the recipe"
+            )
         host_compiler = None
         debian = toolkit_root(nvcc) == "/usr"
         if nvcc.release and nvcc.release[0] == 11 and (facts.gcc.major or 0) > 11 and not debian:
             # NVIDIA's CUDA 11.x refuses GCC > 11 (crt/host_config.h); Debian's wrapper routes to g++-11 itself
             if not facts.gxx11.available:
-                raise OperationError(f"CUDA {nvcc.release[0]}.{nvcc.release[1]} refuses gcc {facts.gcc.major} "
-                                     "as its host compiler and no g++-11 is installed: install g++-11")
+                raise OperationError(
+                    f"CUDA {nvcc.release[0]}.{nvcc.release[1]} refuses gcc {facts.gcc.major} "
+                    "as its host compiler and no g++-11 is installed: install g++-11"
+                )
             host_compiler = "/usr/bin/g++-11"
         if host_compiler:
             compiler += " + g++-11 for CUDA"
@@ -333,30 +376,40 @@ class EnsureLlamacppBuild(Operation):
         bid = inputs.build_id
         target = self.layout.build_dir(bid)
         stamp = facts.stamps.get(bid)
-        switch = Shell(f"ln -sfn -- {shlex.quote(target)} {shlex.quote(self.layout.current + '.vf-new')} && "
-                       f"mv -fT -- {shlex.quote(self.layout.current + '.vf-new')} {shlex.quote(self.layout.current)}")
+        switch = Shell(
+            f"ln -sfn -- {shlex.quote(target)} {shlex.quote(self.layout.current + '.vf-new')} && "
+            f"mv -fT -- {shlex.quote(self.layout.current + '.vf-new')} {shlex.quote(self.layout.current)}"
+        )
         prune = self._prune(facts, bid)
         if stamp and facts.current == target:
             return Decision.ok(f"built {stamp.get('built_at', '?')}, {bid}")
         if stamp:
-            return Decision.act(f"build {bid} is proven; switching current from {facts.current or 'nothing'}",
-                                switch, *prune)
+            return Decision.act(
+                f"build {bid} is proven; switching current from {facts.current or 'nothing'}", switch, *prune
+            )
         jobs = facts.nproc or 2
         env = {**env, **({"CCACHE_DIR": self.layout.ccache_dir} if facts.ccache else {})}
         run = env_prefix(env)
         src, q = shlex.quote(self.layout.tree(self.source)), shlex.quote(target)
         configure = Shell(f"{run} cmake -S {src} -B {q} {' '.join(shlex.quote(f) for f in inputs.flags)}")
-        build = Shell(f"{run} cmake --build {q} --config Release -j {jobs} --target "
-                      f"{' '.join(shlex.quote(t) for t in inputs.targets)}")
+        build = Shell(
+            f"{run} cmake --build {q} --config Release -j {jobs} --target "
+            f"{' '.join(shlex.quote(t) for t in inputs.targets)}"
+        )
         proof: list[Probe] = [Probe(f"{q}/bin/llama-server --version 2>&1", key="version")]
         if cuobjdump:
             wanted = tuple(f"sm_{a}" for a in (inputs.arch or "").split(";") if a)
-            proof.append(Probe(f"{run} {shlex.quote(cuobjdump)} --list-elf {q}/bin/libggml-cuda.so", key="cubins",
-                               expect=wanted))
-        why = ("an interrupted build of these inputs is resumed" if bid in facts.builds
-               else f"no build of these inputs ({bid})")
-        record = Record(f"{target}/{builds.STAMP_NAME}", "the inputs and the proof",
-                        json.dumps(asdict(inputs), sort_keys=True))
+            proof.append(
+                Probe(f"{run} {shlex.quote(cuobjdump)} --list-elf {q}/bin/libggml-cuda.so", key="cubins", expect=wanted)
+            )
+        why = (
+            "an interrupted build of these inputs is resumed"
+            if bid in facts.builds
+            else f"no build of these inputs ({bid})"
+        )
+        record = Record(
+            f"{target}/{builds.STAMP_NAME}", "the inputs and the proof", json.dumps(asdict(inputs), sort_keys=True)
+        )
         return Decision.act(why, configure, build, *proof, record, switch, *prune)
 
     def _prune(self, facts: BuildFacts, keep: str) -> list[Shell]:
@@ -408,9 +461,17 @@ def stamp_bytes(record: Record, proof: dict[str, str]) -> bytes:
     return (json.dumps(stamp, indent=2, sort_keys=True) + "\n").encode()
 
 
-def build_ops(layout: BuildLayout, source: Source, *, cuda_release: Optional[tuple[int, int]], recipe_arch: str,
-              targets: tuple[str, ...] = LLAMACPP_TARGETS, extra_flags: tuple[str, ...] = (),
-              owner: Optional[str] = None, sudo: bool = False) -> list[Operation]:
+def build_ops(
+    layout: BuildLayout,
+    source: Source,
+    *,
+    cuda_release: tuple[int, int] | None,
+    recipe_arch: str,
+    targets: tuple[str, ...] = LLAMACPP_TARGETS,
+    extra_flags: tuple[str, ...] = (),
+    owner: str | None = None,
+    sudo: bool = False,
+) -> list[Operation]:
     """The build step as operations: directories, the archive pushed (checksummed), the tree
     unpacked, the proven build switched in."""
     return [
@@ -419,6 +480,7 @@ def build_ops(layout: BuildLayout, source: Source, *, cuda_release: Optional[tup
         EnsureDirectory(layout.builds, 0o755),
         EnsureFile(layout.archive(source), source.archive.read_bytes(), 0o644),
         EnsureSourceTree(layout, source),
-        EnsureLlamacppBuild(layout, source, cuda_release=cuda_release, recipe_arch=recipe_arch, targets=targets,
-                            extra_flags=extra_flags),
+        EnsureLlamacppBuild(
+            layout, source, cuda_release=cuda_release, recipe_arch=recipe_arch, targets=targets, extra_flags=extra_flags
+        ),
     ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import posixpath
 import shlex
-from typing import Sequence
+from collections.abc import Sequence
 
 from playbooks.errors import VoltaforgeError
 from playbooks.facts.cuda import Toolkit
@@ -64,14 +64,11 @@ def build_env(nvcc: Toolkit, toolkits: Sequence[Toolkit], arch: str = "70") -> d
     """Environment variables for building CUDA code for `arch` with exactly this nvcc."""
     root = toolkit_root(nvcc)
     own_bin = toolkit_bin(nvcc)
-    foreign = {
-        posixpath.dirname(t.path)
-        for t in toolkits
-        if t.release is not None and t.release != nvcc.release
-    }
+    foreign = {posixpath.dirname(t.path) for t in toolkits if t.release is not None and t.release != nvcc.release}
     path = [own_bin] + [d for d in SYSTEM_PATH if d not in foreign and d != own_bin]
     clash = sorted(foreign & set(SYSTEM_PATH))
     if clash:
+        assert nvcc.release is not None  # a release differs from this nvcc's only if it has one (pick_toolkit)
         raise VoltaforgeError(
             f"another CUDA release has nvcc/ptxas in {', '.join(clash)}, a system directory a build "
             f"needs; remove it or install CUDA {nvcc.release[0]}.{nvcc.release[1]} elsewhere"

@@ -7,11 +7,10 @@ fails and is blocking makes preflight exit non-zero.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
 
 from pydantic import BaseModel
 
@@ -43,9 +42,8 @@ class HostFacts(BaseModel):
     disk: dict[str, system.DiskFree]
     memory: system.MemInfo
     systemd: system.SystemdState
-    nproc: Optional[int] = None
-    machine: Optional[str] = None
-
+    nproc: int | None = None
+    machine: str | None = None
 
 
 def _gpu_facts(host: Host) -> gpufacts.GpuFacts:
@@ -89,7 +87,7 @@ def gather(host: Host, prefix: str, model_dir: str) -> HostFacts:
 @dataclass
 class Check:
     name: str
-    status: str            # pass | warn | fail
+    status: str  # pass | warn | fail
     detail: str
     fix: str = ""
     blocking: bool = False
@@ -99,7 +97,7 @@ class Check:
 class Verdict:
     facts: HostFacts
     checks: list[Check] = field(default_factory=list)
-    plan_summary: Optional[str] = None
+    plan_summary: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -111,34 +109,60 @@ HOT_C = 85
 BUSY_MIB = 1024  # more than a CUDA context's worth held by someone else
 
 
-def _gpu_health(gpus: list[gpufacts.GpuInfo]) -> list[Check]:
+def _gpu_health(gpus: Sequence[gpufacts.GpuInfo]) -> list[Check]:
     """Thermal/power throttling, persistence mode and memory already in use, per GPU."""
     out: list[Check] = []
     add = out.append
-    hot = [f"GPU{g.index} {g.temperature_c} C" for g in gpus if g.temperature_c is not None and g.temperature_c >= HOT_C]
+    hot = [
+        f"GPU{g.index} {g.temperature_c} C" for g in gpus if g.temperature_c is not None and g.temperature_c >= HOT_C
+    ]
     throttled = [f"GPU{g.index}: {', '.join(g.throttling)}" for g in gpus if g.throttling]
     if hot or throttled:
-        add(Check("thermal", "warn", "; ".join(hot + throttled),
-                  "improve cooling or airflow, check `nvidia-smi -q -d PERFORMANCE,TEMPERATURE` (the seed "
-                  "report's V100 fell from 42 to 30 tok/s at 85 C)"))
+        add(
+            Check(
+                "thermal",
+                "warn",
+                "; ".join(hot + throttled),
+                "improve cooling or airflow, check `nvidia-smi -q -d PERFORMANCE,TEMPERATURE` (the seed "
+                "report's V100 fell from 42 to 30 tok/s at 85 C)",
+            )
+        )
     elif any(g.temperature_c is not None for g in gpus):
-        add(Check("thermal", "pass", ", ".join(f"GPU{g.index} {g.temperature_c} C" for g in gpus if g.temperature_c is not None)))
+        add(
+            Check(
+                "thermal",
+                "pass",
+                ", ".join(f"GPU{g.index} {g.temperature_c} C" for g in gpus if g.temperature_c is not None),
+            )
+        )
     off = [f"GPU{g.index}" for g in gpus if g.persistence_mode is False]
     if off:
-        add(Check("persistence", "warn", f"persistence mode off on {', '.join(off)}",
-                  "enable nvidia-persistenced (or `nvidia-smi -pm 1`) so the driver stays loaded between runs"))
+        add(
+            Check(
+                "persistence",
+                "warn",
+                f"persistence mode off on {', '.join(off)}",
+                "enable nvidia-persistenced (or `nvidia-smi -pm 1`) so the driver stays loaded between runs",
+            )
+        )
     busy = [f"GPU{g.index} {g.memory_used_mib} MiB" for g in gpus if (g.memory_used_mib or 0) > BUSY_MIB]
     if busy:
-        add(Check("gpu-memory-in-use", "warn", f"memory already in use: {', '.join(busy)}",
-                  "the plan assumes an empty GPU: stop the other processes (`nvidia-smi` lists them)"))
+        add(
+            Check(
+                "gpu-memory-in-use",
+                "warn",
+                f"memory already in use: {', '.join(busy)}",
+                "the plan assumes an empty GPU: stop the other processes (`nvidia-smi` lists them)",
+            )
+        )
     return out
 
 
-def _version_tuple(v: Optional[str]) -> tuple[int, ...]:
+def _version_tuple(v: str | None) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v or ""))
 
 
-def host_gpu(facts: HostFacts) -> Optional[Gpu]:
+def host_gpu(facts: HostFacts) -> Gpu | None:
     """The catalog entry for the host's first GPU, with the memory the driver reports."""
     if not facts.gpus.available or not facts.gpus.gpus:
         return None
@@ -156,13 +180,13 @@ class Context:
     """What every check may look at: the facts, the recipe (if any) and where things go."""
 
     facts: HostFacts
-    loaded: Optional[LoadedRecipe]
+    loaded: LoadedRecipe | None
     model_dir: str
     prefix: str
-    inventory_gpu: Optional[str]
+    inventory_gpu: str | None
 
     @property
-    def recipe(self) -> Optional[Recipe]:
+    def recipe(self) -> Recipe | None:
         return self.loaded.recipe if self.loaded else None
 
     @property
@@ -177,23 +201,43 @@ class Context:
 def check_os(cx: Context) -> list[Check]:
     os = cx.facts.os
     ok = os.id in ("debian", "ubuntu") and os.version_id in ("12", "20.04", "22.04")
-    return [Check("os", "pass" if ok else "warn", os.pretty_name or os.reason or "unknown",
-                  "" if ok else "voltaforge installs CUDA 11.8 on Debian 12 and Ubuntu 20.04/22.04; others need it preinstalled")]
+    return [
+        Check(
+            "os",
+            "pass" if ok else "warn",
+            os.pretty_name or os.reason or "unknown",
+            ""
+            if ok
+            else "voltaforge installs CUDA 11.8 on Debian 12 and Ubuntu 20.04/22.04; others need it preinstalled",
+        )
+    ]
 
 
 def check_systemd(cx: Context) -> list[Check]:
     sd = cx.facts.systemd
-    return [Check("systemd", "pass" if sd.systemd_running else "fail", f"state {sd.state or 'absent'}",
-                  "" if sd.systemd_running else "services are systemd units: use a host booted with systemd",
-                  blocking=True)]
+    return [
+        Check(
+            "systemd",
+            "pass" if sd.systemd_running else "fail",
+            f"state {sd.state or 'absent'}",
+            "" if sd.systemd_running else "services are systemd units: use a host booted with systemd",
+            blocking=True,
+        )
+    ]
 
 
 def check_python(cx: Context) -> list[Check]:
     py = cx.facts.python
     ok = bool(py.available and py.version and py.version >= (3, 9))
-    return [Check("python", "pass" if ok else "fail",
-                  ".".join(map(str, py.version)) if py.version else (py.reason or "unknown"),
-                  "" if ok else "install python3 (>= 3.9) and python3-venv", blocking=True)]
+    return [
+        Check(
+            "python",
+            "pass" if ok else "fail",
+            ".".join(map(str, py.version)) if py.version else (py.reason or "unknown"),
+            "" if ok else "install python3 (>= 3.9) and python3-venv",
+            blocking=True,
+        )
+    ]
 
 
 def check_gpu(cx: Context) -> list[Check]:
@@ -204,38 +248,70 @@ def check_gpu(cx: Context) -> list[Check]:
     if g is not None and cx.inventory_gpu:
         listed = get_gpu(cx.inventory_gpu)
         if (listed.compute_capability, listed.memory_gib) != (g.compute_capability, get_gpu(g.key).memory_gib):
-            out.append(Check("gpu-kind", "warn", f"inventory.yaml says {cx.inventory_gpu}, the host has {g.name}",
-                             "correct the host's gpu in inventory.yaml (the plan uses the GPU the host reports)"))
+            out.append(
+                Check(
+                    "gpu-kind",
+                    "warn",
+                    f"inventory.yaml says {cx.inventory_gpu}, the host has {g.name}",
+                    "correct the host's gpu in inventory.yaml (the plan uses the GPU the host reports)",
+                )
+            )
     if not facts.gpus.available:
         wants = cx.wants_gpu
-        out.append(Check("gpu", "fail" if wants else "pass",
-                         f"no NVIDIA GPU visible: {facts.gpus.reason}" + ("" if wants else " (not needed: CPU recipe)"),
-                         "install the NVIDIA driver (R580 is the last branch for Volta) and check `nvidia-smi`" if wants else "",
-                         blocking=wants))
+        out.append(
+            Check(
+                "gpu",
+                "fail" if wants else "pass",
+                f"no NVIDIA GPU visible: {facts.gpus.reason}" + ("" if wants else " (not needed: CPU recipe)"),
+                "install the NVIDIA driver (R580 is the last branch for Volta) and check `nvidia-smi`" if wants else "",
+                blocking=wants,
+            )
+        )
         return out
     first = facts.gpus.gpus[0]
     cc = first.compute_capability
-    detail = f"{facts.gpus.gpu_count} x {first.name}, {first.memory_total_mib} MiB, cc {cc[0]}.{cc[1]}" if cc else (first.name or "?")
+    detail = (
+        f"{facts.gpus.gpu_count} x {first.name}, {first.memory_total_mib} MiB, cc {cc[0]}.{cc[1]}"
+        if cc
+        else (first.name or "?")
+    )
     out.append(Check("gpu", "pass", detail))
     if cc and cc < (8, 0):
-        out.append(Check("bf16", "warn", f"compute capability {cc[0]}.{cc[1]} has no BF16",
-                         "BF16 weights are converted to FP16 (FP16-only paths can overflow for some models: the smoke gate checks text)"))
+        out.append(
+            Check(
+                "bf16",
+                "warn",
+                f"compute capability {cc[0]}.{cc[1]} has no BF16",
+                "BF16 weights are converted to FP16 "
+                "(FP16-only paths can overflow for some models: the smoke gate checks text)",
+            )
+        )
     out.append(_driver_check(cx, cc))
     out += _gpu_health(facts.gpus.gpus)
     return out
 
 
-def _driver_check(cx: Context, cc: Optional[tuple[int, int]]) -> Check:
+def _driver_check(cx: Context, cc: tuple[int, int] | None) -> Check:
     drv_text = cx.facts.gpus.driver_version
     drv = _version_tuple(drv_text)
     need = MIN_DRIVER.get(cx.cuda_pin[0])
     pin = ".".join(map(str, cx.cuda_pin))
     if drv and need and drv < need:
-        return Check("driver", "fail", f"driver {drv_text} is older than CUDA {pin} needs ({'.'.join(map(str, need))})",
-                     "upgrade the driver (any branch up to R580 runs CUDA 11.8 binaries)", blocking=True)
+        return Check(
+            "driver",
+            "fail",
+            f"driver {drv_text} is older than CUDA {pin} needs ({'.'.join(map(str, need))})",
+            "upgrade the driver (any branch up to R580 runs CUDA 11.8 binaries)",
+            blocking=True,
+        )
     if drv and cc and cc == (7, 0) and drv[0] > LAST_VOLTA_DRIVER_BRANCH:
-        return Check("driver", "fail", f"driver {drv_text} is past R580, the last branch that supports Volta",
-                     "install an R580 (or older) driver", blocking=True)
+        return Check(
+            "driver",
+            "fail",
+            f"driver {drv_text} is past R580, the last branch that supports Volta",
+            "install an R580 (or older) driver",
+            blocking=True,
+        )
     return Check("driver", "pass", f"driver {drv_text or 'unknown'}")
 
 
@@ -243,8 +319,15 @@ def check_cuda(cx: Context) -> list[Check]:
     """The pinned toolkit, what is first on PATH, mixed toolkits and the host compiler."""
     facts, pin, out = cx.facts, cx.cuda_pin, []
     if pin[0] >= 13 and cx.wants_gpu:
-        out.append(Check("cuda-pin", "fail", f"recipe pins CUDA {'.'.join(map(str, pin))}: CUDA 13 cannot target sm_70",
-                         "set toolchain.cuda to 11.8 (or 12.x)", blocking=True))
+        out.append(
+            Check(
+                "cuda-pin",
+                "fail",
+                f"recipe pins CUDA {'.'.join(map(str, pin))}: CUDA 13 cannot target sm_70",
+                "set toolchain.cuda to 11.8 (or 12.x)",
+                blocking=True,
+            )
+        )
     if not cx.wants_gpu:
         return out
     nvccs = [t for t in facts.toolkits if t.kind == "nvcc"]
@@ -253,37 +336,64 @@ def check_cuda(cx: Context) -> list[Check]:
         out.append(Check("cuda-toolkit", "pass", f"CUDA {pin[0]}.{pin[1]} at {pinned[0].path}"))
     else:
         found = ", ".join(f"{t.release[0]}.{t.release[1]} ({t.path})" for t in nvccs if t.release) or "none"
-        out.append(Check("cuda-toolkit", "warn", f"CUDA {pin[0]}.{pin[1]} not installed (found: {found})",
-                         "`invoke toolchain --host H` installs it (Debian 12: non-free nvidia-cuda-toolkit)"))
+        out.append(
+            Check(
+                "cuda-toolkit",
+                "warn",
+                f"CUDA {pin[0]}.{pin[1]} not installed (found: {found})",
+                "`invoke toolchain --host H` installs it (Debian 12: non-free nvidia-cuda-toolkit)",
+            )
+        )
     first_nvcc = cuda.first_on_path(facts.toolkits, "nvcc")
     if first_nvcc and first_nvcc.release and not first_nvcc.sm70_supported:
-        out.append(Check("cuda-on-path", "warn",
-                         f"the nvcc first on PATH ({first_nvcc.path}) is CUDA {first_nvcc.release[0]}.{first_nvcc.release[1]}, which cannot target sm_70",
-                         "voltaforge builds with PATH/CUDA_HOME/CUDACXX pinned to the recipe's toolkit; do the same for manual builds"))
+        out.append(
+            Check(
+                "cuda-on-path",
+                "warn",
+                f"the nvcc first on PATH ({first_nvcc.path}) is CUDA "
+                f"{first_nvcc.release[0]}.{first_nvcc.release[1]}, which cannot target sm_70",
+                "voltaforge builds with PATH/CUDA_HOME/CUDACXX pinned to the recipe's toolkit; "
+                "do the same for manual builds",
+            )
+        )
     mixed = cuda.mixed_toolkits_warning(facts.toolkits)
     if mixed:
-        out.append(Check("mixed-toolkits", "warn", mixed,
-                         "voltaforge's build environment pins one toolkit (playbooks/steps/buildenv.py); by hand: "
-                         "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> CUDACXX=<nvcc> (root /usr for Debian's package)"))
+        out.append(
+            Check(
+                "mixed-toolkits",
+                "warn",
+                mixed,
+                "voltaforge's build environment pins one toolkit (playbooks/steps/buildenv.py); by hand: "
+                "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> "
+                "CUDACXX=<nvcc> (root /usr for Debian's package)",
+            )
+        )
     # nvcc 11.x refuses GCC > 11 (crt/host_config.h) unless a g++-11 is used
     if pin[0] == 11 and facts.gcc.major and facts.gcc.major > 11:
         ok = facts.gxx11.available
-        out.append(Check("host-compiler", "pass" if ok else "warn",
-                         f"gcc {'.'.join(map(str, facts.gcc.version or ()))}; g++-11 {'present' if ok else 'missing'}",
-                         "" if ok else "install g++-11 (Debian's nvidia-cuda-toolkit depends on it and routes nvcc to it)"))
+        out.append(
+            Check(
+                "host-compiler",
+                "pass" if ok else "warn",
+                f"gcc {'.'.join(map(str, facts.gcc.version or ()))}; g++-11 {'present' if ok else 'missing'}",
+                "" if ok else "install g++-11 (Debian's nvidia-cuda-toolkit depends on it and routes nvcc to it)",
+            )
+        )
     return out
 
 
-def plan_for_host(cx: Context) -> Optional[Plan]:
+def plan_for_host(cx: Context) -> Plan | None:
     """The recipe planned on the GPU the host reports, else the inventory's, else the recipe's."""
     if cx.loaded is None or cx.recipe is None:
         return None
     r = cx.recipe
     gpu = host_gpu(cx.facts) or get_gpu(cx.inventory_gpu or r.gpu)
-    return make_plan(cx.loaded.shape, gpu, serving_from_recipe(cx.loaded), quant=r.quant_name, min_bpw=r.planner.min_bpw)
+    return make_plan(
+        cx.loaded.shape, gpu, serving_from_recipe(cx.loaded), quant=r.quant_name, min_bpw=r.planner.min_bpw
+    )
 
 
-def check_disk_and_ram(cx: Context, plan: Optional[Plan]) -> list[Check]:
+def check_disk_and_ram(cx: Context, plan: Plan | None) -> list[Check]:
     if plan is None or plan.chosen is None or cx.loaded is None:
         return []
     out = []
@@ -293,32 +403,57 @@ def check_disk_and_ram(cx: Context, plan: Optional[Plan]) -> list[Check]:
     d = cx.facts.disk.get(cx.model_dir)
     if d and d.available_bytes is not None:
         ok = d.available_bytes >= need_disk
-        out.append(Check("disk", "pass" if ok else "fail",
-                         f"{size_text(d.available_bytes)} free at {d.existing_path}, need {size_text(need_disk)} "
-                         "(download + FP16 + quantized file)",
-                         "" if ok else f"free {max(0, need_disk - d.available_bytes) / 1e9:.1f} GB or point the model dir elsewhere",
-                         blocking=True))
+        out.append(
+            Check(
+                "disk",
+                "pass" if ok else "fail",
+                f"{size_text(d.available_bytes)} free at {d.existing_path}, need {size_text(need_disk)} "
+                "(download + FP16 + quantized file)",
+                ""
+                if ok
+                else f"free {max(0, need_disk - d.available_bytes) / 1e9:.1f} GB or point the model dir elsewhere",
+                blocking=True,
+            )
+        )
     mem = cx.facts.memory.mem_total_bytes
     if mem:
         ok = mem >= MIN_RAM_BYTES or params < 2e9
-        out.append(Check("ram", "pass" if ok else "warn", f"{mem / GIB:.1f} GiB RAM",
-                         "" if ok else "conversion of 14-32B models wants >= 16 GiB RAM; add swap or convert elsewhere"))
+        out.append(
+            Check(
+                "ram",
+                "pass" if ok else "warn",
+                f"{mem / GIB:.1f} GiB RAM",
+                "" if ok else "conversion of 14-32B models wants >= 16 GiB RAM; add swap or convert elsewhere",
+            )
+        )
     return out
 
 
 def fit_summary(cx: Context, plan: Plan) -> tuple[str, Check]:
     chosen = plan.chosen
     assert chosen is not None
-    verdict = (f"{chosen.quant} fits with {chosen.headroom_bytes / 2**20:,.0f} MiB left"
-               if chosen.fits else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB")
+    verdict = (
+        f"{chosen.quant} fits with {chosen.headroom_bytes / 2**20:,.0f} MiB left"
+        if chosen.fits
+        else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB"
+    )
     source = "the inventory's" if cx.inventory_gpu else "the recipe's"
-    target = plan.gpu.name + (f" ({source} GPU: none seen on the host)" if host_gpu(cx.facts) is None and cx.wants_gpu else "")
-    fix = "" if chosen.fits else f"choose {plan.recommendation.quant if plan.recommendation else 'a smaller model'}, or a shorter context"
-    return f"{verdict} on {target}; {plan.reason}", Check("fit", "pass" if chosen.fits else "fail", f"{verdict} on {target}", fix, blocking=True)
+    target = plan.gpu.name + (
+        f" ({source} GPU: none seen on the host)" if host_gpu(cx.facts) is None and cx.wants_gpu else ""
+    )
+    fix = (
+        ""
+        if chosen.fits
+        else f"choose {plan.recommendation.quant if plan.recommendation else 'a smaller model'}, or a shorter context"
+    )
+    return f"{verdict} on {target}; {plan.reason}", Check(
+        "fit", "pass" if chosen.fits else "fail", f"{verdict} on {target}", fix, blocking=True
+    )
 
 
-def judge(facts: HostFacts, loaded: Optional[LoadedRecipe], model_dir: str, prefix: str,
-          inventory_gpu: Optional[str] = None) -> Verdict:
+def judge(
+    facts: HostFacts, loaded: LoadedRecipe | None, model_dir: str, prefix: str, inventory_gpu: str | None = None
+) -> Verdict:
     """Pure: turn facts (and the recipe, when given) into checks with fixes, one area at a time.
 
     The GPU the plan is judged against: the one the host reports; else the inventory's `gpu`;

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
-from typing import Optional
 
 from playbooks.config.recipe import Toolchain
 from playbooks.errors import HostError
@@ -54,8 +53,8 @@ def nonfree_sources(mirror: str = DEBIAN_MIRROR) -> str:
 class CudaFacts:
     toolkits: tuple[cuda.Toolkit, ...]
     os: system.OsRelease
-    nonfree_sources: tuple[str, ...]   # files that enable Debian's non-free component
-    debian_mirror: Optional[str]
+    nonfree_sources: tuple[str, ...]  # files that enable Debian's non-free component
+    debian_mirror: str | None
 
 
 class EnsureCudaToolkit(Operation):
@@ -84,8 +83,10 @@ class EnsureCudaToolkit(Operation):
             if not facts.nonfree_sources:
                 content = nonfree_sources(facts.debian_mirror or DEBIAN_MIRROR)
                 cmds.append(Shell(f"printf %s {shlex.quote(content)} > {NONFREE_SOURCES}", sudo=True))
-            cmds += [Shell("apt-get update -qq", sudo=True),
-                     Shell(f"{APT_ENV} apt-get install -y -qq --no-install-recommends nvidia-cuda-toolkit", sudo=True)]
+            cmds += [
+                Shell("apt-get update -qq", sudo=True),
+                Shell(f"{APT_ENV} apt-get install -y -qq --no-install-recommends nvidia-cuda-toolkit", sudo=True),
+            ]
             enabled = "enabled" if facts.nonfree_sources else "to be enabled"
             return Decision.act(f"CUDA {rel} missing; Debian 12 non-free {enabled}", *cmds)
         if os.id == "ubuntu" and os.version_id in ("20.04", "22.04"):
@@ -155,20 +156,22 @@ class EnsureTorch(Operation):
         self.venv, self.tc = venv, tc
         self.name = f"Ensure torch {tc.torch} is installed in the venv"
 
-    def read(self, host: Host) -> Optional[str]:
+    def read(self, host: Host) -> str | None:
         return python.parse_package_version(read_fact(host, python.package_version_command(self.venv, "torch")))
 
-    def decide(self, facts: Optional[str]) -> Decision:
+    def decide(self, facts: str | None) -> Decision:
         if facts == self.tc.torch:
             return Decision.ok(f"torch {facts} already installed")
-        return Decision.act(f"torch is {facts or 'not installed'}, want {self.tc.torch}",
-                            Shell(torch_install_command(self.venv, self.tc)))
+        return Decision.act(
+            f"torch is {facts or 'not installed'}, want {self.tc.torch}",
+            Shell(torch_install_command(self.venv, self.tc)),
+        )
 
 
 @dataclass(frozen=True)
 class LockFacts:
     toolkits: tuple[cuda.Toolkit, ...]
-    torch: Optional[str]
+    torch: str | None
     file: FileFacts
 
 
@@ -190,7 +193,11 @@ class EnsureToolchainLock(Operation):
         rel = tuple(int(x) for x in self.tc.cuda.split("."))
         nvcc = next((t for t in facts.toolkits if t.kind == "nvcc" and t.release == rel), None)
         lock = {
-            "cuda": {"release": self.tc.cuda, "nvcc": nvcc.path if nvcc else None, "version": nvcc.version if nvcc else None},
+            "cuda": {
+                "release": self.tc.cuda,
+                "nvcc": nvcc.path if nvcc else None,
+                "version": nvcc.version if nvcc else None,
+            },
             "torch": {"version": facts.torch, "index": self.tc.torch_index, "find_links": self.tc.torch_find_links},
             "venv": self.venv,
         }
@@ -201,7 +208,9 @@ class EnsureToolchainLock(Operation):
         return decide_file(Upload(self.path, self.content(facts), 0o644), facts.file)
 
 
-def toolchain_ops(prefix: str, tc: Toolchain, owner: Optional[str], needs_cuda: bool, prefix_sudo: bool) -> list[Operation]:
+def toolchain_ops(
+    prefix: str, tc: Toolchain, owner: str | None, needs_cuda: bool, prefix_sudo: bool
+) -> list[Operation]:
     venv = f"{prefix}/venv"
     ops: list[Operation] = [EnsureDirectory(prefix, 0o755, owner=owner if prefix_sudo else None, sudo=prefix_sudo)]
     if needs_cuda:

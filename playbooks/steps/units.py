@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import jinja2
 
-from playbooks.errors import VoltaforgeError
-from playbooks.resources import resource_dir
-from playbooks.plan.gpus import get_gpu
 from playbooks.config.recipe import Recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.plan.gpus import get_gpu
+from playbooks.resources import resource_dir
 
 TEMPLATES = resource_dir("templates")
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
@@ -72,15 +71,24 @@ def llama_server_argv(recipe: Recipe, layout: ServerLayout) -> tuple[list[str], 
     gpu = not get_gpu(recipe.gpu).is_cpu
     argv = [
         layout.llama_server,
-        "--model", layout.model_file(recipe),
-        "--ctx-size", str(recipe.context * recipe.parallel),
-        "--parallel", str(recipe.parallel),
-        "--cache-type-k", recipe.cache.k,
-        "--cache-type-v", recipe.cache.v,
-        "--flash-attn", "on" if recipe.flash_attn else "off",
-        "--gpu-layers", "all" if gpu else "0",
-        "--host", recipe.service.bind,
-        "--port", str(recipe.service.port),
+        "--model",
+        layout.model_file(recipe),
+        "--ctx-size",
+        str(recipe.context * recipe.parallel),
+        "--parallel",
+        str(recipe.parallel),
+        "--cache-type-k",
+        recipe.cache.k,
+        "--cache-type-v",
+        recipe.cache.v,
+        "--flash-attn",
+        "on" if recipe.flash_attn else "off",
+        "--gpu-layers",
+        "all" if gpu else "0",
+        "--host",
+        recipe.service.bind,
+        "--port",
+        str(recipe.service.port),
         "--metrics",
         "--no-webui",
     ]
@@ -109,8 +117,9 @@ def _env() -> jinja2.Environment:
     )
 
 
-def render_llama_server_unit(recipe: Recipe, layout: ServerLayout = ServerLayout(),
-                             gpu_indexes: tuple[int, ...] = (0,)) -> RenderedUnit:
+def render_llama_server_unit(
+    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,)
+) -> RenderedUnit:
     if not _UNIT_NAME.match(layout.unit_name):
         raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
     argv, raw = llama_server_argv(recipe, layout)
@@ -119,14 +128,18 @@ def render_llama_server_unit(recipe: Recipe, layout: ServerLayout = ServerLayout
     for key, value in environment:
         if not _ENV_NAME.match(key) or not re.fullmatch(r"[0-9,]*", value):
             raise VoltaforgeError(f"bad environment entry {key}={value!r}")
-    text = _env().get_template("llama-server.service.j2").render(
-        unit_name=layout.unit_name,
-        recipe=recipe.name,
-        exec_start=exec_line(argv, raw),
-        api_key_file=layout.api_key_file(recipe),
-        environment=environment,
-        gpu=gpu,
-        gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
-        loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+    text = (
+        _env()
+        .get_template("llama-server.service.j2")
+        .render(
+            unit_name=layout.unit_name,
+            recipe=recipe.name,
+            exec_start=exec_line(argv, raw),
+            api_key_file=layout.api_key_file(recipe),
+            environment=environment,
+            gpu=gpu,
+            gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
+            loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+        )
     )
     return RenderedUnit(layout.unit_name, text, argv)

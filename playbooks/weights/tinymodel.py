@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from playbooks.plan.tensors import Cat, model_tensors
 from playbooks.plan.model_config import shape_from_config
+from playbooks.plan.tensors import Cat, model_tensors
 
 # HF parameter names for llama.cpp's GGUF names (convert_hf_to_gguf.py maps them back).
 _HF_NAMES = {
@@ -78,16 +78,35 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
     corpus = out_dir / "tokenizer-corpus.txt"
     corpus.write_text(_corpus(20000, rng))
     spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(out_dir / "tokenizer"), vocab_size=vocab_size,
-        model_type="bpe", character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-        num_threads=2, minloglevel=2, hard_vocab_limit=True,
+        input=str(corpus),
+        model_prefix=str(out_dir / "tokenizer"),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        num_threads=2,
+        minloglevel=2,
+        hard_vocab_limit=True,
     )
     corpus.unlink()
     (out_dir / "tokenizer.vocab").unlink(missing_ok=True)
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "add_eos_token": False, "legacy": True,
-    }, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "legacy": True,
+            },
+            indent=2,
+        )
+    )
 
 
 def write_tiny_llama(out_dir: Path, config: dict[str, Any], seed: int = 0) -> Path:
@@ -112,9 +131,17 @@ def write_tiny_llama(out_dir: Path, config: dict[str, Any], seed: int = 0) -> Pa
             values = rng.normal(0.0, 0.02, size=hf_shape).astype(np.float32)
         tensors[hf] = (hf_shape, _bf16_bytes(values))
     write_safetensors(out_dir / "model.safetensors", tensors)
-    full = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
-            "hidden_act": "silu", **config}
+    full = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        **config,
+    }
     (out_dir / "config.json").write_text(json.dumps(full, indent=2))
     train_tokenizer(out_dir, shape.vocab_size, seed)
     return out_dir

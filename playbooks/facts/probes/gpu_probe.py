@@ -74,8 +74,7 @@ def _gpu(pynvml, index):
     query("name", lambda: _text(pynvml.nvmlDeviceGetName(handle)))
     query("uuid", lambda: _text(pynvml.nvmlDeviceGetUUID(handle)))
     query("pci_bus_id", lambda: _text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
-    query("compute_capability",
-          lambda: list(pynvml.nvmlDeviceGetCudaComputeCapability(handle)))
+    query("compute_capability", lambda: list(pynvml.nvmlDeviceGetCudaComputeCapability(handle)))
 
     def memory():
         info = pynvml.nvmlDeviceGetMemoryInfo(handle)
@@ -89,8 +88,7 @@ def _gpu(pynvml, index):
             gpu[key] = None
         errors["memory"] = _describe(exc)
 
-    query("temperature_c",
-          lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+    query("temperature_c", lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
     query("power_draw_w", lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
     query("power_limit_w", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0)
 
@@ -105,13 +103,10 @@ def _gpu(pynvml, index):
         errors["power_range"] = _describe(exc)
 
     query("sm_clock_mhz", lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
-    query("max_sm_clock_mhz",
-          lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
+    query("max_sm_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
     query("mem_clock_mhz", lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM))
-    query("max_mem_clock_mhz",
-          lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))
-    query("persistence_mode",
-          lambda: pynvml.nvmlDeviceGetPersistenceMode(handle) == pynvml.NVML_FEATURE_ENABLED)
+    query("max_mem_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))
+    query("persistence_mode", lambda: pynvml.nvmlDeviceGetPersistenceMode(handle) == pynvml.NVML_FEATURE_ENABLED)
     query("pcie_gen", lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
     query("pcie_width", lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
 
@@ -131,16 +126,16 @@ def probe():
     try:
         import pynvml  # from PyPI nvidia-ml-py (or the older pynvml package)
     except Exception as exc:  # ImportError, or a broken install raising anything else
-        return _none("pynvml not importable: %s" % _describe(exc))
+        return _none(f"pynvml not importable: {_describe(exc)}")
 
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # NVMLError: LIBRARY_NOT_FOUND, DRIVER_NOT_LOADED, ...
         name = _error_name(exc, pynvml)
-        return _none("NVML init failed: %s" % _describe(exc), name)
+        return _none(f"NVML init failed: {_describe(exc)}", name)
 
     try:
-        result = {"source": "nvml", "gpus": []}
+        result: dict = {"source": "nvml", "gpus": []}  # the JSON object printed: values of any type
         try:
             result["driver"] = _text(pynvml.nvmlSystemGetDriverVersion())
         except Exception:
@@ -158,7 +153,7 @@ def probe():
                 result["gpus"].append({"index": index, "errors": {"handle": _describe(exc)}})
         return result
     except Exception as exc:
-        return _none("NVML query failed: %s" % _describe(exc), _error_name(exc, pynvml))
+        return _none(f"NVML query failed: {_describe(exc)}", _error_name(exc, pynvml))
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -170,11 +165,11 @@ def main():
     try:
         result = probe()
     except BaseException as exc:  # never a traceback: the caller parses stdout as JSON
-        result = _none("probe crashed: %s: %s" % (exc.__class__.__name__, _describe(exc)))
+        result = _none(f"probe crashed: {exc.__class__.__name__}: {_describe(exc)}")
     try:
         _emit(result)
     except Exception as exc:  # e.g. a non-serialisable value from an odd pynvml build
-        _emit(_none("probe output not serialisable: %s" % _describe(exc)))
+        _emit(_none(f"probe output not serialisable: {_describe(exc)}"))
     return 0
 
 
