@@ -1,0 +1,248 @@
+"""`invoke build`'s decisions, table-driven on real captured facts (this machine's CUDA 13 +
+Debian 11.8 toolkit scan, its gcc, a Titan V + Ada nvidia-smi CSV, real cuobjdump listings),
+and the build for real over SSH (slow): the CPU build from the sdist, a no-op second run, a
+changed input building beside the old one, an interrupted build leaving `current` alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from playbooks.facts import cuda, gpu
+from playbooks.host.ops import OperationError, Record
+from playbooks.steps.build import (
+    BuildFacts,
+    BuildLayout,
+    EnsureLlamacppBuild,
+    Probe,
+    Source,
+    check_cubins,
+)
+from tests.helpers import ROOT, fixture_body
+
+SOURCE = Source("llama-cpp-python==0.3.36", "0c1e570", ROOT / "x.tar.gz", "ab" * 32, "x/vendor/llama.cpp")
+LAYOUT = BuildLayout("/opt/vf")
+TOOLKITS = tuple(cuda.parse_toolkits(fixture_body("thishost-toolkits-cuda13-and-debian-cuda11.8.txt")))
+GCC12 = cuda.parse_gcc_version(fixture_body("thishost-gcc-12-version.txt"))
+NO_GPU = gpu.GpuFacts(available=False, reason="nvidia-smi not found")
+TITAN_ADA = gpu.parse_nvidia_smi_csv(fixture_body("nvidia-smi-csv-compute-cap-titanv-volta-driver570.txt"), fields=None)
+
+
+def op(cuda_release=(11, 8), **kw):
+    return EnsureLlamacppBuild(LAYOUT, SOURCE, cuda_release=cuda_release, recipe_arch="70", **kw)
+
+
+def facts(**kw):
+    base = dict(toolkits=TOOLKITS, gcc=GCC12, nproc=16, gpus=NO_GPU)
+    return BuildFacts(**{**base, **kw})
+
+
+def shown(decision):
+    return [c.show() for c in decision.commands]
+
+
+def test_cuda_build_for_sm70_in_one_toolkit_only():
+    d = op().decide(facts())
+    configure, build, version, cubins, record, switch = d.commands
+    # the environment: Debian's 11.8, and no directory of the CUDA 13 that is first on PATH here
+    assert "CUDACXX=/usr/bin/nvcc" in configure.show() and "CUDA_HOME=/usr" in configure.show()
+    assert "PATH=/usr/lib/nvidia-cuda-toolkit/bin:/usr/sbin:/usr/bin:/sbin:/bin" in configure.show()
+    assert "/usr/local" not in configure.show() and "cuda-13" not in configure.show()
+    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=70" in configure.show()
+    assert "-DGGML_NATIVE=OFF" in configure.show() and "-DCMAKE_BUILD_TYPE=Release" in configure.show()
+    assert build.show().endswith(
+        "-j 16 --target llama-server llama-quantize llama-imatrix llama-perplexity llama-bench llama-batched-bench"
+    )
+    assert isinstance(cubins, Probe) and cubins.expect == ("sm_70",)
+    assert "/usr/bin/cuobjdump --list-elf" in cubins.command and cubins.command.endswith("/bin/libggml-cuda.so")
+    assert isinstance(record, Record) and record.path.endswith("/voltaforge-stamp.json")
+    assert switch.show().startswith("ln -sfn -- /opt/vf/llama.cpp/builds/0c1e570-cuda-")
+    assert d.reason.startswith("no build of these inputs (0c1e570-cuda-")
+
+
+def test_arch_comes_from_the_hosts_gpus():
+    """Titan V (7.0) + RTX 5880 Ada (8.9) in one host: both archs, both proven."""
+    d = op().decide(facts(gpus=TITAN_ADA))
+    assert "-DCMAKE_CUDA_ARCHITECTURES=70;89" in shown(d)[0] or "'-DCMAKE_CUDA_ARCHITECTURES=70;89'" in shown(d)[0]
+    assert next(c for c in d.commands if isinstance(c, Probe) and c.expect).expect == ("sm_70", "sm_89")
+
+
+def test_the_same_inputs_name_the_same_build_and_a_flag_another():
+    a = op().plan(facts())[0]
+    assert a.build_id == op().plan(facts(nproc=2))[0].build_id  # -j is not an input of the result
+    assert a.build_id != op(extra_flags=("-DGGML_CUDA_F16=ON",)).plan(facts())[0].build_id
+    assert a.build_id != op().plan(facts(gpus=TITAN_ADA))[0].build_id
+    assert a.build_id.startswith("0c1e570-cuda-")
+
+
+def test_no_pinned_toolkit_is_a_clear_failure():
+    only13 = tuple(t for t in TOOLKITS if t.release and t.release[0] == 13)
+    with pytest.raises(OperationError, match=r"no CUDA 11\.8 nvcc found \(found: 13\.0"):
+        op().decide(facts(toolkits=only13))
+
+
+def test_cuda13_pinned_for_sm70_is_refused():
+    with pytest.raises(OperationError, match="cannot target sm_70"):
+        op(cuda_release=(13, 0)).decide(facts())
+
+
+def test_proven_and_current_is_ok_in_one_decision():
+    bid = op().plan(facts())[0].build_id
+    stamp = {"id": bid, "built_at": "2026-11-30T12:00:00Z"}
+    d = op().decide(facts(builds=(bid,), stamps={bid: stamp}, current=LAYOUT.build_dir(bid)))
+    assert d.commands == () and d.reason == f"built 2026-11-30T12:00:00Z, {bid}"
+
+
+def test_proven_but_not_current_switches_and_prunes_to_two():
+    bid = op().plan(facts())[0].build_id
+    old, older = "0c1e570-cuda-000000000001", "0c1e570-cuda-000000000002"
+    d = op().decide(facts(builds=(older, old, bid), stamps={bid: {"id": bid}}, current=LAYOUT.build_dir(old)))
+    assert shown(d)[0].startswith(f"ln -sfn -- {LAYOUT.build_dir(bid)} ")
+    assert shown(d)[1] == f"rm -rf -- {LAYOUT.build_dir(older)}"  # keeps the new and the one in use
+
+
+def test_an_interrupted_build_is_resumed_in_its_directory():
+    bid = op().plan(facts())[0].build_id
+    d = op().decide(facts(builds=(bid,), current="/opt/vf/llama.cpp/builds/0c1e570-cuda-000000000001"))
+    assert d.reason == "an interrupted build of these inputs is resumed"
+    assert f"-B {LAYOUT.build_dir(bid)} " in shown(d)[0]
+
+
+def test_cpu_build_is_static_and_needs_no_toolkit():
+    d = op(cuda_release=None).decide(facts(toolkits=()))
+    assert "env PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C cmake -S" in shown(d)[0]
+    assert "-DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF" in shown(d)[0]
+    assert not any(isinstance(c, Probe) and c.expect for c in d.commands)
+
+
+def test_ccache_when_present_keeps_its_cache_in_the_prefix():
+    d = op(cuda_release=None).decide(facts(ccache="/usr/bin/ccache"))
+    assert "CCACHE_DIR=/opt/vf/llama.cpp/ccache" in shown(d)[0]
+
+
+def test_cubin_proof_on_real_listings():
+    check_cubins(fixture_body("thishost-cuobjdump-list-elf-ptx-sm70-75-80.txt"), ("sm_70",))
+    # a native build on an Ampere box: sm_86 only, no sm_70 -> the step fails, nothing switched
+    with pytest.raises(OperationError, match=r"no sm_70 cubins \(found: sm_86\)"):
+        check_cubins(fixture_body("cuobjdump-list-elf-ggml-cuda-sm86.txt"), ("sm_70",))
+
+
+# ------------------------------------------------------------------------------------------
+# for real
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host, tmp_path, capsys):
+    """The CPU build from the pinned sdist on a real SSH host, through `run_build` (the task's
+    own code). One target (llama-server) keeps it to one compile; ccache (from ci/) makes the
+    rebuilds with other inputs cheap, as it does on a real host."""
+    import subprocess
+    import threading
+    import time
+
+    from playbooks.cli.build import run_build
+    from playbooks.host import connect
+    from tests.helpers import inventory_for, spec_for
+
+    prefix = sshd_host.prefix / "vf"
+    inv = inventory_for(tmp_path, "box", sshd_host, prefix=str(prefix))
+    layout = BuildLayout(str(prefix))
+    server = ("llama-server",)
+
+    def build(*flags, dry_run=False):
+        code = run_build("box", "tiny-cpu", dry_run=dry_run, inventory=inv, targets=server, extra_flags=flags)
+        return code, capsys.readouterr().out
+
+    def builds():
+        return sorted(p.name for p in (prefix / "llama.cpp" / "builds").iterdir())
+
+    # dry run: the exact commands, nothing on the host
+    code, out = build(dry_run=True)
+    assert code == 0 and "would run: env PATH=/usr/sbin:/usr/bin:/sbin:/bin" in out and "cmake --build" in out
+    assert not prefix.exists()
+    # first run: builds and proves
+    code, out = build()
+    assert code == 0, out[-3000:]
+    first = builds()
+    assert len(first) == 1 and (prefix / "llama.cpp" / "current").resolve().name == first[0]
+    with connect(spec_for(sshd_host)) as host:
+        version = host.run(f"{layout.llama_server} --version 2>&1", stream=False).stdout
+    assert "version:" in version
+    stamp = (prefix / "llama.cpp" / "builds" / first[0] / "voltaforge-stamp.json").read_text()
+    assert first[0] in stamp and "built_at" in stamp
+    # second run: nothing to do, no cmake, seconds
+    t0 = time.monotonic()
+    code, out = build()
+    elapsed = time.monotonic() - t0
+    assert code == 0 and "cmake" not in out and "built " in out and "6 ok" in out
+    assert elapsed < 10, elapsed
+    # a changed input: a second build beside the first, current switched to it
+    code, out = build("-DLLAMA_BUILD_COMMON=ON")
+    assert code == 0, out[-3000:]
+    second = [b for b in builds() if b not in first]
+    assert len(second) == 1 and (prefix / "llama.cpp" / "current").resolve().name == second[0]
+    # an interrupted build: current keeps pointing at the second build
+    third_flag = "-DLLAMA_BUILD_TOOLS=ON"
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(code=build(third_flag)[0]))
+    runner.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(builds()) < 3:
+        time.sleep(0.5)
+    time.sleep(5)  # into the compile
+    subprocess.run(["pkill", "-u", sshd_host.user, "-f", "cmake --build"], check=False)
+    runner.join(600)
+    assert result["code"] == 1
+    assert (prefix / "llama.cpp" / "current").resolve().name == second[0]
+    third = [b for b in builds() if b not in first + second]
+    assert len(third) == 1 and not (prefix / "llama.cpp" / "builds" / third[0] / "voltaforge-stamp.json").exists()
+    # the re-run resumes it, switches, and keeps two builds (the new one and the one in use)
+    code, out = build(third_flag)
+    assert code == 0 and "an interrupted build of these inputs is resumed" in out
+    assert builds() == sorted(second + third)
+    assert (prefix / "llama.cpp" / "current").resolve().name == third[0]
+
+
+@pytest.mark.slow
+def test_cuda_path_compiles_sm70_through_the_build_steps_own_commands(tmp_path):
+    """The CUDA path on this machine's real toolkits, through EnsureLlamacppBuild: its facts are
+    read from this machine (CUDA 13 first on PATH where the image has it, Debian's 11.8), its
+    configure command runs for real, one ggml-cuda object is compiled in the same environment,
+    and the step's own proof finds sm_70 cubins in it. The whole ggml-cuda (about 50 minutes on
+    2 cores, docs/knowledge.md section 3) is not built here."""
+    import shlex
+    import subprocess
+
+    from playbooks.host import LocalHost
+    from playbooks.steps.build import fetch_sdist
+
+    source = fetch_sdist("llama-cpp-python==0.3.36", "0c1e570")
+    layout = BuildLayout(str(tmp_path / "vf"))
+    host = LocalHost()
+    src = layout.tree(source)
+    subprocess.run(["mkdir", "-p", src], check=True)
+    strip = source.member.count("/") + 1
+    subprocess.run(
+        ["tar", "-xzf", str(source.archive), "-C", src, f"--strip-components={strip}", source.member], check=True
+    )
+    op = EnsureLlamacppBuild(layout, source, cuda_release=(11, 8), recipe_arch="70")
+    decision = op.decide(op.read(host))
+    configure = decision.commands[0].show()
+    assert "/usr/local/cuda" not in configure and "cuda-13" not in configure
+    run = host.run(configure.replace("cmake -S", "cmake -DLLAMA_BUILD_SERVER=OFF -S", 1), stream=False, check=False)
+    assert run.ok, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "The CUDA compiler identification is NVIDIA 11.8" in run.stdout
+    env_part = configure.split(" cmake -S", 1)[0]
+    build_dir = configure.split(" -B ", 1)[1].split(" ", 1)[0]
+    obj = host.run(f"{env_part} make -C {build_dir}/ggml/src/ggml-cuda arange.cu.o", stream=False, check=False)
+    assert obj.ok, obj.stdout[-2000:] + obj.stderr[-2000:]
+    probe = next(c for c in decision.commands if isinstance(c, Probe) and c.expect)
+    listing = host.run(
+        probe.command.replace(
+            f"{build_dir}/bin/libggml-cuda.so",
+            shlex.quote(f"{build_dir}/ggml/src/ggml-cuda/CMakeFiles/ggml-cuda.dir/arange.cu.o"),
+        ),
+        stream=False,
+    ).stdout
+    check_cubins(listing, probe.expect)
+    assert cuda.parse_cuobjdump_list_elf(listing) == {"sm_70"}
