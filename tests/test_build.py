@@ -132,7 +132,7 @@ def test_cubin_proof_on_real_listings():
 
 
 @pytest.mark.slow
-def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host, tmp_path, capsys):
+def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host, tmp_path, capsys, monkeypatch):
     """The CPU build from the pinned sdist on a real SSH host, through `run_build` (the task's
     own code). One target (llama-server) keeps it to one compile; ccache (from ci/) makes the
     rebuilds with other inputs cheap, as it does on a real host."""
@@ -144,6 +144,9 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
     from playbooks.host import connect
     from tests.helpers import inventory_for, spec_for
 
+    from playbooks.steps.build import FleetCache
+
+    monkeypatch.setattr(FleetCache, "default", classmethod(lambda cls: cls(tmp_path / "fleet")))
     prefix = sshd_host.prefix / "vf"
     inv = inventory_for(tmp_path, "box", sshd_host, prefix=str(prefix))
     layout = BuildLayout(str(prefix))
@@ -201,6 +204,14 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
     assert code == 0 and "an interrupted build of these inputs is resumed" in out
     assert builds() == sorted(second + third)
     assert (prefix / "llama.cpp" / "current").resolve().name == third[0]
+    # the fleet cache: every proven build was kept on the controller; a host that lost its
+    # build (or a new host with the same inputs) gets the archive and proves it, no compile
+    assert {p.name for p in (tmp_path / "fleet").iterdir()} == {f"{b}.tar.gz" for b in first + second + third}
+    subprocess.run(["rm", "-rf", str(prefix / "llama.cpp" / "builds" / third[0])], check=True)
+    code, out = build(third_flag)
+    assert code == 0 and "proven in the controller's fleet cache" in out and "cmake" not in out
+    assert (prefix / "llama.cpp" / "current").resolve().name == third[0]
+    assert (prefix / "llama.cpp" / "builds" / third[0] / "voltaforge-stamp.json").exists()
 
 
 @pytest.mark.slow
@@ -246,3 +257,29 @@ def test_cuda_path_compiles_sm70_through_the_build_steps_own_commands(tmp_path):
     ).stdout
     check_cubins(listing, probe.expect)
     assert cuda.parse_cuobjdump_list_elf(listing) == {"sm_70"}
+
+
+def test_fleet_cache_copies_a_proven_build_instead_of_compiling(tmp_path):
+    from playbooks.host.ops import Fetch, PushFile
+    from playbooks.steps.build import FleetCache
+
+    cache = FleetCache(tmp_path)
+    with_cache = op(cache=cache)
+    bid = with_cache.plan(facts())[0].build_id
+    # not in the cache: compile, then keep the proven build in the cache
+    d = with_cache.decide(facts())
+    fetch = next(c for c in d.commands if isinstance(c, Fetch))
+    assert fetch.local == tmp_path / f"{bid}.tar.gz" and "cmake --build" in shown(d)[1]
+    # in the cache: pushed, unpacked and proven again here; no cmake
+    (tmp_path / f"{bid}.tar.gz").write_bytes(b"archive")
+    d = with_cache.decide(facts(cached=(bid,)))
+    assert isinstance(d.commands[0], PushFile) and not any("cmake" in s for s in shown(d))
+    assert [c.key for c in d.commands if isinstance(c, Probe)] == ["version", "cubins"]
+    assert d.reason.startswith(f"build {bid} is proven in the controller's fleet cache")
+    # --no-cache: the same facts compile
+    assert "cmake --build" in shown(op().decide(facts(cached=(bid,))))[1]
+
+
+def test_a_build_for_another_prefix_is_another_build():
+    other = EnsureLlamacppBuild(BuildLayout("/srv/vf"), SOURCE, cuda_release=(11, 8), recipe_arch="70")
+    assert other.plan(facts())[0].build_id != op().plan(facts())[0].build_id

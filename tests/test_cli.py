@@ -86,6 +86,7 @@ NO_BAD_VALUE = {
     ("preflight", "json"),
     ("toolchain", "dry-run"),
     ("build", "dry-run"),
+    ("build", "no-cache"),
     ("test", "k"),
     ("test", "fast"),
 }

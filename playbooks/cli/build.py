@@ -14,7 +14,7 @@ from playbooks.host import connect
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import run_ops
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.build import LLAMACPP_TARGETS, BuildLayout, build_ops, fetch_sdist
+from playbooks.steps.build import LLAMACPP_TARGETS, BuildLayout, FleetCache, build_ops, fetch_sdist
 
 
 def run_build(
@@ -24,6 +24,7 @@ def run_build(
     inventory: str | Path = "inventory.yaml",
     targets: tuple[str, ...] = LLAMACPP_TARGETS,
     extra_flags: tuple[str, ...] = (),
+    no_cache: bool = False,
 ) -> int:
     spec = resolve_host(host_name, Path(inventory))
     name = recipe or spec.recipe
@@ -46,6 +47,7 @@ def run_build(
             extra_flags=extra_flags,
             owner=host.user,
             sudo=sudo,
+            cache=None if no_cache else FleetCache.default(),
         )
         if dry_run:
             changes = run_ops(host, ops, dry_run=True)

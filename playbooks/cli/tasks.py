@@ -153,6 +153,7 @@ def toolchain(
         "recipe": RECIPE_HELP,
         "dry-run": "print the exact commands and change nothing",
         "inventory": INVENTORY_HELP,
+        "no-cache": "compile even when the fleet cache holds a proven build of the same inputs",
     },
 )
 def build(
@@ -161,6 +162,7 @@ def build(
     recipe: str | None = None,
     dry_run: bool = False,
     inventory: str | None = None,
+    no_cache: bool = False,
 ) -> None:
     """Build llama.cpp from the pinned source for the host's GPU arch, prove it, switch it in."""
 
@@ -172,6 +174,7 @@ def build(
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             dry_run=dry_run,
             inventory=flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml",
+            no_cache=no_cache,
         )
 
     run_command(go)

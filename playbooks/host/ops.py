@@ -26,6 +26,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import sha256
+from pathlib import Path
 from typing import Any, Literal
 
 from playbooks.errors import HostError
@@ -92,7 +93,32 @@ class Record:
         return f"record {self.what} in {self.path}"
 
 
-Command = Shell | Upload | Record
+@dataclass(frozen=True)
+class PushFile:
+    """A file of the controller written atomically to the host, streamed (large archives)."""
+
+    path: str
+    local: Path
+    sha256: str
+    mode: int = 0o644
+
+    def show(self) -> str:
+        size = self.local.stat().st_size if self.local.exists() else "?"
+        return f"push {self.local} ({size} bytes, sha256 {self.sha256[:12]}) to {self.path}"
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """A file of the host copied to the controller (a proven build into the fleet cache)."""
+
+    path: str
+    local: Path
+
+    def show(self) -> str:
+        return f"fetch {self.path} to the controller's {self.local}"
+
+
+Command = Shell | Upload | Record | PushFile | Fetch
 
 
 def run_command(host: Host, cmd: Command) -> None:
@@ -100,6 +126,12 @@ def run_command(host: Host, cmd: Command) -> None:
         raise TypeError(f"{cmd.show()}: written by its operation's apply(), not run as a command")
     if isinstance(cmd, Upload):
         host.write_file(cmd.path, cmd.content, cmd.mode, sudo=cmd.sudo, owner=cmd.owner)
+    elif isinstance(cmd, PushFile):
+        with open(cmd.local, "rb") as fh:
+            host.write_file(cmd.path, fh, cmd.mode)
+    elif isinstance(cmd, Fetch):
+        cmd.local.parent.mkdir(parents=True, exist_ok=True)
+        host.get(cmd.path, cmd.local)
     else:
         (host.sudo if cmd.sudo else host.run)(cmd.command)
 

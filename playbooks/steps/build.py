@@ -39,11 +39,14 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds, cuda, gpu, read_fact, system
 from playbooks.host.base import Host
 from playbooks.host.ops import (
+    Command,
     Decision,
     EnsureDirectory,
     EnsureFile,
+    Fetch,
     Operation,
     OperationError,
+    PushFile,
     Record,
     Shell,
     run_command,
@@ -179,6 +182,32 @@ class BuildLayout:
 
 
 # ------------------------------------------------------------------------------------------
+# the fleet cache, on the controller
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FleetCache:
+    """Proven builds kept on the controller by their input hash: a fleet of ten V100s with the
+    same arch, toolkit, compiler, ref, flags and prefix compiles once, the other nine get the
+    archive copied and re-proven."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> FleetCache:
+        return cls(source_cache_dir().parent / "builds")
+
+    def archive(self, build_id: str) -> Path:
+        return self.root / f"{build_id}.tar.gz"
+
+    def ids(self) -> tuple[str, ...]:
+        if not self.root.is_dir():
+            return ()
+        return tuple(sorted(p.name.removesuffix(".tar.gz") for p in self.root.glob("*.tar.gz")))
+
+
+# ------------------------------------------------------------------------------------------
 # the source on the host
 # ------------------------------------------------------------------------------------------
 
@@ -221,6 +250,7 @@ class EnsureSourceTree(Operation):
 class BuildInputs:
     """Everything a build's result depends on; its hash names the build directory."""
 
+    prefix: str  # absolute paths are baked in (RPATH, the stamp): a copy needs the same prefix
     ref: str
     source_sha256: str
     backend: str  # cuda | cpu
@@ -256,6 +286,7 @@ class BuildFacts:
     builds: tuple[str, ...] = ()
     stamps: dict[str, dict[str, Any]] = field(default_factory=dict)
     current: str | None = None
+    cached: tuple[str, ...] = ()  # build ids in the controller's fleet cache
 
 
 def arch_list(gpus: gpu.GpuFacts, fallback: str) -> str:
@@ -295,8 +326,9 @@ class EnsureLlamacppBuild(Operation):
         recipe_arch: str,
         targets: tuple[str, ...] = LLAMACPP_TARGETS,
         extra_flags: tuple[str, ...] = (),
+        cache: FleetCache | None = None,
     ):
-        self.layout, self.source = layout, source
+        self.layout, self.source, self.cache = layout, source, cache
         self.cuda_release, self.recipe_arch = cuda_release, recipe_arch
         self.targets, self.extra_flags = tuple(targets), tuple(extra_flags)
         kind = "CUDA" if cuda_release else "CPU"
@@ -318,6 +350,7 @@ class EnsureLlamacppBuild(Operation):
             builds=names,
             stamps=stamps,
             current=builds.parse_readlink(read_fact(host, builds.readlink_command(self.layout.current))),
+            cached=self.cache.ids() if self.cache else (),  # the controller's state is a fact too
         )
         if self.cuda_release:
             facts = BuildFacts(
@@ -338,7 +371,17 @@ class EnsureLlamacppBuild(Operation):
         env = {"PATH": ":".join(SYSTEM_PATH), "LC_ALL": "C"}
         if not self.cuda_release:
             flags = cmake_flags(None) + self.extra_flags
-            inputs = BuildInputs(self.source.ref, self.source.sha256, "cpu", None, None, compiler, flags, self.targets)
+            inputs = BuildInputs(
+                self.layout.prefix,
+                self.source.ref,
+                self.source.sha256,
+                "cpu",
+                None,
+                None,
+                compiler,
+                flags,
+                self.targets,
+            )
             return inputs, env, None
         arch = arch_list(facts.gpus, self.recipe_arch)
         try:
@@ -368,7 +411,17 @@ class EnsureLlamacppBuild(Operation):
             raise OperationError(str(exc)) from None
         flags = cmake_flags(arch, host_compiler) + self.extra_flags
         toolkit = f"{nvcc.release[0]}.{nvcc.release[1]} {nvcc.version} {nvcc.path}" if nvcc.release else nvcc.path
-        inputs = BuildInputs(self.source.ref, self.source.sha256, "cuda", arch, toolkit, compiler, flags, self.targets)
+        inputs = BuildInputs(
+            self.layout.prefix,
+            self.source.ref,
+            self.source.sha256,
+            "cuda",
+            arch,
+            toolkit,
+            compiler,
+            flags,
+            self.targets,
+        )
         return inputs, env, f"{toolkit_root(nvcc)}/bin/cuobjdump"
 
     def decide(self, facts: BuildFacts) -> Decision:
@@ -391,17 +444,23 @@ class EnsureLlamacppBuild(Operation):
         env = {**env, **({"CCACHE_DIR": self.layout.ccache_dir} if facts.ccache else {})}
         run = env_prefix(env)
         src, q = shlex.quote(self.layout.tree(self.source)), shlex.quote(target)
+        proof = self._proof(q, run, cuobjdump, inputs)
+        packed = shlex.quote(f"{self.layout.builds}/.{bid}.tar.gz")
+        if self.cache and bid in facts.cached:
+            archive = self.cache.archive(bid)
+            return Decision.act(
+                f"build {bid} is proven in the controller's fleet cache: copied and re-proven, not compiled",
+                PushFile(f"{self.layout.builds}/.{bid}.tar.gz", archive, file_sha256(archive)),
+                Shell(f"rm -rf -- {q} && tar -xzf {packed} -C {shlex.quote(self.layout.builds)} && rm -f -- {packed}"),
+                *proof,
+                switch,
+                *prune,
+            )
         configure = Shell(f"{run} cmake -S {src} -B {q} {' '.join(shlex.quote(f) for f in inputs.flags)}")
         build = Shell(
             f"{run} cmake --build {q} --config Release -j {jobs} --target "
             f"{' '.join(shlex.quote(t) for t in inputs.targets)}"
         )
-        proof: list[Probe] = [Probe(f"{q}/bin/llama-server --version 2>&1", key="version")]
-        if cuobjdump:
-            wanted = tuple(f"sm_{a}" for a in (inputs.arch or "").split(";") if a)
-            proof.append(
-                Probe(f"{run} {shlex.quote(cuobjdump)} --list-elf {q}/bin/libggml-cuda.so", key="cubins", expect=wanted)
-            )
         why = (
             "an interrupted build of these inputs is resumed"
             if bid in facts.builds
@@ -410,7 +469,24 @@ class EnsureLlamacppBuild(Operation):
         record = Record(
             f"{target}/{builds.STAMP_NAME}", "the inputs and the proof", json.dumps(asdict(inputs), sort_keys=True)
         )
-        return Decision.act(why, configure, build, *proof, record, switch, *prune)
+        keep: list[Command] = []
+        if self.cache:
+            keep = [
+                Shell(f"tar -C {shlex.quote(self.layout.builds)} -czf {packed} {shlex.quote(bid)}"),
+                Fetch(f"{self.layout.builds}/.{bid}.tar.gz", self.cache.archive(bid)),
+                Shell(f"rm -f -- {packed}"),
+            ]
+        return Decision.act(why, configure, build, *proof, record, *keep, switch, *prune)
+
+    def _proof(self, q: str, run: str, cuobjdump: str | None, inputs: BuildInputs) -> list[Probe]:
+        """The server runs and says its version; a CUDA build has real cubins for every arch."""
+        proof = [Probe(f"{q}/bin/llama-server --version 2>&1", key="version")]
+        if cuobjdump:
+            wanted = tuple(f"sm_{a}" for a in (inputs.arch or "").split(";") if a)
+            proof.append(
+                Probe(f"{run} {shlex.quote(cuobjdump)} --list-elf {q}/bin/libggml-cuda.so", key="cubins", expect=wanted)
+            )
+        return proof
 
     def _prune(self, facts: BuildFacts, keep: str) -> list[Shell]:
         """Keep the new build and the one `current` points at now; remove the rest."""
@@ -471,6 +547,7 @@ def build_ops(
     extra_flags: tuple[str, ...] = (),
     owner: str | None = None,
     sudo: bool = False,
+    cache: FleetCache | None = None,
 ) -> list[Operation]:
     """The build step as operations: directories, the archive pushed (checksummed), the tree
     unpacked, the proven build switched in."""
@@ -481,6 +558,12 @@ def build_ops(
         EnsureFile(layout.archive(source), source.archive.read_bytes(), 0o644),
         EnsureSourceTree(layout, source),
         EnsureLlamacppBuild(
-            layout, source, cuda_release=cuda_release, recipe_arch=recipe_arch, targets=targets, extra_flags=extra_flags
+            layout,
+            source,
+            cuda_release=cuda_release,
+            recipe_arch=recipe_arch,
+            targets=targets,
+            extra_flags=extra_flags,
+            cache=cache,
         ),
     ]
