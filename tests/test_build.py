@@ -142,9 +142,8 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
 
     from playbooks.cli.build import run_build
     from playbooks.host import connect
-    from tests.helpers import inventory_for, spec_for
-
     from playbooks.steps.build import FleetCache
+    from tests.helpers import inventory_for, spec_for
 
     monkeypatch.setattr(FleetCache, "default", classmethod(lambda cls: cls(tmp_path / "fleet")))
     prefix = sshd_host.prefix / "vf"
