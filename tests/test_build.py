@@ -282,3 +282,40 @@ def test_fleet_cache_copies_a_proven_build_instead_of_compiling(tmp_path):
 def test_a_build_for_another_prefix_is_another_build():
     other = EnsureLlamacppBuild(BuildLayout("/srv/vf"), SOURCE, cuda_release=(11, 8), recipe_arch="70")
     assert other.plan(facts())[0].build_id != op().plan(facts())[0].build_id
+
+
+NVIDIA_118 = cuda.Toolkit(path="/usr/local/cuda-11.8/bin/nvcc", kind="nvcc", release=(11, 8), version="V11.8.89")
+
+
+def test_nvidias_cuda_11_8_with_gcc_12_needs_g_plus_plus_11():
+    """NVIDIA's 11.8 refuses GCC > 11 (crt/host_config.h; tests/fixtures/thishost-nvcc118-host-gcc12-unsupported.txt);
+    Debian's package routes nvcc to g++-11 itself, NVIDIA's does not."""
+    with pytest.raises(OperationError, match="refuses gcc 12 as its host compiler and no g\\+\\+-11 is installed"):
+        op().decide(facts(toolkits=(NVIDIA_118,)))
+    gxx11 = cuda.parse_gcc_version(fixture_body("thishost-gxx-11-version.txt"))
+    d = op().decide(facts(toolkits=(NVIDIA_118,), gxx11=gxx11))
+    assert "-DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++-11" in shown(d)[0]
+    assert "CUDA_HOME=/usr/local/cuda-11.8" in shown(d)[0] and "/usr/local/cuda-11.8/bin/cuobjdump" in shown(d)[3]
+
+
+@pytest.mark.slow
+def test_an_unknown_source_is_one_line(tmp_path):
+    """A pinned sdist the package index does not have: one line, exit 2, nothing on the host."""
+    import subprocess
+    import sys
+
+    from tests.helpers import recipe_with
+
+    recipe = recipe_with(tmp_path, "tiny-cpu", "toolchain:\n  llamacpp_sdist: llama-cpp-python==0.0.0\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "invoke", "build", "--host", "local", "--recipe", str(recipe), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "VOLTAFORGE_CACHE": str(tmp_path / "cache")},
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(
+        "error: cannot fetch llama-cpp-python==0.0.0 (the llama.cpp source) from the package index"
+    )
