@@ -187,8 +187,8 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     """Run the test suite (what .ci/run runs): ruff, mypy, then pytest."""
     # the interpreter running invoke, so the venv's tools are used whatever PATH says
     py = shlex.quote(sys.executable)
-    c.run(f"{py} -m ruff check playbooks tests tasks.py", pty=False)
-    c.run(f"{py} -m ruff format --check playbooks tests tasks.py", pty=False)
+    c.run(f"{py} -m ruff check playbooks tests scripts tasks.py", pty=False)
+    c.run(f"{py} -m ruff format --check playbooks tests scripts tasks.py", pty=False)
     c.run(f"{py} -m mypy", pty=False)
     args = [sys.executable, "-m", "pytest", "-q"]
     if k:

@@ -1,0 +1,125 @@
+"""Build-time benchmark (issue: invoke build, item 8): prints figures, asserts nothing.
+
+What it measures, on this machine, through `invoke build`'s own commands (EnsureLlamacppBuild's
+plan: the same environment and flags):
+
+1. A representative part of ggml-cuda (a few kernels, by default softmax, rope, getrows, argmax)
+   compiled for sm_70 only (voltaforge's flags) and for llama.cpp's default arch list
+   (GGML_NATIVE=OFF, CUDA 11.8: 50/61/70/75/80-virtual, 86/89-real, 90-virtual), each cold (empty
+   ccache) and again with a warm ccache; and what each object holds (cuobjdump: sm_70 cubins
+   or only compute_70 PTX, the seed's first pitfall).
+2. With --cpu: the whole CPU build (the tiny-cpu recipe's targets), cold and with a warm ccache.
+
+Usage: .venv/bin/python scripts/bench_build.py [--cpu] [--objects softmax,rope] [--work DIR]
+A whole sm_70 ggml-cuda build is ~50 minutes on 2 cores (docs/knowledge.md section 3): not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from playbooks.facts import cuda
+from playbooks.host import LocalHost
+from playbooks.steps.build import BuildLayout, EnsureLlamacppBuild, fetch_sdist
+
+
+def sh(cmd: str, cwd: Path | None = None) -> float:
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"failed: {cmd[:200]}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return time.monotonic() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true", help="also time the whole CPU build (about 10 minutes)")
+    ap.add_argument("--objects", default="softmax,rope,getrows,argmax")
+    ap.add_argument("--work", default=None)
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="vf-bench-build-"))
+    source = fetch_sdist("llama-cpp-python==0.3.36", "0c1e570")
+    layout = BuildLayout(str(work / "vf"))
+    tree = Path(layout.tree(source))
+    if not (tree / "CMakeLists.txt").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        strip = source.member.count("/") + 1
+        sh(f"tar -xzf {shlex.quote(str(source.archive))} -C {tree} --strip-components={strip} {source.member}")
+    host = LocalHost()
+    objects = [f"{name}.cu.o" for name in args.objects.split(",")]
+    rows = []
+
+    op = EnsureLlamacppBuild(layout, source, cuda_release=(11, 8), recipe_arch="70")
+    configure = op.decide(op.read(host)).commands[0].show()
+    env = configure.split(" cmake -S", 1)[0]
+    for label, arch_flag in (
+        ("sm_70 only (voltaforge)", "-DCMAKE_CUDA_ARCHITECTURES=70"),
+        ("llama.cpp default list", ""),
+    ):
+        build = work / label.split()[0].replace("sm_70", "sm70")
+        ccache = work / f"ccache-{build.name}"
+        shutil.rmtree(build, ignore_errors=True)
+        shutil.rmtree(ccache, ignore_errors=True)
+        cfg = configure.replace(layout.build_dir(op.plan(op.read(host))[0].build_id), str(build))
+        cfg = cfg.replace(" cmake -S", f" CCACHE_DIR={ccache} cmake -DLLAMA_BUILD_SERVER=OFF -S", 1)
+        if not arch_flag:
+            cfg = cfg.replace(" -DCMAKE_CUDA_ARCHITECTURES=70", "").replace(" CUDAARCHS=70", "")
+        sh(cfg)
+        cuda_dir = build / "ggml/src/ggml-cuda"
+        make = f"{env} CCACHE_DIR={ccache} make -C {cuda_dir} {' '.join(objects)}"
+        cold = sh(make)
+        listing = subprocess.run(
+            [
+                "bash",
+                "-c",
+                f"/usr/bin/cuobjdump --list-elf --list-ptx {cuda_dir}/CMakeFiles/ggml-cuda.dir/softmax.cu.o",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout
+        elf = sorted(cuda.parse_cuobjdump_list_elf(listing))
+        ptx = sorted(cuda.parse_cuobjdump_list_ptx(listing))
+        for o in objects:
+            (cuda_dir / "CMakeFiles/ggml-cuda.dir" / o).unlink()
+        warm = sh(make)
+        rows.append((label, cold, warm, ", ".join(elf) or "none", ", ".join(ptx) or "none"))
+
+    print(f"ggml-cuda objects: {', '.join(objects)} (CUDA 11.8, {subprocess.getoutput('nproc')} cores)")
+    print(f"{'arch':26} {'cold s':>8} {'warm ccache s':>14}  cubins (softmax)      PTX (softmax)")
+    for label, cold, warm, elf, ptx in rows:
+        print(f"{label:26} {cold:8.1f} {warm:14.1f}  {elf:20}  {ptx}")
+    print(f"sm_70-only vs default list, cold: {rows[1][1] / rows[0][1]:.2f}x the time")
+
+    if args.cpu:
+        cpu = EnsureLlamacppBuild(layout, source, cuda_release=None, recipe_arch="none")
+        decision = cpu.decide(cpu.read(host))
+        configure_cpu, build_cpu = decision.commands[0].show(), decision.commands[1].show()
+        times = []
+        ccache = work / "ccache-cpu"
+        shutil.rmtree(ccache, ignore_errors=True)
+        for n in (1, 2):
+            target = work / f"cpu{n}"
+            shutil.rmtree(target, ignore_errors=True)
+            bdir = configure_cpu.split(" -B ", 1)[1].split(" ", 1)[0]
+            sh(configure_cpu.replace(bdir, str(target)).replace(" cmake -S", f" CCACHE_DIR={ccache} cmake -S", 1))
+            times.append(
+                sh(
+                    build_cpu.replace(bdir, str(target)).replace(
+                        " cmake --build", f" CCACHE_DIR={ccache} cmake --build", 1
+                    )
+                )
+            )
+        print(
+            f"CPU build (tiny-cpu targets): cold {times[0]:.0f} s, "
+            f"warm ccache {times[1]:.0f} s ({times[0] / times[1]:.1f}x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
