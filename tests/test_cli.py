@@ -188,3 +188,37 @@ def test_host_text_is_data_not_markup():
     render_verdict(judge(facts, None, "/opt/vf/models", "/opt/vf"), console(out, width=200))
     text = out.getvalue()
     assert name in text and "box[1]" in text and "nvidia-smi [not found]" in text
+
+
+def test_shared_settings_from_the_configuration(tmp_path):
+    # recipes_dir: a site's own recipes instead of the shipped ones
+    site = tmp_path / "recipes"
+    site.mkdir()
+    (site / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    (site / "site-tiny.yaml").write_text((ROOT / "recipes" / "tiny-cpu.yaml").read_text())
+    r = invoke("plan", "--recipe", "site-tiny", "--json", env={"INVOKE_VOLTAFORGE_RECIPES_DIR": str(site)})
+    assert r.returncode == 0 and '"recipe": "site-tiny"' in r.stdout, r.stderr
+    r = invoke("plan", "--recipe", "tiny-cpu", env={"INVOKE_VOLTAFORGE_RECIPES_DIR": str(site)})
+    assert r.returncode == 2 and "unknown recipe 'tiny-cpu'" in r.stderr
+    # prefix: where a host the inventory does not place gets installed (a dry run shows it)
+    prefix = tmp_path / "srv" / "vf"
+    r = invoke(
+        "toolchain",
+        "--host",
+        "local",
+        "--recipe",
+        "tiny-cpu",
+        "--dry-run",
+        env={"INVOKE_VOLTAFORGE_PREFIX": str(prefix)},
+    )
+    assert f"would run: mkdir -p -m 0755 -- {prefix}" in r.stdout and not prefix.exists()
+    # a bad value in the configuration is one line naming the key
+    cfg = tmp_path / "site.yaml"
+    cfg.write_text("voltaforge:\n  connect_timeout: soon\n")
+    r = invoke("-f", str(cfg), "preflight", "--host", "local")
+    assert (
+        r.returncode == 2 and r.stderr.strip() == "error: voltaforge.connect_timeout 'soon' is not a number of seconds"
+    )
+    cfg.write_text("voltaforge:\n  prefix: relative/path\n")
+    r = invoke("-f", str(cfg), "preflight", "--host", "local")
+    assert r.returncode == 2 and "voltaforge.prefix 'relative/path': want an absolute path" in r.stderr

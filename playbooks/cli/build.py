@@ -5,12 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from playbooks.cli.render import render_report
-from playbooks.config.inventory import resolve_host
-from playbooks.config.recipe import load_recipe
+from playbooks.cli.settings import Settings
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.files import parse_writable, writable_command
-from playbooks.host import connect
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import run_ops
 from playbooks.plan.gpus import get_gpu
@@ -22,21 +20,23 @@ def run_build(
     recipe: str | None = None,
     dry_run: bool = False,
     inventory: str | Path = "inventory.yaml",
+    settings: Settings | None = None,
     targets: tuple[str, ...] = LLAMACPP_TARGETS,
     extra_flags: tuple[str, ...] = (),
     no_cache: bool = False,
 ) -> int:
-    spec = resolve_host(host_name, Path(inventory))
+    settings = settings or Settings(inventory=Path(inventory))
+    spec = settings.host_spec(host_name)
     name = recipe or spec.recipe
     if not name:
         raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
-    r = load_recipe(name).recipe
+    r = settings.load_recipe(name).recipe
     tc = r.toolchain
     major, minor = (int(x) for x in tc.cuda.split("."))  # the recipe schema checks MAJOR.MINOR
     cuda_release = None if get_gpu(r.gpu).is_cpu else (major, minor)
     source = fetch_sdist(tc.llamacpp_sdist, tc.llamacpp_ref)
     layout = BuildLayout(spec.prefix)
-    with connect(spec) as host:
+    with settings.connect(spec) as host:
         sudo = not parse_writable(read_fact(host, writable_command(spec.prefix)))
         ops = build_ops(
             layout,

@@ -67,3 +67,35 @@ def one_host(flag: str, value: object) -> str:
     if len(names) != 1:
         raise UsageError(f"{flag}: this command takes one host, got {len(names)}")
     return names[0]
+
+
+def positive_float(flag: str, value: object, what: str) -> float:
+    text = str(value).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not a number of {what}") from None
+    if not number > 0:
+        raise UsageError(f"{flag} must be a positive number of {what}, got {text}")
+    return number
+
+
+def directory(flag: str, value: object) -> Path | None:
+    if value is None:
+        return None
+    path = Path(str(value))
+    if not path.is_dir():
+        raise UsageError(f"{flag} {str(value)!r}: no such directory")
+    return path
+
+
+def install_prefix(flag: str, value: object) -> str | None:
+    if value is None:
+        return None
+    text = str(value)
+    if not text.startswith("/") or any(c not in _PREFIX_CHARS for c in text) or "/../" in text + "/":
+        raise UsageError(f"{flag} {text!r}: want an absolute path of letters, digits and . _ / -")
+    return text.rstrip("/") or "/"
+
+
+_PREFIX_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._/-")

@@ -10,7 +10,7 @@ from typing import TextIO
 from playbooks.cli.flags import UsageError
 from playbooks.cli.render import console, plan_json, render_plan
 from playbooks.config.planning import plan_recipe
-from playbooks.config.recipe import load_recipe
+from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
 from playbooks.plan.gpus import get_gpu
@@ -41,6 +41,7 @@ def run_plan(
     quant: str | None = None,
     as_json: bool = False,
     out: TextIO | None = None,
+    recipes_dir: Path | None = None,
 ) -> int:
     """Returns the exit code: 0 when the planned configuration fits, 1 when it does not."""
     out = out or sys.stdout
@@ -53,7 +54,7 @@ def run_plan(
     if recipe and parallel:
         raise UsageError("--parallel goes with --model-config; a recipe names its own slots")
     if recipe:
-        loaded = load_recipe(recipe)
+        loaded = load_recipe(recipe, recipes_dir or RECIPES_DIR)
         if ctx and ctx > loaded.shape.max_position_embeddings:
             raise VoltaforgeError(
                 f"--ctx {ctx} is above the model's maximum "

@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import TextIO
 
 from playbooks.cli.render import console, render_verdict, verdict_json
-from playbooks.config.inventory import resolve_host
-from playbooks.config.recipe import load_recipe
-from playbooks.host import connect
+from playbooks.cli.settings import Settings
 from playbooks.steps.preflight import gather, judge
 
 
@@ -19,14 +17,16 @@ def run_preflight(
     recipe: str | None = None,
     as_json: bool = False,
     inventory: str | Path = "inventory.yaml",
+    settings: Settings | None = None,
     out: TextIO | None = None,
 ) -> int:
     out = out or sys.stdout
-    spec = resolve_host(host_name, Path(inventory))
+    settings = settings or Settings(inventory=Path(inventory))
+    spec = settings.host_spec(host_name)
     recipe_name = recipe or spec.recipe
-    loaded = load_recipe(recipe_name) if recipe_name else None
+    loaded = settings.load_recipe(recipe_name) if recipe_name else None
     model_dir = f"{spec.prefix}/models"
-    with connect(spec) as host:
+    with settings.connect(spec) as host:
         facts = gather(host, spec.prefix, model_dir)
     v = judge(facts, loaded, model_dir, spec.prefix, inventory_gpu=spec.gpu)
     if as_json:

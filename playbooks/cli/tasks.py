@@ -11,6 +11,9 @@ under ``voltaforge:``, so ``invoke.yaml`` in the project, ``~/.invoke.yaml`` and
       host: v100-01
       recipe: qwen2.5-14b-v100-16gb
       inventory: /etc/voltaforge/inventory.yaml
+      recipes_dir: /etc/voltaforge/recipes   # instead of the shipped recipes
+      prefix: /srv/voltaforge                # for hosts the inventory does not place
+      connect_timeout: 20                    # seconds to wait for an SSH server
 
 No short flags: ``-h`` means help, as everywhere else.
 """
@@ -19,18 +22,23 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 from invoke import Collection, Context, task
 
 from playbooks.cli import flags
 from playbooks.cli.edge import run_command
+from playbooks.cli.settings import Settings
 
 DEFAULTS = {
     "voltaforge": {
         "host": "local",
         "recipe": None,
         "inventory": "inventory.yaml",
+        "recipes_dir": None,
+        "prefix": None,
+        "connect_timeout": 10,
     }
 }
 
@@ -41,6 +49,16 @@ def _cfg(c: Context, key: str, flag: str | None = None) -> Any:
     if flag is not None:
         return flag
     return c.config.get("voltaforge", {}).get(key, DEFAULTS["voltaforge"][key])
+
+
+def _settings(c: Context, inventory: str | None) -> Settings:
+    """The shared settings, each value checked like a flag (a bad one in invoke.yaml is one line)."""
+    return Settings(
+        inventory=Path(flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml"),
+        recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
+        prefix=flags.install_prefix("voltaforge.prefix", _cfg(c, "prefix")),
+        connect_timeout=flags.positive_float("voltaforge.connect_timeout", _cfg(c, "connect_timeout"), "seconds"),
+    )
 
 
 HOST_HELP = (
@@ -87,6 +105,7 @@ def plan(
             parallel=flags.positive_int("--parallel", parallel, "slots"),
             quant=quant,
             as_json=json,
+            recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
         )
 
     run_command(go)
@@ -113,7 +132,7 @@ def preflight(
             flags.one_host("--host", _cfg(c, "host", host)),
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             as_json=json,
-            inventory=flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml",
+            settings=_settings(c, inventory),
         )
 
     run_command(go)
@@ -140,7 +159,7 @@ def toolchain(
             flags.one_host("--host", _cfg(c, "host", host)),
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             dry_run=dry_run,
-            inventory=flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml",
+            settings=_settings(c, inventory),
         )
 
     run_command(go)
@@ -173,7 +192,7 @@ def build(
             flags.one_host("--host", _cfg(c, "host", host)),
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             dry_run=dry_run,
-            inventory=flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml",
+            settings=_settings(c, inventory),
             no_cache=no_cache,
         )
 

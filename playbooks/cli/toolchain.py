@@ -5,12 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from playbooks.cli.render import render_report
-from playbooks.config.inventory import resolve_host
-from playbooks.config.recipe import load_recipe
+from playbooks.cli.settings import Settings
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.files import parse_writable, writable_command
-from playbooks.host import connect
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import run_ops
 from playbooks.plan.gpus import get_gpu
@@ -18,16 +16,21 @@ from playbooks.steps.toolchain import toolchain_ops
 
 
 def run_toolchain(
-    host_name: str, recipe: str | None = None, dry_run: bool = False, inventory: str | Path = "inventory.yaml"
+    host_name: str,
+    recipe: str | None = None,
+    dry_run: bool = False,
+    inventory: str | Path = "inventory.yaml",
+    settings: Settings | None = None,
 ) -> int:
-    spec = resolve_host(host_name, Path(inventory))
+    settings = settings or Settings(inventory=Path(inventory))
+    spec = settings.host_spec(host_name)
     name = recipe or spec.recipe
     if not name:
         raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
-    loaded = load_recipe(name)
+    loaded = settings.load_recipe(name)
     tc = loaded.recipe.toolchain
     needs_cuda = not get_gpu(loaded.recipe.gpu).is_cpu
-    with connect(spec) as host:
+    with settings.connect(spec) as host:
         # a prefix under a directory the user cannot write (e.g. /opt) is created with sudo
         prefix_sudo = not parse_writable(read_fact(host, writable_command(spec.prefix)))
         ops = toolchain_ops(spec.prefix, tc, host.user, needs_cuda, prefix_sudo)

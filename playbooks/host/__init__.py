@@ -14,8 +14,8 @@ from playbooks.host.ssh import SshHost
 __all__ = ["Host", "LocalHost", "Printer", "Process", "Result", "SshHost", "connect"]
 
 
-def connect(spec: HostSpec, printer: Printer | None = None) -> Host:
+def connect(spec: HostSpec, printer: Printer | None = None, connect_timeout: float = 10) -> Host:
     """The Host for an inventory entry: LocalHost for ``local``, else a connected SshHost."""
     if spec.local:
         return LocalHost(spec.name, printer)
-    return SshHost(spec, printer).open()
+    return SshHost(spec, printer, connect_timeout=connect_timeout).open()

@@ -1,0 +1,32 @@
+"""What every host task shares, from flags > Invoke configuration > built-in defaults: where the
+inventory and the recipes are, the install prefix for hosts the inventory does not place, and
+how long to wait for an SSH server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from playbooks.config.inventory import HostSpec, resolve_host
+from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
+from playbooks.host import Host, connect
+
+
+@dataclass(frozen=True)
+class Settings:
+    inventory: Path = Path("inventory.yaml")
+    recipes_dir: Path | None = None
+    prefix: str | None = None  # for hosts whose inventory entry names none (default /opt/voltaforge)
+    connect_timeout: float = 10.0
+
+    def host_spec(self, name: str) -> HostSpec:
+        spec = resolve_host(name, self.inventory)
+        if self.prefix and "prefix" not in spec.model_fields_set:
+            spec = HostSpec.model_validate({**spec.model_dump(), "prefix": self.prefix})
+        return spec
+
+    def load_recipe(self, name: str) -> LoadedRecipe:
+        return load_recipe(name, self.recipes_dir or RECIPES_DIR)
+
+    def connect(self, spec: HostSpec) -> Host:
+        return connect(spec, connect_timeout=self.connect_timeout)
