@@ -6,12 +6,8 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
-from playbooks.plan.gpus import MIB
-from playbooks.plan.model_config import shape_from_config
-from playbooks.plan.planner import llamacpp_compute_buffer_bytes
-from tests.helpers import ROOT, fixture_body
+from tests.helpers import ROOT
 
 INVOKE = [sys.executable, "-m", "invoke"]
 QWEN32 = "recipes/models/qwen2.5-32b-instruct.config.json"
@@ -79,38 +75,6 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-
-
-COMPUTE_LOGS = yaml.safe_load((ROOT / "tests/data/compute_buffers.yaml").read_text())
-
-
-@pytest.mark.parametrize("entry", [e for e in COMPUTE_LOGS if e.get("kind") != "embedding"], ids=lambda e: e["fixture"])
-def test_compute_buffer_estimate_against_real_load_logs(entry):
-    """Each entry's numbers are read back from its fixture, then compared with the estimate."""
-    log = fixture_body(entry["fixture"])
-    real = float(re.search(r"CUDA0 compute buffer size =\s+([\d.]+) MiB", log).group(1))
-    assert real == entry["compute_mib"]
-    shape = shape_from_config({"model_type": "llama", **entry["shape"]})
-    est = llamacpp_compute_buffer_bytes(shape, entry["n_ctx"], entry["n_ubatch"], entry["flash_attn"]) / MIB
-    assert abs(est - real) / real <= entry.get("tolerance", 0.01), (est, real)
-
-
-def test_kv_buffer_of_a_real_v100_load_log():
-    from playbooks.plan.kv_cache import llamacpp_kv_bytes
-
-    log = fixture_body("llamacpp-load-v100-pcie-16gb-full-offload-b4916.log")
-    kv = float(re.search(r"CUDA0 KV buffer size =\s+([\d.]+) MiB", log).group(1)) * MIB
-    pythia = shape_from_config(
-        {  # Pythia 2.8B: 32 layers, 32 heads of 80, n_ctx 2048 in the log
-            "model_type": "llama",
-            "hidden_size": 2560,
-            "intermediate_size": 10240,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "vocab_size": 50304,
-        }
-    )
-    assert llamacpp_kv_bytes(pythia, 2048) == kv
 
 
 def test_exl2_quant_spellings():

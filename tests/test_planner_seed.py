@@ -128,3 +128,16 @@ def test_a_draft_model_costs_its_weights_and_its_own_cache(seed):
     assert paired.draft_bytes == linear + small + tied_output + kv == 575_573_504
     assert paired.vram_bytes - alone.vram_bytes == paired.draft_bytes
     assert paired.max_ctx <= alone.max_ctx  # both may reach the model maximum (32768)
+
+
+def test_an_exl2_recipes_cache_translated_for_llamacpp_turns_its_flash_attention_on():
+    """EXL2 recipes say flash_attn: false (the flash-attn library has no sm_70 build); the same
+    Q8 cache in llama.cpp is q8_0, which llama.cpp only allows with its own FA kernels."""
+    from playbooks.plan.planner import llamacpp_compute_buffer_bytes, serving_for
+
+    s = serving_for("Q4_K_M", Serving(backend="exllamav2", cache_k="Q8", cache_v="Q8", flash_attn=False))
+    assert (s.backend, s.cache_k, s.cache_v, s.flash_attn) == ("llamacpp", "q8_0", "q8_0", True)
+    s = serving_for("Q4_K_M", Serving(backend="exllamav2", cache_k="FP16", cache_v="FP16", flash_attn=False))
+    assert (s.cache_v, s.flash_attn) == ("f16", False)
+    with pytest.raises(ValueError, match="needs flash attention for a quantized V cache"):
+        llamacpp_compute_buffer_bytes(load_config_file(SEED), 4096, 512, False, cache_k="q8_0", cache_v="q8_0")

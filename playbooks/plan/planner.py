@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from playbooks.plan.compute_buffer import replay, worst_case_graph
 from playbooks.plan.exl2_size import (
     EXL2_BPW_LADDER,
     EXL2_MAX_INPUT_LEN,
@@ -44,28 +45,48 @@ def mbu(tok_s: float, bytes_per_token: float, bandwidth_gb_s: float) -> float:
     return tok_s * bytes_per_token / (bandwidth_gb_s * 1e9)
 
 
-# A few MiB the graph allocator adds without flash attention, seen as a constant 4 MiB in two
-# real logs at n_ctx 2048 and 8192 (tests/data/compute_buffers.yaml); its source is not known.
-_NO_FA_EXTRA = 4 * MIB
+def llamacpp_compute_buffer_bytes(
+    shape: ModelShape,
+    n_ctx: int,
+    n_ubatch: int,
+    flash_attn: bool,
+    *,
+    n_seq: int = 1,
+    cache_k: str = "f16",
+    cache_v: str = "f16",
+    device: bool = True,
+    n_outputs: int | None = None,
+) -> int:
+    """llama.cpp's compute buffer at the pinned ref (0c1e570), as ggml-alloc reserves it.
 
+    Not a fit: compute_buffer.replay() walks the worst-case graph llama_context reserves
+    (n_ubatch tokens against every KV cell) with ggml-alloc's own placement rules, holes
+    included. `n_ctx` is llama-server's -c (all slots), `n_seq` its --parallel (one KV stream
+    per slot, one logits row per slot). `device`: the CUDA0 buffer of a full offload (inputs
+    and token embeddings stay in host memory); False: the CPU buffer of a CPU-only run.
+    `n_outputs`: logits rows reserved, llama-server's slot count unless given (llama-cli,
+    llama-bench and ollama reserve n_ubatch rows).
 
-def llamacpp_compute_buffer_bytes(shape: ModelShape, n_ctx: int, n_ubatch: int, flash_attn: bool) -> int:
-    """Estimate of llama.cpp's CUDA compute buffer (the graph's peak of live tensors).
-
-    Two peaks compete. Attention: without flash attention the F32 KQ matrix (n_ubatch x n_ctx
-    x n_head) lives beside the FFN activations and two hidden states. Output: the F32 logits
-    (n_ubatch x n_vocab) beside one hidden state; with flash attention and a large vocabulary
-    this one decides. Checked against six real load logs (tests/data/compute_buffers.yaml):
-    exact for four of the five generative ones, 13% low for a 32k-context run with flash
-    attention (GLM-4 32B: 353 MiB real, 308 estimated), which the planner's margin covers.
+    Exact for the graphs voltaforge plans (llama, mistral, qwen2, qwen3, gemma2, gemma3) at
+    the pinned ref: tests/test_compute_buffer.py checks it byte for byte against real loads of
+    the pinned build, CPU-only and with a device split. CUDA's 128-byte alignment and its F16
+    copies of a quantized K/V for flash attention come from its source (no GPU here).
     """
-    ub = min(n_ubatch, n_ctx)
-    hidden = ub * shape.hidden_size * 4
-    attention_peak = ub * shape.intermediate_size * 4 + 2 * hidden
-    if not flash_attn:
-        attention_peak += ub * n_ctx * shape.num_attention_heads * 4 + _NO_FA_EXTRA
-    output_peak = ub * shape.vocab_size * 4 + hidden
-    return max(attention_peak, output_peak)
+    if not flash_attn and cache_v not in ("f16", "bf16", "f32"):
+        raise ValueError(f"llama.cpp needs flash attention for a quantized V cache ({cache_v})")
+    return replay(
+        worst_case_graph(
+            shape,
+            n_ctx,
+            n_ubatch,
+            flash_attn,
+            n_seq=n_seq,
+            cache_k=cache_k,
+            cache_v=cache_v,
+            device=device,
+            n_outputs=n_outputs,
+        )
+    )
 
 
 def exl2_compute_bytes(
@@ -173,7 +194,17 @@ def _vram_at(shape: ModelShape, s: Serving, ctx: int, gpu: Gpu, draft: DraftPlan
     else:
         # llama-server -c = context x slots, padded to 256; Gemma's SWA layers hold a window
         kv = llamacpp_kv_bytes(shape, tokens, s.cache_k, s.cache_v, s.n_ubatch)
-        compute = llamacpp_compute_buffer_bytes(shape, tokens, s.n_ubatch, s.flash_attn)
+        # llama-server: one KV stream and one logits row per slot; CUDA0 holds copies of the inputs
+        compute = llamacpp_compute_buffer_bytes(
+            shape,
+            tokens,
+            s.n_ubatch,
+            s.flash_attn,
+            n_seq=s.parallel,
+            cache_k=s.cache_k,
+            cache_v=s.cache_v,
+            device=not gpu.is_cpu,
+        )
     draft_b = 0
     if draft is not None:
         # the draft model sits beside the target with its own KV cache for the same context
@@ -256,7 +287,9 @@ def serving_for(quant: str, s: Serving) -> Serving:
         mode = to_exl2[s.cache_k]
         return replace(s, backend=backend, cache_k=mode, cache_v=mode)
     k, v = to_llama[s.cache_k]
-    return replace(s, backend=backend, cache_k=k, cache_v=v)
+    # `flash_attn: false` in an EXL2 recipe is about the flash-attn library (no sm_70 build);
+    # llama.cpp's own FA kernels run on sm_70 and a quantized V cache needs them
+    return replace(s, backend=backend, cache_k=k, cache_v=v, flash_attn=s.flash_attn or v != "f16")
 
 
 @dataclass
