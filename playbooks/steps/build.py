@@ -472,7 +472,12 @@ class EnsureLlamacppBuild(Operation):
         keep: list[Command] = []
         if self.cache:
             keep = [
-                Shell(f"tar -C {shlex.quote(self.layout.builds)} -czf {packed} {shlex.quote(bid)}"),
+                # what a host runs (bin/: binaries and, for CUDA, the shared libraries) and the
+                # stamp with the proof; not the objects, which are most of a build directory
+                Shell(
+                    f"tar -C {shlex.quote(self.layout.builds)} -czf {packed} "
+                    f"{shlex.quote(bid + '/bin')} {shlex.quote(bid + '/' + builds.STAMP_NAME)}"
+                ),
                 Fetch(f"{self.layout.builds}/.{bid}.tar.gz", self.cache.archive(bid)),
                 Shell(f"rm -f -- {packed}"),
             ]
