@@ -319,3 +319,15 @@ def test_an_unknown_source_is_one_line(tmp_path):
     assert r.stderr.startswith(
         "error: cannot fetch llama-cpp-python==0.0.0 (the llama.cpp source) from the package index"
     )
+
+
+def test_the_version_proof_is_required_where_the_binary_can_start():
+    """A CUDA llama-server needs the NVIDIA driver to start: on a build box with no GPU its
+    --version is recorded, not required (the cubins prove the build); elsewhere it must run."""
+
+    def version_probe(d):
+        return next(c for c in d.commands if isinstance(c, Probe) and c.key == "version")
+
+    assert version_probe(op().decide(facts())).may_fail is True
+    assert version_probe(op().decide(facts(gpus=TITAN_ADA))).may_fail is False
+    assert version_probe(op(cuda_release=None).decide(facts())).may_fail is False
