@@ -29,11 +29,16 @@ from playbooks.host import LocalHost
 from playbooks.steps.build import BuildLayout, EnsureLlamacppBuild, fetch_sdist
 
 
+class Failed(Exception):
+    """A compile that failed: the first compiler error line says why."""
+
+
 def sh(cmd: str, cwd: Path | None = None) -> float:
     t0 = time.monotonic()
     r = subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise SystemExit(f"failed: {cmd[:200]}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        errors = [line.strip() for line in (r.stdout + r.stderr).splitlines() if "error" in line]
+        raise Failed(errors[0] if errors else f"exit {r.returncode}: {cmd[:120]}")
     return time.monotonic() - t0
 
 
@@ -53,27 +58,38 @@ def main() -> None:
         sh(f"tar -xzf {shlex.quote(str(source.archive))} -C {tree} --strip-components={strip} {source.member}")
     host = LocalHost()
     objects = [f"{name}.cu.o" for name in args.objects.split(",")]
-    rows = []
+    rows: list[tuple[str, float | None, float | None, str, str]] = []
 
     op = EnsureLlamacppBuild(layout, source, cuda_release=(11, 8), recipe_arch="70")
     configure = op.decide(op.read(host)).commands[0].show()
     env = configure.split(" cmake -S", 1)[0]
-    for label, arch_flag in (
-        ("sm_70 only (voltaforge)", "-DCMAKE_CUDA_ARCHITECTURES=70"),
-        ("llama.cpp default list", ""),
-    ):
-        build = work / label.split()[0].replace("sm_70", "sm70")
+    # llama.cpp's default list (GGML_NATIVE=OFF, CUDA 11.8) and the same without its 90-virtual
+    # entry, which at this ref uses Hopper launch intrinsics CUDA 11.8's headers do not declare
+    without_90 = "50-virtual;61-virtual;70-virtual;75-virtual;80-virtual;86-real;89-real"
+    configs = (
+        ("sm_70 only (voltaforge)", "sm70", "70"),
+        ("llama.cpp default list", "default", None),
+        ("default list without 90", "default-no90", without_90),
+    )
+    for label, dirname, arch in configs:
+        build = work / dirname
         ccache = work / f"ccache-{build.name}"
         shutil.rmtree(build, ignore_errors=True)
         shutil.rmtree(ccache, ignore_errors=True)
         cfg = configure.replace(layout.build_dir(op.plan(op.read(host))[0].build_id), str(build))
         cfg = cfg.replace(" cmake -S", f" CCACHE_DIR={ccache} cmake -DLLAMA_BUILD_SERVER=OFF -S", 1)
-        if not arch_flag:
+        if arch != "70":
             cfg = cfg.replace(" -DCMAKE_CUDA_ARCHITECTURES=70", "").replace(" CUDAARCHS=70", "")
+            if arch:
+                cfg += f" '-DCMAKE_CUDA_ARCHITECTURES={arch}'"
         sh(cfg)
         cuda_dir = build / "ggml/src/ggml-cuda"
         make = f"{env} CCACHE_DIR={ccache} make -C {cuda_dir} {' '.join(objects)}"
-        cold = sh(make)
+        try:
+            cold = sh(make)
+        except Failed as exc:
+            rows.append((label, None, None, "-", f"does not compile: {exc}"))
+            continue
         listing = subprocess.run(
             [
                 "bash",
@@ -92,9 +108,14 @@ def main() -> None:
 
     print(f"ggml-cuda objects: {', '.join(objects)} (CUDA 11.8, {subprocess.getoutput('nproc')} cores)")
     print(f"{'arch':26} {'cold s':>8} {'warm ccache s':>14}  cubins (softmax)      PTX (softmax)")
-    for label, cold, warm, elf, ptx in rows:
-        print(f"{label:26} {cold:8.1f} {warm:14.1f}  {elf:20}  {ptx}")
-    print(f"sm_70-only vs default list, cold: {rows[1][1] / rows[0][1]:.2f}x the time")
+    for label, c, w, elf_s, ptx_s in rows:
+        if c is None or w is None:
+            print(f"{label:26} {'-':>8} {'-':>14}  {ptx_s}")
+        else:
+            print(f"{label:26} {c:8.1f} {w:14.1f}  {elf_s:20}  {ptx_s}")
+    for label, c, _, _, _ in rows[1:]:
+        if rows[0][1] and c:
+            print(f"{label} vs sm_70 only, cold: {c / rows[0][1]:.1f}x the time")
 
     if args.cpu:
         cpu = EnsureLlamacppBuild(layout, source, cuda_release=None, recipe_arch="none")
