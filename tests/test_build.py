@@ -331,3 +331,11 @@ def test_the_version_proof_is_required_where_the_binary_can_start():
     assert version_probe(op().decide(facts())).may_fail is True
     assert version_probe(op().decide(facts(gpus=TITAN_ADA))).may_fail is False
     assert version_probe(op(cuda_release=None).decide(facts())).may_fail is False
+
+
+def test_hopper_with_cuda_11_8_is_refused_before_compiling():
+    """Measured with scripts/bench_build.py: at 0c1e570 ggml-cuda does not compile for sm_90
+    with CUDA 11.8 (`cudaGridDependencySynchronize` is undefined), so say so before an hour."""
+    h200 = gpu.GpuFacts(available=True, gpus=(gpu.GpuInfo(index=0, name="NVIDIA H200", compute_capability=(9, 0)),))
+    with pytest.raises(OperationError, match="does not compile for sm_90 with CUDA 11.8"):
+        op().decide(facts(gpus=h200))

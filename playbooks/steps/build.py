@@ -394,6 +394,13 @@ class EnsureLlamacppBuild(Operation):
                 f"CUDA {'.'.join(map(str, nvcc.release or ()))} ({nvcc.path}) cannot target sm_70: "
                 "pin toolchain.cuda 11.8 (or 12.x) in the recipe"
             )
+        if nvcc.release and nvcc.release < (12, 0) and any(a.startswith("9") for a in arch.split(";")):
+            # measured (scripts/bench_build.py): ggml-cuda at 0c1e570 uses Hopper launch intrinsics
+            # (cudaGridDependencySynchronize) for sm_90 that CUDA 11.8 does not declare
+            raise OperationError(
+                f"llama.cpp {self.source.ref} does not compile for sm_90 with CUDA "
+                f"{nvcc.release[0]}.{nvcc.release[1]}: pin toolchain.cuda 12.x for a Hopper GPU"
+            )
         host_compiler = None
         debian = toolkit_root(nvcc) == "/usr"
         if nvcc.release and nvcc.release[0] == 11 and (facts.gcc.major or 0) > 11 and not debian:
