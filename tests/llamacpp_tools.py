@@ -40,18 +40,17 @@ def _run(cmd: list[str], log: Path, **kw) -> None:
 
 
 def llamacpp_tree() -> Path:
-    """vendor/llama.cpp of the pinned sdist, downloaded from PyPI and unpacked once."""
+    """vendor/llama.cpp of the pinned sdist, fetched by `invoke build`'s own controller-side
+    fetch (one download for the build step and the tools) and unpacked once."""
+    from playbooks.steps.build import fetch_sdist
+
     root = cache_dir() / "llama-cpp-python-0.3.36"
     tree = root / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
     done = root / ".unpacked"
     if done.exists():
         return tree
     root.mkdir(parents=True, exist_ok=True)
-    _run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(root), SDIST],
-        root / "download.log",
-    )
-    sdist = next(root.glob("llama_cpp_python-*.tar.gz"))
+    sdist = fetch_sdist(SDIST, "0c1e570").archive
     with tarfile.open(sdist) as tar:
         tar.extractall(root / "src", filter="data")
     done.touch()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 import shlex
 import subprocess
@@ -94,8 +95,6 @@ def file_sha256(path: Path) -> str:
 
 
 def source_cache_dir() -> Path:
-    import os
-
     return Path(os.environ.get("VOLTAFORGE_CACHE") or Path.home() / ".cache" / "voltaforge") / "sources"
 
 
