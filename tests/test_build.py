@@ -188,10 +188,12 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
     result = {}
     runner = threading.Thread(target=lambda: result.update(code=build(third_flag)[0]))
     runner.start()
+    # kill it once it is compiling (not while cmake configures): the build process is on the host
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and len(builds()) < 3:
-        time.sleep(0.5)
-    time.sleep(5)  # into the compile
+    building = ["pgrep", "-u", sshd_host.user, "-f", "cmake --build"]
+    while time.monotonic() < deadline and subprocess.run(building, capture_output=True).returncode != 0:
+        time.sleep(0.2)
+    time.sleep(2)
     subprocess.run(["pkill", "-u", sshd_host.user, "-f", "cmake --build"], check=False)
     runner.join(600)
     assert result["code"] == 1
