@@ -32,7 +32,8 @@ def test_tiny_cpu_unit_serves_over_http(nspawn_host, tiny_q4):
     unit = render_llama_server_unit(recipe, layout)
     port = recipe.service.port
     with connect(spec_for(nspawn_host)) as host:
-        host.sudo(f"mkdir -p {layout.prefix}/llama.cpp/bin {layout.prefix}/models/{recipe.name}", stream=False)
+        server_dir = layout.llama_server.rsplit("/", 1)[0]
+        host.sudo(f"mkdir -p {server_dir} {layout.prefix}/models/{recipe.name}", stream=False)
         host.put(str(llamacpp_tools.llama_server()), layout.llama_server, mode=0o755, sudo=True)
         host.put(str(tiny_q4), layout.model_file(recipe), mode=0o644, sudo=True)
         host.sudo(f"chmod -R a+rX {layout.prefix}", stream=False)

@@ -50,7 +50,8 @@ class ServerLayout:
 
     @property
     def llama_server(self) -> str:
-        return f"{self.prefix}/llama.cpp/bin/llama-server"
+        # through `current`, which `invoke build` switches once a build is proven
+        return f"{self.prefix}/llama.cpp/current/bin/llama-server"
 
     def model_file(self, recipe: Recipe) -> str:
         return f"{self.prefix}/models/{recipe.name}/{recipe.name}-{recipe.quant_name}.gguf"
