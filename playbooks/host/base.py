@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 from playbooks.errors import HostError
+from playbooks.facts.files import parse_sha256, sha256_command
 from playbooks.host.commands import build_command, write_file_command
 from playbooks.host.output import Printer, Result
 
@@ -182,22 +183,11 @@ class Host:
         return r.ok
 
     def sha256(self, path: str, *, sudo: bool = False) -> str | None:
-        """Hex SHA-256 of a regular file, None if there is none at ``path``."""
-        q = shlex.quote(path)
-        r = self._run(
-            f"if [ -f {q} ]; then sha256sum < {q}; else exit 3; fi",
-            sudo=sudo,
-            check=False,
-            stream=False,
-            env=None,
-            timeout=None,
-            stdin=None,
-        )
-        if r.exited == 3:
-            return None
+        """Hex SHA-256 of a regular file, None if there is none at ``path`` (the files fact)."""
+        r = self._run(sha256_command(path), sudo=sudo, check=False, stream=False, env=None, timeout=None, stdin=None)
         if not r.ok:
             raise HostError(self._failure(f"sha256sum < {path}", r))
-        return r.stdout.split()[0]
+        return parse_sha256(r.stdout)
 
     def write_file(
         self, remote_path: str, content: Content, mode: int, *, sudo: bool = False, owner: str | None = None

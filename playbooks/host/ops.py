@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from playbooks.errors import HostError
-from playbooks.facts.files import FileStat, parse_sha256, parse_stat, sha256_command, stat_command
+from playbooks.facts.files import FileStat, parse_stat, stat_command
 from playbooks.host.base import Host
 from playbooks.host.commands import check_mode, check_owner, check_path, write_file_command
 
@@ -280,7 +280,7 @@ class FileFacts:
 def read_file_facts(host: Host, path: str, sudo: bool) -> FileFacts:
     run = host.sudo if sudo else host.run
     st = parse_stat(run(stat_command(path), stream=False).stdout)
-    digest = parse_sha256(run(sha256_command(path), stream=False).stdout) if st is not None and st.is_file else None
+    digest = host.sha256(path, sudo=sudo) if st is not None and st.is_file else None
     return FileFacts(st, digest)
 
 

@@ -290,6 +290,9 @@ def worst_case_graph(
 ) -> Graph:
     """The Graph llama_context::sched_reserve builds for these llama-server settings
     (see planner.llamacpp_compute_buffer_bytes for the parameters; n_batch is -b)."""
+    if not flash_attn and cache_v not in _UNQUANTIZED_CACHE:
+        # llama_context refuses it: a quantized V cache needs flash attention
+        raise ValueError(f"llama.cpp needs flash attention for a quantized V cache ({cache_v})")
     ctx = -(-n_ctx // 256) * 256  # llama_context pads n_ctx, then each sequence's share
     n_kv = ctx if n_seq == 1 else -(-(ctx // n_seq) // 256) * 256
     ctx = n_kv * n_seq

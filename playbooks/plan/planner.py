@@ -72,8 +72,6 @@ def llamacpp_compute_buffer_bytes(
     the pinned build, CPU-only and with a device split. CUDA's 128-byte alignment and its F16
     copies of a quantized K/V for flash attention come from its source (no GPU here).
     """
-    if not flash_attn and cache_v not in ("f16", "bf16", "f32"):
-        raise ValueError(f"llama.cpp needs flash attention for a quantized V cache ({cache_v})")
     return replay(
         worst_case_graph(
             shape,

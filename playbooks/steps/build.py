@@ -31,7 +31,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -353,13 +353,11 @@ class EnsureLlamacppBuild(Operation):
             cached=self.cache.ids() if self.cache else (),  # the controller's state is a fact too
         )
         if self.cuda_release:
-            facts = BuildFacts(
-                **{
-                    **facts.__dict__,
-                    "toolkits": tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
-                    "gxx11": cuda.parse_gcc_version(read_fact(host, cuda.GXX11_VERSION_COMMAND)),
-                    "gpus": gpu.parse_nvidia_smi_csv(read_fact(host, gpu.NVIDIA_SMI_CSV_COMMAND)),
-                }
+            facts = replace(
+                facts,
+                toolkits=tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
+                gxx11=cuda.parse_gcc_version(read_fact(host, cuda.GXX11_VERSION_COMMAND)),
+                gpus=gpu.parse_nvidia_smi_csv(read_fact(host, gpu.NVIDIA_SMI_CSV_COMMAND)),
             )
         return facts
 
