@@ -109,7 +109,8 @@ def test_an_interrupted_build_is_resumed_in_its_directory():
 
 def test_cpu_build_is_static_and_needs_no_toolkit():
     d = op(cuda_release=None).decide(facts(toolkits=()))
-    assert "env PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C cmake -S" in shown(d)[0]
+    assert "env PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C flock -w 900 " in shown(d)[0]
+    assert ".lock cmake -S /opt/vf/src/llama.cpp-0c1e570-" in shown(d)[0]
     assert "-DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF" in shown(d)[0]
     assert not any(isinstance(c, Probe) and c.expect for c in d.commands)
 
@@ -134,11 +135,15 @@ def test_cubin_proof_on_real_listings():
 @pytest.mark.slow
 def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host, tmp_path, capsys, monkeypatch):
     """The CPU build from the pinned sdist on a real SSH host, through `run_build` (the task's
-    own code). One target (llama-server) keeps it to one compile; ccache (from ci/) makes the
-    rebuilds with other inputs cheap, as it does on a real host."""
+    own code), then llama-cpp-python from the same archive into the venv. One target
+    (llama-server) keeps it to one compile; ccache (from ci/) makes the rebuilds with other
+    inputs cheap, as it does on a real host."""
+    import json
+    import pwd
     import subprocess
     import threading
     import time
+    from pathlib import Path
 
     from playbooks.cli.build import run_build
     from playbooks.host import connect
@@ -161,6 +166,7 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
     # dry run: the exact commands, nothing on the host
     code, out = build(dry_run=True)
     assert code == 0 and "would run: env PATH=/usr/sbin:/usr/bin:/sbin:/bin" in out and "cmake --build" in out
+    assert "FORCE_CMAKE=1" in out and "pip install" in out
     assert not prefix.exists()
     # first run: builds and proves
     code, out = build()
@@ -172,17 +178,29 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
     assert "version:" in version
     stamp = (prefix / "llama.cpp" / "builds" / first[0] / "voltaforge-stamp.json").read_text()
     assert first[0] in stamp and "built_at" in stamp
+    # the bindings: from the same archive, importable, proven
+    with connect(spec_for(sshd_host)) as host:
+        imported = host.run(
+            f"{prefix}/venv/bin/python -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())'",
+            stream=False,
+        ).stdout
+    assert "CPU : " in imported
+    bindings = json.loads((prefix / "venv" / "voltaforge-llama-cpp-python.json").read_text())
+    server_stamp = json.loads(stamp)
+    assert bindings["inputs"]["source_sha256"] == server_stamp["inputs"]["source_sha256"]
+    assert bindings["import"] == "0.3.36" and bindings["system_info"].startswith("CPU : ")
     # second run: nothing to do, no cmake, seconds
     t0 = time.monotonic()
     code, out = build()
     elapsed = time.monotonic() - t0
-    assert code == 0 and "cmake" not in out and "built " in out and "6 ok" in out
+    assert code == 0 and "cmake" not in out and "pip" not in out and "built " in out and "8 ok" in out
     assert elapsed < 10, elapsed
     # a changed input: a second build beside the first, current switched to it
     code, out = build("-DLLAMA_BUILD_COMMON=ON")
     assert code == 0, out[-3000:]
     second = [b for b in builds() if b not in first]
     assert len(second) == 1 and (prefix / "llama.cpp" / "current").resolve().name == second[0]
+    assert "pip install" not in out  # a server flag is not an input of the bindings
     # an interrupted build: current keeps pointing at the second build
     third_flag = "-DLLAMA_BUILD_TOOLS=ON"
     result = {}
@@ -213,6 +231,49 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
     assert code == 0 and "proven in the controller's fleet cache" in out and "cmake" not in out
     assert (prefix / "llama.cpp" / "current").resolve().name == third[0]
     assert (prefix / "llama.cpp" / "builds" / third[0] / "voltaforge-stamp.json").exists()
+    # the connection dropped mid-build (this connection's sshd processes killed, the compile
+    # left running on the host, as after a network cut): one line, current untouched, and the
+    # re-run waits for the orphaned compile (its lock) and resumes
+    from testhosts import _descendants
+
+    drop_flag = "-DLLAMA_BUILD_SERVER=ON"
+    runner = threading.Thread(target=lambda: result.update(dropped=build(drop_flag)))
+    runner.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and subprocess.run(building, capture_output=True).returncode != 0:
+        time.sleep(0.2)
+    time.sleep(1)
+    for pid in _descendants(sshd_host.pid):
+        if Path(f"/proc/{pid}/comm").read_text(errors="replace").strip() == "sshd":
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+    runner.join(600)
+    code, out = result["dropped"]
+    assert code == 1 and f"connection to box (127.0.0.1:{sshd_host.port}) lost while running" in out, out[-2000:]
+    assert "re-run to resume it; current is unchanged" in out
+    assert (prefix / "llama.cpp" / "current").resolve().name == third[0]
+    code, out = build(drop_flag)
+    assert code == 0 and "an interrupted build of these inputs is resumed" in out, out[-3000:]
+    fourth = [b for b in builds() if b not in third]
+    assert len(fourth) == 1 and (prefix / "llama.cpp" / "current").resolve().name == fourth[0]
+    # the disk filled up mid-build (a small tmpfs mounted where the next build goes): the
+    # compiler's own line in one message, current untouched
+    full_flag = "-DLLAMA_BUILD_COMMON=OFF"
+    code, out = build(full_flag, dry_run=True)
+    bid = out.split("no build of these inputs (", 1)[1].split(")", 1)[0]
+    small = prefix / "llama.cpp" / "builds" / bid
+    small.mkdir()
+    user = pwd.getpwnam(sshd_host.user)
+    opts = f"size=8m,mode=0755,uid={user.pw_uid},gid={user.pw_gid}"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "vf-full", str(small)], check=True)
+    try:
+        code, out = build(full_flag)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+        small.rmdir()
+    failed = [line for line in out.splitlines() if "disk full during the build (" in line]
+    assert code == 1 and failed and "No space left on device" in failed[0], out[-3000:]
+    assert failed[0].rstrip().endswith("free space and re-run to resume it; current is unchanged")
+    assert (prefix / "llama.cpp" / "current").resolve().name == fourth[0]
 
 
 @pytest.mark.slow
@@ -341,3 +402,47 @@ def test_hopper_with_cuda_11_8_is_refused_before_compiling():
     h200 = gpu.GpuFacts(available=True, gpus=(gpu.GpuInfo(index=0, name="NVIDIA H200", compute_capability=(9, 0)),))
     with pytest.raises(OperationError, match="does not compile for sm_90 with CUDA 11.8"):
         op().decide(facts(gpus=h200))
+
+
+def test_a_build_is_refused_before_compiling_when_the_disk_cannot_hold_it():
+    """Compute first: 300 MB free where a CPU build needs 512 MiB is refused with both numbers;
+    a proven build that only needs switching is not held up by a full disk."""
+    with pytest.raises(
+        OperationError,
+        match=r"^0.30 GB free under /opt/vf/llama.cpp/builds, a cpu build needs about 0.54 GB: free space",
+    ):
+        op(cuda_release=None).decide(facts(disk_free=300_000_000))
+    with pytest.raises(OperationError, match="a cuda build needs about 2.15 GB"):
+        op().decide(facts(gpus=TITAN_ADA, disk_free=2_000_000_000))  # two archs
+    assert op().decide(facts(disk_free=1_200_000_000)).commands  # one arch fits in 1.2 GB
+    bid = op().plan(facts())[0].build_id
+    stamped = facts(disk_free=0, builds=(bid,), stamps={bid: {"id": bid}})
+    assert shown(op().decide(stamped))[0].startswith("ln -sfn")
+
+
+def test_compiles_of_one_build_directory_never_overlap():
+    """After a dropped connection the old compile may still be running on the host: configure
+    and build hold a lock per build directory, so a re-run waits instead of racing it."""
+    d = op().decide(facts())
+    bid = op().plan(facts())[0].build_id
+    lock = f"flock -w 900 /opt/vf/llama.cpp/builds/.{bid}.lock cmake"
+    assert lock + " -S" in shown(d)[0] and lock + " --build" in shown(d)[1]
+
+
+def test_the_two_outside_deaths_of_a_build_are_one_line_each():
+    """Real messages: a compiler's (tests/fixtures/thishost-gcc-no-space-left.txt is what g++ said
+    on a full tmpfs here) inside the host layer's failure, and the host layer's lost connection."""
+    from playbooks.errors import HostError
+    from playbooks.steps.build import build_failure
+
+    tail = fixture_body("thishost-gcc-no-space-left.txt")
+    failed = HostError(f"box: command failed (exit 2): env PATH=/usr/sbin:/usr/bin LC_ALL=C flock -w 900\n{tail}")
+    msg = str(build_failure(failed, "re-run to resume it; current is unchanged"))
+    assert len(msg.splitlines()) == 1 and msg.startswith("disk full during the build (")
+    assert "No space left on device" in msg and msg.endswith("free space and re-run to resume it; current is unchanged")
+    lost = HostError("connection to box (127.0.0.1:2222) lost while running: env PATH=/usr/sbin")
+    assert str(build_failure(lost, "re-run")) == (
+        "connection to box (127.0.0.1:2222) lost while running: env PATH=/usr/sbin: re-run"
+    )
+    compile_error = HostError("box: command failed (exit 2): cmake --build\nerror: 'x' was not declared")
+    assert build_failure(compile_error, "re-run") is compile_error

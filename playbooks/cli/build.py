@@ -1,4 +1,5 @@
-"""`invoke build`: llama.cpp from the pinned source for the host's arch, proven and stamped."""
+"""`invoke build`: llama.cpp from the pinned source for the host's arch, proven and stamped, then
+llama-cpp-python from the same source into the toolchain venv."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from playbooks.host import Host
 from playbooks.host.ops import Operation
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.build import LLAMACPP_TARGETS, BuildLayout, FleetCache, build_ops, fetch_sdist
+from playbooks.steps.llamacpp_python import bindings_ops
+from playbooks.steps.toolchain import venv_path
 
 
 def run_build(
@@ -21,22 +24,31 @@ def run_build(
     targets: tuple[str, ...] = LLAMACPP_TARGETS,
     extra_flags: tuple[str, ...] = (),
     no_cache: bool = False,
+    bindings: bool = True,
     settings: Settings | None = None,
 ) -> int:
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         r = loaded.recipe
         tc = r.toolchain
         major, minor = (int(x) for x in tc.cuda.split("."))  # the recipe schema checks MAJOR.MINOR
-        return build_ops(
-            BuildLayout(prefix),
-            fetch_sdist(tc.llamacpp_sdist, tc.llamacpp_ref),  # on the controller, once
-            cuda_release=None if get_gpu(r.gpu).is_cpu else (major, minor),
+        layout = BuildLayout(prefix)
+        source = fetch_sdist(tc.llamacpp_sdist, tc.llamacpp_ref)  # on the controller, once
+        cuda_release = None if get_gpu(r.gpu).is_cpu else (major, minor)
+        server = build_ops(
+            layout,
+            source,
+            cuda_release=cuda_release,
             recipe_arch=tc.cuda_arch,
             targets=targets,
             extra_flags=extra_flags,
             owner=host.user,
             sudo=sudo,
             cache=None if no_cache else FleetCache.default(),
+        )
+        if not bindings:
+            return server
+        return server + bindings_ops(
+            layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch
         )
 
     return converge(settings or Settings(inventory=Path(inventory)), host_name, recipe, ops, dry_run)

@@ -125,6 +125,10 @@ class Toolchain(_Strict):
     llamacpp_ref: str = "0c1e570"
     llamacpp_sdist: str = "llama-cpp-python==0.3.36"
     exllamav2: str = "0.3.2"
+    # TabbyAPI (the OpenAI-compatible server for EXL2): the last commit with its ExLlamaV2
+    # backend (2026-06-27; c8b9a8f of 2026-07-14 removed it). A full sha: hosts fetch it by sha.
+    tabbyapi_repo: str = "https://github.com/theroyallab/tabbyAPI"
+    tabbyapi_ref: str = "79126f904c2e00aece026b36bb70bbb87e4892b2"
     cuda_arch: str = "70"
 
     @field_validator("cuda")
@@ -135,7 +139,7 @@ class Toolchain(_Strict):
             raise ValueError("must be MAJOR.MINOR, e.g. '11.8'")
         return v
 
-    @field_validator("torch_index")
+    @field_validator("torch_index", "tabbyapi_repo")
     @classmethod
     def _index(cls, v):
         if v and not re.fullmatch(r"https?://[A-Za-z0-9._~:/?#@!$&()*+,;=%-]+", v):
@@ -149,7 +153,7 @@ class Toolchain(_Strict):
             raise ValueError("must be an absolute path of letters, digits and . _ / -")
         return v
 
-    @field_validator("llamacpp_ref", "exllamav2", "torch", "cuda_arch")
+    @field_validator("llamacpp_ref", "exllamav2", "torch", "cuda_arch", "tabbyapi_ref")
     @classmethod
     def _ref(cls, v):
         if not _REF_RE.match(v):

@@ -31,12 +31,13 @@ import shlex
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from playbooks.errors import VoltaforgeError
+from playbooks.errors import HostError, VoltaforgeError
 from playbooks.facts import builds, cuda, gpu, read_fact, system
 from playbooks.host.base import Host
 from playbooks.host.ops import (
@@ -52,6 +53,7 @@ from playbooks.host.ops import (
     Shell,
     run_command,
 )
+from playbooks.plan.gpus import size_text
 from playbooks.steps.buildenv import SYSTEM_PATH, build_env, env_prefix, pick_toolkit, toolkit_root
 
 #: What the later steps run: serve, quantize (+ imatrix), measure quality and speed.
@@ -273,6 +275,9 @@ class Probe(Shell):
     key: str = ""
     expect: tuple[str, ...] = ()
     may_fail: bool = False  # recorded either way (a CUDA build on a box without the driver)
+    # for the cubin listing: what was listed, and what a failed proof leaves behind
+    what: str = "libggml-cuda.so"
+    after: str = "the build is kept for inspection and current is unchanged"
 
 
 @dataclass(frozen=True)
@@ -287,6 +292,7 @@ class BuildFacts:
     stamps: dict[str, dict[str, Any]] = field(default_factory=dict)
     current: str | None = None
     cached: tuple[str, ...] = ()  # build ids in the controller's fleet cache
+    disk_free: int | None = None  # bytes an unprivileged user can write where builds go
 
 
 def arch_list(gpus: gpu.GpuFacts, fallback: str) -> str:
@@ -294,6 +300,89 @@ def arch_list(gpus: gpu.GpuFacts, fallback: str) -> str:
     cuda_arch when none is visible (a build box, a container)."""
     ccs = sorted({g.compute_capability for g in gpus.gpus if g.compute_capability}) if gpus.available else []
     return ";".join(f"{a}{b}" for a, b in ccs) or fallback
+
+
+def read_compile_facts(host: Host, *, cuda_build: bool) -> BuildFacts:
+    """What any compile on this host depends on: compilers, toolkits, GPUs, cores, ccache."""
+    facts = BuildFacts(
+        gcc=cuda.parse_gcc_version(read_fact(host, cuda.GCC_VERSION_COMMAND)),
+        nproc=system.parse_nproc(read_fact(host, system.NPROC_COMMAND)),
+        ccache=builds.parse_ccache(read_fact(host, builds.CCACHE_COMMAND)),
+    )
+    if not cuda_build:
+        return facts
+    return replace(
+        facts,
+        toolkits=tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
+        gxx11=cuda.parse_gcc_version(read_fact(host, cuda.GXX11_VERSION_COMMAND)),
+        gpus=gpu.parse_nvidia_smi_csv(read_fact(host, gpu.NVIDIA_SMI_CSV_COMMAND)),
+    )
+
+
+@dataclass(frozen=True)
+class CompileEnv:
+    """How to compile on one host: the toolkit and host compiler chosen, the arch list, and the
+    environment every compile command runs in (the server build and the Python bindings share
+    it, so both carry the same kernels)."""
+
+    backend: str  # cuda | cpu
+    arch: str | None
+    release: tuple[int, int] | None  # the chosen nvcc's
+    toolkit: str | None  # "11.8 V11.8.89 /usr/bin/nvcc"
+    compiler: str  # "gcc 12.2.0" (+ the CUDA host compiler)
+    host_compiler: str | None  # /usr/bin/g++-11 where nvcc refuses the default gcc
+    env: dict[str, str]
+    cuobjdump: str | None
+
+
+def compile_env(facts: BuildFacts, cuda_release: tuple[int, int] | None, recipe_arch: str) -> CompileEnv:
+    """Pick the toolkit, the arch and the host compiler for this host, or refuse. Pure."""
+    compiler = f"gcc {'.'.join(map(str, facts.gcc.version or ())) or 'unknown'}"
+    if not cuda_release:
+        return CompileEnv("cpu", None, None, None, compiler, None, {"PATH": ":".join(SYSTEM_PATH), "LC_ALL": "C"}, None)
+    arch = arch_list(facts.gpus, recipe_arch)
+    try:
+        nvcc = pick_toolkit(facts.toolkits, cuda_release)
+    except VoltaforgeError as exc:
+        raise OperationError(str(exc)) from None
+    if "70" in arch.split(";") and not cuda.sm70_supported(nvcc.release):
+        raise OperationError(
+            f"CUDA {'.'.join(map(str, nvcc.release or ()))} ({nvcc.path}) cannot target sm_70: "
+            "pin toolchain.cuda 11.8 (or 12.x) in the recipe"
+        )
+    host_compiler = None
+    debian = toolkit_root(nvcc) == "/usr"
+    if nvcc.release and nvcc.release[0] == 11 and (facts.gcc.major or 0) > 11 and not debian:
+        # NVIDIA's CUDA 11.x refuses GCC > 11 (crt/host_config.h); Debian's wrapper routes to g++-11 itself
+        if not facts.gxx11.available:
+            raise OperationError(
+                f"CUDA {nvcc.release[0]}.{nvcc.release[1]} refuses gcc {facts.gcc.major} "
+                "as its host compiler and no g++-11 is installed: install g++-11"
+            )
+        host_compiler = "/usr/bin/g++-11"
+        compiler += " + g++-11 for CUDA"
+    try:
+        env = {**build_env(nvcc, facts.toolkits, arch), "LC_ALL": "C"}
+    except VoltaforgeError as exc:
+        raise OperationError(str(exc)) from None
+    toolkit = f"{nvcc.release[0]}.{nvcc.release[1]} {nvcc.version} {nvcc.path}" if nvcc.release else nvcc.path
+    cuobjdump = f"{toolkit_root(nvcc)}/bin/cuobjdump"
+    return CompileEnv("cuda", arch, nvcc.release, toolkit, compiler, host_compiler, env, cuobjdump)
+
+
+def llamacpp_compile_env(
+    facts: BuildFacts, cuda_release: tuple[int, int] | None, recipe_arch: str, ref: str
+) -> CompileEnv:
+    """compile_env, and what the pinned llama.cpp cannot do with the chosen toolkit."""
+    ce = compile_env(facts, cuda_release, recipe_arch)
+    if ce.release and ce.release < (12, 0) and any(a.startswith("9") for a in (ce.arch or "").split(";")):
+        # measured (scripts/bench_build.py): ggml-cuda at 0c1e570 uses Hopper launch intrinsics
+        # (cudaGridDependencySynchronize) for sm_90 that CUDA 11.8 does not declare
+        raise OperationError(
+            f"llama.cpp {ref} does not compile for sm_90 with CUDA "
+            f"{ce.release[0]}.{ce.release[1]}: pin toolchain.cuda 12.x for a Hopper GPU"
+        )
+    return ce
 
 
 def cmake_flags(cuda_arch: str | None, host_compiler: str | None = None) -> tuple[str, ...]:
@@ -337,97 +426,41 @@ class EnsureLlamacppBuild(Operation):
     # -- facts ---------------------------------------------------------------------------
 
     def read(self, host: Host) -> BuildFacts:
-        names = builds.parse_list_dir(read_fact(host, builds.list_dir_command(self.layout.builds)))
+        listed = builds.parse_list_dir(read_fact(host, builds.list_dir_command(self.layout.builds)))
+        names = tuple(n for n in listed if not n.startswith("."))  # .<id>.lock, .<id>.tar.gz in transit
+        disk = system.parse_df(read_fact(host, system.disk_free_command([self.layout.builds]))).get(self.layout.builds)
         stamps = {}
         for name in names:
             stamp = builds.parse_stamp(read_fact(host, builds.stamp_command(self.layout.build_dir(name))))
             if stamp:
                 stamps[name] = stamp
-        facts = BuildFacts(
-            gcc=cuda.parse_gcc_version(read_fact(host, cuda.GCC_VERSION_COMMAND)),
-            nproc=system.parse_nproc(read_fact(host, system.NPROC_COMMAND)),
-            ccache=builds.parse_ccache(read_fact(host, builds.CCACHE_COMMAND)),
+        return replace(
+            read_compile_facts(host, cuda_build=bool(self.cuda_release)),
             builds=names,
             stamps=stamps,
             current=builds.parse_readlink(read_fact(host, builds.readlink_command(self.layout.current))),
             cached=self.cache.ids() if self.cache else (),  # the controller's state is a fact too
+            disk_free=disk.available_bytes if disk else None,
         )
-        if self.cuda_release:
-            facts = replace(
-                facts,
-                toolkits=tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
-                gxx11=cuda.parse_gcc_version(read_fact(host, cuda.GXX11_VERSION_COMMAND)),
-                gpus=gpu.parse_nvidia_smi_csv(read_fact(host, gpu.NVIDIA_SMI_CSV_COMMAND)),
-            )
-        return facts
 
     # -- decision --------------------------------------------------------------------------
 
     def plan(self, facts: BuildFacts) -> tuple[BuildInputs, dict[str, str], str | None]:
         """(inputs, build environment, cuobjdump path) for this host. Pure."""
-        compiler = f"gcc {'.'.join(map(str, facts.gcc.version or ())) or 'unknown'}"
-        env = {"PATH": ":".join(SYSTEM_PATH), "LC_ALL": "C"}
-        if not self.cuda_release:
-            flags = cmake_flags(None) + self.extra_flags
-            inputs = BuildInputs(
-                self.layout.prefix,
-                self.source.ref,
-                self.source.sha256,
-                "cpu",
-                None,
-                None,
-                compiler,
-                flags,
-                self.targets,
-            )
-            return inputs, env, None
-        arch = arch_list(facts.gpus, self.recipe_arch)
-        try:
-            nvcc = pick_toolkit(facts.toolkits, self.cuda_release)
-        except VoltaforgeError as exc:
-            raise OperationError(str(exc)) from None
-        if "70" in arch.split(";") and not cuda.sm70_supported(nvcc.release):
-            raise OperationError(
-                f"CUDA {'.'.join(map(str, nvcc.release or ()))} ({nvcc.path}) cannot target sm_70: "
-                "pin toolchain.cuda 11.8 (or 12.x) in the recipe"
-            )
-        if nvcc.release and nvcc.release < (12, 0) and any(a.startswith("9") for a in arch.split(";")):
-            # measured (scripts/bench_build.py): ggml-cuda at 0c1e570 uses Hopper launch intrinsics
-            # (cudaGridDependencySynchronize) for sm_90 that CUDA 11.8 does not declare
-            raise OperationError(
-                f"llama.cpp {self.source.ref} does not compile for sm_90 with CUDA "
-                f"{nvcc.release[0]}.{nvcc.release[1]}: pin toolchain.cuda 12.x for a Hopper GPU"
-            )
-        host_compiler = None
-        debian = toolkit_root(nvcc) == "/usr"
-        if nvcc.release and nvcc.release[0] == 11 and (facts.gcc.major or 0) > 11 and not debian:
-            # NVIDIA's CUDA 11.x refuses GCC > 11 (crt/host_config.h); Debian's wrapper routes to g++-11 itself
-            if not facts.gxx11.available:
-                raise OperationError(
-                    f"CUDA {nvcc.release[0]}.{nvcc.release[1]} refuses gcc {facts.gcc.major} "
-                    "as its host compiler and no g++-11 is installed: install g++-11"
-                )
-            host_compiler = "/usr/bin/g++-11"
-        if host_compiler:
-            compiler += " + g++-11 for CUDA"
-        try:
-            env = {**build_env(nvcc, facts.toolkits, arch), "LC_ALL": "C"}
-        except VoltaforgeError as exc:
-            raise OperationError(str(exc)) from None
-        flags = cmake_flags(arch, host_compiler) + self.extra_flags
-        toolkit = f"{nvcc.release[0]}.{nvcc.release[1]} {nvcc.version} {nvcc.path}" if nvcc.release else nvcc.path
+        ce = llamacpp_compile_env(facts, self.cuda_release, self.recipe_arch, self.source.ref)
+        flags = cmake_flags(ce.arch, ce.host_compiler) + self.extra_flags
         inputs = BuildInputs(
             self.layout.prefix,
             self.source.ref,
             self.source.sha256,
-            "cuda",
-            arch,
-            toolkit,
-            compiler,
+            ce.backend,
+            ce.arch,
+            ce.toolkit,
+            ce.compiler,
             flags,
             self.targets,
         )
-        return inputs, env, f"{toolkit_root(nvcc)}/bin/cuobjdump"
+        return inputs, ce.env, ce.cuobjdump
 
     def decide(self, facts: BuildFacts) -> Decision:
         inputs, env, cuobjdump = self.plan(facts)
@@ -461,9 +494,20 @@ class EnsureLlamacppBuild(Operation):
                 switch,
                 *prune,
             )
-        configure = Shell(f"{run} cmake -S {src} -B {q} {' '.join(shlex.quote(f) for f in inputs.flags)}")
+        need = build_space(inputs)
+        if facts.disk_free is not None and facts.disk_free < need:
+            raise OperationError(
+                f"{size_text(facts.disk_free)} free under {self.layout.builds}, a {inputs.backend} build "
+                f"needs about {size_text(need)}: free space there or use another prefix"
+            )
+        # one compile per build directory at a time: after a dropped connection the old compile
+        # may still be finishing on the host; a re-run waits for it instead of racing it
+        lock = shlex.quote(f"{self.layout.builds}/.{bid}.lock")
+        configure = Shell(
+            f"{run} flock -w 900 {lock} cmake -S {src} -B {q} {' '.join(shlex.quote(f) for f in inputs.flags)}"
+        )
         build = Shell(
-            f"{run} cmake --build {q} --config Release -j {jobs} --target "
+            f"{run} flock -w 900 {lock} cmake --build {q} --config Release -j {jobs} --target "
             f"{' '.join(shlex.quote(t) for t in inputs.targets)}"
         )
         why = (
@@ -512,30 +556,65 @@ class EnsureLlamacppBuild(Operation):
     # -- acting ------------------------------------------------------------------------------
 
     def apply(self, host: Host, decision: Decision) -> None:
-        proof: dict[str, str] = {}
-        for cmd in decision.commands:
-            if isinstance(cmd, Probe):
-                result = host.run(cmd.command, stream=False, check=not cmd.may_fail)
-                proof[cmd.key] = (
-                    result.stdout if result.ok else f"(exit {result.exited}) {result.stdout.strip()[-300:]}"
-                )
-                if cmd.expect:
-                    check_cubins(proof[cmd.key], cmd.expect)
-            elif isinstance(cmd, Record):
-                host.write_file(cmd.path, stamp_bytes(cmd, proof), 0o644)
-            else:
-                run_command(host, cmd)
+        try:
+            run_proven(host, decision, stamp_bytes)
+        except OperationError:
+            raise
+        except HostError as exc:
+            raise build_failure(exc, "re-run to resume it; current is unchanged") from None
 
 
-def check_cubins(listing: str, wanted: tuple[str, ...]) -> None:
+def build_space(inputs: BuildInputs) -> int:
+    """Free space a build directory needs, in bytes. Measured: the CPU build of every target is
+    144 MiB; the sm_70 CUDA build's libggml-cuda.so alone is 195 MB, about as much again in
+    objects (docs/knowledge.md, section 3). Twice that, and once more per extra arch."""
+    if inputs.backend == "cpu":
+        return 512 << 20
+    return (1 << 30) * len((inputs.arch or "70").split(";"))
+
+
+def build_failure(exc: HostError, after: str) -> HostError:
+    """One line for the two ways a long build dies from outside: a full disk (the compiler's
+    line names the file), a dropped connection. Anything else keeps its own message (a
+    compile error's tail is what the user needs)."""
+    text = str(exc)
+    full = next((line for line in text.splitlines() if "No space left on device" in line), None)
+    if full:
+        return OperationError(f"disk full during the build ({full.strip()[-160:]}): free space and {after}")
+    if "lost while running" in text:
+        return OperationError(f"{text.splitlines()[0]}: {after}")
+    return exc
+
+
+def run_proven(host: Host, decision: Decision, stamp: Callable[[Record, dict[str, str]], bytes]) -> None:
+    """Run a build's commands; the probes' outputs are checked and go into the stamp, which is
+    written only after every probe passed (a build without a stamp does not count)."""
+    proof: dict[str, str] = {}
+    for cmd in decision.commands:
+        if isinstance(cmd, Probe):
+            result = host.run(cmd.command, stream=False, check=not cmd.may_fail)
+            proof[cmd.key] = result.stdout if result.ok else f"(exit {result.exited}) {result.stdout.strip()[-300:]}"
+            if cmd.expect:
+                check_cubins(proof[cmd.key], cmd.expect, cmd.what, cmd.after)
+        elif isinstance(cmd, Record):
+            host.write_file(cmd.path, stamp(cmd, proof), 0o644)
+        else:
+            run_command(host, cmd)
+
+
+def check_cubins(
+    listing: str,
+    wanted: tuple[str, ...],
+    what: str = "libggml-cuda.so",
+    after: str = "the build is kept for inspection and current is unchanged",
+) -> None:
     """Real cubins for every planned arch, not only PTX (PTX alone means a JIT at first start,
     or "no kernel image is available" when the PTX is newer than the driver)."""
     archs = cuda.parse_cuobjdump_list_elf(listing)
     missing = sorted(set(wanted) - archs)
     if missing:
         raise OperationError(
-            f"libggml-cuda.so has no {', '.join(missing)} cubins (found: {', '.join(sorted(archs)) or 'none'}): "
-            "the build is kept for inspection and current is unchanged"
+            f"{what} has no {', '.join(missing)} cubins (found: {', '.join(sorted(archs)) or 'none'}): {after}"
         )
 
 

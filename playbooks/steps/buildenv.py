@@ -80,8 +80,13 @@ def build_env(nvcc: Toolkit, toolkits: Sequence[Toolkit], arch: str = "70") -> d
         "CUDAToolkit_ROOT": root,  # CMake's FindCUDAToolkit
         "CUDACXX": nvcc.path,
         "CUDAARCHS": arch,
-        "TORCH_CUDA_ARCH_LIST": ".".join(arch) if arch.isdigit() and len(arch) == 2 else arch,
+        "TORCH_CUDA_ARCH_LIST": torch_arch_list(arch),
     }
+
+
+def torch_arch_list(arch: str) -> str:
+    """CMake's "70;89" as torch's cpp_extension wants it: "7.0;8.9"."""
+    return ";".join(f"{a[:-1]}.{a[-1]}" if a.isdigit() and len(a) >= 2 else a for a in arch.split(";"))
 
 
 def env_prefix(env: dict[str, str]) -> str:

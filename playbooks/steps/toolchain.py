@@ -208,10 +208,15 @@ class EnsureToolchainLock(Operation):
         return decide_file(Upload(self.path, self.content(facts), 0o644), facts.file)
 
 
+def venv_path(prefix: str) -> str:
+    """The toolchain venv: torch, and the bindings and converters the later steps run."""
+    return f"{prefix}/venv"
+
+
 def toolchain_ops(
     prefix: str, tc: Toolchain, owner: str | None, needs_cuda: bool, prefix_sudo: bool
 ) -> list[Operation]:
-    venv = f"{prefix}/venv"
+    venv = venv_path(prefix)
     ops: list[Operation] = [EnsureDirectory(prefix, 0o755, owner=owner if prefix_sudo else None, sudo=prefix_sudo)]
     if needs_cuda:
         ops.append(EnsureCudaToolkit(tc.cuda))
