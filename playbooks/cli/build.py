@@ -1,5 +1,6 @@
 """`invoke build`: llama.cpp from the pinned source for the host's arch, proven and stamped, then
-llama-cpp-python from the same source into the toolchain venv."""
+llama-cpp-python from the same source into the toolchain venv; for EXL2 recipes ExLlamaV2 with
+its extension built for the host's GPU, and TabbyAPI at its pinned commit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from playbooks.host import Host
 from playbooks.host.ops import Operation
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.build import LLAMACPP_TARGETS, BuildLayout, FleetCache, build_ops, fetch_sdist
+from playbooks.steps.exllamav2 import EnsureExllamav2
 from playbooks.steps.llamacpp_python import bindings_ops
+from playbooks.steps.tabbyapi import EnsureTabbyAPI
 from playbooks.steps.toolchain import venv_path
 
 
@@ -45,10 +48,12 @@ def run_build(
             sudo=sudo,
             cache=None if no_cache else FleetCache.default(),
         )
-        if not bindings:
-            return server
-        return server + bindings_ops(
-            layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch
-        )
+        ops = server
+        if bindings:
+            ops += bindings_ops(layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch)
+        if r.backend == "exllamav2":
+            # EXL2 recipes serve through TabbyAPI on ExLlamaV2, built for this host's GPU
+            ops += [EnsureExllamav2(prefix, venv_path(prefix), tc), EnsureTabbyAPI(prefix, venv_path(prefix), tc)]
+        return ops
 
     return converge(settings or Settings(inventory=Path(inventory)), host_name, recipe, ops, dry_run)

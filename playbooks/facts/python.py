@@ -14,3 +14,16 @@ def parse_package_version(output: str) -> str | None:
     """The installed version, None when the venv or the package is missing."""
     text = output.strip()
     return text.splitlines()[-1] if text else None
+
+
+def torch_cuda_command(venv: str) -> str:
+    """torch's own word on the CUDA it was built with (PyPI's wheels carry no +cuXXX label)."""
+    code = "import torch; print(torch.version.cuda or 'none')"
+    return f"{shlex.quote(venv + '/bin/python')} -c {shlex.quote(code)} 2>/dev/null || true"
+
+
+def parse_torch_cuda(output: str) -> tuple[int, int] | None:
+    """(11, 8) for a +cu118 torch; None for a CPU build or no torch."""
+    text = output.strip().splitlines()[-1] if output.strip() else ""
+    major, _, minor = text.partition(".")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None

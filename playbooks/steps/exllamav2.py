@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shlex
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -37,6 +36,7 @@ from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell
 from playbooks.steps.build import BuildFacts, Probe, build_failure, compile_env, read_compile_facts, run_proven
 from playbooks.steps.buildenv import env_prefix, torch_arch_list
+from playbooks.steps.toolchain import pip_install_keeping_torch
 
 EXT = "exllamav2_ext"
 STAMP_NAME = "voltaforge-exllamav2.json"
@@ -44,13 +44,6 @@ PROOF = (
     "import torch, exllamav2_ext, exllamav2; print('version:', exllamav2.__version__); "
     "print('ext:', exllamav2_ext.__file__); print('torch:', torch.__version__, torch.version.cuda)"
 )
-
-
-def torch_cuda(version: str | None) -> tuple[int, int] | None:
-    """The CUDA release a torch wheel was built for, from its local label: 2.7.1+cu118 -> (11, 8);
-    None for a CPU build (+cpu) or a version without a label."""
-    m = re.search(r"\+cu(\d+)(\d)$", version or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 @dataclass(frozen=True)
@@ -72,6 +65,7 @@ class ExtInputs:
 class ExtFacts:
     compile: BuildFacts = field(default_factory=BuildFacts)
     torch: str | None = None
+    torch_cuda: tuple[int, int] | None = None  # torch.version.cuda
     installed: str | None = None  # exllamav2's version in the venv
     stamp: dict[str, Any] | None = None
 
@@ -93,6 +87,7 @@ class EnsureExllamav2(Operation):
         return ExtFacts(
             compile=read_compile_facts(host, cuda_build=True),
             torch=version("torch"),
+            torch_cuda=python.parse_torch_cuda(read_fact(host, python.torch_cuda_command(self.venv))),
             installed=version("exllamav2"),
             stamp=builds.parse_stamp(read_fact(host, f"cat -- {shlex.quote(self.stamp_path)} 2>/dev/null || true")),
         )
@@ -106,7 +101,7 @@ class EnsureExllamav2(Operation):
             )
         ce = compile_env(facts.compile, self.cuda_release, self.tc.cuda_arch)
         assert ce.arch and ce.cuobjdump  # a CUDA compile env always has both
-        built_for = torch_cuda(facts.torch)
+        built_for = facts.torch_cuda
         if built_for is None:
             raise OperationError(f"torch {facts.torch} has no CUDA: exllamav2's extension needs a CUDA build of torch")
         if ce.release and built_for[0] != ce.release[0]:
@@ -128,7 +123,10 @@ class EnsureExllamav2(Operation):
         commands: list[Shell | Record] = []
         if facts.installed != self.tc.exllamav2:
             why = f"exllamav2 is {facts.installed or 'not installed'}, want {self.tc.exllamav2}"
-            commands.append(Shell(self._pip_install()))
+            # tokenizers: exllamav2's import needs it, its metadata omits it
+            commands.append(
+                Shell(pip_install_keeping_torch(self.venv, self.tc, f"exllamav2=={self.tc.exllamav2}", "tokenizers"))
+            )
         else:
             why = "its extension is not built for these inputs" if not stamp else f"built from other inputs ({bid} now)"
         py = shlex.quote(self.venv + "/bin/python")
@@ -158,16 +156,6 @@ class EnsureExllamav2(Operation):
         ]
         record = Record(self.stamp_path, "the inputs and the proof", json.dumps(asdict(inputs), sort_keys=True))
         return Decision.act(why, *commands, *proof, record)
-
-    def _pip_install(self) -> str:
-        # torch named with its exact pin so the resolver keeps it (exllamav2 asks for torch>=2.2)
-        args = [f"{self.venv}/bin/pip", "install", "--disable-pip-version-check", f"exllamav2=={self.tc.exllamav2}"]
-        args += ["tokenizers", f"torch=={self.tc.torch}"]
-        if self.tc.torch_index:
-            args += ["--extra-index-url", self.tc.torch_index]
-        if self.tc.torch_find_links:
-            args += ["--find-links", self.tc.torch_find_links]
-        return " ".join(shlex.quote(a) for a in args)
 
     def apply(self, host: Host, decision: Decision) -> None:
         try:

@@ -149,6 +149,17 @@ def torch_install_command(venv: str, tc: Toolchain) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
+def pip_install_keeping_torch(venv: str, tc: Toolchain, *requirements: str) -> str:
+    """A pip install into the venv that cannot move the pinned torch: torch is named with its
+    exact pin (so the resolver keeps the installed one), its index reachable only as extra."""
+    args = [f"{venv}/bin/pip", "install", "--disable-pip-version-check", *requirements, f"torch=={tc.torch}"]
+    if tc.torch_index:
+        args += ["--extra-index-url", tc.torch_index]
+    if tc.torch_find_links:
+        args += ["--find-links", tc.torch_find_links]
+    return " ".join(shlex.quote(a) for a in args)
+
+
 class EnsureTorch(Operation):
     """Ensure the venv holds exactly the pinned torch build."""
 
