@@ -109,7 +109,7 @@ def test_an_interrupted_build_is_resumed_in_its_directory():
 
 def test_cpu_build_is_static_and_needs_no_toolkit():
     d = op(cuda_release=None).decide(facts(toolkits=()))
-    assert "env PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C flock -w 900 " in shown(d)[0]
+    assert " && env PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C flock -w 900 " in shown(d)[0]
     assert ".lock cmake -S /opt/vf/src/llama.cpp-0c1e570-" in shown(d)[0]
     assert "-DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF" in shown(d)[0]
     assert not any(isinstance(c, Probe) and c.expect for c in d.commands)
@@ -425,8 +425,9 @@ def test_compiles_of_one_build_directory_never_overlap():
     and build hold a lock per build directory, so a re-run waits instead of racing it."""
     d = op().decide(facts())
     bid = op().plan(facts())[0].build_id
-    lock = f"flock -w 900 /opt/vf/llama.cpp/builds/.{bid}.lock cmake"
+    lock = f"flock -w 900 /opt/vf/llama.cpp/builds/{bid}/.voltaforge-build.lock cmake"
     assert lock + " -S" in shown(d)[0] and lock + " --build" in shown(d)[1]
+    assert shown(d)[0].startswith(f"mkdir -p -- /opt/vf/llama.cpp/builds/{bid} && env ")
 
 
 def test_the_two_outside_deaths_of_a_build_are_one_line_each():

@@ -427,7 +427,7 @@ class EnsureLlamacppBuild(Operation):
 
     def read(self, host: Host) -> BuildFacts:
         listed = builds.parse_list_dir(read_fact(host, builds.list_dir_command(self.layout.builds)))
-        names = tuple(n for n in listed if not n.startswith("."))  # .<id>.lock, .<id>.tar.gz in transit
+        names = tuple(n for n in listed if not n.startswith("."))  # .<id>.tar.gz in transit
         disk = system.parse_df(read_fact(host, system.disk_free_command([self.layout.builds]))).get(self.layout.builds)
         stamps = {}
         for name in names:
@@ -502,9 +502,10 @@ class EnsureLlamacppBuild(Operation):
             )
         # one compile per build directory at a time: after a dropped connection the old compile
         # may still be finishing on the host; a re-run waits for it instead of racing it
-        lock = shlex.quote(f"{self.layout.builds}/.{bid}.lock")
+        lock = shlex.quote(f"{target}/.voltaforge-build.lock")  # goes with the build directory
         configure = Shell(
-            f"{run} flock -w 900 {lock} cmake -S {src} -B {q} {' '.join(shlex.quote(f) for f in inputs.flags)}"
+            f"mkdir -p -- {q} && {run} flock -w 900 {lock} cmake -S {src} -B {q} "
+            f"{' '.join(shlex.quote(f) for f in inputs.flags)}"
         )
         build = Shell(
             f"{run} flock -w 900 {lock} cmake --build {q} --config Release -j {jobs} --target "
