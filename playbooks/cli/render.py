@@ -236,3 +236,33 @@ def render_report(changes: Sequence[Change], out: Console | None = None) -> Tabl
         counts = {s: sum(1 for c in changes if c.host == host and c.status == s) for s in _CHANGE_STYLE}
         out.print(Text(f"{host}: {counts['changed']} changed, {counts['ok']} ok, {counts['failed']} failed"))
     return table
+
+
+def render_artifacts(rows: Sequence[dict[str, Any]], host: str, out: Console | None = None) -> Table:
+    """`invoke artifacts`: one row per verified file, its size beside the planner's prediction."""
+    out = out or console()
+    table = Table(title=f"voltaforge: artifacts on {host}")
+    for col in ("file", "quant", "bytes", "predicted", "sha256", "verification"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        size, pred = r.get("bytes"), r.get("predicted_bytes")
+        ratio = f" ({(pred - size) / size * 100:+.2f}%)" if isinstance(size, int) and isinstance(pred, int) else ""
+        v = r.get("verification") or {}
+        figures = []
+        if "compare" in v:
+            c = v["compare"]
+            figures.append(
+                f"top-1 vs original {c.get('top1_agreement', 0):.2%}, max |dlogit| {c.get('max_abs_logit_diff', 0):.3g}"
+            )
+        if "kld" in v:
+            figures.append(f"KLD {v['kld'].get('mean_kld', 0):.5f}, same top {v['kld'].get('same_top_p', 0):.1f}%")
+        table.add_row(
+            Text(str(r.get("path"))),
+            Text(str(r.get("quant"))),
+            Text(size_text(size) if isinstance(size, int) else "?"),
+            Text((size_text(pred) if isinstance(pred, int) else "?") + ratio),
+            Text(str(r.get("sha256") or "")[:12]),
+            Text(r.get("error") or "; ".join(figures)),
+        )
+    out.print(table)
+    return table

@@ -200,6 +200,63 @@ def build(
 
 
 @task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "quant": "GGUF types to make, comma-separated (default: the recipe's quant), e.g. Q4_K_M,Q8_0",
+        "dry-run": "print the exact commands and change nothing",
+        "force": "make a quant even when the plan says it cannot fit the recipe's GPU",
+        "verify": "re-hash every artifact against its manifest instead of trusting size and mtime",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def quantize(
+    c: Context,
+    host: str | None = None,
+    recipe: str | None = None,
+    quant: str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    verify: bool = False,
+    inventory: str | None = None,
+) -> None:
+    """Make the recipe's weights: fetched once, F16, imatrix, quants, each verified, with manifests."""
+
+    def go() -> int:
+        from playbooks.cli.quantize import run_quantize
+
+        return run_quantize(
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            quant=quant,
+            dry_run=dry_run,
+            force=force,
+            verify=verify,
+            settings=_settings(c, inventory),
+        )
+
+    run_command(go)
+
+
+@task(
+    auto_shortflags=False,
+    help={"host": HOST_HELP, "json": "print JSON instead of a table", "inventory": INVENTORY_HELP},
+)
+def artifacts(c: Context, host: str | None = None, json: bool = False, inventory: str | None = None) -> None:
+    """List the verified model files on a host, from their manifests."""
+
+    def go() -> int:
+        from playbooks.cli.quantize import run_artifacts
+
+        return run_artifacts(
+            flags.one_host("--host", _cfg(c, "host", host)), as_json=json, settings=_settings(c, inventory)
+        )
+
+    run_command(go)
+
+
+@task(
     auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"}
 )
 def test(c: Context, k: str | None = None, fast: bool = False) -> None:
@@ -217,5 +274,5 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     c.run(" ".join(shlex.quote(a) for a in args), pty=False)
 
 
-ns = Collection(plan, preflight, toolchain, build, test)
+ns = Collection(plan, preflight, toolchain, build, quantize, artifacts, test)
 ns.configure(DEFAULTS)

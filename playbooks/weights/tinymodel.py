@@ -62,7 +62,8 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ...], byte
             f.write(data)
 
 
-def _corpus(n_lines: int, rng: random.Random) -> str:
+def corpus(n_lines: int, rng: random.Random) -> str:
+    """Lines of words made of the tiny model's syllables: what its tokenizer was trained on."""
     words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
     return "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) for _ in range(n_lines))
 
@@ -75,10 +76,10 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
     import sentencepiece as spm
 
     rng = random.Random(seed)
-    corpus = out_dir / "tokenizer-corpus.txt"
-    corpus.write_text(_corpus(20000, rng))
+    text_file = out_dir / "tokenizer-corpus.txt"
+    text_file.write_text(corpus(20000, rng))
     spm.SentencePieceTrainer.train(
-        input=str(corpus),
+        input=str(text_file),
         model_prefix=str(out_dir / "tokenizer"),
         vocab_size=vocab_size,
         model_type="bpe",
@@ -90,8 +91,11 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
         num_threads=2,
         minloglevel=2,
         hard_vocab_limit=True,
+        # any byte has a token (<0x0A> for a newline, <0x48> for an "H" it never saw): text a
+        # person types, and calibration text with newlines, must tokenize
+        byte_fallback=True,
     )
-    corpus.unlink()
+    text_file.unlink()
     (out_dir / "tokenizer.vocab").unlink(missing_ok=True)
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(

@@ -1,0 +1,170 @@
+"""`invoke quantize`: the recipe's weights to verified GGUF files with manifests (EXL2 with
+--bpw), and `invoke artifacts`: what a host holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from playbooks.cli.converge import converge
+from playbooks.cli.render import console, render_artifacts
+from playbooks.cli.settings import Settings
+from playbooks.config.planning import plan_recipe
+from playbooks.config.recipe import LoadedRecipe
+from playbooks.errors import VoltaforgeError
+from playbooks.facts import read_fact
+from playbooks.host import Host
+from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.plan.gguf_size import FILE_TYPES
+from playbooks.steps.build import BuildLayout, source_cache_dir
+from playbooks.steps.quantize import (
+    EnsureConvertDeps,
+    EnsureFp16Range,
+    EnsureGguf,
+    EnsureReference,
+    EnsureTexts,
+    EnsureWeights,
+    LocalWeights,
+    ModelLayout,
+    calibration_text,
+    generated_weights,
+    path_weights,
+)
+from playbooks.steps.toolchain import venv_path
+
+#: the fixed prompt every GGUF is run on (words of the tiny model's syllables are real text to
+#: a real tokenizer too)
+TEST_PROMPT = "kalo mine ruta vosi dega"
+
+
+def parse_quants(value: str | None, recipe_quant: str) -> list[str]:
+    """--quant Q4_K_M[,Q8_0...]: GGUF types, checked against llama-quantize's list."""
+    quants = [q.strip() for q in (value or recipe_quant).split(",") if q.strip()]
+    unknown = [q for q in quants if q not in FILE_TYPES or q == "F16"]
+    if unknown:
+        raise VoltaforgeError(f"--quant {unknown[0]}: not a GGUF quant type; allowed: {', '.join(FILE_TYPES)}")
+    return quants
+
+
+def local_weights(loaded: LoadedRecipe) -> LocalWeights:
+    model = loaded.recipe.model
+    cache = source_cache_dir().parent / "models"
+    if model.generate:
+        if not isinstance(model.config, dict):
+            raise VoltaforgeError(f"{loaded.path}: model.generate needs model.config inline")
+        return generated_weights(model.config, cache)
+    if model.path:
+        where = Path(model.path).expanduser()
+        return path_weights(where if where.is_absolute() else loaded.path.parent / where)
+    raise VoltaforgeError(
+        f"{loaded.path}: model.repo ({model.repo}): fetching from the Hugging Face hub is not built yet; "
+        "download it and set model.path to the directory"
+    )
+
+
+def refuse_unfit(loaded: LoadedRecipe, quant: str, force: bool) -> None:
+    """A quant the planner says cannot fit the recipe's GPU is refused before hours of work."""
+    plan = plan_recipe(loaded)
+    option = next((o for o in plan.options if o.quant == quant), None)
+    if option is None or option.fits or force:
+        return
+    better = f"; the plan recommends {plan.recommendation.quant}" if plan.recommendation else ""
+    raise VoltaforgeError(
+        f"{quant} does not fit {plan.gpu.name} at {plan.serving.context} tokens x {plan.serving.parallel}: "
+        f"needs {option.vram_bytes / 2**30:.2f} GiB of {option.gpu_bytes / 2**30:.2f} GiB (weights "
+        f"{option.gpu_weights_bytes / 2**30:.2f}, KV {option.kv_bytes / 2**30:.2f}, compute "
+        f"{option.compute_bytes / 2**30:.2f}){better}; --force makes it anyway"
+    )
+
+
+def run_quantize(
+    host_name: str,
+    recipe: str | None = None,
+    quant: str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    verify: bool = False,
+    settings: Settings | None = None,
+) -> int:
+    def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+        r = loaded.recipe
+        if r.backend != "llamacpp":
+            raise VoltaforgeError(f"{loaded.path}: backend {r.backend}: its quant is EXL2, made with --bpw")
+        quants = parse_quants(quant, r.quant_name)
+        for q in quants:
+            refuse_unfit(loaded, q, force)
+        weights = local_weights(loaded)
+        layout = ModelLayout(prefix, weights.model_id)
+        build = BuildLayout(prefix)
+        venv = venv_path(prefix)
+        imatrix = r.planner.imatrix
+        ceiling = getattr(r.planner, "max_kld", None)
+
+        def gguf(q: str) -> EnsureGguf:
+            return EnsureGguf(
+                layout, build, venv, weights, loaded.shape, q, imatrix=imatrix, kld_ceiling=ceiling, verify=verify
+            )
+
+        return [
+            EnsureDirectory(f"{prefix}/models", 0o755),
+            EnsureDirectory(layout.root, 0o755),
+            EnsureWeights(layout, weights),
+            EnsureTexts(layout, calibration_text(weights), TEST_PROMPT),
+            EnsureConvertDeps(venv, r.toolchain),
+            EnsureFp16Range(layout, venv, weights.source_sha256),
+            gguf("F16"),
+            EnsureReference(layout, build, imatrix),
+            *(gguf(q) for q in quants),
+        ]
+
+    return converge(settings or Settings(), host_name, recipe, ops, dry_run)
+
+
+ARTIFACTS_COMMAND = (
+    "find {root} -name '*.manifest.json' -type f 2>/dev/null | sort | while read -r f; do "
+    'printf "%s\\n" "### voltaforge-manifest $f"; cat -- "$f"; echo; done'
+)
+
+
+def parse_manifests(output: str) -> list[dict[str, Any]]:
+    """The manifests printed by ARTIFACTS_COMMAND; unreadable ones are listed as such."""
+    found: list[dict[str, Any]] = []
+    for block in output.split("### voltaforge-manifest ")[1:]:
+        path, _, body = block.partition("\n")
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = {"path": path.removesuffix(".manifest.json"), "error": "unreadable manifest"}
+        found.append(data)
+    return found
+
+
+def run_artifacts(host_name: str, as_json: bool = False, settings: Settings | None = None) -> int:
+    import shlex
+
+    settings = settings or Settings()
+    spec = settings.host_spec(host_name)
+    with settings.connect(spec) as host:
+        out = read_fact(host, ARTIFACTS_COMMAND.format(root=shlex.quote(f"{spec.prefix}/models")))
+    manifests = parse_manifests(out)
+    rows = [
+        {
+            "path": m.get("path"),
+            "kind": m.get("kind"),
+            "quant": m.get("quant"),
+            "bytes": m.get("bytes"),
+            "sha256": m.get("sha256"),
+            "predicted_bytes": m.get("predicted_bytes"),
+            "model_id": m.get("model_id"),
+            "verification": m.get("verification"),
+            "created_at": m.get("created_at"),
+            **({"error": m["error"]} if "error" in m else {}),
+        }
+        for m in manifests
+    ]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        render_artifacts(rows, host_name, console())
+    return 0
