@@ -54,6 +54,7 @@ def option_json(o: Option) -> dict[str, Any]:
         "vram_bytes": o.vram_bytes,
         "gpu_bytes": o.gpu_bytes,
         "fits": o.fits,
+        "unfit_reason": o.unfit_reason or None,
         "headroom_bytes": o.headroom_bytes,
         "max_ctx": o.max_ctx,
         "roofline_tok_s": round(o.roofline_tok_s, 2),
@@ -106,6 +107,12 @@ def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
     }
 
 
+def _fits_cell(o: Option) -> str:
+    if o.unfit_reason:
+        return f"[red]no, {escape(o.unfit_reason)}[/]"
+    return "[green]yes[/]" if o.fits else f"[red]no, by {-o.headroom_bytes / MIB:,.0f} MiB[/]"
+
+
 def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None:
     s = plan.serving
     shape = plan.shape
@@ -124,11 +131,12 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
     )
     if plan.chosen:
         c = plan.chosen
-        verdict = (
-            f"[green]fits with {c.headroom_bytes / MIB:,.0f} MiB left[/]"
-            if c.fits
-            else f"[red]does not fit by {-c.headroom_bytes / MIB:,.0f} MiB[/]"
-        )
+        if c.unfit_reason:
+            verdict = f"[red]does not fit: {escape(c.unfit_reason)}[/]"
+        elif c.fits:
+            verdict = f"[green]fits with {c.headroom_bytes / MIB:,.0f} MiB left[/]"
+        else:
+            verdict = f"[red]does not fit by {-c.headroom_bytes / MIB:,.0f} MiB[/]"
         console.print(
             f"\n[bold]Planned quant {c.quant}[/]: weights {_gb(c.weights_bytes)} on disk, "
             f"{_gib(c.gpu_weights_bytes)} in {'memory' if plan.gpu.is_cpu else 'VRAM'} + KV {_gib(c.kv_bytes)} "
@@ -165,7 +173,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             _gb(o.weights_bytes),
             f"{o.bpw:.2f}",
             _gib(o.vram_bytes),
-            "[green]yes[/]" if o.fits else f"[red]no, by {-o.headroom_bytes / MIB:,.0f} MiB[/]",
+            _fits_cell(o),
             f"{o.max_ctx:,}" if o.max_ctx else "-",
             f"{o.roofline_tok_s:.0f}",
         )

@@ -142,10 +142,12 @@ class Option:
     roofline_tok_s: float
     roofline_full_ctx_tok_s: float
     draft_bytes: int = 0
+    # why it cannot run on this target whatever the memory says ("": nothing but memory counts)
+    unfit_reason: str = ""
 
     @property
     def fits(self) -> bool:
-        return self.vram_bytes <= self.gpu_bytes
+        return not self.unfit_reason and self.vram_bytes <= self.gpu_bytes
 
     @property
     def headroom_bytes(self) -> int:
@@ -213,13 +215,29 @@ def _vram_at(shape: ModelShape, s: Serving, ctx: int, gpu: Gpu, draft: DraftPlan
     return kv, compute, overhead, draft_b
 
 
+#: Why an EXL2 quant never runs on a CPU target. ExLlamaV2 0.3.2 has no CPU path: every layer
+#: runs through its C++/CUDA extension (exllamav2/ext.py builds it from cuda/*.cu), its model
+#: places modules on "cuda:N" (model.py _torch_device) and warns at import when torch has
+#: neither CUDA nor ROCm (model.py, line 22); its converter measures on the GPU too.
+EXL2_NEEDS_CUDA = "needs a CUDA GPU"
+
+
+def unfit_reason(backend: str, gpu: Gpu) -> str:
+    """Why this backend cannot run on this target at all, memory aside ("": it can)."""
+    if backend == "exllamav2" and gpu.is_cpu:
+        return EXL2_NEEDS_CUDA
+    return ""
+
+
 def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None = None) -> Option:
     file_b, gpu_w, streamed = _weights(shape, quant, s)
     kv_tok = _kv_per_token(shape, s)
     kv, compute, overhead, draft_b = _vram_at(shape, s, s.context, gpu, draft)
+    backend = "exllamav2" if quant.startswith("EXL2-") else "llamacpp"
+    unfit = unfit_reason(backend, gpu)
     return Option(
         quant=quant,
-        backend="exllamav2" if quant.startswith("EXL2-") else "llamacpp",
+        backend=backend,
         weights_bytes=file_b,
         params=parameter_count(shape),
         gpu_weights_bytes=gpu_w,
@@ -230,11 +248,12 @@ def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPl
         overhead_bytes=overhead + draft_b,
         vram_bytes=gpu_w + kv + compute + overhead + draft_b,
         gpu_bytes=gpu.memory_bytes,
-        max_ctx=_max_ctx(shape, s, gpu_w, gpu, draft),
+        max_ctx=0 if unfit else _max_ctx(shape, s, gpu_w, gpu, draft),
         roofline_tok_s=roofline_tok_s(gpu.bandwidth_gb_s, streamed),
         # one slot reading its full context of KV on every token
         roofline_full_ctx_tok_s=roofline_tok_s(gpu.bandwidth_gb_s, streamed + kv_tok * s.context),
         draft_bytes=draft_b,
+        unfit_reason=unfit,
     )
 
 
@@ -322,8 +341,12 @@ def make_plan(
     options = [evaluate(shape, q, gpu, serving_for(q, serving), draft) for q in quant_names()]
     chosen = evaluate(shape, quant, gpu, serving, draft) if quant else None
     plan = Plan(shape, gpu, serving, chosen, options, min_bpw)
-    fitting = [o for o in options if o.fits]
-    if serving.parallel > 1 and gpu.compute_capability < (8, 0):
+    fitting = [o for o in options if o.fits]  # an option that cannot run here does not fit
+    if gpu.is_cpu:
+        plan.notes.append(
+            f"EXL2 is left out: ExLlamaV2 {EXL2_NEEDS_CUDA} (it has no CPU path); a CPU serves GGUF through llama.cpp"
+        )
+    elif serving.parallel > 1 and gpu.compute_capability < (8, 0):
         # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one
         # sequence at a time before Ampere, so it cannot serve parallel slots here.
         fitting = [o for o in fitting if o.backend != "exllamav2"]
