@@ -244,7 +244,11 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
         time.sleep(0.2)
     time.sleep(1)
     for pid in _descendants(sshd_host.pid):
-        if Path(f"/proc/{pid}/comm").read_text(errors="replace").strip() == "sshd":
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text(errors="replace").strip()
+        except OSError:
+            continue  # gone meanwhile (a short fact command)
+        if comm == "sshd":
             subprocess.run(["kill", "-9", str(pid)], check=False)
     runner.join(600)
     code, out = result["dropped"]

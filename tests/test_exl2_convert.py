@@ -236,10 +236,12 @@ def test_no_cuda_gpu_is_refused_naming_on_host():
         op().decide(facts(gpus=no_gpu))
     assert str(err.value) == (
         "EXL2 conversion needs a CUDA GPU and this host has none (nvidia-smi not found): "
-        "convert on a CUDA host of the inventory with `--on HOST`"
+        "convert on a CUDA host of the inventory (`invoke quantize --host HOST --bpw ...`)"
     )
     o = EnsureExl2Quant(VENV, HF, ROOT, 4.0, gpu_available=False)
-    with pytest.raises(OperationError, match=r"needs a CUDA GPU and this host has none: convert on .* `--on HOST`"):
+    with pytest.raises(
+        OperationError, match=r"needs a CUDA GPU and this host has none: convert on a CUDA host of the inventory"
+    ):
         o.decide(facts(gpus=GpuFacts(available=False)))
 
 

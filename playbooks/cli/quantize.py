@@ -16,8 +16,11 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.plan.exl2_size import exl2_quant_name
 from playbooks.plan.gguf_size import FILE_TYPES
+from playbooks.plan.planner import evaluate, serving_for
 from playbooks.steps.build import BuildLayout, source_cache_dir
+from playbooks.steps.exl2_convert import exl2_ops
 from playbooks.steps.quantize import (
     EnsureConvertDeps,
     EnsureFp16Range,
@@ -41,9 +44,10 @@ TEST_PROMPT = "kalo mine ruta vosi dega"
 def parse_quants(value: str | None, recipe_quant: str) -> list[str]:
     """--quant Q4_K_M[,Q8_0...]: GGUF types, checked against llama-quantize's list."""
     quants = [q.strip() for q in (value or recipe_quant).split(",") if q.strip()]
-    unknown = [q for q in quants if q not in FILE_TYPES or q == "F16"]
+    allowed = [t for t in FILE_TYPES if t not in ("F16", "BF16")]  # F16 is always made; V100 has no BF16
+    unknown = [q for q in quants if q not in allowed]
     if unknown:
-        raise VoltaforgeError(f"--quant {unknown[0]}: not a GGUF quant type; allowed: {', '.join(FILE_TYPES)}")
+        raise VoltaforgeError(f"--quant {unknown[0]}: not a GGUF quant type; allowed: {', '.join(allowed)}")
     return quants
 
 
@@ -67,7 +71,9 @@ def refuse_unfit(loaded: LoadedRecipe, quant: str, force: bool) -> None:
     """A quant the planner says cannot fit the recipe's GPU is refused before hours of work."""
     plan = plan_recipe(loaded)
     option = next((o for o in plan.options if o.quant == quant), None)
-    if option is None or option.fits or force:
+    if option is None:  # an EXL2 rate off the planner's ladder, e.g. 3.7 bpw
+        option = evaluate(loaded.shape, quant, plan.gpu, serving_for(quant, plan.serving))
+    if option.fits or (force and not option.unfit_reason):
         return
     better = f"; the plan recommends {plan.recommendation.quant}" if plan.recommendation else ""
     raise VoltaforgeError(
@@ -75,13 +81,26 @@ def refuse_unfit(loaded: LoadedRecipe, quant: str, force: bool) -> None:
         f"needs {option.vram_bytes / 2**30:.2f} GiB of {option.gpu_bytes / 2**30:.2f} GiB (weights "
         f"{option.gpu_weights_bytes / 2**30:.2f}, KV {option.kv_bytes / 2**30:.2f}, compute "
         f"{option.compute_bytes / 2**30:.2f}){better}; --force makes it anyway"
+        if not option.unfit_reason
+        else f"{quant} cannot be made for {plan.gpu.name}: {option.unfit_reason}"
     )
+
+
+def parse_bpw(value: str) -> float:
+    try:
+        bpw = float(value)
+    except ValueError:
+        raise VoltaforgeError(f"--bpw {value!r}: want bits per weight, a number from 2.0 to 8.0") from None
+    if not 2.0 <= bpw <= 8.0:
+        raise VoltaforgeError(f"--bpw {value}: outside 2.0-8.0, what ExLlamaV2's converter can make")
+    return bpw
 
 
 def run_quantize(
     host_name: str,
     recipe: str | None = None,
     quant: str | None = None,
+    bpw: str | None = None,
     dry_run: bool = False,
     force: bool = False,
     verify: bool = False,
@@ -89,8 +108,10 @@ def run_quantize(
 ) -> int:
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         r = loaded.recipe
-        if r.backend != "llamacpp":
-            raise VoltaforgeError(f"{loaded.path}: backend {r.backend}: its quant is EXL2, made with --bpw")
+        if bpw is not None and quant is not None:
+            raise VoltaforgeError("--bpw makes an EXL2 quant and --quant GGUF types: give one")
+        if bpw is not None or r.backend == "exllamav2":
+            return exl2(loaded, prefix)
         quants = parse_quants(quant, r.quant_name)
         for q in quants:
             refuse_unfit(loaded, q, force)
@@ -116,6 +137,25 @@ def run_quantize(
             gguf("F16"),
             EnsureReference(layout, build, imatrix),
             *(gguf(q) for q in quants),
+        ]
+
+    def exl2(loaded: LoadedRecipe, prefix: str) -> list[Operation]:
+        r = loaded.recipe
+        recipe_bpw = None if isinstance(r.quant, str) else r.quant.bpw
+        rate = parse_bpw(bpw) if bpw is not None else recipe_bpw
+        if rate is None:
+            raise VoltaforgeError(f"{loaded.path}: a GGUF recipe: give --bpw for an EXL2 quant of its model")
+        head_bits = 6 if isinstance(r.quant, str) else r.quant.head_bits
+        refuse_unfit(loaded, exl2_quant_name(rate), force)
+        weights = local_weights(loaded)
+        layout = ModelLayout(prefix, weights.model_id)
+        venv = venv_path(prefix)
+        return [
+            EnsureDirectory(f"{prefix}/models", 0o755),
+            EnsureDirectory(layout.root, 0o755),
+            EnsureWeights(layout, weights),
+            EnsureFp16Range(layout, venv, weights.source_sha256),
+            *exl2_ops(venv, layout.hf, layout.root, [(rate, head_bits)], source_sha=weights.source_sha256),
         ]
 
     return converge(settings or Settings(), host_name, recipe, ops, dry_run)

@@ -29,7 +29,7 @@ What the converter does that shapes this step (line numbers of convert_exl2.py):
   back the job's progress and what was written (``quantization_config``, the shards, the
   measurement) before anything counts, and a stamp records what it found.
 - It needs a CUDA GPU (the measurement and quantization run on ``cuda:0``: measure.py 128-132),
-  so a host without one is refused before anything runs, naming ``--on HOST``.
+  so a host without one is refused before anything runs, naming what to do instead.
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ class EnsureExl2Quant(Operation):
             why = f" ({facts.gpus.reason})" if facts.gpus.reason else ""
             raise OperationError(
                 f"EXL2 conversion needs a CUDA GPU and this host has none{why}: "
-                "convert on a CUDA host of the inventory with `--on HOST`"
+                "convert on a CUDA host of the inventory (`invoke quantize --host HOST --bpw ...`)"
             )
         if facts.exllamav2 is None:
             raise OperationError(f"no exllamav2 in {self.venv}: run `invoke build` first (its converter does this)")

@@ -1,0 +1,205 @@
+"""`invoke quantize`'s decisions (no host) and its parsers on real tool output. The real run
+over SSH, twice and dry, is tests/test_quantize_real.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from playbooks.cli.quantize import parse_manifests, parse_quants, refuse_unfit
+from playbooks.config.recipe import load_recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.facts.artifacts import parse_gguf_check, parse_kld
+from playbooks.host.ops import OperationError, PushFile, Record, Upload
+from playbooks.plan.model_config import shape_from_config
+from playbooks.steps.build import BuildLayout, Probe
+from playbooks.steps.quantize import (
+    ArtifactFacts,
+    EnsureFp16Range,
+    EnsureGguf,
+    EnsureReference,
+    EnsureWeights,
+    LocalWeights,
+    ModelLayout,
+)
+from tests.helpers import ROOT, fixture_body
+
+TINY = load_recipe("tiny-cpu", ROOT / "recipes")
+SHAPE = shape_from_config(TINY.recipe.model.config)
+WEIGHTS = LocalWeights(
+    "tiny-llama-abc",
+    ROOT / "x",
+    {"config.json": (10, "aa" * 32), "model.safetensors": (100, "bb" * 32)},
+    {"generate": "tiny-llama"},
+)
+LAYOUT = ModelLayout("/opt/vf", "tiny-llama-abc")
+BUILD = BuildLayout("/opt/vf")
+STAMP = {
+    "id": "0c1e570-cpu-271b9ade006d",
+    "inputs": {"prefix": "/opt/vf", "ref": "0c1e570", "source_sha256": "832db0699007" + "0" * 52},
+}
+
+
+def gguf(quant, **kw):
+    return EnsureGguf(LAYOUT, BUILD, "/opt/vf/venv", WEIGHTS, SHAPE, quant, **kw)
+
+
+def made(op, **kw):
+    """The manifest the operation writes, as the facts of a later run read it."""
+    m = {"inputs": op.inputs(STAMP), "bytes": 2688448, "mtime": 1764512000, "sha256": "cd" * 32}
+    return ArtifactFacts(manifest={**m, **kw}, stat=(2688448, 1764512000), build=STAMP, disk_free=10**12)
+
+
+def test_f16_is_converted_by_the_current_builds_own_tree_and_checked_against_the_original():
+    d = gguf("F16").decide(ArtifactFacts(build=STAMP, disk_free=10**12))
+    shown = [c.show() for c in d.commands]
+    assert d.reason == "not made yet"
+    convert = next(s for s in shown if "convert_hf_to_gguf.py" in s)
+    assert convert == (
+        "/opt/vf/venv/bin/python /opt/vf/src/llama.cpp-0c1e570-832db0699007/convert_hf_to_gguf.py "
+        "/opt/vf/models/tiny-llama-abc/hf --outtype f16 --outfile "
+        "/opt/vf/models/tiny-llama-abc/gguf/tiny-llama-abc-F16.gguf.partial"
+    )
+    probes = [c for c in d.commands if isinstance(c, Probe)]
+    assert [p.key for p in probes] == ["compare", "run"]
+    assert " compare /opt/vf/models/tiny-llama-abc/gguf/tiny-llama-abc-F16.gguf.partial " in probes[0].command
+    # verified as .partial, renamed, then described: a file without a manifest never counts
+    assert shown[-2] == (
+        "mv -f -- /opt/vf/models/tiny-llama-abc/gguf/tiny-llama-abc-F16.gguf.partial "
+        "/opt/vf/models/tiny-llama-abc/gguf/tiny-llama-abc-F16.gguf"
+    )
+    assert isinstance(d.commands[-1], Record) and d.commands[-1].path.endswith("-F16.gguf.manifest.json")
+
+
+def test_a_quant_is_made_from_f16_with_the_imatrix_and_judged_by_kl_divergence():
+    d = gguf("Q4_K_M", imatrix=True).decide(ArtifactFacts(build=STAMP, disk_free=10**12))
+    shown = [c.show() for c in d.commands]
+    assert (
+        "/opt/vf/llama.cpp/current/bin/llama-quantize --imatrix /opt/vf/models/tiny-llama-abc/gguf/imatrix.gguf "
+        "/opt/vf/models/tiny-llama-abc/gguf/tiny-llama-abc-F16.gguf "
+        "/opt/vf/models/tiny-llama-abc/gguf/tiny-llama-abc-Q4_K_M.gguf.partial Q4_K_M"
+    ) in shown
+    kld = next(c for c in d.commands if isinstance(c, Probe) and c.key == "kld")
+    assert "--kl-divergence-base /opt/vf/models/tiny-llama-abc/gguf/F16.kld --kl-divergence" in kld.command
+    assert "-c 128 --chunks 20" in kld.command
+    # no imatrix wanted (planner.imatrix false): none passed
+    plain = gguf("Q8_0").decide(ArtifactFacts(build=STAMP, disk_free=10**12))
+    assert not any("--imatrix" in c.show() for c in plain.commands)
+
+
+def test_present_with_the_same_inputs_is_ok_after_a_stat_not_a_hash():
+    op = gguf("Q4_K_M", imatrix=True)
+    d = op.decide(made(op))
+    assert d.commands == () and d.reason == f"artifact present (2.69 MB, sha256 {'cd' * 6})"
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"stat": (2688448, 1764512999)}, "the file changed since its manifest"),
+        ({"stat": None}, "the file changed since its manifest"),
+        ({"build": {**STAMP, "id": "0c1e570-cpu-000000000000"}}, "made from other inputs"),
+    ],
+)
+def test_a_changed_file_or_a_new_build_remakes_it(change, reason):
+    op = gguf("Q4_K_M", imatrix=True)
+    facts = made(op)
+    facts = ArtifactFacts(**{**facts.__dict__, **change})
+    assert op.decide(facts).reason == reason
+
+
+def test_verify_rehashes_and_a_mismatch_is_one_line():
+    op = gguf("Q8_0", verify=True)
+    good = made(op)
+    good.extra["sha256"] = "cd" * 32
+    assert op.decide(good).reason == f"artifact present, sha256 re-checked ({'cd' * 6})"
+    bad = made(op)
+    bad.extra["sha256"] = "ef" * 32
+    with pytest.raises(OperationError, match=r"sha256 efefefefefef is not the manifest's cdcdcdcdcdcd"):
+        op.decide(bad)
+
+
+def test_no_build_or_no_room_is_refused_before_any_work():
+    with pytest.raises(OperationError, match=r"no proven llama.cpp build at /opt/vf/llama.cpp/current"):
+        gguf("F16").decide(ArtifactFacts(build=None))
+    with pytest.raises(OperationError, match=r"^1.00 MB free under .*/gguf, Q8_0 needs about 8.71 MB"):
+        gguf("Q8_0").decide(ArtifactFacts(build=STAMP, disk_free=1_000_000))
+
+
+def test_weights_are_pushed_checksummed_into_a_partial_directory_then_renamed():
+    op = EnsureWeights(LAYOUT, WEIGHTS)
+    assert op.decide({"files": WEIGHTS.manifest()["files"]}).commands == ()
+    d = op.decide(None)
+    pushes = [c for c in d.commands if isinstance(c, PushFile)]
+    assert [(p.path, p.sha256) for p in pushes] == [
+        ("/opt/vf/models/tiny-llama-abc/hf.partial/config.json", "aa" * 32),
+        ("/opt/vf/models/tiny-llama-abc/hf.partial/model.safetensors", "bb" * 32),
+    ]
+    manifest = next(c for c in d.commands if isinstance(c, Upload))
+    assert json.loads(manifest.content)["files"]["model.safetensors"] == {"bytes": 100, "sha256": "bb" * 32}
+    assert d.commands[-1].show() == (
+        "rm -rf -- /opt/vf/models/tiny-llama-abc/hf && "
+        "mv -T -- /opt/vf/models/tiny-llama-abc/hf.partial /opt/vf/models/tiny-llama-abc/hf"
+    )
+    assert op.decide({"files": {}}).reason.startswith("the host has other files")
+
+
+def test_fp16_overflow_found_earlier_is_refused_with_its_summary():
+    op = EnsureFp16Range(LAYOUT, "/opt/vf/venv", "s" * 64)
+    summary = "3 BF16 values beyond FP16's range in 2 tensors (a: 2, b: 1)"
+    with pytest.raises(OperationError, match=r"^3 BF16 values beyond FP16's range in 2 tensors"):
+        op.decide({"summary": summary, "overflow_values": 3})
+    assert op.decide({"summary": "no value beyond FP16's range", "overflow_values": 0}).commands == ()
+    probe = op.decide(None).commands[0]
+    assert "fp16_range_probe.py" in probe.show() and "/opt/vf/models/tiny-llama-abc/hf" in probe.show()
+
+
+def test_reference_is_keyed_by_the_f16_file():
+    op = EnsureReference(LAYOUT, BUILD, imatrix=True)
+    key = op.key("ab" * 32)
+    assert op.decide(("ab" * 32, key)).commands == ()
+    d = op.decide(("cd" * 32, key))
+    assert d.reason == "not computed for this F16 file"
+    assert any("llama-imatrix" in c.show() for c in d.commands)
+    assert not any(
+        "llama-imatrix" in c.show() for c in EnsureReference(LAYOUT, BUILD, False).decide((None, None)).commands
+    )
+
+
+def test_kld_statistics_from_a_real_run():
+    kld = parse_kld(fixture_body("thishost-llama-perplexity-kld-tiny-q4km.txt"))
+    assert kld == {
+        "mean_kld": 0.00202,
+        "max_kld": 0.003182,
+        "same_top_p": 66.825,
+        "ppl_q": 2178.001867,
+        "ppl_base": 2179.168472,
+    }
+    assert parse_kld("main: error: failed to load model\n") is None
+
+
+def test_the_gguf_check_line_or_an_error_never_an_exception():
+    line = '{"probe": "voltaforge-gguf-check", "probe_version": 1, "mode": "run", "tokens_out": 16, "finite": true}'
+    assert parse_gguf_check("llama noise\n" + line + "\n")["tokens_out"] == 16
+    assert parse_gguf_check("Traceback (most recent call last):\n")["error"].startswith("the check printed no result")
+    assert parse_gguf_check("")["error"] == "the check printed nothing"
+
+
+def test_unknown_quant_and_a_quant_that_cannot_fit():
+    with pytest.raises(VoltaforgeError, match=r"^--quant Q9_K: not a GGUF quant type; allowed: "):
+        parse_quants("Q4_K_M,Q9_K", "Q4_K_M")
+    assert parse_quants(None, "Q4_K_M") == ["Q4_K_M"] and parse_quants("Q4_K_M, Q8_0", "x") == ["Q4_K_M", "Q8_0"]
+    big = load_recipe("qwen2.5-32b-v100-16gb", ROOT / "recipes")
+    with pytest.raises(VoltaforgeError, match=r"^Q8_0 does not fit .* needs \d+\.\d\d GiB of 1\d\.\d\d GiB .*--force"):
+        refuse_unfit(big, "Q8_0", force=False)
+    refuse_unfit(big, "Q8_0", force=True)  # made anyway
+
+
+def test_artifacts_listing_parses_every_manifest():
+    out = '### voltaforge-manifest /m/a.gguf.manifest.json\n{"path": "/m/a.gguf", "quant": "Q8_0"}\n'
+    out += "### voltaforge-manifest /m/b.gguf.manifest.json\nnot json\n"
+    assert parse_manifests(out) == [
+        {"path": "/m/a.gguf", "quant": "Q8_0"},
+        {"path": "/m/b.gguf", "error": "unreadable manifest"},
+    ]
