@@ -66,6 +66,13 @@ BAD = {
     ("build", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
     ("build", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("build", "inventory"): [("BROKEN", "inventory")],
+    ("quantize", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
+    ("quantize", "recipe"): [("nope", "unknown recipe 'nope'")],
+    ("quantize", "inventory"): [("BROKEN", "inventory")],
+    ("quantize", "quant"): [("Q9_K", "--quant Q9_K: not a GGUF quant type"), ("F16", "not a GGUF quant type")],
+    ("quantize", "bpw"): [("1.5", "--bpw 1.5: outside 2.0-8.0"), ("lots", "want bits per weight")],
+    ("artifacts", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
+    ("artifacts", "inventory"): [("BROKEN", "inventory")],
 }
 # what else each bad value needs beside it, so that the flag under test is the one judged
 CONTEXT = {
@@ -79,6 +86,11 @@ CONTEXT = {
     ("toolchain", "inventory"): ["--host", "some-host"],
     ("build", "recipe"): ["--host", "local"],
     ("build", "inventory"): ["--host", "some-host"],
+    ("quantize", "recipe"): ["--host", "local"],
+    ("quantize", "inventory"): ["--host", "some-host"],
+    ("quantize", "quant"): ["--host", "local", "--recipe", "tiny-cpu"],
+    ("quantize", "bpw"): ["--host", "local", "--recipe", "tiny-cpu"],
+    ("artifacts", "inventory"): ["--host", "some-host"],
 }
 # flags that take no value to get wrong (booleans) or are not user input (the test runner's)
 NO_BAD_VALUE = {
@@ -87,6 +99,10 @@ NO_BAD_VALUE = {
     ("toolchain", "dry-run"),
     ("build", "dry-run"),
     ("build", "no-cache"),
+    ("quantize", "dry-run"),
+    ("quantize", "force"),
+    ("quantize", "verify"),
+    ("artifacts", "json"),
     ("test", "k"),
     ("test", "fast"),
 }
@@ -116,7 +132,7 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
     assert words in lines[0] and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("task", ["plan", "preflight", "toolchain", "build"])
+@pytest.mark.parametrize("task", ["plan", "preflight", "toolchain", "build", "quantize", "artifacts"])
 def test_dash_h_is_help_not_host(task):
     r = invoke(task, "-h")
     assert r.returncode == 0 and "Usage:" in r.stdout and "--host" not in r.stderr

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,21 @@ def run_quantize(
         build = BuildLayout(prefix)
         venv = venv_path(prefix)
         imatrix = r.planner.imatrix
-        ceiling = getattr(r.planner, "max_kld", None)
+        recipe_hash = hashlib.sha256(loaded.path.read_bytes()).hexdigest()
+        ceiling = r.planner.max_kld
 
         def gguf(q: str) -> EnsureGguf:
             return EnsureGguf(
-                layout, build, venv, weights, loaded.shape, q, imatrix=imatrix, kld_ceiling=ceiling, verify=verify
+                layout,
+                build,
+                venv,
+                weights,
+                loaded.shape,
+                q,
+                imatrix=imatrix,
+                kld_ceiling=ceiling,
+                verify=verify,
+                recipe_sha256=recipe_hash,
             )
 
         return [

@@ -196,6 +196,9 @@ class PlannerSettings(_Strict):
     n_ubatch: int = Field(512, gt=0)
     min_bpw: float = Field(3.3, gt=0)
     imatrix: bool = True
+    max_kld: float | None = Field(
+        None, gt=0, description="refuse a GGUF quant whose mean KL divergence against its F16 file is above this"
+    )
 
 
 class Recipe(_Strict):

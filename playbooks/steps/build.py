@@ -574,14 +574,14 @@ def build_space(inputs: BuildInputs) -> int:
     return (1 << 30) * len((inputs.arch or "70").split(";"))
 
 
-def build_failure(exc: HostError, after: str) -> HostError:
+def build_failure(exc: HostError, after: str, during: str = "the build") -> HostError:
     """One line for the two ways a long build dies from outside: a full disk (the compiler's
     line names the file), a dropped connection. Anything else keeps its own message (a
     compile error's tail is what the user needs)."""
     text = str(exc)
     full = next((line for line in text.splitlines() if "No space left on device" in line), None)
     if full:
-        return OperationError(f"disk full during the build ({full.strip()[-160:]}): free space and {after}")
+        return OperationError(f"disk full during {during} ({full.strip()[-160:]}): free space and {after}")
     if "lost while running" in text:
         return OperationError(f"{text.splitlines()[0]}: {after}")
     return exc

@@ -314,8 +314,10 @@ class EnsureGguf(Operation):
         imatrix: bool = False,
         kld_ceiling: float | None = None,
         verify: bool = False,
+        recipe_sha256: str | None = None,
     ):
         self.layout, self.build, self.venv, self.weights, self.shape = layout, build, venv, weights, shape
+        self.recipe_sha256 = recipe_sha256
         self.quant, self.imatrix, self.kld_ceiling, self.verify = quant, imatrix and quant != "F16", kld_ceiling, verify
         self.path = layout.gguf(quant)
         self.name = f"Ensure {weights.model_id} {quant} GGUF is made and verified"
@@ -415,7 +417,13 @@ class EnsureGguf(Operation):
                 )
             )
         verify.append(Probe(f"{py} {check} run {qp} {shlex.quote(self.layout.prompt)}", key="run"))
-        record = Record(manifest_path(self.path), "the manifest", json.dumps(inputs, sort_keys=True))
+        tools = {
+            "llama_cpp_build": facts.build.get("id"),
+            "llama_server_version": facts.build.get("llama_server_version"),
+            "llama_cpp_ref": (facts.build.get("inputs") or {}).get("ref"),
+        }
+        meta = {"inputs": inputs, "tools": tools, "recipe_sha256": self.recipe_sha256}
+        record = Record(manifest_path(self.path), "the manifest", json.dumps(meta, sort_keys=True))
         cmds += [*verify, Shell(f"mv -f -- {qp} {q}"), record]
         return Decision.act(why, *cmds)
 
@@ -430,7 +438,7 @@ class EnsureGguf(Operation):
                     result = host.run(cmd.command, stream=False, check=False)
                     proof[cmd.key] = self._judge(cmd.key, result.stdout, result.exited)
                 elif isinstance(cmd, Record):
-                    host.write_file(cmd.path, self._manifest(host, json.loads(cmd.meta), proof), 0o644)
+                    host.write_file(cmd.path, self._manifest(host, **json.loads(cmd.meta), proof=proof), 0o644)
                 else:
                     run_command(host, cmd)
         except OperationError:
@@ -438,7 +446,7 @@ class EnsureGguf(Operation):
             raise
         except HostError as exc:
             host.run(f"rm -f -- {shlex.quote(self.path + '.partial')}", stream=False, check=False)
-            raise build_failure(exc, "re-run") from None
+            raise build_failure(exc, "re-run", during=f"the {self.quant} GGUF") from None
 
     def _judge(self, key: str, output: str, code: int) -> dict[str, Any]:
         """The verification figures, or a one-line refusal saying which check failed and why."""
@@ -465,7 +473,14 @@ class EnsureGguf(Operation):
             raise OperationError(f"{what}: loads but generates nothing")
         return check
 
-    def _manifest(self, host: Host, inputs: dict[str, Any], proof: dict[str, Any]) -> bytes:
+    def _manifest(
+        self,
+        host: Host,
+        inputs: dict[str, Any],
+        tools: dict[str, Any],
+        recipe_sha256: str | None,
+        proof: dict[str, Any],
+    ) -> bytes:
         stat = parse_stat_size_mtime(read_fact(host, stat_size_mtime_command(self.path)))
         if stat is None:
             raise OperationError(f"{self.path}: missing after the rename")
@@ -477,6 +492,8 @@ class EnsureGguf(Operation):
             "model_id": self.weights.model_id,
             "source": self.weights.origin,
             "inputs": inputs,
+            "tools": tools,
+            "recipe_sha256": recipe_sha256,
             "bytes": stat[0],
             "mtime": stat[1],
             "sha256": sha,
