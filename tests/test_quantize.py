@@ -4,6 +4,7 @@ over SSH, twice and dry, is tests/test_quantize_real.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -18,8 +19,11 @@ from playbooks.steps.quantize import (
     ArtifactFacts,
     EnsureFp16Range,
     EnsureGguf,
+    EnsureHubWeights,
     EnsureReference,
     EnsureWeights,
+    HubFacts,
+    HubWeights,
     LocalWeights,
     ModelLayout,
 )
@@ -203,3 +207,60 @@ def test_artifacts_listing_parses_every_manifest():
         {"path": "/m/a.gguf", "quant": "Q8_0"},
         {"path": "/m/b.gguf", "error": "unreadable manifest"},
     ]
+
+
+HUB = HubWeights("Qwen/Qwen2.5-0.5B", "060db6499f32faf8b98477b0a26969ef7d8b9987", "/home/vf/.hf-token")
+
+
+def hub(**kw):
+    facts = {"manifest": None, "token_mode": 0o600, "disk_free": 10**12, **kw}
+    return EnsureHubWeights(ModelLayout("/opt/vf", HUB.model_id), HUB, "/opt/vf/venv", 4 * 10**9), HubFacts(**facts)
+
+
+def test_the_hub_download_is_the_pinned_sha_with_the_token_from_a_file_never_argv():
+    op, facts = hub()
+    d = op.decide(facts)
+    fetch = next(c for c in d.commands if isinstance(c, Probe))
+    assert fetch.command.startswith(
+        "env HF_HUB_DISABLE_TELEMETRY=1 HF_TOKEN_PATH=/home/vf/.hf-token /opt/vf/venv/bin/python"
+    )
+    assert fetch.command.endswith(
+        "Qwen/Qwen2.5-0.5B 060db6499f32faf8b98477b0a26969ef7d8b9987 "
+        "/opt/vf/models/Qwen--Qwen2.5-0.5B-060db6499f32/hf.partial"
+    )
+    done = {"origin": {"repo": HUB.repo, "revision": HUB.revision, "sha": HUB.revision}, "files": {"a": {}}}
+    assert op.decide(hub(manifest=done)[1]).reason == "1 files at 060db6499f32, checked against the hub's sha256"
+
+
+@pytest.mark.parametrize(
+    ("facts", "error"),
+    [
+        ({"token_mode": 0o644}, "model.token_file /home/vf/.hf-token is mode 0644: others can read the token"),
+        ({"token_mode": None}, "model.token_file /home/vf/.hf-token does not exist on the host"),
+        ({"disk_free": 10**9}, "1.00 GB free under /opt/vf/models/Qwen--Qwen2.5-0.5B-060db6499f32, "),
+    ],
+)
+def test_hub_refusals_before_any_download(facts, error):
+    op, f = hub(**facts)
+    with pytest.raises(OperationError, match="^" + re.escape(error)):
+        op.decide(f)
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("revision-not-found", "has no revision '060db6499f32faf8b98477b0a26969ef7d8b9987' (model.revision)"),
+        ("gated", "is gated: accept its terms on huggingface.co, put a read token in /home/vf/.hf-token"),
+        ("repo-not-found", "no repo Qwen/Qwen2.5-0.5B on the hub, or it is private"),
+        ("unreachable", "the host cannot reach huggingface.co (ConnectionError)"),
+        ("corrupt", "model.safetensors: sha256 aaaa, the hub publishes bbbb: the download is corrupt"),
+    ],
+)
+def test_hub_failures_are_one_line_each(kind, says):
+    op, _ = hub()
+    message = {
+        "unreachable": "ConnectionError: (MaxRetryError(...))",
+        "corrupt": "model.safetensors: sha256 aaaa, the hub publishes bbbb",
+    }.get(kind, "x")
+    text = op._error({"error": kind, "message": message})
+    assert says in text and len(text.splitlines()) == 1

@@ -151,6 +151,22 @@ def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, cap
         assert "1 BF16 value beyond FP16's range in 1 tensor (model.norm.weight: 1)" in failed[0]
         assert not list((prefix / "models").glob("overflowing-*/gguf"))
 
+        # a repo on the hub, which this machine cannot reach: one line, nothing left behind
+        hub_recipe = _recipe(
+            tmp_path,
+            "hub",
+            toolchain=yaml.safe_load(recipe.read_text())["toolchain"],
+            model={
+                "generate": None,
+                "repo": "Qwen/Qwen2.5-0.5B",
+                "revision": "060db6499f32faf8b98477b0a26969ef7d8b9987",
+            },
+        )
+        code, out = quantize(rec=hub_recipe)
+        failed = [line for line in out.splitlines() if "failed:" in line]
+        assert code == 1 and len(failed) == 1 and "the host cannot reach huggingface.co (" in failed[0], out[-2000:]
+        assert not (prefix / "models" / "Qwen--Qwen2.5-0.5B-060db6499f32" / "hf").exists()
+
         # the disk fills while the converter writes: one line naming it, no file that looks made
         user = pwd.getpwnam(sshd_host.user)
         small = prefix / "models-small"

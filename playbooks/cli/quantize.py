@@ -19,16 +19,20 @@ from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
 from playbooks.plan.exl2_size import exl2_quant_name
 from playbooks.plan.gguf_size import FILE_TYPES
+from playbooks.plan.model_config import ModelShape
 from playbooks.plan.planner import evaluate, serving_for
+from playbooks.plan.tensors import parameter_count
 from playbooks.steps.build import BuildLayout, source_cache_dir
 from playbooks.steps.exl2_convert import exl2_ops
 from playbooks.steps.quantize import (
     EnsureConvertDeps,
     EnsureFp16Range,
     EnsureGguf,
+    EnsureHubWeights,
     EnsureReference,
     EnsureTexts,
     EnsureWeights,
+    HubWeights,
     LocalWeights,
     ModelLayout,
     calibration_text,
@@ -52,7 +56,7 @@ def parse_quants(value: str | None, recipe_quant: str) -> list[str]:
     return quants
 
 
-def local_weights(loaded: LoadedRecipe) -> LocalWeights:
+def recipe_weights(loaded: LoadedRecipe) -> LocalWeights | HubWeights:
     model = loaded.recipe.model
     cache = source_cache_dir().parent / "models"
     if model.generate:
@@ -62,10 +66,15 @@ def local_weights(loaded: LoadedRecipe) -> LocalWeights:
     if model.path:
         where = Path(model.path).expanduser()
         return path_weights(where if where.is_absolute() else loaded.path.parent / where)
-    raise VoltaforgeError(
-        f"{loaded.path}: model.repo ({model.repo}): fetching from the Hugging Face hub is not built yet; "
-        "download it and set model.path to the directory"
-    )
+    assert model.repo and model.revision  # the recipe schema: exactly one source, a repo with its revision
+    return HubWeights(model.repo, model.revision, model.token_file)
+
+
+def weights_op(layout: ModelLayout, weights: LocalWeights | HubWeights, venv: str, shape: ModelShape) -> Operation:
+    if isinstance(weights, HubWeights):
+        # the BF16 weights and the F16 file: about 4 bytes per parameter, plus a tenth for scratch
+        return EnsureHubWeights(layout, weights, venv, int(parameter_count(shape) * 4 * 1.1))
+    return EnsureWeights(layout, weights)
 
 
 def refuse_unfit(loaded: LoadedRecipe, quant: str, force: bool) -> None:
@@ -116,7 +125,7 @@ def run_quantize(
         quants = parse_quants(quant, r.quant_name)
         for q in quants:
             refuse_unfit(loaded, q, force)
-        weights = local_weights(loaded)
+        weights = recipe_weights(loaded)
         layout = ModelLayout(prefix, weights.model_id)
         build = BuildLayout(prefix)
         venv = venv_path(prefix)
@@ -141,9 +150,10 @@ def run_quantize(
         return [
             EnsureDirectory(f"{prefix}/models", 0o755),
             EnsureDirectory(layout.root, 0o755),
-            EnsureWeights(layout, weights),
-            EnsureTexts(layout, calibration_text(weights), TEST_PROMPT),
+            # the converter's packages first: huggingface_hub (a download) comes with transformers
             EnsureConvertDeps(venv, r.toolchain),
+            weights_op(layout, weights, venv, loaded.shape),
+            EnsureTexts(layout, calibration_text(weights), TEST_PROMPT),
             EnsureFp16Range(layout, venv, weights.source_sha256),
             gguf("F16"),
             EnsureReference(layout, build, imatrix),
@@ -158,13 +168,13 @@ def run_quantize(
             raise VoltaforgeError(f"{loaded.path}: a GGUF recipe: give --bpw for an EXL2 quant of its model")
         head_bits = 6 if isinstance(r.quant, str) else r.quant.head_bits
         refuse_unfit(loaded, exl2_quant_name(rate), force)
-        weights = local_weights(loaded)
+        weights = recipe_weights(loaded)
         layout = ModelLayout(prefix, weights.model_id)
         venv = venv_path(prefix)
         return [
             EnsureDirectory(f"{prefix}/models", 0o755),
             EnsureDirectory(layout.root, 0o755),
-            EnsureWeights(layout, weights),
+            weights_op(layout, weights, venv, loaded.shape),
             EnsureFp16Range(layout, venv, weights.source_sha256),
             *exl2_ops(venv, layout.hf, layout.root, [(rate, head_bits)], source_sha=weights.source_sha256),
         ]

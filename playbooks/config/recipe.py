@@ -49,6 +49,17 @@ class ModelSource(_Strict):
     generate: Literal["tiny-llama"] | None = Field(
         None, description="generate a tiny random model (tests and the demo)"
     )
+    token_file: str | None = Field(
+        None,
+        description="a file on the host holding a Hugging Face token (mode 0600), for gated or private repos",
+    )
+
+    @field_validator("token_file")
+    @classmethod
+    def _token_file(cls, v):
+        if v is not None and not re.fullmatch(r"/[A-Za-z0-9._/-]+", v):
+            raise ValueError("must be an absolute path of letters, digits and . _ / -")
+        return v
 
     @field_validator("repo")
     @classmethod

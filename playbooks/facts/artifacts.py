@@ -14,6 +14,8 @@ from playbooks.facts import lines
 
 #: the check script pushed next to the model and run by the venv's python
 GGUF_CHECK_PATH = Path(__file__).resolve().parent / "probes" / "gguf_check.py"
+#: the download script run by the venv's python (huggingface_hub)
+HUB_FETCH_PATH = Path(__file__).resolve().parent / "probes" / "hub_fetch.py"
 
 
 def stat_size_mtime_command(path: str) -> str:
@@ -66,3 +68,18 @@ def parse_kld(output: str) -> dict[str, float] | None:
                 except ValueError:
                     found[key] = float("nan")
     return found if "mean_kld" in found and "same_top_p" in found else None
+
+
+def parse_hub_fetch(output: str) -> dict[str, Any]:
+    """The download script's one JSON line; anything else is an error value."""
+    for line in reversed(lines(output)):
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                break
+            if isinstance(data, dict) and data.get("probe") == "voltaforge-hub-fetch":
+                return data
+            break
+    first = next(iter(lines(output)), "")
+    return {"error": "other", "message": f"the download printed no result: {first[:200]}" if first else "no output"}

@@ -39,7 +39,9 @@ from playbooks.facts import builds, files, python, read_fact, system
 from playbooks.facts import weights as weights_facts
 from playbooks.facts.artifacts import (
     GGUF_CHECK_PATH,
+    HUB_FETCH_PATH,
     parse_gguf_check,
+    parse_hub_fetch,
     parse_kld,
     parse_stat_size_mtime,
     stat_size_mtime_command,
@@ -50,6 +52,7 @@ from playbooks.plan.gguf_size import estimate_gguf
 from playbooks.plan.gpus import size_text
 from playbooks.plan.model_config import ModelShape
 from playbooks.steps.build import BuildLayout, Probe, build_failure, file_sha256
+from playbooks.steps.buildenv import env_prefix
 from playbooks.steps.toolchain import pip_install_keeping_torch
 
 SOURCE_MANIFEST = ".voltaforge-source.json"
@@ -133,6 +136,29 @@ class LocalWeights:
         return hashlib.sha256(json.dumps(self.manifest(), sort_keys=True).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class HubWeights:
+    """The recipe's model.repo at model.revision, downloaded by the host itself."""
+
+    repo: str
+    revision: str
+    token_file: str | None = None
+
+    @property
+    def model_id(self) -> str:
+        return f"{self.repo.replace('/', '--')}-{self.revision[:12]}"
+
+    @property
+    def origin(self) -> dict[str, Any]:
+        return {"repo": self.repo, "revision": self.revision}
+
+    @property
+    def source_sha256(self) -> str:
+        # a pinned revision is the commit itself; a branch is recorded as asked (and flagged by
+        # the plan): the source manifest on the host holds the sha it resolved to
+        return hashlib.sha256(f"{self.repo}@{self.revision}".encode()).hexdigest()
+
+
 def _hash_dir(directory: Path) -> dict[str, tuple[int, str]]:
     wanted = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.startswith(".")]
     return {p.name: (p.stat().st_size, file_sha256(p)) for p in wanted}
@@ -167,7 +193,7 @@ def path_weights(directory: Path) -> LocalWeights:
     return LocalWeights(f"{directory.name}-{digest}", directory, hashed, {"path": str(directory)})
 
 
-def calibration_text(weights: LocalWeights) -> str:
+def calibration_text(weights: LocalWeights | HubWeights) -> str:
     """What imatrix and the KL divergence read. The tiny model's own kind of text (words of its
     syllables, newlines, and a line with capitals it never saw: byte fallback covers them);
     for real models a recipe names its text (not yet: the tiny model is the only source here)."""
@@ -261,6 +287,104 @@ class EnsureFp16Range(Operation):
             raise OperationError(found.summary + ": the converted model would compute inf; fix the checkpoint")
 
 
+@dataclass(frozen=True)
+class HubFacts:
+    manifest: dict[str, Any] | None
+    token_mode: int | None  # the token file's permission bits; None: no such file
+    disk_free: int | None
+
+
+class EnsureHubWeights(Operation):
+    """model.repo at model.revision on the host: only the files a conversion needs, resumable,
+    every LFS file checked against the sha256 the hub publishes, the token from a 0600 file
+    (huggingface_hub reads HF_TOKEN_PATH itself: never argv, never a log)."""
+
+    def __init__(self, layout: ModelLayout, weights: HubWeights, venv: str, need_bytes: int):
+        self.layout, self.weights, self.venv, self.need_bytes = layout, weights, venv, need_bytes
+        self.name = f"Ensure {weights.repo} at {weights.revision[:12]} is downloaded"
+
+    def read(self, host: Host) -> HubFacts:
+        text = read_fact(host, f"cat -- {shlex.quote(self.layout.hf + '/' + SOURCE_MANIFEST)} 2>/dev/null || true")
+        try:
+            manifest = json.loads(text) if text.strip() else None
+        except ValueError:
+            manifest = None
+        mode = None
+        if self.weights.token_file:
+            stat = files.parse_stat(read_fact(host, files.stat_command(self.weights.token_file)))
+            mode = stat.mode if stat else None
+        disk = system.parse_df(read_fact(host, system.disk_free_command([self.layout.root]))).get(self.layout.root)
+        return HubFacts(manifest if isinstance(manifest, dict) else None, mode, disk.available_bytes if disk else None)
+
+    def decide(self, facts: HubFacts) -> Decision:
+        w = self.weights
+        m = facts.manifest or {}
+        if m.get("origin", {}).get("repo") == w.repo and m.get("origin", {}).get("revision") == w.revision:
+            sha = str(m["origin"].get("sha", "?"))
+            return Decision.ok(f"{len(m.get('files', {}))} files at {sha[:12]}, checked against the hub's sha256")
+        if w.token_file and facts.token_mode is None:
+            raise OperationError(f"model.token_file {w.token_file} does not exist on the host")
+        if w.token_file and facts.token_mode is not None and facts.token_mode & 0o077:
+            raise OperationError(
+                f"model.token_file {w.token_file} is mode {facts.token_mode:04o}: others can read the token; "
+                "chmod 600 it"
+            )
+        if facts.disk_free is not None and facts.disk_free < self.need_bytes:
+            raise OperationError(
+                f"{size_text(facts.disk_free)} free under {self.layout.root}, {w.repo} needs about "
+                f"{size_text(self.need_bytes)} (the weights and the F16 file): free space there"
+            )
+        env = {"HF_HUB_DISABLE_TELEMETRY": "1", **({"HF_TOKEN_PATH": w.token_file} if w.token_file else {})}
+        script = shlex.quote(f"{self.layout.root}/.hub_fetch.py")
+        tmp = shlex.quote(self.layout.hf + ".partial")
+        fetch = Probe(
+            f"{env_prefix(env)} {shlex.quote(self.venv + '/bin/python')} {script} {shlex.quote(w.repo)} "
+            f"{shlex.quote(w.revision)} {tmp}",
+            key="fetch",
+        )
+        record = Record(f"{self.layout.hf}.partial/{SOURCE_MANIFEST}", "the source manifest")
+        q = shlex.quote(self.layout.hf)
+        return Decision.act(
+            "not downloaded" if not m else "another revision is on the host",
+            Shell(f"mkdir -p -- {tmp}"),
+            fetch,
+            record,
+            Shell(f"rm -rf -- {q} && mv -T -- {tmp} {q}"),
+        )
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        host.write_file(f"{self.layout.root}/.hub_fetch.py", HUB_FETCH_PATH.read_bytes(), 0o644)
+        result: dict[str, Any] = {}
+        for cmd in decision.commands:
+            if isinstance(cmd, Probe):
+                result = parse_hub_fetch(host.run(cmd.command, stream=False, check=False).stdout)
+                if "error" in result:
+                    raise OperationError(self._error(result))
+            elif isinstance(cmd, Record):
+                manifest = {
+                    "model_id": self.weights.model_id,
+                    "origin": {**self.weights.origin, "sha": result.get("sha")},
+                    "files": result.get("files", {}),
+                }
+                host.write_file(cmd.path, (json.dumps(manifest, indent=2) + "\n").encode(), 0o644)
+            else:
+                run_command(host, cmd)
+
+    def _error(self, result: dict[str, Any]) -> str:
+        w, kind, message = self.weights, result.get("error"), result.get("message", "")
+        where = w.token_file or "a 0600 file"
+        return {
+            "revision-not-found": f"{w.repo} has no revision {w.revision!r} (model.revision): "
+            "pin an existing commit sha",
+            "gated": f"{w.repo} is gated: accept its terms on huggingface.co, put a read token in {where} on the "
+            "host and name it in model.token_file",
+            "repo-not-found": f"no repo {w.repo} on the hub, or it is private: set model.token_file",
+            "unreachable": f"the host cannot reach huggingface.co ({message.split(':')[0]}): give it access, "
+            f"or download {w.repo} elsewhere and set model.path",
+            "corrupt": f"{w.repo}: {message}: the download is corrupt; re-run to fetch it again",
+        }.get(str(kind), f"downloading {w.repo} failed: {message}")
+
+
 class EnsureConvertDeps(Operation):
     """What convert_hf_to_gguf.py imports, in the toolchain venv, torch left as pinned."""
 
@@ -307,7 +431,7 @@ class EnsureGguf(Operation):
         layout: ModelLayout,
         build: BuildLayout,
         venv: str,
-        weights: LocalWeights,
+        weights: LocalWeights | HubWeights,
         shape: ModelShape,
         quant: str,
         *,
