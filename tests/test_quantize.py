@@ -133,8 +133,8 @@ def test_no_build_or_no_room_is_refused_before_any_work():
 
 def test_weights_are_pushed_checksummed_into_a_partial_directory_then_renamed():
     op = EnsureWeights(LAYOUT, WEIGHTS)
-    assert op.decide({"files": WEIGHTS.manifest()["files"]}).commands == ()
-    d = op.decide(None)
+    assert op.decide(({"files": WEIGHTS.manifest()["files"]}, 0)).commands == ()
+    d = op.decide((None, 10**9))
     pushes = [c for c in d.commands if isinstance(c, PushFile)]
     assert [(p.path, p.sha256) for p in pushes] == [
         ("/opt/vf/models/tiny-llama-abc/hf.partial/config.json", "aa" * 32),
@@ -146,7 +146,9 @@ def test_weights_are_pushed_checksummed_into_a_partial_directory_then_renamed():
         "rm -rf -- /opt/vf/models/tiny-llama-abc/hf && "
         "mv -T -- /opt/vf/models/tiny-llama-abc/hf.partial /opt/vf/models/tiny-llama-abc/hf"
     )
-    assert op.decide({"files": {}}).reason.startswith("the host has other files")
+    assert op.decide(({"files": {}}, None)).reason.startswith("the host has other files")
+    with pytest.raises(OperationError, match=r"^0.00 MB free under /opt/vf/models/tiny-llama-abc, the weights need"):
+        op.decide((None, 100))
 
 
 def test_fp16_overflow_found_earlier_is_refused_with_its_summary():

@@ -214,19 +214,26 @@ class EnsureWeights(Operation):
         self.layout, self.weights = layout, weights
         self.name = f"Ensure the weights of {weights.model_id} are on the host"
 
-    def read(self, host: Host) -> dict[str, Any] | None:
+    def read(self, host: Host) -> tuple[dict[str, Any] | None, int | None]:
         text = read_fact(host, f"cat -- {shlex.quote(self.layout.hf + '/' + SOURCE_MANIFEST)} 2>/dev/null || true")
+        disk = system.parse_df(read_fact(host, system.disk_free_command([self.layout.root]))).get(self.layout.root)
         try:
             data = json.loads(text)
         except ValueError:
-            return None
-        return data if isinstance(data, dict) else None
+            data = None
+        return (data if isinstance(data, dict) else None), (disk.available_bytes if disk else None)
 
-    def decide(self, facts: dict[str, Any] | None) -> Decision:
+    def decide(self, facts: tuple[dict[str, Any] | None, int | None]) -> Decision:
+        manifest, free = facts
         want = self.weights.manifest()
         total = sum(b for b, _ in self.weights.files.values())
-        if facts and facts.get("files") == want["files"]:
+        if manifest and manifest.get("files") == want["files"]:
             return Decision.ok(f"{len(want['files'])} files, {size_text(total)}, checked by sha256 when pushed")
+        if free is not None and free < 2 * total:
+            raise OperationError(
+                f"{size_text(free)} free under {self.layout.root}, the weights need about {size_text(2 * total)} "
+                "(the files and their F16 conversion): free space there"
+            )
         tmp = self.layout.hf + ".partial"
         cmds: list[Shell | PushFile | Upload] = [Shell(f"mkdir -p -- {shlex.quote(tmp)}")]
         for name, (_, sha) in sorted(self.weights.files.items()):
@@ -234,7 +241,7 @@ class EnsureWeights(Operation):
         cmds.append(Upload(f"{tmp}/{SOURCE_MANIFEST}", (json.dumps(want, indent=2) + "\n").encode(), 0o644))
         q = shlex.quote(self.layout.hf)
         cmds.append(Shell(f"rm -rf -- {q} && mv -T -- {shlex.quote(tmp)} {q}"))
-        why = "not on the host" if not facts else "the host has other files"
+        why = "not on the host" if not manifest else "the host has other files"
         return Decision.act(f"{why}: pushing {len(want['files'])} files ({size_text(total)})", *cmds)
 
 
