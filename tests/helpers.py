@@ -54,3 +54,20 @@ def recipe_with(tmp_path: Path, base: str, extra: str, name: str = "test-recipe"
     path = tmp_path / f"{name}.yaml"
     path.write_text(src + extra)
     return path
+
+
+def shared_ccache(prefix: Path, user: str) -> None:
+    """Point a test host's ccache (<prefix>/llama.cpp/ccache) at one directory shared by this
+    test session's hosts (same user), so the second host's build hits what the first compiled:
+    the build step sets CCACHE_BASEDIR to the prefix, which makes the paths match."""
+    import os
+    import shutil
+    import tempfile
+
+    shared = Path(tempfile.gettempdir()) / f"vf-test-ccache-{os.getpid()}"
+    shared.mkdir(exist_ok=True)
+    shutil.chown(shared, user, user)
+    for d in (prefix, prefix / "llama.cpp"):
+        d.mkdir(exist_ok=True)
+        shutil.chown(d, user, user)
+    (prefix / "llama.cpp" / "ccache").symlink_to(shared)

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from playbooks.steps.build import FleetCache
-from tests.helpers import ROOT, inventory_for
+from tests.helpers import ROOT, inventory_for, shared_ccache
 from tests.llamacpp_tools import TORCH_CPU, cpu_torch_wheel
 
 pytestmark = pytest.mark.slow
@@ -99,8 +99,18 @@ def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, cap
         inv = inventory_for(tmp_path, "box", sshd_host, prefix=str(prefix))
         settings = Settings(inventory=inv)
         assert run_toolchain("box", str(recipe), settings=settings) == 0
+        shared_ccache(prefix, sshd_host.user)
         assert run_build("box", str(recipe), settings=settings, targets=TOOLS) == 0
-        capsys.readouterr()
+        out = capsys.readouterr().out
+        assert "FORCE_CMAKE=1" in out and "pip install" in out  # the bindings, compiled here
+        # the bindings: from the same archive as the server, importable, proven
+        bindings = json.loads((prefix / "venv" / "voltaforge-llama-cpp-python.json").read_text())
+        server = json.loads((prefix / "llama.cpp" / "current" / "voltaforge-stamp.json").read_text())
+        assert bindings["inputs"]["source_sha256"] == server["inputs"]["source_sha256"]
+        assert bindings["import"] == "0.3.36" and bindings["system_info"].startswith("CPU : ")
+        assert run_build("box", str(recipe), settings=settings, targets=TOOLS) == 0
+        out = capsys.readouterr().out
+        assert "8 ok" in out and "pip install" not in out and "cmake" not in out
 
         def quantize(*, dry_run=False, rec=recipe):
             code = run_quantize("box", str(rec), quant="Q4_K_M,Q8_0", dry_run=dry_run, settings=settings)

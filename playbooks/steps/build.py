@@ -479,7 +479,10 @@ class EnsureLlamacppBuild(Operation):
                 f"build {bid} is proven; switching current from {facts.current or 'nothing'}", switch, *prune
             )
         jobs = facts.nproc or 2
-        env = {**env, **({"CCACHE_DIR": self.layout.ccache_dir} if facts.ccache else {})}
+        if facts.ccache:
+            # CCACHE_BASEDIR: paths under the prefix are hashed relative, so a build with other
+            # inputs (another build directory) or under another prefix still hits the cache
+            env = {**env, "CCACHE_DIR": self.layout.ccache_dir, "CCACHE_BASEDIR": self.layout.prefix}
         run = env_prefix(env)
         src, q = shlex.quote(self.layout.tree(self.source)), shlex.quote(target)
         proof = self._proof(q, run, cuobjdump, inputs, runnable=not cuobjdump or facts.gpus.available)
