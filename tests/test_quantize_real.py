@@ -76,6 +76,7 @@ def _with_overflow(src: Path, dst: Path) -> None:
     (dst / ".complete").unlink(missing_ok=True)
 
 
+@pytest.mark.timeout(2400)  # toolchain, a build and the bindings (cold in CI), then quantize
 def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, capsys, monkeypatch):
     from playbooks.cli.build import run_build
     from playbooks.cli.quantize import run_artifacts, run_quantize
