@@ -83,13 +83,15 @@ def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, cap
     from playbooks.cli.settings import Settings
     from playbooks.cli.toolchain import run_toolchain
 
+    from playbooks.steps.build import source_cache_dir
+
+    links = _links()  # the test cache's torch wheel, before the cache is moved below
+    real_sources = source_cache_dir()
     monkeypatch.setattr(FleetCache, "default", classmethod(lambda cls: cls(tmp_path / "fleet")))
     monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))  # the controller's model cache too
     (tmp_path / "cache" / "sources").mkdir(parents=True)
-    real_sources = Path.home() / ".cache" / "voltaforge" / "sources"
     for item in real_sources.iterdir() if real_sources.is_dir() else []:
         (tmp_path / "cache" / "sources" / item.name).symlink_to(item)  # the sdist, fetched once
-    links = _links()
     try:
         recipe = _recipe(
             tmp_path,
