@@ -82,7 +82,6 @@ def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, cap
     from playbooks.cli.quantize import run_artifacts, run_quantize
     from playbooks.cli.settings import Settings
     from playbooks.cli.toolchain import run_toolchain
-
     from playbooks.steps.build import source_cache_dir
 
     links = _links()  # the test cache's torch wheel, before the cache is moved below
