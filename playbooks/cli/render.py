@@ -259,9 +259,11 @@ def render_artifacts(rows: Sequence[dict[str, Any]], host: str, out: Console | N
         figures = []
         if "compare" in v:
             c = v["compare"]
-            figures.append(
-                f"top-1 vs original {c.get('top1_agreement', 0):.2%}, max |dlogit| {c.get('max_abs_logit_diff', 0):.3g}"
-            )
+            if "skipped" in c:
+                figures.append(f"not compared with the original: {c['skipped']}")
+            else:
+                agree, diff = c.get("top1_agreement", 0), c.get("max_abs_logit_diff", 0)
+                figures.append(f"top-1 vs original {agree:.2%}, max |dlogit| {diff:.3g}")
         if "kld" in v:
             figures.append(f"KLD {v['kld'].get('mean_kld', 0):.5f}, same top {v['kld'].get('same_top_p', 0):.1f}%")
         table.add_row(

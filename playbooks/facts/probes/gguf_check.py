@@ -65,6 +65,17 @@ def run(gguf, prompt_file):
     }
 
 
+def _mem_available():
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def compare(gguf, hf_dir, prompt_file):
     import numpy as np
     import torch
@@ -75,7 +86,21 @@ def compare(gguf, hf_dir, prompt_file):
     llm.reset()
     llm.eval(tokens)
     ours = np.asarray(llm.scores[: len(tokens)], dtype=np.float32)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    # the reference runs on the CPU: float32 where RAM allows, else bfloat16 (the checkpoint's
+    # own precision); a model that does not fit RAM even so is reported as not compared
+    stored = sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    available = _mem_available()
+    dtype = torch.float32
+    if available is not None and stored * 2 > available * 0.7:
+        dtype = torch.bfloat16
+        if stored > available * 0.7:
+            return {
+                "positions": len(tokens),
+                "finite": bool(np.isfinite(ours).all()),
+                "skipped": f"the original needs {stored // 10**6} MB of RAM, "
+                f"the host has {available // 10**6} MB available",
+            }
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=dtype)
     model.eval()
     with torch.no_grad():
         ref = model(torch.tensor([tokens])).logits[0].float().numpy()
@@ -87,6 +112,7 @@ def compare(gguf, hf_dir, prompt_file):
         "top1_agreement": agree / len(tokens),
         "max_abs_logit_diff": diff,
         "ref_logit_range": float(np.abs(ref).max()),
+        "reference_dtype": str(dtype).replace("torch.", ""),
         "finite": finite,
     }
 
