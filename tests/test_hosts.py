@@ -489,3 +489,15 @@ def test_printer_prefix_is_the_inventory_name(sshd_host, capsys):
     with connect(spec_for(sshd_host, name="v100-01"), printer=Printer()) as host:
         host.run("echo hello")
     assert "[v100-01] hello" in capsys.readouterr().out.splitlines()
+
+
+def test_a_full_disk_stays_in_the_failure_message_under_later_errors():
+    """A compiler or `ar` says "No space left on device" once and make adds its own errors after
+    it: the failure keeps that line (the cause) beside the last five."""
+    from playbooks.host import LocalHost
+
+    script = "echo 'ar: lib.a: No space left on device' >&2; for i in 1 2 3 4 5 6; do echo make$i >&2; done; exit 2"
+    with pytest.raises(HostError) as info:
+        LocalHost().run(script, stream=False)
+    lines = str(info.value).splitlines()
+    assert lines[1] == "ar: lib.a: No space left on device" and lines[2:] == [f"make{i}" for i in range(2, 7)]

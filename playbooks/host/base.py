@@ -163,7 +163,11 @@ class Host:
         )
 
     def _failure(self, cmd: str, result: Result) -> str:
-        tail = "\n".join(result.stderr.strip().splitlines()[-5:]) or result.stdout.strip()[-400:]
+        lines = result.stderr.strip().splitlines()
+        # a full disk is said once, early, and then buried under make's and the compiler's
+        # follow-up errors: keep its line, it is the cause
+        full = [x for x in lines[:-5] if "No space left on device" in x][:1]
+        tail = "\n".join(full + lines[-5:]) or result.stdout.strip()[-400:]
         # redact before cutting to 80 characters, so no part of a secret survives the cut
         msg = f"{self.name}: command failed (exit {result.exited}): {self._redacted(cmd)[:80]}"
         return msg + (f"\n{self._redacted(tail)}" if tail else "")
