@@ -266,3 +266,45 @@ def test_hub_failures_are_one_line_each(kind, says):
     }.get(kind, "x")
     text = op._error({"error": kind, "message": message})
     assert says in text and len(text.splitlines()) == 1
+
+
+def test_fp16_overflow_is_refused_or_clamped_as_the_recipe_says(tmp_path):
+    """For real on this machine (LocalHost, this venv's python and numpy): a BF16 99840 in a
+    shard is refused, with the tensor named; with model.fp16_overflow: clamp the shard is
+    replaced by a clamped copy and a second check finds nothing beyond FP16's range."""
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from playbooks.facts import weights as weights_facts
+    from playbooks.host import LocalHost
+    from playbooks.host.ops import run_ops
+    from playbooks.weights.tinymodel import _bf16_bytes, write_safetensors
+
+    layout = ModelLayout(str(tmp_path), "m")
+    hf = Path(layout.hf)
+    hf.mkdir(parents=True)
+    values = np.array([1.0, 99840.0, -2.0, 3.0], dtype=np.float32)
+    write_safetensors(hf / "model.safetensors", {"lm_head.weight": ((2, 2), _bf16_bytes(values))})
+    venv = str(Path(sys.executable).parent.parent)
+    host = LocalHost()
+    (refused,) = run_ops(host, [EnsureFp16Range(layout, venv, "s" * 64)])
+    assert (
+        refused.status == "failed"
+        and "1 BF16 value beyond FP16's range in 1 tensor (lm_head.weight: 1)" in (refused.why)
+        and "model.fp16_overflow: clamp" in refused.why
+    )
+    (clamped,) = run_ops(host, [EnsureFp16Range(layout, venv, "s" * 64, clamp=True)])
+    assert clamped.status == "changed", clamped.why
+    again = weights_facts.parse_fp16_range(
+        host.run(
+            weights_facts.fp16_range_command(
+                sys.executable, str(weights_facts.FP16_RANGE_PROBE_PATH), [str(hf / "model.safetensors")]
+            ),
+            stream=False,
+        ).stdout
+    )
+    assert again.overflow_values == 0 and not (tmp_path / "models" / "m" / "hf.clamped").exists()
+    (ok,) = run_ops(host, [EnsureFp16Range(layout, venv, "s" * 64, clamp=True)])
+    assert ok.status == "ok" and "clamped to the largest FP16-safe value" in ok.why

@@ -154,7 +154,7 @@ def run_quantize(
             EnsureConvertDeps(venv, r.toolchain),
             weights_op(layout, weights, venv, loaded.shape),
             EnsureTexts(layout, calibration_text(weights), TEST_PROMPT),
-            EnsureFp16Range(layout, venv, weights.source_sha256),
+            EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
             gguf("F16"),
             EnsureReference(layout, build, imatrix),
             *(gguf(q) for q in quants),
@@ -175,7 +175,7 @@ def run_quantize(
             EnsureDirectory(f"{prefix}/models", 0o755),
             EnsureDirectory(layout.root, 0o755),
             weights_op(layout, weights, venv, loaded.shape),
-            EnsureFp16Range(layout, venv, weights.source_sha256),
+            EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
             *exl2_ops(venv, layout.hf, layout.root, [(rate, head_bits)], source_sha=weights.source_sha256),
         ]
 

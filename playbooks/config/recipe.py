@@ -49,6 +49,11 @@ class ModelSource(_Strict):
     generate: Literal["tiny-llama"] | None = Field(
         None, description="generate a tiny random model (tests and the demo)"
     )
+    fp16_overflow: Literal["refuse", "clamp"] = Field(
+        "refuse",
+        description="BF16 weights beyond FP16's range (V100 has no BF16): refuse, or clamp them to the largest "
+        "FP16-safe value before conversion",
+    )
     token_file: str | None = Field(
         None,
         description="a file on the host holding a Hugging Face token (mode 0600), for gated or private repos",
