@@ -308,3 +308,27 @@ def test_fp16_overflow_is_refused_or_clamped_as_the_recipe_says(tmp_path):
     assert again.overflow_values == 0 and not (tmp_path / "models" / "m" / "hf.clamped").exists()
     (ok,) = run_ops(host, [EnsureFp16Range(layout, venv, "s" * 64, clamp=True)])
     assert ok.status == "ok" and "clamped to the largest FP16-safe value" in ok.why
+
+
+def test_an_architecture_the_converter_does_not_know_is_one_line_before_any_work(tmp_path):
+    """The recipe's shape is read before a host is touched: a Mamba config is refused in one
+    line naming the recipe's line and the architectures voltaforge can plan and convert."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = yaml.safe_load((ROOT / "recipes" / "tiny-cpu.yaml").read_text())
+    data["model"]["config"].update(model_type="mamba", architectures=["MambaForCausalLM"])
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    recipe = tmp_path / "mamba.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    r = subprocess.run(
+        [sys.executable, "-m", "invoke", "quantize", "--host", "local", "--recipe", str(recipe)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "model_type 'mamba' is not supported by the planner; supported: " in r.stderr
