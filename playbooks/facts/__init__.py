@@ -7,7 +7,8 @@ reads of their own. Parsers are tested on captured real output, without a host.
 
 from __future__ import annotations
 
-from typing import Protocol
+import json
+from typing import Any, Protocol
 
 
 class _Runs(Protocol):
@@ -27,3 +28,16 @@ def read_fact(host: _Runs, command: str) -> str:
 def lines(text: str | None) -> list[str]:
     """Output split into lines whatever the line endings (CRLF from some tools, CR from others)."""
     return (text or "").replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
+def last_json_line(text: str | None, probe: str) -> dict[str, Any] | None:
+    """The object a probe script printed: the last line starting with '{', when it parses and
+    names this probe; None otherwise (noise before it is ignored, garbage never raises)."""
+    for line in reversed(lines(text)):
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                return None
+            return data if isinstance(data, dict) and data.get("probe") == probe else None
+    return None

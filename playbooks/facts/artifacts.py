@@ -4,13 +4,12 @@ and a pure parser."""
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
 from typing import Any
 
-from playbooks.facts import lines
+from playbooks.facts import last_json_line, lines
 
 #: the check script pushed next to the model and run by the venv's python
 GGUF_CHECK_PATH = Path(__file__).resolve().parent / "probes" / "gguf_check.py"
@@ -32,15 +31,9 @@ def parse_stat_size_mtime(output: str) -> tuple[int, int] | None:
 def parse_gguf_check(output: str) -> dict[str, Any]:
     """The check script's one JSON line (the last line starting with '{'); garbage becomes an
     error value, never an exception."""
-    for line in reversed(lines(output)):
-        if line.startswith("{"):
-            try:
-                data = json.loads(line)
-            except ValueError:
-                break
-            if isinstance(data, dict) and data.get("probe") == "voltaforge-gguf-check":
-                return data
-            break
+    data = last_json_line(output, "voltaforge-gguf-check")
+    if data is not None:
+        return data
     first = next(iter(lines(output)), "")
     return {"error": f"the check printed no result: {first[:200]}" if first else "the check printed nothing"}
 
@@ -72,14 +65,8 @@ def parse_kld(output: str) -> dict[str, float] | None:
 
 def parse_hub_fetch(output: str) -> dict[str, Any]:
     """The download script's one JSON line; anything else is an error value."""
-    for line in reversed(lines(output)):
-        if line.startswith("{"):
-            try:
-                data = json.loads(line)
-            except ValueError:
-                break
-            if isinstance(data, dict) and data.get("probe") == "voltaforge-hub-fetch":
-                return data
-            break
+    data = last_json_line(output, "voltaforge-hub-fetch")
+    if data is not None:
+        return data
     first = next(iter(lines(output)), "")
     return {"error": "other", "message": f"the download printed no result: {first[:200]}" if first else "no output"}

@@ -560,12 +560,7 @@ class EnsureLlamacppBuild(Operation):
     # -- acting ------------------------------------------------------------------------------
 
     def apply(self, host: Host, decision: Decision) -> None:
-        try:
-            run_proven(host, decision, stamp_bytes)
-        except OperationError:
-            raise
-        except HostError as exc:
-            raise build_failure(exc, "re-run to resume it; current is unchanged") from None
+        run_proven(host, decision, stamp_bytes, after="re-run to resume it; current is unchanged")
 
 
 def build_space(inputs: BuildInputs) -> int:
@@ -590,9 +585,26 @@ def build_failure(exc: HostError, after: str, during: str = "the build") -> Host
     return exc
 
 
-def run_proven(host: Host, decision: Decision, stamp: Callable[[Record, dict[str, str]], bytes]) -> None:
+def run_proven(
+    host: Host,
+    decision: Decision,
+    stamp: Callable[[Record, dict[str, str]], bytes],
+    after: str | None = None,
+) -> None:
     """Run a build's commands; the probes' outputs are checked and go into the stamp, which is
-    written only after every probe passed (a build without a stamp does not count)."""
+    written only after every probe passed (a build without a stamp does not count). ``after``:
+    what to do once a full disk or a dropped connection killed a command (``build_failure``)."""
+    try:
+        _run_proven(host, decision, stamp)
+    except OperationError:
+        raise
+    except HostError as exc:
+        if after is None:
+            raise
+        raise build_failure(exc, after) from None
+
+
+def _run_proven(host: Host, decision: Decision, stamp: Callable[[Record, dict[str, str]], bytes]) -> None:
     proof: dict[str, str] = {}
     for cmd in decision.commands:
         if isinstance(cmd, Probe):

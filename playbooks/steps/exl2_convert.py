@@ -42,13 +42,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from playbooks.errors import HostError
 from playbooks.facts import builds, exl2, files, gpu, python, read_fact
 from playbooks.host.base import Host
 from playbooks.host.commands import check_path
 from playbooks.host.ops import Command, Decision, Operation, OperationError, Record, Shell, Upload
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
-from playbooks.steps.build import Probe, build_failure, run_proven
+from playbooks.steps.build import Probe, run_proven
 from playbooks.steps.buildenv import env_prefix
 
 #: ``python -m`` target: the converter module of the installed wheel (see the module doc).
@@ -423,12 +422,7 @@ class EnsureExl2Quant(Operation):
     # -- acting ------------------------------------------------------------------------------
 
     def apply(self, host: Host, decision: Decision) -> None:
-        try:
-            run_proven(host, decision, exl2_stamp)
-        except OperationError:
-            raise
-        except HostError as exc:
-            raise build_failure(exc, "re-run to resume the conversion") from None
+        run_proven(host, decision, exl2_stamp, after="re-run to resume the conversion")
 
 
 def bpw_text(bpw: float) -> str:

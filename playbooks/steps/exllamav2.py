@@ -30,11 +30,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from playbooks.config.recipe import Toolchain
-from playbooks.errors import HostError
 from playbooks.facts import builds, cuda, python, read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell
-from playbooks.steps.build import BuildFacts, Probe, build_failure, compile_env, read_compile_facts, run_proven
+from playbooks.steps.build import BuildFacts, Probe, compile_env, read_compile_facts, run_proven
 from playbooks.steps.buildenv import env_prefix, torch_arch_list
 from playbooks.steps.toolchain import pip_install_keeping_torch
 
@@ -158,12 +157,7 @@ class EnsureExllamav2(Operation):
         return Decision.act(why, *commands, *proof, record)
 
     def apply(self, host: Host, decision: Decision) -> None:
-        try:
-            run_proven(host, decision, ext_stamp)
-        except OperationError:
-            raise
-        except HostError as exc:
-            raise build_failure(exc, "re-run to resume the extension build") from None
+        run_proven(host, decision, ext_stamp, after="re-run to resume the extension build")
 
 
 def cubin_archs(torch_list: str) -> list[str]:

@@ -29,16 +29,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from playbooks.errors import HostError
 from playbooks.facts import builds, cuda, python, read_fact
 from playbooks.host.base import Host
-from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell
+from playbooks.host.ops import Decision, Operation, Record, Shell
 from playbooks.steps.build import (
     BuildFacts,
     BuildLayout,
     Probe,
     Source,
-    build_failure,
     llamacpp_compile_env,
     read_compile_facts,
     run_proven,
@@ -177,12 +175,7 @@ class EnsureLlamaCppPython(Operation):
         return Decision.act(why, install, *proof, record)
 
     def apply(self, host: Host, decision: Decision) -> None:
-        try:
-            run_proven(host, decision, bindings_stamp)
-        except OperationError:
-            raise
-        except HostError as exc:
-            raise build_failure(exc, "re-run `invoke build` (the server build is not affected)") from None
+        run_proven(host, decision, bindings_stamp, after="re-run `invoke build` (the server build is not affected)")
 
 
 def bindings_stamp(record: Record, proof: dict[str, str]) -> bytes:
