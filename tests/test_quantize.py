@@ -332,3 +332,23 @@ def test_an_architecture_the_converter_does_not_know_is_one_line_before_any_work
     )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "model_type 'mamba' is not supported by the planner; supported: " in r.stderr
+
+
+def test_calibration_text_is_the_recipes_file_the_tiny_models_words_or_the_shipped_text(tmp_path):
+    from playbooks.steps.quantize import calibration_text
+
+    tiny = LocalWeights("tiny-llama-x", tmp_path, {}, {"generate": "tiny-llama"})
+    real = LocalWeights("m-x", tmp_path, {}, {"path": str(tmp_path)})
+    assert "Hello, World!" in calibration_text(tiny) and "def " not in calibration_text(tiny)
+    shipped = calibration_text(real)
+    # the shipped text: many domains (prose, code, Chinese), thousands of words
+    assert len(shipped.split()) > 3000 and "def " in shipped and "的" in shipped
+    assert calibration_text(HubWeights("Qwen/Qwen2.5-0.5B", "a" * 40, None)) == shipped
+    named = tmp_path / "mine.txt"
+    named.write_text("word " * 300)
+    assert calibration_text(real, named) == "word " * 300
+    named.write_text("too short")
+    with pytest.raises(VoltaforgeError, match=r"mine.txt: 2 words; imatrix wants thousands"):
+        calibration_text(real, named)
+    with pytest.raises(VoltaforgeError, match="cannot read it as UTF-8"):
+        calibration_text(real, tmp_path / "absent.txt")

@@ -147,6 +147,26 @@ def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, cap
         assert code == 0 and "0 changed" in out and "would run" not in out, out[-3000:]
         assert {p: Path(p).stat().st_mtime_ns for p in mtimes} == mtimes
 
+        # --on: made on "box", copied to a serving host (another prefix, its own SSH session):
+        # box has it (all ok), the quant streams over, checked by sha256; again moves nothing
+        two = yaml.safe_load(inv.read_text())
+        serve_prefix = sshd_host.prefix / "serve"
+        two["hosts"]["serve"] = {**two["hosts"]["box"], "prefix": str(serve_prefix)}
+        inv.write_text(yaml.safe_dump(two))
+        settings = Settings(inventory=inv)
+        code = run_quantize("serve", str(recipe), quant="Q4_K_M", on="box", settings=settings)
+        out = capsys.readouterr().out
+        assert code == 0 and "is the copy of box's" in out, out[-3000:]
+        q4 = next(a for a in listed if a["quant"] == "Q4_K_M")
+        copied = serve_prefix / Path(q4["path"]).relative_to(prefix)
+        assert _sha256(copied) == q4["sha256"] and not (serve_prefix / "models" / copied.parent.name / "hf").exists()
+        assert run_artifacts("serve", as_json=True, settings=settings) == 0
+        [served] = json.loads(capsys.readouterr().out)
+        assert served["path"] == str(copied) and served["sha256"] == q4["sha256"]
+        code = run_quantize("serve", str(recipe), quant="Q4_K_M", on="box", settings=settings)
+        out = capsys.readouterr().out
+        assert code == 0 and "0 changed" in out and "artifact present: the same sha256" in out, out[-3000:]
+
         # FP16 overflow in the weights: refused with the count and the tensor, nothing converted
         gen = next((tmp_path / "cache" / "models").glob("tiny-llama-*"))
         bad = tmp_path / "overflowing"

@@ -20,6 +20,11 @@ from playbooks.host.ops import Operation, run_ops
 MakeOps = Callable[[LoadedRecipe, Host, str, bool], list[Operation]]
 
 
+def prefix_needs_sudo(host: Host, prefix: str) -> bool:
+    """A prefix under a directory the user cannot write (e.g. /opt) is created with sudo."""
+    return not parse_writable(read_fact(host, writable_command(prefix)))
+
+
 def converge(settings: Settings, host_name: str, recipe: str | None, make_ops: MakeOps, dry_run: bool) -> int:
     spec = settings.host_spec(host_name)
     name = recipe or spec.recipe
@@ -27,8 +32,7 @@ def converge(settings: Settings, host_name: str, recipe: str | None, make_ops: M
         raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
     loaded = settings.load_recipe(name)
     with settings.connect(spec) as host:
-        # a prefix under a directory the user cannot write (e.g. /opt) is created with sudo
-        sudo = not parse_writable(read_fact(host, writable_command(spec.prefix)))
+        sudo = prefix_needs_sudo(host, spec.prefix)
         ops = make_ops(loaded, host, spec.prefix, sudo)
         if dry_run:
             changes = run_ops(host, ops, dry_run=True)

@@ -8,22 +8,25 @@ import json
 from pathlib import Path
 from typing import Any
 
-from playbooks.cli.converge import converge
-from playbooks.cli.render import console, render_artifacts
+from playbooks.cli.converge import converge, prefix_needs_sudo
+from playbooks.cli.render import console, render_artifacts, render_report
 from playbooks.cli.settings import Settings
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.host import Host
-from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.host.lock import host_lock
+from playbooks.host.ops import EnsureDirectory, Operation, run_ops
 from playbooks.plan.exl2_size import exl2_quant_name
 from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.planner import evaluate, serving_for
 from playbooks.plan.tensors import parameter_count
+from playbooks.steps.artifact_copy import Artifact, EnsureArtifactCopy
 from playbooks.steps.build import BuildLayout, source_cache_dir
-from playbooks.steps.exl2_convert import exl2_ops
+from playbooks.steps.exl2_convert import STAMP_NAME as EXL2_STAMP
+from playbooks.steps.exl2_convert import Exl2Layout, exl2_ops
 from playbooks.steps.quantize import (
     EnsureConvertDeps,
     EnsureFp16Range,
@@ -68,6 +71,14 @@ def recipe_weights(loaded: LoadedRecipe) -> LocalWeights | HubWeights:
         return path_weights(where if where.is_absolute() else loaded.path.parent / where)
     assert model.repo and model.revision  # the recipe schema: exactly one source, a repo with its revision
     return HubWeights(model.repo, model.revision, model.token_file)
+
+
+def recipe_calibration(loaded: LoadedRecipe) -> Path | None:
+    named = loaded.recipe.model.calibration
+    if named is None:
+        return None
+    path = Path(named).expanduser()
+    return path if path.is_absolute() else loaded.path.parent / path
 
 
 def weights_op(layout: ModelLayout, weights: LocalWeights | HubWeights, venv: str, shape: ModelShape) -> Operation:
@@ -115,7 +126,12 @@ def run_quantize(
     force: bool = False,
     verify: bool = False,
     settings: Settings | None = None,
+    on: str | None = None,
 ) -> int:
+    """Converge the quantize operations on ``host_name``; with ``on``, make the artifacts on
+    that host instead and copy the finished ones to ``host_name`` (EXL2 needs a CUDA GPU; a
+    big quantize wants RAM and disk the serving host may lack)."""
+
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         r = loaded.recipe
         if bpw is not None and quant is not None:
@@ -153,7 +169,7 @@ def run_quantize(
             # the converter's packages first: huggingface_hub (a download) comes with transformers
             EnsureConvertDeps(venv, r.toolchain),
             weights_op(layout, weights, venv, loaded.shape),
-            EnsureTexts(layout, calibration_text(weights), TEST_PROMPT),
+            EnsureTexts(layout, calibration_text(weights, recipe_calibration(loaded)), TEST_PROMPT),
             EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
             gguf("F16"),
             EnsureReference(layout, build, imatrix),
@@ -179,7 +195,56 @@ def run_quantize(
             *exl2_ops(venv, layout.hf, layout.root, [(rate, head_bits)], source_sha=weights.source_sha256),
         ]
 
-    return converge(settings or Settings(), host_name, recipe, ops, dry_run)
+    settings = settings or Settings()
+    if not on or on == host_name:
+        return converge(settings, host_name, recipe, ops, dry_run)
+    # the serving host's recipe, made on the other host
+    name = recipe or settings.host_spec(host_name).recipe
+    if not name:
+        raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
+    code = converge(settings, on, name, ops, dry_run)
+    if code and not dry_run:
+        return code
+    return copy_artifacts(settings, on, host_name, name, quant, bpw, dry_run) or code
+
+
+def made_artifacts(loaded: LoadedRecipe, quant: str | None, bpw: str | None, prefix: str) -> list[Artifact]:
+    """The artifacts a quantize run of this recipe leaves under ``prefix`` (what a server
+    needs: the quants, not F16 or the measurement)."""
+    r = loaded.recipe
+    layout = ModelLayout(prefix, recipe_weights(loaded).model_id)
+    if bpw is not None or r.backend == "exllamav2":
+        rate = parse_bpw(bpw) if bpw is not None else getattr(r.quant, "bpw", None)
+        if rate is None:
+            raise VoltaforgeError(f"{loaded.path}: a GGUF recipe: give --bpw for an EXL2 quant of its model")
+        head_bits = 6 if isinstance(r.quant, str) else r.quant.head_bits
+        out = Exl2Layout(layout.root).output(Exl2Layout.tag(rate, head_bits))
+        return [Artifact.exl2(out, EXL2_STAMP)]
+    return [Artifact.gguf(layout.gguf(q)) for q in parse_quants(quant, r.quant_name)]
+
+
+def copy_artifacts(
+    settings: Settings, source: str, target: str, recipe: str, quant: str | None, bpw: str | None, dry_run: bool
+) -> int:
+    """The artifacts ``source`` made, streamed to ``target`` (checked by sha256 on the way)."""
+    loaded = settings.load_recipe(recipe)
+    src_spec, dst_spec = settings.host_spec(source), settings.host_spec(target)
+    with settings.connect(src_spec) as src, settings.connect(dst_spec) as dst:
+        made = made_artifacts(loaded, quant, bpw, src_spec.prefix)
+        wanted = made_artifacts(loaded, quant, bpw, dst_spec.prefix)
+        dirs = sorted({a.path.rsplit("/", 1)[0] for a in wanted})
+        ops: list[Operation] = [
+            EnsureDirectory(f"{dst_spec.prefix}/models", 0o755),
+            *(EnsureDirectory(d, 0o755) for d in dirs if d != f"{dst_spec.prefix}/models"),
+            *(EnsureArtifactCopy(src, a, b, pending=dry_run) for a, b in zip(made, wanted, strict=True)),
+        ]
+        if dry_run:
+            changes = run_ops(dst, ops, dry_run=True)
+        else:
+            with host_lock(dst, dst_spec.prefix, sudo=prefix_needs_sudo(dst, dst_spec.prefix)):
+                changes = run_ops(dst, ops)
+    render_report(changes)
+    return 1 if any(c.status == "failed" for c in changes) else 0
 
 
 ARTIFACTS_COMMAND = (

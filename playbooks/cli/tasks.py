@@ -209,6 +209,7 @@ def build(
         "dry-run": "print the exact commands and change nothing",
         "force": "make a quant even when the plan says it cannot fit the recipe's GPU",
         "verify": "re-hash every artifact against its manifest instead of trusting size and mtime",
+        "on": "make the artifacts on this host of the inventory (a CUDA host for EXL2) and copy them to --host",
         "inventory": INVENTORY_HELP,
     },
 )
@@ -221,6 +222,7 @@ def quantize(
     dry_run: bool = False,
     force: bool = False,
     verify: bool = False,
+    on: str | None = None,
     inventory: str | None = None,
 ) -> None:
     """Make the recipe's weights: fetched once, F16, imatrix, quants, each verified, with manifests."""
@@ -237,6 +239,7 @@ def quantize(
             force=force,
             verify=verify,
             settings=_settings(c, inventory),
+            on=flags.one_host("--on", on) if on else None,
         )
 
     run_command(go)

@@ -58,6 +58,11 @@ class ModelSource(_Strict):
         None,
         description="a file on the host holding a Hugging Face token (mode 0600), for gated or private repos",
     )
+    calibration: str | None = Field(
+        None,
+        description="the text llama-imatrix and the KL divergence read: a file on the controller, relative to "
+        "the recipe (default: the shipped recipes/calibration/general.txt; the tiny model: its own words)",
+    )
 
     @field_validator("token_file")
     @classmethod

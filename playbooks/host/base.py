@@ -55,6 +55,16 @@ class Process:
         line, _, self._buf = self._buf.partition(b"\n")
         return line.decode("utf-8", "replace")
 
+    def read(self, timeout: float) -> bytes:
+        """The next stdout bytes (b"" at the end of output); HostError after ``timeout``."""
+        if self._buf:
+            data, self._buf = self._buf, b""
+            return data
+        chunk = self._read_chunk(time.monotonic() + timeout)
+        if chunk is None:
+            raise HostError(f"{self._host.name}: no output for {timeout:g} s")
+        return chunk
+
     def close(self, timeout: float = 10) -> int:
         """Close its stdin (a ``cat`` then exits), wait, and return the exit code."""
         raise NotImplementedError

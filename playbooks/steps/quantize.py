@@ -52,6 +52,7 @@ from playbooks.host.ops import Decision, Operation, OperationError, PushFile, Re
 from playbooks.plan.gguf_size import estimate_gguf
 from playbooks.plan.gpus import size_text
 from playbooks.plan.model_config import ModelShape
+from playbooks.resources import resource_dir
 from playbooks.steps.build import BuildLayout, Probe, build_failure, file_sha256
 from playbooks.steps.buildenv import env_prefix
 from playbooks.steps.toolchain import pip_install_keeping_torch
@@ -194,13 +195,25 @@ def path_weights(directory: Path) -> LocalWeights:
     return LocalWeights(f"{directory.name}-{digest}", directory, hashed, {"path": str(directory)})
 
 
-def calibration_text(weights: LocalWeights | HubWeights) -> str:
-    """What imatrix and the KL divergence read. The tiny model's own kind of text (words of its
-    syllables, newlines, and a line with capitals it never saw: byte fallback covers them);
-    for real models a recipe names its text (not yet: the tiny model is the only source here)."""
-    from playbooks.weights.tinymodel import corpus
+def calibration_text(weights: LocalWeights | HubWeights, named: Path | None = None) -> str:
+    """What imatrix and the KL divergence read: the recipe's file (``model.calibration``), else
+    for the generated tiny model its own kind of text (words of its syllables, newlines, and a
+    line with capitals it never saw: byte fallback covers them), else the shipped multi-domain
+    text (recipes/calibration/general.txt: prose, dialogue, code, data, maths, Chinese and
+    other languages, about 7-8 k tokens of a real tokenizer)."""
+    if named is not None:
+        try:
+            text = named.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise VoltaforgeError(f"model.calibration {named}: cannot read it as UTF-8 text: {exc}") from None
+        if len(text.split()) < 200:
+            raise VoltaforgeError(f"model.calibration {named}: {len(text.split())} words; imatrix wants thousands")
+        return text
+    if isinstance(weights, LocalWeights) and weights.origin.get("generate"):
+        from playbooks.weights.tinymodel import corpus
 
-    return corpus(600, random.Random(1)) + "\nHello, World! The quick brown fox.\n"
+        return corpus(600, random.Random(1)) + "\nHello, World! The quick brown fox.\n"
+    return (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------
