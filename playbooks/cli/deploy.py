@@ -1,0 +1,176 @@
+"""`invoke deploy` and `invoke stop`: the recipe's server on a host, from the rendered files and
+the verified artifact (steps/deploy.py), under systemd or as a managed process."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Literal
+
+from playbooks.cli.converge import converge
+from playbooks.cli.quantize import recipe_weights
+from playbooks.cli.render import render_report
+from playbooks.cli.settings import Settings
+from playbooks.config.planning import plan_recipe
+from playbooks.config.recipe import LoadedRecipe
+from playbooks.errors import VoltaforgeError
+from playbooks.facts import read_fact
+from playbooks.facts.system import SYSTEMD_COMMAND, parse_systemd
+from playbooks.host import Host
+from playbooks.host.ops import Change, EnsureDirectory, Operation, run_command
+from playbooks.plan.gpus import get_gpu
+from playbooks.steps.deploy import (
+    CheckPort,
+    DeployLayout,
+    EnsureModelLink,
+    EnsureServiceFile,
+    EnsureServing,
+    Expectations,
+    ServiceFile,
+    require_systemd,
+)
+from playbooks.steps.exl2_convert import STAMP_NAME as EXL2_STAMP
+from playbooks.steps.exl2_convert import Exl2Layout
+from playbooks.steps.quantize import ModelLayout, manifest_path
+from playbooks.steps.service_manager import Manager, ProcessRunner, Systemd, process_argv, unit_environment
+from playbooks.steps.units import ServerLayout, parse_exec_start, render_service_files
+
+ManagerChoice = Literal["auto", "systemd", "process"]
+
+
+def choose_manager(host: Host, wanted: str) -> str:
+    """systemd where it is PID 1, else a process; `--manager systemd` without it: one line."""
+    if wanted not in ("auto", "systemd", "process"):
+        raise VoltaforgeError(f"--manager {wanted!r}: want auto, systemd or process")
+    booted = parse_systemd(read_fact(host, SYSTEMD_COMMAND)).booted
+    require_systemd(booted, wanted, host.name)
+    return "systemd" if wanted == "systemd" or (wanted == "auto" and booted) else "process"
+
+
+def _manifest(host: Host, path: str) -> dict:
+    raw = read_fact(host, f"cat -- {shlex.quote(path)} 2>/dev/null || true")
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        data = {}
+    return data if isinstance(data, dict) else {}
+
+
+def make_manager(kind: str, server: ServerLayout, state: DeployLayout, unit_name: str, unit_text: str) -> Manager:
+    if kind == "systemd":
+        return Systemd(unit_name)
+    argv = parse_exec_start(unit_text)
+    return ProcessRunner(
+        state.state_dir,
+        argv[0],
+        process_argv(argv, f"{state.state_dir}/credentials"),
+        unit_environment(unit_text),
+    )
+
+
+def deploy_ops(loaded: LoadedRecipe, host: Host, prefix: str, manager_choice: str) -> list[Operation]:
+    r = loaded.recipe
+    kind = choose_manager(host, manager_choice)
+    server = ServerLayout(prefix=prefix)
+    rendered = render_service_files(r, server)
+    unit = rendered[0]
+    unit_name = unit.path.rsplit("/", 1)[1]
+    state = DeployLayout(prefix, unit_name.removesuffix(".service"))
+    model = ModelLayout(prefix, recipe_weights(loaded).model_id)
+    hint = f"run `invoke quantize --host {host.name} --recipe {r.name}` first"
+    if r.backend == "exllamav2":
+        if kind != "systemd":
+            raise VoltaforgeError(
+                f"{host.name}: TabbyAPI (EXL2) is deployed as a systemd unit only, and this host has none"
+            )
+        assert not isinstance(r.quant, str)  # the recipe schema: an exllamav2 recipe gives bpw
+        rate, head_bits = r.quant.bpw, r.quant.head_bits
+        artifact = Exl2Layout(model.root).output(Exl2Layout.tag(rate, head_bits))
+        manifest, link = f"{artifact}/{EXL2_STAMP}", server.tabbyapi_model_link
+    else:
+        artifact = model.gguf(r.quant_name)
+        manifest, link = manifest_path(artifact), server.model_file(r)
+    if kind == "process" and r.service.api_key_ref:
+        raise VoltaforgeError(
+            f"{host.name}: an API key reaches the server as a systemd credential; this host has no systemd"
+        )
+    facts = _manifest(host, manifest)
+    files = [
+        ServiceFile(f.path, f.text, f.mode, sudo=True)
+        if kind == "systemd"
+        else ServiceFile(f"{state.state_dir}/{f.path.rsplit('/', 1)[1]}", f.text, f.mode)
+        for f in rendered
+    ]
+    manager = make_manager(kind, server, state, unit_name, unit.text)
+    plan = plan_recipe(loaded)
+    option = next((o for o in plan.options if o.quant == r.quant_name), None)
+    gpu = not get_gpu(r.gpu).is_cpu
+    expect = Expectations(
+        layers=loaded.shape.num_hidden_layers + 1 if gpu else None,
+        kv_mib=option.kv_bytes / 2**20 if option and r.backend == "llamacpp" else None,
+        compute_mib=option.compute_bytes / 2**20 if option and r.backend == "llamacpp" else None,
+    )
+    ops: list[Operation] = [
+        CheckPort(r.service.port, manager, sudo=kind == "systemd"),
+        EnsureDirectory(f"{prefix}/serve", 0o755),
+        EnsureDirectory(state.state_dir.rsplit("/", 1)[0], 0o755),
+        EnsureDirectory(state.state_dir, 0o700),
+        EnsureModelLink(link, artifact, manifest, hint),
+    ]
+    if kind == "systemd" and any(f.path.startswith("/etc/voltaforge/") for f in files):
+        ops.append(EnsureDirectory("/etc/voltaforge", 0o755, sudo=True))
+        ops += [
+            EnsureDirectory(d, 0o755, sudo=True)
+            for d in sorted({f.path.rsplit("/", 1)[0] for f in files})
+            if d.startswith("/etc/voltaforge/")
+        ]
+    ops += [EnsureServiceFile(f) for f in files]
+    ops.append(
+        EnsureServing(
+            manager,
+            state,
+            files,
+            link,
+            artifact,
+            str(facts.get("sha256") or facts.get("id") or ""),
+            int(facts.get("bytes") or 0),
+            r.service.port,
+            expect,
+        )
+    )
+    return ops
+
+
+def run_deploy(
+    host_name: str,
+    recipe: str | None = None,
+    dry_run: bool = False,
+    manager: str = "auto",
+    settings: Settings | None = None,
+) -> int:
+    def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+        return deploy_ops(loaded, host, prefix, manager)
+
+    return converge(settings or Settings(), host_name, recipe, ops, dry_run)
+
+
+def run_stop(host_name: str, recipe: str | None = None, settings: Settings | None = None) -> int:
+    """Stop the recipe's server (the unit, or the managed process); its files stay."""
+    settings = settings or Settings()
+    spec = settings.host_spec(host_name)
+    name = recipe or spec.recipe
+    if not name:
+        raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
+    loaded = settings.load_recipe(name)
+    with settings.connect(spec) as host:
+        kind = choose_manager(host, "auto")
+        server = ServerLayout(prefix=spec.prefix)
+        unit = render_service_files(loaded.recipe, server)[0]
+        unit_name = unit.path.rsplit("/", 1)[1]
+        state = DeployLayout(spec.prefix, unit_name.removesuffix(".service"))
+        mgr = make_manager(kind, server, state, unit_name, unit.text)
+        cmd = mgr.stop()
+        run_command(host, cmd)
+        change = Change(host.name, f"Stop {mgr.describe()}", "changed", "stopped", (cmd.show(),))
+    render_report([change])
+    return 0

@@ -1,0 +1,468 @@
+"""`invoke deploy`: the rendered service installed, started, checked against the plan, and
+rolled back to the last deployment that worked when it is not right.
+
+The operations, in order (each reads facts, decides, and is ``ok`` when already right):
+
+1. ``CheckPort``: the recipe's port is free, or held by this service itself. A port someone
+   else holds fails here, before a file is touched.
+2. ``EnsureModelLink``: ``<prefix>/serve/<service>/model.gguf`` (or ``model/`` for EXL2)
+   points at the artifact ``invoke quantize`` verified; its manifest is read (never the
+   multi-GB file): no manifest, no deploy.
+3. ``EnsureServiceFile`` per rendered file (unit, config, env): uploaded only when it
+   differs; a dry run prints the unified diff.
+4. ``EnsureServing``: restarts the service only when what it runs changed: a fingerprint
+   of every rendered file and the artifact's sha256, kept in the deployment record
+   ``<prefix>/deploy/<service>/deployed.json``, against what is running (the systemd
+   invocation or the process's pid and start time). Unchanged and running: ``ok (running,
+   unchanged)``. Else restart, wait for /health (503 while loading) within a time from the
+   model's size, then read this run's load log and fail on layers left on the CPU, KV or
+   compute buffers beyond the plan's margin, PTX JIT or "no kernel image". Passed: the files
+   and the link are copied to ``good/`` and the record written, with the real buffer sizes
+   beside the planner's. Failed: ``good/`` is put back, the service restarted on it, and the
+   run fails saying why (and that the previous deployment answers again).
+
+Rollback restores the last deployment that passed, not merely the previous files: a chain
+of broken deploys always falls back to one that served.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import posixpath
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from playbooks.errors import HostError, VoltaforgeError
+from playbooks.facts import read_fact
+from playbooks.facts.server_log import judge_load, parse_load_log
+from playbooks.facts.service import health_command, listeners_command, parse_health, parse_listeners
+from playbooks.host.base import Host
+from playbooks.host.commands import check_path
+from playbooks.host.ops import Command, Decision, Operation, OperationError, Record, Shell, Upload, run_command
+from playbooks.steps.service_manager import Manager, ProcessRunner, Running
+
+#: the fingerprint's format: bump when what it covers changes
+RECORD_VERSION = 1
+#: /health polls: how often, and the least time a load may take
+HEALTH_POLL_S = 0.5
+MIN_HEALTH_TIMEOUT_S = 60
+#: a model is read at no less than this from disk while loading (a slow HDD: the timeout is generous)
+LOAD_BYTES_PER_S = 100e6
+
+
+@dataclass(frozen=True)
+class DeployLayout:
+    """Where a deployment keeps its state on the host."""
+
+    prefix: str
+    service: str  # the unit name without .service
+
+    @property
+    def serve_dir(self) -> str:
+        return f"{self.prefix}/serve/{self.service}"
+
+    @property
+    def state_dir(self) -> str:
+        return f"{self.prefix}/deploy/{self.service}"
+
+    @property
+    def record(self) -> str:
+        return f"{self.state_dir}/deployed.json"
+
+    @property
+    def good_dir(self) -> str:
+        return f"{self.state_dir}/good"
+
+
+@dataclass(frozen=True)
+class ServiceFile:
+    """A rendered file and where it goes on this host."""
+
+    path: str
+    text: str
+    mode: int = 0o644
+    sudo: bool = False
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Expectations:
+    """What the load log must show: the plan's numbers (MiB) and how many layers go to the GPU."""
+
+    layers: int | None  # None: a CPU recipe, nothing offloaded
+    kv_mib: float | None
+    compute_mib: float | None
+    margin: float = 0.10
+
+
+def health_timeout(model_bytes: int) -> float:
+    """Long enough to read the model from a slow disk, never under a minute."""
+    return max(MIN_HEALTH_TIMEOUT_S, 30 + model_bytes / LOAD_BYTES_PER_S)
+
+
+def fingerprint(files: Sequence[ServiceFile], artifact_sha256: str, artifact_path: str) -> str:
+    blob = json.dumps(
+        {
+            "v": RECORD_VERSION,
+            "files": {f.path: f.sha256 for f in files},
+            "artifact": [artifact_path, artifact_sha256],
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------
+# 1. the port
+# ------------------------------------------------------------------------------------------
+
+
+class CheckPort(Operation):
+    """Nothing but this service listens on the port (checked before anything changes)."""
+
+    def __init__(self, port: int, manager: Manager, sudo: bool):
+        self.port, self.manager, self.sudo = port, manager, sudo
+        self.name = f"Ensure port {port} is free for {manager.describe().split(' (')[0]}"
+
+    def read(self, host: Host) -> tuple[str, Running]:
+        run = host.sudo if self.sudo else host.run
+        listeners = run(listeners_command(self.port), check=False, stream=False).stdout
+        state = run(self.manager.state_command(), check=False, stream=False).stdout
+        return listeners, self.manager.running(state)
+
+    def decide(self, facts: tuple[str, Running]) -> Decision:
+        output, ours = facts
+        listeners = parse_listeners(output)
+        if not listeners:
+            return Decision.ok(f"nothing listens on {self.port}")
+        others = [li for li in listeners if not (ours.up and ours.pid in li.pids)]
+        if not others:
+            return Decision.ok(f"{self.port} is this service's own (pid {ours.pid})")
+        who = others[0]
+        name = f"{who.process} (pid {', '.join(map(str, who.pids))})" if who.pids else "another program"
+        raise OperationError(
+            f"port {self.port} is in use by {name} on {who.address}, not by this service: "
+            "stop it, or give the recipe another service.port"
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# 2. the model link
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinkFacts:
+    target: str | None  # where the link points now
+    manifest: dict[str, Any] | None  # the artifact's manifest (None: not made)
+
+
+class EnsureModelLink(Operation):
+    """The service's model link points at the verified artifact."""
+
+    def __init__(self, link: str, artifact: str, manifest: str, hint: str):
+        self.link, self.artifact, self.manifest, self.hint = check_path(link), check_path(artifact), manifest, hint
+        self.name = f"Ensure {link} points at the verified model"
+
+    def read(self, host: Host) -> LinkFacts:
+        target = read_fact(host, f"readlink -- {shlex.quote(self.link)} 2>/dev/null || true").strip() or None
+        raw = read_fact(host, f"cat -- {shlex.quote(self.manifest)} 2>/dev/null || true")
+        try:
+            manifest = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            manifest = None
+        return LinkFacts(target, manifest if isinstance(manifest, dict) else None)
+
+    def decide(self, facts: LinkFacts) -> Decision:
+        if facts.manifest is None or not facts.manifest.get("sha256") and not facts.manifest.get("id"):
+            raise OperationError(f"model file missing: no verified {self.artifact} (no {self.manifest}): {self.hint}")
+        if facts.target == self.artifact:
+            return Decision.ok(f"-> {self.artifact}")
+        q = shlex.quote(self.link)
+        tmp = shlex.quote(self.link + ".new")
+        return Decision.act(
+            f"points at {facts.target}" if facts.target else "no link yet",
+            Shell(
+                f"mkdir -p -- {shlex.quote(posixpath.dirname(self.link))} && "
+                f"ln -sfn -- {shlex.quote(self.artifact)} {tmp} && mv -T -- {tmp} {q}"
+            ),
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# 3. the rendered files
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Diff(Record):
+    """A unified diff, shown by a dry run; applying it is the Upload beside it."""
+
+    def show(self) -> str:
+        return self.meta
+
+
+class EnsureServiceFile(Operation):
+    """A rendered file holds exactly what the recipe renders; a dry run shows the diff."""
+
+    def __init__(self, f: ServiceFile):
+        self.file = f
+        self.upload = Upload(f.path, f.text.encode(), f.mode, None, f.sudo)
+        self.name = f"Ensure {f.path} is up to date"
+
+    def read(self, host: Host) -> str | None:
+        q = shlex.quote(self.file.path)
+        run = host.sudo if self.file.sudo else host.run
+        out = run(f"if [ -f {q} ]; then echo present; cat -- {q}; fi", check=False, stream=False).stdout
+        return out.split("\n", 1)[1] if out.startswith("present\n") else None
+
+    def decide(self, facts: str | None) -> Decision:
+        if facts == self.file.text:
+            return Decision.ok(f"unchanged (sha256 {self.file.sha256[:12]})")
+        if facts is None:
+            return Decision.act("not installed yet", self.upload)
+        diff = "".join(
+            difflib.unified_diff(
+                facts.splitlines(keepends=True),
+                self.file.text.splitlines(keepends=True),
+                f"{self.file.path} (on the host)",
+                f"{self.file.path} (rendered)",
+                n=1,
+            )
+        ).rstrip("\n")
+        changed = sum(1 for line in diff.splitlines() if line.startswith(("+", "-")) and line[1:2] not in "+-")
+        return Decision.act(f"{changed} line(s) differ", Diff(self.file.path, "the diff", diff), self.upload)
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        for cmd in decision.commands:
+            if not isinstance(cmd, Diff):
+                run_command(host, cmd)
+
+
+# ------------------------------------------------------------------------------------------
+# 4. serving
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServingFacts:
+    running: Running
+    record: dict[str, Any] | None
+
+
+@dataclass
+class Served:
+    """What a start proved (the health wait and the load log), for the record."""
+
+    seconds: float
+    log_problems: list[str] = field(default_factory=list)
+    buffers: dict[str, Any] = field(default_factory=dict)
+
+
+class EnsureServing(Operation):
+    """The service runs what was rendered, answers /health, and its load log matches the plan."""
+
+    def __init__(
+        self,
+        manager: Manager,
+        layout: DeployLayout,
+        files: Sequence[ServiceFile],
+        link: str,
+        artifact: str,
+        artifact_sha256: str,
+        artifact_bytes: int,
+        port: int,
+        expect: Expectations,
+    ):
+        self.manager, self.layout, self.files, self.link = manager, layout, tuple(files), link
+        self.artifact, self.artifact_sha256, self.artifact_bytes = artifact, artifact_sha256, artifact_bytes
+        self.port, self.expect = port, expect
+        self.sudo = isinstance(manager, ProcessRunner) is False
+        self.want = fingerprint(self.files, artifact_sha256, artifact)
+        self.name = f"Ensure {manager.describe()} serves on 127.0.0.1:{port}"
+
+    # -- facts and decision ------------------------------------------------------------------
+
+    def _run(self, host: Host) -> Any:
+        return host.sudo if self.sudo else host.run
+
+    def read(self, host: Host) -> ServingFacts:
+        state = self._run(host)(self.manager.state_command(), check=False, stream=False).stdout
+        raw = read_fact(host, f"cat -- {shlex.quote(self.layout.record)} 2>/dev/null || true")
+        try:
+            record = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            record = None
+        return ServingFacts(self.manager.running(state), record if isinstance(record, dict) else None)
+
+    def decide(self, facts: ServingFacts) -> Decision:
+        rec = facts.record or {}
+        same_run = rec.get("run") == facts.running.ident
+        if facts.running.up and rec.get("fingerprint") == self.want and same_run:
+            return Decision.ok(f"running, unchanged ({facts.running.detail}, deployed {rec.get('at', '?')})")
+        if not facts.running.up:
+            why = "not running"
+        elif rec.get("fingerprint") != self.want:
+            why = self._what_changed(rec)
+        else:
+            why = "running, but not the run that was checked (restarted outside voltaforge)"
+        restart = self.manager.restart()
+        return Decision.act(
+            why,
+            restart,
+            Record(self.layout.record, f"/health within {health_timeout(self.artifact_bytes):.0f} s, the load log "
+                   "against the plan, then the deployment (or the rollback)"),
+        )  # fmt: skip
+
+    def _what_changed(self, rec: dict[str, Any]) -> str:
+        if not rec:
+            return "never deployed by voltaforge"
+        old = rec.get("files") or {}
+        changed = [posixpath.basename(f.path) for f in self.files if old.get(f.path) != f.sha256]
+        parts = [f"{', '.join(changed)} changed"] if changed else []
+        if (rec.get("artifact") or {}).get("sha256") != self.artifact_sha256:
+            parts.append("the model changed")
+        return "; ".join(parts) or "the deployment changed"
+
+    # -- acting ------------------------------------------------------------------------------
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        try:
+            served = self._start(host)
+        except HostError as exc:
+            raise HostError(f"{exc}; {self._rollback(host)}") from None
+        self._remember(host, served)
+
+    def _start(self, host: Host) -> Served:
+        t0 = time.monotonic()
+        run_command(host, self.manager.restart())
+        first = self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
+        timeout = health_timeout(self.artifact_bytes)
+        code = 0
+        while True:
+            code = parse_health(read_fact(host, health_command(self.port)))
+            now = self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
+            if code == 200 and now.up:
+                break
+            if not now.up or (first.ident and now.ident != first.ident):
+                raise HostError(f"{self.manager.describe()} exited while loading: {self._log_tail(host, first.ident)}")
+            if time.monotonic() - t0 > timeout:
+                raise HostError(
+                    f"/health on 127.0.0.1:{self.port} still {code or 'not answering'} after {timeout:.0f} s: "
+                    f"{self._log_tail(host, first.ident)}"
+                )
+            time.sleep(HEALTH_POLL_S)
+        log = parse_load_log(self._run(host)(self.manager.log_command(first.ident), check=False, stream=False).stdout)
+        e = self.expect
+        problems = judge_load(
+            log,
+            expect_layers=e.layers,
+            planned_kv_mib=e.kv_mib,
+            planned_compute_mib=e.compute_mib,
+            margin=e.margin,
+        )
+        if problems:
+            raise HostError(f"the load log disagrees with the plan: {'; '.join(problems)}")
+        buffers = {
+            "kv_mib": log.kv_mib,
+            "compute_mib": log.compute_mib,
+            "model_mib": log.model_mib,
+            "offloaded": list(log.offloaded) if log.offloaded else None,
+            "planned": {"kv_mib": e.kv_mib, "compute_mib": e.compute_mib, "layers": e.layers},
+        }
+        return Served(time.monotonic() - t0, [], buffers)
+
+    def _log_tail(self, host: Host, ident: str) -> str:
+        out = self._run(host)(self.manager.log_command(ident), check=False, stream=False).stdout
+        log = parse_load_log(out)
+        if log.problems:
+            return log.problems[0]
+        tail = [line.strip() for line in out.splitlines() if line.strip()]
+        return f"its log ends: {tail[-1][:300]}" if tail else "it logged nothing"
+
+    def _remember(self, host: Host, served: Served) -> None:
+        """This deployment worked: its files and link become the rollback target."""
+        good = self.layout.good_dir
+        cmds = [f"rm -rf -- {shlex.quote(good)}.new && mkdir -p -m 0700 -- {shlex.quote(good)}.new"]
+        for i, f in enumerate(self.files):
+            cmds.append(f"cp -p -- {shlex.quote(f.path)} {shlex.quote(f'{good}.new/{i}')}")
+        cmds.append(f"rm -rf -- {shlex.quote(good)} && mv -T -- {shlex.quote(good)}.new {shlex.quote(good)}")
+        self._run(host)(" && ".join(cmds), stream=False)
+        running = self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
+        record = {
+            "fingerprint": self.want,
+            "run": running.ident,
+            "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "manager": self.manager.kind,
+            "files": {f.path: f.sha256 for f in self.files},
+            "good": {str(i): {"path": f.path, "mode": f.mode} for i, f in enumerate(self.files)},
+            "link": self.link,
+            "artifact": {"path": self.artifact, "sha256": self.artifact_sha256, "bytes": self.artifact_bytes},
+            "port": self.port,
+            "ready_s": round(served.seconds, 2),
+            "buffers": served.buffers,
+        }
+        host.write_file(self.layout.record, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), 0o644)
+
+    def _rollback(self, host: Host) -> str:
+        """Put the last good deployment back and start it; say what happened in one clause."""
+        raw = read_fact(host, f"cat -- {shlex.quote(self.layout.record)} 2>/dev/null || true")
+        try:
+            rec = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            rec = {}
+        good = rec.get("good") if isinstance(rec, dict) else None
+        if not good:
+            try:
+                run_command(host, self.manager.stop())
+            except HostError:
+                pass
+            return "nothing served here before: the new service is stopped"
+        cmds = []
+        for i, entry in good.items():
+            path = check_path(entry["path"])
+            src = shlex.quote(f"{self.layout.good_dir}/{int(i)}")
+            cmds.append(f"cp -p -- {src} {shlex.quote(path)}")
+        art = rec.get("artifact", {}).get("path")
+        if art:
+            cmds.append(
+                f"ln -sfn -- {shlex.quote(check_path(art))} {shlex.quote(self.link)}.new && "
+                f"mv -T -- {shlex.quote(self.link)}.new {shlex.quote(self.link)}"
+            )
+        try:
+            self._run(host)(" && ".join(cmds), stream=False)
+            run_command(host, self.manager.restart())
+            deadline = time.monotonic() + health_timeout(int(rec.get("artifact", {}).get("bytes") or 0))
+            while parse_health(read_fact(host, health_command(self.port))) != 200:
+                if time.monotonic() > deadline:
+                    return "rolled back to the deployment of {rec.get('at')}, but it does not answer either"
+                time.sleep(HEALTH_POLL_S)
+        except HostError as exc:
+            return f"the rollback failed too: {exc}"
+        running = self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
+        # the record keeps describing what runs: the good deployment, in its new run
+        rec["run"] = running.ident
+        host.write_file(self.layout.record, (json.dumps(rec, indent=2, sort_keys=True) + "\n").encode(), 0o644)
+        return f"rolled back to the deployment of {rec.get('at')}, which answers again"
+
+
+def require_systemd(booted: bool, manager: str, host: str) -> None:
+    """`--manager systemd` on a host without it: one line, before anything is touched."""
+    if manager == "systemd" and not booted:
+        raise VoltaforgeError(
+            f"{host}: systemd is not running there (no /run/systemd/system): a unit cannot be started; "
+            "deploy with --manager process to run the same command line as a managed process"
+        )
+
+
+def decisions_summary(commands: Sequence[Command]) -> list[str]:
+    return [c.show() for c in commands]

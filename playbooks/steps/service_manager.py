@@ -1,0 +1,156 @@
+"""Who runs a deployed server: systemd where it is PID 1, else a managed process.
+
+Both are driven by the same rendered unit. systemd reads it from /etc/systemd/system; the
+process runner (containers, CI, a laptop: hosts without systemd) runs the unit's own
+ExecStart, parsed back by systemd's quoting rules (``units.parse_exec_start``), with the
+unit's Environment= lines, so there is one command line, never a second flag list. The
+runner keeps a pid file and a log file under the deployment's state directory and says what
+it is: a process, not a unit (no restart on crash, no start at boot).
+
+Pure: each method returns the commands or reads nothing; deploy's operations run them.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+from playbooks.errors import VoltaforgeError
+from playbooks.facts.service import (
+    ProcessState,
+    UnitState,
+    parse_process_state,
+    parse_unit_state,
+    process_state_command,
+    unit_state_command,
+)
+from playbooks.host.ops import Shell
+
+
+@dataclass(frozen=True)
+class Running:
+    """The one thing deploy asks of a manager's state: is it up, and which run is it."""
+
+    up: bool
+    ident: str  # a systemd InvocationID, or "<pid>:<start ticks>" (changes on every start)
+    pid: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class Systemd:
+    """A unit in /etc/systemd/system, run by the host's systemd (as root through sudo)."""
+
+    unit: str
+    kind: str = "systemd"
+
+    def state_command(self) -> str:
+        return unit_state_command(self.unit)
+
+    def running(self, output: str) -> Running:
+        st: UnitState = parse_unit_state(output)
+        return Running(st.running, st.invocation, st.main_pid, f"{st.active} ({st.sub}), pid {st.main_pid}")
+
+    def restart(self) -> Shell:
+        u = shlex.quote(self.unit)
+        return Shell(f"systemctl daemon-reload && systemctl enable --quiet -- {u} && systemctl restart -- {u}", True)
+
+    def stop(self) -> Shell:
+        return Shell(f"systemctl stop -- {shlex.quote(self.unit)}", True)
+
+    def reload(self) -> Shell:
+        return Shell("systemctl daemon-reload", True)
+
+    def log_command(self, ident: str) -> str:
+        """This run's log only: the journal entries of one invocation of the unit."""
+        match = f" _SYSTEMD_INVOCATION_ID={ident}" if re.fullmatch(r"[0-9a-f]{32}", ident) else ""
+        return f"journalctl -u {shlex.quote(self.unit)}{match} -o cat --no-pager 2>&1 | tail -n 2000"
+
+    def describe(self) -> str:
+        return f"systemd unit {self.unit}"
+
+
+@dataclass(frozen=True)
+class ProcessRunner:
+    """The unit's command line run as a process of the SSH user, detached, with a pid file."""
+
+    state_dir: str  # <prefix>/deploy/<service>
+    binary: str
+    argv: tuple[str, ...]
+    environment: tuple[tuple[str, str], ...] = ()
+    kind: str = "process"
+
+    @property
+    def pid_file(self) -> str:
+        return f"{self.state_dir}/server.pid"
+
+    @property
+    def log_file(self) -> str:
+        return f"{self.state_dir}/server.log"
+
+    def state_command(self) -> str:
+        return process_state_command(self.pid_file, self.binary)
+
+    def running(self, output: str) -> Running:
+        st: ProcessState = parse_process_state(output)
+        up = st.running
+        return Running(up, f"{st.pid}:{st.start_ticks}" if up else "", st.pid if up else 0, f"pid {st.pid}")
+
+    def _stop_script(self) -> str:
+        """TERM the recorded process if it is still ours, wait up to 10 s, then KILL."""
+        pid, exe = shlex.quote(self.pid_file), shlex.quote(self.binary)
+        return (
+            f'pid=$(cat -- {pid} 2>/dev/null | head -c 32); case "$pid" in ""|*[!0-9]*) pid=;; esac; '
+            f'if [ -n "$pid" ] && [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f -- {exe})" ]; then '
+            'kill -TERM "$pid"; for i in $(seq 100); do [ -e "/proc/$pid" ] || break; sleep 0.1; done; '
+            'kill -KILL "$pid" 2>/dev/null || true; fi; '
+            f"rm -f -- {pid}"
+        )
+
+    def restart(self) -> Shell:
+        env = " ".join(shlex.quote(f"{k}={v}") for k, v in self.environment)
+        run = " ".join(shlex.quote(a) for a in self.argv)
+        log = shlex.quote(self.log_file)
+        return Shell(
+            f"{self._stop_script()} && cd -- {shlex.quote(self.state_dir)} && "
+            f"{{ setsid env {env} {run} > {log} 2>&1 < /dev/null & echo $! > {shlex.quote(self.pid_file)}; }}"
+        )
+
+    def stop(self) -> Shell:
+        return Shell(self._stop_script())
+
+    def reload(self) -> None:
+        return None
+
+    def log_command(self, ident: str) -> str:
+        return f"tail -n 2000 -- {shlex.quote(self.log_file)} 2>/dev/null || true"
+
+    def describe(self) -> str:
+        return f"a managed process (no systemd on this host: {self.pid_file}, log {self.log_file})"
+
+
+Manager = Systemd | ProcessRunner
+
+
+def unit_environment(unit_text: str) -> tuple[tuple[str, str], ...]:
+    """The unit's Environment= assignments (the renderer validated them: NAME=digits,commas)."""
+    found = []
+    for line in unit_text.splitlines():
+        if line.startswith("Environment="):
+            key, _, value = line.removeprefix("Environment=").partition("=")
+            found.append((key, value))
+    return tuple(found)
+
+
+def process_argv(argv: list[str], credentials_dir: str) -> tuple[str, ...]:
+    """ExecStart as a process runs it: systemd's %d (the credentials directory) is the state
+    directory's credentials/; any other specifier has no meaning outside systemd: refused."""
+    out = []
+    for arg in argv:
+        if "%" in arg.replace("%d", ""):
+            raise VoltaforgeError(f"the unit's argument {arg!r} uses a systemd specifier a process cannot resolve")
+        if "${" in arg:
+            raise VoltaforgeError(f"the unit's argument {arg!r} needs systemd's EnvironmentFile: run it under systemd")
+        out.append(arg.replace("%d", credentials_dir))
+    return tuple(out)
