@@ -73,6 +73,9 @@ BAD = {
     ("quantize", "bpw"): [("1.5", "--bpw 1.5: outside 2.0-8.0"), ("lots", "want bits per weight")],
     ("artifacts", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
     ("artifacts", "inventory"): [("BROKEN", "inventory")],
+    ("render", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
+    ("render", "out"): [("", "is not a directory path"), ("README.md", "exists and is not a directory")],
+    ("render", "gpus"): [("a,b", "give GPU indexes"), ("0,0", "distinct GPU indexes"), ("99", "distinct GPU")],
 }
 # what else each bad value needs beside it, so that the flag under test is the one judged
 CONTEXT = {
@@ -91,6 +94,8 @@ CONTEXT = {
     ("quantize", "quant"): ["--host", "local", "--recipe", "tiny-cpu"],
     ("quantize", "bpw"): ["--host", "local", "--recipe", "tiny-cpu"],
     ("artifacts", "inventory"): ["--host", "some-host"],
+    ("render", "recipe"): ["--out", "/tmp/vf-render-unused"],
+    ("render", "gpus"): ["--recipe", "tiny-cpu", "--out", "/tmp/vf-render-unused"],
 }
 # flags that take no value to get wrong (booleans) or are not user input (the test runner's)
 NO_BAD_VALUE = {
@@ -132,7 +137,7 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
     assert words in lines[0] and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("task", ["plan", "preflight", "toolchain", "build", "quantize", "artifacts"])
+@pytest.mark.parametrize("task", ["plan", "preflight", "toolchain", "build", "quantize", "artifacts", "render"])
 def test_dash_h_is_help_not_host(task):
     r = invoke(task, "-h")
     assert r.returncode == 0 and "Usage:" in r.stdout and "--host" not in r.stderr
@@ -238,3 +243,32 @@ def test_shared_settings_from_the_configuration(tmp_path):
     cfg.write_text("voltaforge:\n  prefix: relative/path\n")
     r = invoke("-f", str(cfg), "preflight", "--host", "local")
     assert r.returncode == 2 and "voltaforge.prefix 'relative/path': want an absolute path" in r.stderr
+
+
+def test_render_writes_every_file_at_its_host_path_and_nothing_else(tmp_path):
+    from playbooks.config.recipe import load_recipe
+    from playbooks.steps.units import render_service_files
+
+    out = tmp_path / "out"
+    r = invoke("render", "--recipe", "qwen2.5-14b-v100-16gb", "--out", str(out), "--gpus", "0,1")
+    assert r.returncode == 0, r.stderr
+    expected = render_service_files(load_recipe("qwen2.5-14b-v100-16gb").recipe, gpu_indexes=(0, 1))
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert written == sorted(f.path.lstrip("/") for f in expected)
+    for f in expected:
+        target = out / f.path.lstrip("/")
+        assert target.read_text() == f.text and target.stat().st_mode & 0o777 == f.mode
+        assert f"wrote {target}" in r.stdout.replace("\n", "")
+    # the prefix from invoke's configuration reaches the rendered paths
+    r = invoke(
+        "render",
+        "--recipe",
+        "seed-exl2-3.3-v100-16gb",
+        "--out",
+        str(tmp_path / "o2"),
+        env={"INVOKE_VOLTAFORGE_PREFIX": "/srv/vf"},
+    )
+    assert r.returncode == 0, r.stderr
+    unit = (tmp_path / "o2/etc/systemd/system/voltaforge-tabbyapi.service").read_text()
+    assert "ExecStart=/srv/vf/venv/bin/python /srv/vf/tabbyAPI/main.py" in unit
+    assert (tmp_path / "o2/etc/voltaforge/tabbyapi/config.yml").is_file()

@@ -33,8 +33,9 @@ def test_tiny_cpu_unit_serves_over_http(nspawn_host, tiny_q4):
     port = recipe.service.port
     with connect(spec_for(nspawn_host)) as host:
         server_dir = layout.llama_server.rsplit("/", 1)[0]
-        host.sudo(f"mkdir -p {server_dir} {layout.prefix}/models/{recipe.name}", stream=False)
+        host.sudo(f"mkdir -p {server_dir} {layout.serve_dir}", stream=False)
         host.put(str(llamacpp_tools.llama_server()), layout.llama_server, mode=0o755, sudo=True)
+        # the unit reads the model through serve_dir's link; a plain file there serves as well
         host.put(str(tiny_q4), layout.model_file(recipe), mode=0o644, sudo=True)
         host.sudo(f"chmod -R a+rX {layout.prefix}", stream=False)
         host.write_file(f"/etc/systemd/system/{unit.name}", unit.text.encode(), 0o644, sudo=True)

@@ -263,6 +263,32 @@ def artifacts(c: Context, host: str | None = None, json: bool = False, inventory
 
 
 @task(
+    auto_shortflags=False,
+    help={
+        "recipe": RECIPE_HELP,
+        "out": "directory to write into; files land at their host paths below it (DIR/etc/systemd/system/...)",
+        "gpus": "GPU indexes, comma-separated (default 0); several: one llama-server instance per GPU",
+    },
+)
+def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: str = "0") -> None:
+    """Write every file deploy would install for a recipe (units, env files, configs) under a
+    local directory; needs no host."""
+
+    def go() -> int:
+        from playbooks.cli.render_files import gpu_indexes, output_dir, run_render
+
+        return run_render(
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            out=output_dir(out),
+            gpus=gpu_indexes(gpus),
+            recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
+            prefix=flags.install_prefix("voltaforge.prefix", _cfg(c, "prefix")),
+        )
+
+    run_command(go)
+
+
+@task(
     auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"}
 )
 def test(c: Context, k: str | None = None, fast: bool = False) -> None:
@@ -280,5 +306,5 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     c.run(" ".join(shlex.quote(a) for a in args), pty=False)
 
 
-ns = Collection(plan, preflight, toolchain, build, quantize, artifacts, test)
+ns = Collection(plan, preflight, toolchain, build, quantize, artifacts, render, test)
 ns.configure(DEFAULTS)

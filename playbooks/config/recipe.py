@@ -233,6 +233,12 @@ class Recipe(_Strict):
     parallel: int = Field(1, gt=0)
     cache: Cache = Cache()
     flash_attn: bool = True
+    batch: int | None = Field(
+        None,
+        gt=0,
+        description="llama.cpp's logical batch (-b); unset: 2048, llama.cpp's default, which the planner assumes. "
+        "The physical batch (-ub) is planner.n_ubatch: the value the compute buffer was planned with",
+    )
     draft: Draft | None = None
     toolchain: Toolchain = Toolchain()
     service: Service = Service()
@@ -292,6 +298,10 @@ class Recipe(_Strict):
                 )
             if self.draft is not None:
                 raise ValueError("draft: draft models are planned for llamacpp recipes only")
+        if self.batch is not None and self.batch < self.planner.n_ubatch:
+            raise ValueError(
+                f"batch: {self.batch} is below planner.n_ubatch {self.planner.n_ubatch}; llama.cpp needs -ub <= -b"
+            )
         if self.draft is not None and self.draft.quant not in FILE_TYPES:
             raise ValueError(f"draft.quant: unknown GGUF quant {self.draft.quant!r}; allowed: {', '.join(FILE_TYPES)}")
         return self

@@ -1,20 +1,27 @@
-"""systemd units, rendered from Jinja templates in templates/ (pure: no I/O but reading them).
+"""Everything `invoke deploy` installs for a recipe, rendered from Jinja templates in templates/
+(pure: no I/O but reading them): systemd units, their per-instance environment files and
+TabbyAPI's config.yml, as ``RenderedFile`` values with their host path and mode.
 
 Every value that reaches a unit is validated first, and every ExecStart argument is quoted by
 systemd's own rules: a value cannot add a directive, a specifier (%) or a variable ($).
+``parse_exec_start`` reads an ExecStart back by the same rules, so a runner without systemd
+starts exactly the argv systemd would.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 import jinja2
+import yaml
 
 from playbooks.config.recipe import Recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import get_gpu
 from playbooks.resources import resource_dir
+from playbooks.steps.toolchain import venv_path
 
 TEMPLATES = resource_dir("templates")
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
@@ -41,12 +48,83 @@ def exec_line(argv: list[str], raw: frozenset[int] = frozenset()) -> str:
     return " ".join(a if i in raw else systemd_quote(a) for i, a in enumerate(argv))
 
 
+_ESCAPES = {"\\": "\\", '"': '"', "'": "'", "n": "\n", "t": "\t", "r": "\r", "s": " "}
+
+
+def parse_exec_start(unit_text: str) -> list[str]:
+    """The argv of a unit's ExecStart, read by systemd's rules (systemd.service, "Command lines").
+
+    Words split at whitespace; double or single quotes group a word and C escapes apply
+    (\\\\, \\", ...); then ``%%`` is ``%`` and ``$$`` is ``$``. Specifiers (``%d``, ``%i``) and
+    variables (``${VOLTAFORGE_PORT}``) that exec_line wrote raw are returned as they are: a
+    runner without systemd substitutes them itself. The inverse of ``exec_line``.
+    """
+    lines = [line for line in unit_text.splitlines() if line.startswith("ExecStart=")]
+    if len(lines) != 1:
+        raise VoltaforgeError(f"expected exactly one ExecStart= line, found {len(lines)}")
+    text = lines[0][len("ExecStart=") :]
+    argv: list[str] = []
+    i, n = 0, len(text)
+    while True:
+        while i < n and text[i] in " \t":
+            i += 1
+        if i >= n:
+            break
+        word: list[str] = []
+        quote = ""
+        while i < n:
+            c = text[i]
+            if quote:
+                if c == quote:
+                    quote = ""
+                elif c == "\\":
+                    i += 1
+                    if i >= n or text[i] not in _ESCAPES:
+                        raise VoltaforgeError(f"unsupported escape in ExecStart: {text!r}")
+                    word.append(_ESCAPES[text[i]])
+                else:
+                    word.append(c)
+            elif c in " \t":
+                break
+            elif c in "\"'":
+                quote = c
+            elif c == "\\":
+                i += 1
+                if i >= n or text[i] not in _ESCAPES:
+                    raise VoltaforgeError(f"unsupported escape in ExecStart: {text!r}")
+                word.append(_ESCAPES[text[i]])
+            else:
+                word.append(c)
+            i += 1
+        if quote:
+            raise VoltaforgeError(f"unterminated quote in ExecStart: {text!r}")
+        argv.append(re.sub(r"%%|\$\$", lambda m: m.group(0)[0], "".join(word)))
+    return argv
+
+
+TABBYAPI_UNIT = "voltaforge-tabbyapi.service"
+
+
 @dataclass(frozen=True)
 class ServerLayout:
-    """Where things live on the host (all under the install prefix)."""
+    """Where things live on the host (all under the install prefix, configuration in /etc).
+
+    The services read their weights through links in ``serve_dir``, which `invoke deploy`
+    switches: a new quant is a new link target, never a rewritten unit.
+    """
 
     prefix: str = "/opt/voltaforge"
     unit_name: str = "voltaforge-llama-server.service"
+    tabbyapi_unit_name: str = TABBYAPI_UNIT
+
+    @property
+    def service(self) -> str:
+        """The unit name without .service (and without the @ of an instance template)."""
+        return self.unit_name.removesuffix(".service").removesuffix("@")
+
+    @property
+    def serve_dir(self) -> str:
+        return f"{self.prefix}/serve/{self.service}"
 
     @property
     def llama_server(self) -> str:
@@ -54,22 +132,95 @@ class ServerLayout:
         return f"{self.prefix}/llama.cpp/current/bin/llama-server"
 
     def model_file(self, recipe: Recipe) -> str:
-        return f"{self.prefix}/models/{recipe.name}/{recipe.name}-{recipe.quant_name}.gguf"
+        """The link to the recipe's GGUF that llama-server loads (shared by every instance)."""
+        return f"{self.serve_dir}/model.gguf"
+
+    def draft_file(self, recipe: Recipe) -> str:
+        return f"{self.serve_dir}/draft.gguf"
 
     def api_key_file(self, recipe: Recipe) -> str | None:
         ref = recipe.service.api_key_ref
         return f"/etc/voltaforge/secrets/{ref}" if ref else None
 
+    @property
+    def template_unit_name(self) -> str:
+        """The instance template for hosts with several GPUs: one instance per GPU index."""
+        return f"{self.service}@.service"
 
-def llama_server_argv(recipe: Recipe, layout: ServerLayout) -> tuple[list[str], frozenset[int]]:
-    """The llama-server command line for a recipe, and which arguments are systemd specifiers.
+    def instance_env_file(self, index: int | str) -> str:
+        """Root-owned: CUDA_VISIBLE_DEVICES and VOLTAFORGE_PORT of one instance (%i in the unit)."""
+        return f"/etc/voltaforge/{self.service}@{index}.env"
 
-    -c is the total context: llama-server splits it across -np slots (docs/docs/knowledge.md section 1).
+    # TabbyAPI (EXL2 recipes)
+    @property
+    def venv(self) -> str:
+        return venv_path(self.prefix)
+
+    @property
+    def tabbyapi_dir(self) -> str:
+        # where steps/tabbyapi.py installs the pinned tree
+        return f"{self.prefix}/tabbyAPI"
+
+    @property
+    def tabbyapi_serve_dir(self) -> str:
+        return f"{self.prefix}/serve/{self.tabbyapi_unit_name.removesuffix('.service')}"
+
+    @property
+    def tabbyapi_model_link(self) -> str:
+        """The link to the recipe's EXL2 directory: TabbyAPI's model_dir/model_name."""
+        return f"{self.tabbyapi_serve_dir}/model"
+
+    @property
+    def tabbyapi_config(self) -> str:
+        return "/etc/voltaforge/tabbyapi/config.yml"
+
+    @property
+    def tabbyapi_tokens(self) -> str:
+        """Root-only (0600) api_tokens.yml, written by deploy from the recipe's secret; reaches
+        the service as a credential, never through config.yml."""
+        return "/etc/voltaforge/tabbyapi/api_tokens.yml"
+
+    @property
+    def tabbyapi_logs(self) -> str:
+        return f"/var/log/{self.tabbyapi_unit_name.removesuffix('.service')}"
+
+    def tabbyapi_links(self) -> dict[str, str]:
+        """The links deploy keeps in tabbyapi_serve_dir, TabbyAPI's working directory, besides
+        ``model``: TabbyAPI opens templates/, sampler_overrides/, logs/ and api_tokens.yml
+        relative to its working directory (common/templating.py, common/sampling.py,
+        common/logger.py, common/auth.py at the pinned ref). Its source tree stays read-only;
+        logs/ is the unit's LogsDirectory and api_tokens.yml its credential."""
+        return {
+            "templates": f"{self.tabbyapi_dir}/templates",
+            "sampler_overrides": f"{self.tabbyapi_dir}/sampler_overrides",
+            "logs": self.tabbyapi_logs,
+            "api_tokens.yml": f"/run/credentials/{self.tabbyapi_unit_name}/api_tokens.yml",
+        }
+
+
+DEFAULT_BATCH = 2048  # llama.cpp's own -b default at the pinned ref; the planner assumes it
+
+
+def llama_server_argv(
+    recipe: Recipe, layout: ServerLayout, port: str | None = None
+) -> tuple[list[str], frozenset[int]]:
+    """The llama-server command line for a recipe, and which arguments are systemd specifiers
+    or variables (written raw).
+
+    -c is the total context: llama-server splits it across -np slots (knowledge.md section 1).
     Every flag is spelled out because defaults move between llama.cpp versions (the port did).
+    ``--fit off``: at the pinned ref llama-server otherwise shrinks any argument it thinks is
+    unset to the free memory at load time (knowledge.md section 4); the plan is the contract.
+    -ub is planner.n_ubatch, the size the compute buffer was planned with; -b is recipe.batch
+    or llama.cpp's default 2048 (which the planner assumes), written out all the same. A draft
+    model gets the same KV cache types as the target (the planner sizes its cache so) and runs
+    at the target's context (the pinned ref has no separate draft context flag).
+    ``port``: a raw value (``${VOLTAFORGE_PORT}`` in an instance template) instead of the recipe's.
     """
     if recipe.backend != "llamacpp":
         raise VoltaforgeError(f"recipe {recipe.name}: llama-server serves llamacpp recipes, not {recipe.backend}")
     gpu = not get_gpu(recipe.gpu).is_cpu
+    layers = "all" if gpu else "0"
     argv = [
         layout.llama_server,
         "--model",
@@ -78,6 +229,10 @@ def llama_server_argv(recipe: Recipe, layout: ServerLayout) -> tuple[list[str], 
         str(recipe.context * recipe.parallel),
         "--parallel",
         str(recipe.parallel),
+        "--batch-size",
+        str(recipe.batch or DEFAULT_BATCH),
+        "--ubatch-size",
+        str(recipe.planner.n_ubatch),
         "--cache-type-k",
         recipe.cache.k,
         "--cache-type-v",
@@ -85,19 +240,34 @@ def llama_server_argv(recipe: Recipe, layout: ServerLayout) -> tuple[list[str], 
         "--flash-attn",
         "on" if recipe.flash_attn else "off",
         "--gpu-layers",
-        "all" if gpu else "0",
-        "--host",
-        recipe.service.bind,
-        "--port",
-        str(recipe.service.port),
-        "--metrics",
-        "--no-webui",
+        layers,
+        "--fit",
+        "off",
     ]
-    raw: set[int] = set()
+    if recipe.draft is not None:
+        argv += [
+            "--model-draft",
+            layout.draft_file(recipe),
+            "--gpu-layers-draft",
+            layers,
+            "--cache-type-k-draft",
+            recipe.cache.k,
+            "--cache-type-v-draft",
+            recipe.cache.v,
+        ]
+    argv += ["--host", recipe.service.bind, "--port", port or str(recipe.service.port)]
+    raw: set[int] = {len(argv) - 1} if port else set()
+    argv += ["--metrics", "--no-webui"]
     if recipe.service.api_key_ref:
         argv += ["--api-key-file", "%d/api-key"]
         raw.add(len(argv) - 1)
     return argv, frozenset(raw)
+
+
+def tabbyapi_argv(layout: ServerLayout) -> list[str]:
+    """TabbyAPI's main.py in the toolchain venv, with our config (its --config overrides the
+    config.yml it would read from the working directory)."""
+    return [f"{layout.venv}/bin/python", f"{layout.tabbyapi_dir}/main.py", "--config", layout.tabbyapi_config]
 
 
 @dataclass(frozen=True)
@@ -105,6 +275,16 @@ class RenderedUnit:
     name: str
     text: str
     argv: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    """One file deploy installs: its absolute path on the host, its text and mode."""
+
+    path: str
+    text: str
+    mode: int
+    kind: Literal["unit", "config", "env"]
 
 
 def _env() -> jinja2.Environment:
@@ -118,17 +298,37 @@ def _env() -> jinja2.Environment:
     )
 
 
+def _check_gpu_indexes(gpu_indexes: tuple[int, ...]) -> None:
+    if not gpu_indexes or len(set(gpu_indexes)) != len(gpu_indexes):
+        raise VoltaforgeError(f"GPU indexes {gpu_indexes!r}: give one or more distinct indexes")
+    for i in gpu_indexes:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < 64:
+            raise VoltaforgeError(f"GPU index {i!r} must be a whole number 0-63")
+
+
+def _check_environment(environment: list[tuple[str, str]]) -> None:
+    for key, value in environment:
+        if not _ENV_NAME.match(key) or not re.fullmatch(r"[A-Z0-9_,]*", value):
+            raise VoltaforgeError(f"bad environment entry {key}={value!r}")
+
+
+def _cuda_environment(gpu_indexes: tuple[int, ...]) -> list[tuple[str, str]]:
+    # PCI_BUS_ID: CUDA's index i is nvidia-smi's GPU i and /dev/nvidia<i> (CUDA's default
+    # order is fastest first, which would not match on a mixed host)
+    return [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpu_indexes)))]
+
+
 def render_llama_server_unit(
     recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,)
 ) -> RenderedUnit:
-    if not _UNIT_NAME.match(layout.unit_name):
+    """The plain unit: one llama-server over the given GPUs (all of them in one process)."""
+    if not _UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
         raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
+    _check_gpu_indexes(gpu_indexes)
     argv, raw = llama_server_argv(recipe, layout)
     gpu = not get_gpu(recipe.gpu).is_cpu
-    environment = [("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpu_indexes)))] if gpu else []
-    for key, value in environment:
-        if not _ENV_NAME.match(key) or not re.fullmatch(r"[0-9,]*", value):
-            raise VoltaforgeError(f"bad environment entry {key}={value!r}")
+    environment = _cuda_environment(gpu_indexes) if gpu else []
+    _check_environment(environment)
     text = (
         _env()
         .get_template("llama-server.service.j2")
@@ -138,9 +338,154 @@ def render_llama_server_unit(
             exec_start=exec_line(argv, raw),
             api_key_file=layout.api_key_file(recipe),
             environment=environment,
+            environment_file=None,
             gpu=gpu,
             gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
             loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
         )
     )
     return RenderedUnit(layout.unit_name, text, argv)
+
+
+def render_llama_server_template(recipe: Recipe, layout: ServerLayout = ServerLayout()) -> RenderedUnit:
+    """The instance template ``<service>@.service``: instance %i serves GPU %i on the port its
+    environment file names (recipe port + i); every instance loads the same model link."""
+    if not _UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
+        raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
+    if get_gpu(recipe.gpu).is_cpu:
+        raise VoltaforgeError(f"recipe {recipe.name}: one instance per GPU needs a GPU recipe, not {recipe.gpu}")
+    argv, raw = llama_server_argv(recipe, layout, port="${VOLTAFORGE_PORT}")
+    name = layout.template_unit_name
+    text = (
+        _env()
+        .get_template("llama-server.service.j2")
+        .render(
+            unit_name=name,
+            recipe=recipe.name,
+            exec_start=exec_line(argv, raw),
+            api_key_file=layout.api_key_file(recipe),
+            environment=[("CUDA_DEVICE_ORDER", "PCI_BUS_ID")],
+            environment_file=layout.instance_env_file("%i"),
+            gpu=True,
+            gpu_devices=["/dev/nvidia%i"],
+            loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+        )
+    )
+    return RenderedUnit(name, text, argv)
+
+
+def instance_environment(recipe: Recipe, index: int) -> str:
+    """The environment file of instance ``index``: its GPU and its port (recipe port + index)."""
+    port = recipe.service.port + index
+    if port > 65535:
+        raise VoltaforgeError(f"recipe {recipe.name}: GPU {index} would listen on port {port}, above 65535")
+    return (
+        f"# rendered by voltaforge for {recipe.name}: instance {index} of the llama-server template\n"
+        f"CUDA_VISIBLE_DEVICES={index}\nVOLTAFORGE_PORT={port}\n"
+    )
+
+
+# TabbyAPI's cache modes for ExLlamaV2 (common/config_models.py CACHE_SIZES at the pinned ref)
+TABBYAPI_CACHE_MODES = {"FP16": "FP16", "Q8": "Q8", "Q6": "Q6", "Q4": "Q4"}
+
+
+def render_tabbyapi_config(recipe: Recipe, layout: ServerLayout = ServerLayout()) -> str:
+    """TabbyAPI's config.yml for an EXL2 recipe. No key in it: with an api_key_ref, auth is on
+    and the keys come from api_tokens.yml (a credential); without one the service is loopback
+    only (the recipe refuses an open port without a key) and auth is off, like llama-server."""
+    if recipe.backend != "exllamav2" or isinstance(recipe.quant, str):
+        raise VoltaforgeError(f"recipe {recipe.name}: TabbyAPI serves exllamav2 recipes, not {recipe.backend}")
+    mode = TABBYAPI_CACHE_MODES.get(recipe.cache.k)
+    if mode is None:
+        raise VoltaforgeError(f"recipe {recipe.name}: cache {recipe.cache.k!r} is not a TabbyAPI cache mode")
+    model_dir, model_name = layout.tabbyapi_model_link.rsplit("/", 1)
+    total = recipe.context * recipe.parallel
+    return (
+        _env()
+        .get_template("tabbyapi-config.yml.j2")
+        .render(
+            recipe=recipe.name,
+            host=recipe.service.bind,
+            port=recipe.service.port,
+            disable_auth=not recipe.service.api_key_ref,
+            model_dir=model_dir,
+            model_name=model_name,
+            max_seq_len=recipe.context,
+            # a multiple of 256 (TabbyAPI); ignored by ExLlamaV2 before Ampere, which sizes by max_seq_len
+            cache_size=-(-total // 256) * 256,
+            cache_mode=mode,
+            max_batch_size=recipe.parallel,
+        )
+    )
+
+
+def tabbyapi_tokens_yaml(api_key: str, admin_key: str) -> str:
+    """The api_tokens.yml TabbyAPI reads (common/auth.py: AuthKeys, both keys required). The
+    admin key may load, unload and download models: give it a random value of its own, never
+    the API key. Deploy writes this root-only at layout.tabbyapi_tokens."""
+    for what, key in (("api key", api_key), ("admin key", admin_key)):
+        if not key or any(ord(c) < 33 or ord(c) == 127 for c in key):
+            raise VoltaforgeError(f"the TabbyAPI {what} must be non-empty printable text without spaces")
+    if api_key == admin_key:
+        raise VoltaforgeError("the TabbyAPI admin key must differ from the API key")
+    return yaml.safe_dump({"api_key": api_key, "admin_key": admin_key}, default_flow_style=False)
+
+
+def render_tabbyapi_unit(
+    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,)
+) -> RenderedUnit:
+    """One TabbyAPI over the given GPUs (it splits a model across them itself)."""
+    if not _UNIT_NAME.match(layout.tabbyapi_unit_name) or "@" in layout.tabbyapi_unit_name:
+        raise VoltaforgeError(f"unit name {layout.tabbyapi_unit_name!r} must look like name.service")
+    if recipe.backend != "exllamav2":
+        raise VoltaforgeError(f"recipe {recipe.name}: TabbyAPI serves exllamav2 recipes, not {recipe.backend}")
+    _check_gpu_indexes(gpu_indexes)
+    argv = tabbyapi_argv(layout)
+    environment = _cuda_environment(gpu_indexes)
+    _check_environment(environment)
+    name = layout.tabbyapi_unit_name
+    text = (
+        _env()
+        .get_template("tabbyapi.service.j2")
+        .render(
+            unit_name=name,
+            recipe=recipe.name,
+            exec_start=exec_line(argv),
+            working_directory=layout.tabbyapi_serve_dir,
+            service=name.removesuffix(".service"),
+            tokens_file=layout.tabbyapi_tokens if recipe.service.api_key_ref else None,
+            environment=environment,
+            gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
+            loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+        )
+    )
+    return RenderedUnit(name, text, argv)
+
+
+UNIT_DIR = "/etc/systemd/system"
+
+
+def render_service_files(
+    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,)
+) -> list[RenderedFile]:
+    """Every file deploy installs for a recipe (not the secrets, nor the links in serve_dir).
+
+    llamacpp, one GPU index: the plain unit. Several: the instance template and one environment
+    file per instance (GPU i on recipe port + i). exllamav2: TabbyAPI's unit and config.yml.
+    """
+    _check_gpu_indexes(gpu_indexes)
+    if recipe.backend == "exllamav2":
+        unit = render_tabbyapi_unit(recipe, layout, gpu_indexes)
+        return [
+            RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit"),
+            RenderedFile(layout.tabbyapi_config, render_tabbyapi_config(recipe, layout), 0o644, "config"),
+        ]
+    if len(gpu_indexes) == 1 or get_gpu(recipe.gpu).is_cpu:
+        if len(gpu_indexes) > 1:
+            raise VoltaforgeError(f"recipe {recipe.name}: a CPU recipe runs one server, not one per GPU")
+        unit = render_llama_server_unit(recipe, layout, gpu_indexes)
+        return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
+    template = render_llama_server_template(recipe, layout)
+    return [RenderedFile(f"{UNIT_DIR}/{template.name}", template.text, 0o644, "unit")] + [
+        RenderedFile(layout.instance_env_file(i), instance_environment(recipe, i), 0o644, "env") for i in gpu_indexes
+    ]

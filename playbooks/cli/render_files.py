@@ -1,0 +1,58 @@
+"""`invoke render`: every file `invoke deploy` would install for a recipe, written under a local
+directory that mirrors the host's paths (DIR/etc/systemd/system/...). Needs no host: for review,
+diffing and packaging."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.text import Text
+
+from playbooks.cli.flags import UsageError
+from playbooks.cli.render import console
+from playbooks.config.recipe import RECIPES_DIR, load_recipe
+from playbooks.steps.units import ServerLayout, render_service_files
+
+
+def gpu_indexes(value: object) -> tuple[int, ...]:
+    """``--gpus 0,1`` -> (0, 1): one llama-server instance per GPU."""
+    text = str(value).strip()
+    try:
+        indexes = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise UsageError(f"--gpus {text!r}: give GPU indexes separated by commas, e.g. 0,1") from None
+    if any(i < 0 or i > 63 for i in indexes) or len(set(indexes)) != len(indexes):
+        raise UsageError(f"--gpus {text!r}: distinct GPU indexes 0-63")
+    return indexes
+
+
+def output_dir(value: object) -> Path:
+    text = str(value or "")
+    if not text.strip() or "\n" in text or "\0" in text:
+        raise UsageError(f"--out {text!r} is not a directory path")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {text!r} exists and is not a directory")
+    return path
+
+
+def run_render(
+    recipe: str | None,
+    out: Path,
+    gpus: tuple[int, ...] = (0,),
+    recipes_dir: Path | None = None,
+    prefix: str | None = None,
+) -> int:
+    if not recipe:
+        raise UsageError("--recipe is required (or voltaforge.recipe in invoke.yaml)")
+    loaded = load_recipe(recipe, recipes_dir or RECIPES_DIR)
+    layout = ServerLayout(prefix=prefix) if prefix else ServerLayout()
+    files = render_service_files(loaded.recipe, layout, gpus)
+    show = console()
+    for f in files:
+        target = out / f.path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(f.text)
+        target.chmod(f.mode)
+        show.print(Text(f"wrote {target} ({f.kind}, mode {f.mode:04o}, host path {f.path})"))
+    return 0
