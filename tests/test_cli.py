@@ -71,6 +71,14 @@ BAD = {
     ("quantize", "inventory"): [("BROKEN", "inventory")],
     ("quantize", "quant"): [("Q9_K", "--quant Q9_K: not a GGUF quant type"), ("F16", "not a GGUF quant type")],
     ("quantize", "bpw"): [("1.5", "--bpw 1.5: outside 2.0-8.0"), ("lots", "want bits per weight")],
+    ("quantize", "on"): [("nosuch..host", "is not a valid host name"), ("a,b", "--on: this command takes one host")],
+    ("deploy", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
+    ("deploy", "recipe"): [("nope", "unknown recipe 'nope'")],
+    ("deploy", "inventory"): [("BROKEN", "inventory")],
+    ("deploy", "manager"): [("docker", "--manager 'docker': want one of auto, systemd, process")],
+    ("stop", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
+    ("stop", "recipe"): [("nope", "unknown recipe 'nope'")],
+    ("stop", "inventory"): [("BROKEN", "inventory")],
     ("artifacts", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
     ("artifacts", "inventory"): [("BROKEN", "inventory")],
     ("render", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
@@ -93,6 +101,12 @@ CONTEXT = {
     ("quantize", "inventory"): ["--host", "some-host"],
     ("quantize", "quant"): ["--host", "local", "--recipe", "tiny-cpu"],
     ("quantize", "bpw"): ["--host", "local", "--recipe", "tiny-cpu"],
+    ("quantize", "on"): ["--host", "local", "--recipe", "tiny-cpu"],
+    ("deploy", "recipe"): ["--host", "local"],
+    ("deploy", "inventory"): ["--host", "some-host"],
+    ("deploy", "manager"): ["--host", "local", "--recipe", "tiny-cpu"],
+    ("stop", "recipe"): ["--host", "local"],
+    ("stop", "inventory"): ["--host", "some-host"],
     ("artifacts", "inventory"): ["--host", "some-host"],
     ("render", "recipe"): ["--out", "/tmp/vf-render-unused"],
     ("render", "gpus"): ["--recipe", "tiny-cpu", "--out", "/tmp/vf-render-unused"],
@@ -105,6 +119,7 @@ NO_BAD_VALUE = {
     ("build", "dry-run"),
     ("build", "no-cache"),
     ("quantize", "dry-run"),
+    ("deploy", "dry-run"),
     ("quantize", "force"),
     ("quantize", "verify"),
     ("artifacts", "json"),
@@ -137,7 +152,9 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
     assert words in lines[0] and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("task", ["plan", "preflight", "toolchain", "build", "quantize", "artifacts", "render"])
+@pytest.mark.parametrize(
+    "task", ["plan", "preflight", "toolchain", "build", "quantize", "artifacts", "render", "deploy", "stop"]
+)
 def test_dash_h_is_help_not_host(task):
     r = invoke(task, "-h")
     assert r.returncode == 0 and "Usage:" in r.stdout and "--host" not in r.stderr

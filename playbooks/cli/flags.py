@@ -99,3 +99,10 @@ def install_prefix(flag: str, value: object) -> str | None:
 
 
 _PREFIX_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._/-")
+
+
+def choice(flag: str, value: object, allowed: tuple[str, ...]) -> str:
+    text = str(value).strip()
+    if text not in allowed:
+        raise UsageError(f"{flag} {text!r}: want one of {', '.join(allowed)}")
+    return text

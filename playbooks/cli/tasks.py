@@ -289,6 +289,57 @@ def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: 
 
 
 @task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "dry-run": "show the diff of every file and the commands; change nothing",
+        "manager": "auto (systemd where it runs, else a managed process), systemd, or process",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def deploy(
+    c: Context,
+    host: str | None = None,
+    recipe: str | None = None,
+    dry_run: bool = False,
+    manager: str = "auto",
+    inventory: str | None = None,
+) -> None:
+    """Install and start the recipe's server from the rendered files and the verified model;
+    check /health and the load log against the plan; roll back to the last good one on failure."""
+
+    def go() -> int:
+        from playbooks.cli.deploy import run_deploy
+
+        return run_deploy(
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            dry_run=dry_run,
+            manager=flags.choice("--manager", manager, ("auto", "systemd", "process")),
+            settings=_settings(c, inventory),
+        )
+
+    run_command(go)
+
+
+@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "inventory": INVENTORY_HELP})
+def stop(c: Context, host: str | None = None, recipe: str | None = None, inventory: str | None = None) -> None:
+    """Stop the recipe's server on a host (the unit, or the managed process); its files stay."""
+
+    def go() -> int:
+        from playbooks.cli.deploy import run_stop
+
+        return run_stop(
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            settings=_settings(c, inventory),
+        )
+
+    run_command(go)
+
+
+@task(
     auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"}
 )
 def test(c: Context, k: str | None = None, fast: bool = False) -> None:
@@ -306,5 +357,5 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     c.run(" ".join(shlex.quote(a) for a in args), pty=False)
 
 
-ns = Collection(plan, preflight, toolchain, build, quantize, artifacts, render, test)
+ns = Collection(plan, preflight, toolchain, build, quantize, artifacts, render, deploy, stop, test)
 ns.configure(DEFAULTS)

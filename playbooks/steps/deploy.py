@@ -52,6 +52,7 @@ RECORD_VERSION = 1
 #: /health polls: how often, and the least time a load may take
 HEALTH_POLL_S = 0.5
 MIN_HEALTH_TIMEOUT_S = 60
+HEALTH_GRACE_S = 30
 #: a model is read at no less than this from disk while loading (a slow HDD: the timeout is generous)
 LOAD_BYTES_PER_S = 100e6
 
@@ -106,7 +107,7 @@ class Expectations:
 
 def health_timeout(model_bytes: int) -> float:
     """Long enough to read the model from a slow disk, never under a minute."""
-    return max(MIN_HEALTH_TIMEOUT_S, 30 + model_bytes / LOAD_BYTES_PER_S)
+    return max(MIN_HEALTH_TIMEOUT_S, HEALTH_GRACE_S + model_bytes / LOAD_BYTES_PER_S)
 
 
 def fingerprint(files: Sequence[ServiceFile], artifact_sha256: str, artifact_path: str) -> str:
@@ -228,19 +229,20 @@ class EnsureServiceFile(Operation):
     def decide(self, facts: str | None) -> Decision:
         if facts == self.file.text:
             return Decision.ok(f"unchanged (sha256 {self.file.sha256[:12]})")
-        if facts is None:
-            return Decision.act("not installed yet", self.upload)
         diff = "".join(
             difflib.unified_diff(
-                facts.splitlines(keepends=True),
+                (facts or "").splitlines(keepends=True),
                 self.file.text.splitlines(keepends=True),
-                f"{self.file.path} (on the host)",
+                "/dev/null" if facts is None else f"{self.file.path} (on the host)",
                 f"{self.file.path} (rendered)",
                 n=1,
             )
         ).rstrip("\n")
+        shown = Diff(self.file.path, "the diff", diff)
+        if facts is None:
+            return Decision.act("not installed yet", shown, self.upload)
         changed = sum(1 for line in diff.splitlines() if line.startswith(("+", "-")) and line[1:2] not in "+-")
-        return Decision.act(f"{changed} line(s) differ", Diff(self.file.path, "the diff", diff), self.upload)
+        return Decision.act(f"{changed} line(s) differ", shown, self.upload)
 
     def apply(self, host: Host, decision: Decision) -> None:
         for cmd in decision.commands:
@@ -442,9 +444,10 @@ class EnsureServing(Operation):
             self._run(host)(" && ".join(cmds), stream=False)
             run_command(host, self.manager.restart())
             deadline = time.monotonic() + health_timeout(int(rec.get("artifact", {}).get("bytes") or 0))
-            while parse_health(read_fact(host, health_command(self.port))) != 200:
+            port = int(rec.get("port") or self.port)
+            while parse_health(read_fact(host, health_command(port))) != 200:
                 if time.monotonic() > deadline:
-                    return "rolled back to the deployment of {rec.get('at')}, but it does not answer either"
+                    return f"rolled back to the deployment of {rec.get('at')}, but it does not answer either"
                 time.sleep(HEALTH_POLL_S)
         except HostError as exc:
             return f"the rollback failed too: {exc}"

@@ -257,7 +257,10 @@ def llama_server_argv(
         ]
     argv += ["--host", recipe.service.bind, "--port", port or str(recipe.service.port)]
     raw: set[int] = {len(argv) - 1} if port else set()
-    argv += ["--metrics", "--no-webui"]
+    # -lv 4: at the pinned ref the load lines deploy checks (offloaded N/M layers, the KV and
+    # compute buffer sizes, the build) are printed from verbosity 4 only; 5 would add the
+    # trial loads of --fit and count buffers twice (facts/server_log.py)
+    argv += ["--metrics", "--no-webui", "--log-verbosity", "4"]
     if recipe.service.api_key_ref:
         argv += ["--api-key-file", "%d/api-key"]
         raw.add(len(argv) - 1)

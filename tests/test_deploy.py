@@ -1,0 +1,160 @@
+"""`invoke deploy`'s facts and decisions without a server (table-style), and the health wait
+and rollback against a real process on this machine that never turns green."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from playbooks.errors import VoltaforgeError
+from playbooks.facts.service import (
+    parse_health,
+    parse_listeners,
+    parse_process_state,
+    parse_unit_state,
+)
+from playbooks.host.local import LocalHost
+from playbooks.host.ops import OperationError, Upload, run_ops
+from playbooks.steps import deploy
+from playbooks.steps.deploy import (
+    CheckPort,
+    DeployLayout,
+    Diff,
+    EnsureModelLink,
+    EnsureServiceFile,
+    EnsureServing,
+    Expectations,
+    LinkFacts,
+    ServiceFile,
+    ServingFacts,
+    fingerprint,
+    health_timeout,
+)
+from playbooks.steps.service_manager import ProcessRunner, Running, Systemd, process_argv, unit_environment
+from tests.helpers import fixture_body
+from tests.testhosts import free_port
+
+UNIT = ServiceFile("/etc/systemd/system/x.service", "[Service]\nExecStart=/bin/x --port 1\n", 0o644, True)
+
+
+def test_unit_state_and_process_state_parse_and_garbage_is_not_running():
+    st = parse_unit_state(
+        "ActiveState=active\nSubState=running\nMainPID=4242\nInvocationID=0123456789abcdef0123456789abcdef\n"
+        "NRestarts=0\nUnitFileState=enabled\nLoadState=loaded\n"
+    )
+    assert st.running and st.main_pid == 4242 and st.enabled == "enabled"
+    assert not parse_unit_state("ActiveState=activating\nMainPID=0\n").running
+    assert not parse_unit_state("Failed to connect to bus").running
+    p = parse_process_state("want=/opt/b/llama-server\npid=77\nstart=12345\nexe=/opt/b/llama-server\n")
+    assert p.running and p.pid == 77
+    # a reused pid running another program, a dead one, a binary rebuilt under it
+    assert not parse_process_state("want=/opt/b/llama-server\npid=77\nstart=1\nexe=/usr/bin/python3\n").running
+    assert not parse_process_state("want=/opt/b/llama-server\npid=77\n").running
+    assert parse_process_state("want=/opt/b/llama-server\npid=7\nstart=1\nexe=/opt/b/llama-server (deleted)\n").running
+
+
+def test_listeners_come_from_real_ss_output():
+    [li] = parse_listeners(fixture_body("thishost-ss-ltnp-python-http-server.txt"))
+    assert li.address == "127.0.0.1:18555" and li.pids == (14608,) and li.process == "python3"
+    assert parse_listeners("") == [] and parse_health("503") == 503 and parse_health("garbage") == 0
+
+
+def test_the_port_check_accepts_the_service_itself_and_names_anyone_else():
+    op = CheckPort(18555, Systemd("x.service"), sudo=True)
+    ss = fixture_body("thishost-ss-ltnp-python-http-server.txt")
+    assert not op.decide(("", Running(False, "", 0, ""))).commands
+    assert "this service's own" in op.decide((ss, Running(True, "i", 14608, ""))).reason
+    with pytest.raises(OperationError, match=r"port 18555 is in use by python3 \(pid 14608\) on 127.0.0.1:18555"):
+        op.decide((ss, Running(True, "i", 999, "")))
+
+
+def test_the_model_link_needs_a_manifest_and_moves_atomically():
+    op = EnsureModelLink(
+        "/p/serve/s/model.gguf", "/p/models/m/gguf/m-Q4_K_M.gguf", "/p/m.manifest.json", "run quantize"
+    )
+    with pytest.raises(OperationError, match="model file missing: .*run quantize"):
+        op.decide(LinkFacts(None, None))
+    assert not op.decide(LinkFacts("/p/models/m/gguf/m-Q4_K_M.gguf", {"sha256": "ab"})).commands
+    d = op.decide(LinkFacts("/p/old.gguf", {"sha256": "ab"}))
+    assert "points at /p/old.gguf" in d.reason and "mv -T" in d.shown()[0]
+
+
+def test_a_changed_file_is_shown_as_a_diff_and_uploaded():
+    op = EnsureServiceFile(UNIT)
+    assert not op.decide(UNIT.text).commands
+    d = op.decide(UNIT.text.replace("--port 1", "--port 2"))
+    diff, upload = d.commands
+    assert isinstance(diff, Diff) and isinstance(upload, Upload) and d.reason == "2 line(s) differ"
+    assert "-ExecStart=/bin/x --port 2" in diff.show() and "+ExecStart=/bin/x --port 1" in diff.show()
+    new = op.decide(None)
+    assert new.reason == "not installed yet" and "+[Service]" in new.commands[0].show()
+
+
+def _serving(**kw):
+    layout = DeployLayout("/p", "x")
+    args = dict(
+        manager=Systemd("x.service"),
+        layout=layout,
+        files=[UNIT],
+        link="/p/serve/x/model.gguf",
+        artifact="/p/m.gguf",
+        artifact_sha256="ab" * 32,
+        artifact_bytes=4_000_000,
+        port=1,
+        expect=Expectations(None, 1.0, 1.0),
+    )
+    return EnsureServing(**(args | kw))
+
+
+def test_serving_restarts_only_when_what_it_runs_changed():
+    op = _serving()
+    up = Running(True, "inv1", 42, "active (running), pid 42")
+    record = {"fingerprint": op.want, "run": "inv1", "files": {UNIT.path: UNIT.sha256}, "at": "T"}
+    record["artifact"] = {"sha256": "ab" * 32}
+    assert "running, unchanged" in op.decide(ServingFacts(up, record)).reason
+    assert op.decide(ServingFacts(up, record)).commands == ()
+    assert op.decide(ServingFacts(Running(False, "", 0, ""), record)).reason == "not running"
+    assert "restarted outside voltaforge" in op.decide(ServingFacts(Running(True, "inv2", 43, ""), record)).reason
+    other = _serving(artifact_sha256="cd" * 32)
+    assert other.decide(ServingFacts(up, record)).reason == "the model changed"
+    changed = _serving(files=[ServiceFile(UNIT.path, UNIT.text + "# x\n", 0o644, True)])
+    assert changed.decide(ServingFacts(up, record)).reason == "x.service changed"
+    assert _serving().decide(ServingFacts(up, None)).reason == "never deployed by voltaforge"
+    assert fingerprint([UNIT], "a", "/m") != fingerprint([UNIT], "b", "/m")
+
+
+def test_health_timeout_grows_with_the_model_and_process_argv_resolves_only_d():
+    assert health_timeout(0) == 60 and health_timeout(20 * 10**9) == pytest.approx(230)
+    assert process_argv(["/b", "--api-key-file", "%d/api-key"], "/s/cred") == (
+        "/b",
+        "--api-key-file",
+        "/s/cred/api-key",
+    )
+    with pytest.raises(VoltaforgeError, match="specifier"):
+        process_argv(["/b", "%i"], "/c")
+    with pytest.raises(VoltaforgeError, match="EnvironmentFile"):
+        process_argv(["/b", "--port", "${VOLTAFORGE_PORT}"], "/c")
+    assert unit_environment("[Service]\nEnvironment=CUDA_VISIBLE_DEVICES=0,1\n") == (("CUDA_VISIBLE_DEVICES", "0,1"),)
+
+
+def test_a_server_whose_health_never_turns_green_fails_in_one_line_and_is_stopped(tmp_path, monkeypatch):
+    """A real process on a real port that answers 404 on /health, and nothing served before:
+    the wait ends at its timeout, the new process is stopped, one line says so."""
+    monkeypatch.setattr(deploy, "MIN_HEALTH_TIMEOUT_S", 2)
+    monkeypatch.setattr(deploy, "HEALTH_GRACE_S", 0)
+    port = free_port()
+    state = tmp_path / "deploy" / "x"
+    state.mkdir(parents=True)
+    python = sys.executable
+    runner = ProcessRunner(str(state), python, (python, "-m", "http.server", str(port), "--bind", "127.0.0.1"))
+    unit = ServiceFile(str(state / "x.service"), "ExecStart=...\n")
+    op = _serving(manager=runner, layout=DeployLayout(str(tmp_path), "x"), files=[unit], port=port)
+    with LocalHost() as host:
+        host.write_file(unit.path, unit.text.encode(), 0o644)
+        [change] = run_ops(host, [op])
+        assert change.status == "failed", change.why
+        assert change.why.startswith(f"/health on 127.0.0.1:{port} still 404 after 2 s")
+        assert change.why.endswith("nothing served here before: the new service is stopped")
+        assert not runner.running(host.run(runner.state_command(), stream=False).stdout).up
+        assert not (state / "deployed.json").exists()
