@@ -158,3 +158,68 @@ def test_a_server_whose_health_never_turns_green_fails_in_one_line_and_is_stoppe
         assert change.why.endswith("nothing served here before: the new service is stopped")
         assert not runner.running(host.run(runner.state_command(), stream=False).stdout).up
         assert not (state / "deployed.json").exists()
+
+
+def test_tabbyapi_tokens_come_from_the_secret_on_the_host_and_never_leave_it(tmp_path, capsys):
+    from playbooks.steps.deploy import EnsureTabbyTokens
+
+    secret, tokens = tmp_path / "secret", tmp_path / "api_tokens.yml"
+    op = EnsureTabbyTokens(str(secret), str(tokens))
+    with LocalHost() as host:
+        [change] = run_ops(host, [op])
+        assert change.status == "failed" and f"put it in {secret} (root, mode 0600)" in change.why
+        secret.write_text("sk-first.key\n")
+        assert [c.status for c in run_ops(host, [op])] == ["changed"]
+        text = tokens.read_text()
+        assert text.startswith('api_key: "sk-first.key"\nadmin_key: "') and len(text.split('"')[3]) == 48
+        assert tokens.stat().st_mode & 0o777 == 0o600
+        assert [c.status for c in run_ops(host, [op])] == ["ok"]
+        secret.write_text("sk-second\n")
+        [change] = run_ops(host, [op])
+        assert change.status == "changed" and change.why == "the API key changed" and "sk-second" in tokens.read_text()
+        secret.write_text('bad"key\n')
+        [change] = run_ops(host, [op])
+        assert change.status == "failed" and "has characters an API key should not" in change.why
+        assert "sk-second" in tokens.read_text()
+    out = capsys.readouterr().out
+    assert "sk-first" not in out and "sk-second" not in out and "bad" not in out.replace("bad input", "")
+
+
+EVIL = ["a;b", "two words", "line\nExecStartPre=/bin/sh", "100%h", "$HOME", "../../etc/shadow"]
+
+
+@pytest.mark.parametrize("value", EVIL, ids=repr)
+def test_a_value_that_would_inject_into_a_unit_is_one_line_before_any_host(value, tmp_path):
+    """Every string of a recipe or inventory that reaches a unit or a shell: the recipe's name,
+    the API key's secret name, the bind address, the install prefix. Each is refused with the
+    file and the key; the host (closed port: it would fail otherwise) is never contacted."""
+    import yaml
+
+    from playbooks.cli.deploy import run_deploy
+    from playbooks.cli.settings import Settings
+    from tests.helpers import ROOT
+
+    base = yaml.safe_load((ROOT / "recipes" / "tiny-cpu.yaml").read_text())
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    cases = {
+        "service.api_key_ref": base | {"service": {"port": 18080, "api_key_ref": value}},
+        "service.bind": base | {"service": {"port": 18080, "bind": value, "api_key_ref": "k"}},
+    }
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"box": {"host": "127.0.0.1", "port": free_port()}}}))
+    for key, data in cases.items():
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(VoltaforgeError) as err:
+            run_deploy("box", str(path), settings=Settings(inventory=inv))
+        message = str(err.value)
+        assert str(path) in message and key.split(".")[1] in message and "\n" not in message.strip(), message
+    # the recipe's name is its file's name
+    named = tmp_path / f"{value.replace('/', '_')}.yaml"
+    named.write_text(yaml.safe_dump(base))
+    with pytest.raises(VoltaforgeError, match="name"):
+        run_deploy("box", str(named), settings=Settings(inventory=inv))
+    # the install prefix, from the inventory
+    inv.write_text(yaml.safe_dump({"hosts": {"box": {"host": "127.0.0.1", "port": 1, "prefix": f"/opt/{value}"}}}))
+    with pytest.raises(VoltaforgeError, match="prefix"):
+        run_deploy("box", "tiny-cpu", settings=Settings(inventory=inv))

@@ -131,7 +131,8 @@ def test_deploy_under_systemd_no_op_one_restart_rollback_and_bad_input(nspawn_ho
             # a dry run: the unit shown, nothing installed or started
             assert run_deploy("box", str(recipe), dry_run=True, settings=settings) == 0
             out = capsys.readouterr().out
-            assert "would run: write /etc/systemd/system/voltaforge-llama-server.service" in out, out[-3000:]
+            assert "+++ /etc/systemd/system/voltaforge-llama-server.service (rendered)" in out, out[-3000:]
+            assert "+ExecStart=" in out and "--fit off" in out
             assert host.run(f"test -e /etc/systemd/system/{unit}", check=False, stream=False).exited == 1
 
             # deploy: installed, started, healthy, checked against the plan, answering

@@ -25,6 +25,8 @@ from playbooks.steps.deploy import (
     EnsureModelLink,
     EnsureServiceFile,
     EnsureServing,
+    EnsureSymlink,
+    EnsureTabbyTokens,
     Expectations,
     ServiceFile,
     require_systemd,
@@ -124,6 +126,12 @@ def deploy_ops(loaded: LoadedRecipe, host: Host, prefix: str, manager_choice: st
             for d in sorted({f.path.rsplit("/", 1)[0] for f in files})
             if d.startswith("/etc/voltaforge/")
         ]
+    if r.backend == "exllamav2":
+        # TabbyAPI opens these relative to its working directory (ServerLayout.tabbyapi_links)
+        ops += [EnsureSymlink(f"{server.tabbyapi_serve_dir}/{n}", t) for n, t in server.tabbyapi_links().items()]
+        secret = server.api_key_file(r)
+        if secret:
+            ops.append(EnsureTabbyTokens(secret, server.tabbyapi_tokens))
     ops += [EnsureServiceFile(f) for f in files]
     ops.append(
         EnsureServing(

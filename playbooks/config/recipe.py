@@ -196,6 +196,15 @@ class Service(_Strict):
             raise ValueError("must be an IP address, e.g. 127.0.0.1") from None
         return v
 
+    @field_validator("api_key_ref")
+    @classmethod
+    def _api_key_ref(cls, v):
+        # a file name under /etc/voltaforge/secrets/ that reaches a unit's LoadCredential= line:
+        # no path, no space, no specifier, nothing a unit file would read as syntax
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", v):
+            raise ValueError("must be a secret's file name: letters, digits, _ and - (no path)")
+        return v
+
     @model_validator(mode="after")
     def _exposed_needs_key(self):
         if not ipaddress.ip_address(self.bind).is_loopback and not self.api_key_ref:

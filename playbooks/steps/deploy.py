@@ -199,6 +199,67 @@ class EnsureModelLink(Operation):
         )
 
 
+class EnsureSymlink(Operation):
+    """A link points at a fixed target (TabbyAPI's working directory: templates/, logs/, ...)."""
+
+    def __init__(self, link: str, target: str):
+        self.link, self.target = check_path(link), check_path(target)
+        self.name = f"Ensure {link} -> {target}"
+
+    def read(self, host: Host) -> str | None:
+        return read_fact(host, f"readlink -- {shlex.quote(self.link)} 2>/dev/null || true").strip() or None
+
+    def decide(self, facts: str | None) -> Decision:
+        if facts == self.target:
+            return Decision.ok("link in place")
+        q, tmp = shlex.quote(self.link), shlex.quote(self.link + ".new")
+        return Decision.act(
+            f"points at {facts}" if facts else "no link yet",
+            Shell(f"ln -sfn -- {shlex.quote(self.target)} {tmp} && mv -T -- {tmp} {q}"),
+        )
+
+
+#: the key's characters, checked on the host before it goes into YAML (never printed)
+_KEY_CHARS = "A-Za-z0-9._~+/=-"
+
+
+class EnsureTabbyTokens(Operation):
+    """TabbyAPI's api_tokens.yml (root, 0600) holds the recipe's API key and an admin key of
+    its own, generated on the host. The key is read from its secret file on the host and never
+    crosses the wire, argv or a log; the facts say only missing / same / differs."""
+
+    def __init__(self, secret: str, tokens: str):
+        self.secret, self.tokens = check_path(secret), check_path(tokens)
+        self.name = f"Ensure {tokens} holds the API key of {secret}"
+
+    def read(self, host: Host) -> str:
+        s, t = shlex.quote(self.secret), shlex.quote(self.tokens)
+        return host.sudo(
+            f"if [ ! -s {s} ]; then echo no-secret; elif [ ! -f {t} ]; then echo missing; "
+            f'else key=$(head -n1 -- {s}); if grep -qxF "api_key: \\"$key\\"" -- {t}; then echo same; '
+            "else echo differs; fi; fi",
+            check=False,
+            stream=False,
+        ).stdout.strip()
+
+    def decide(self, facts: str) -> Decision:
+        if facts == "no-secret":
+            raise OperationError(
+                f"the recipe's API key is not on the host: put it in {self.secret} (root, mode 0600) first"
+            )
+        if facts == "same":
+            return Decision.ok("the API key is current")
+        s, t = shlex.quote(self.secret), shlex.quote(self.tokens)
+        script = (
+            f"umask 077; key=$(head -n1 -- {s}); "
+            f'case "$key" in ""|*[!{_KEY_CHARS}]*) echo "the key in {self.secret} has characters an API key '
+            f'should not" >&2; exit 1;; esac; '
+            "admin=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \\n'); "
+            f'printf \'api_key: "%s"\\nadmin_key: "%s"\\n\' "$key" "$admin" > {t}.new && mv -T -- {t}.new {t}'
+        )
+        return Decision.act("no tokens file yet" if facts == "missing" else "the API key changed", Shell(script, True))
+
+
 # ------------------------------------------------------------------------------------------
 # 3. the rendered files
 # ------------------------------------------------------------------------------------------
