@@ -475,6 +475,7 @@ class EnsureServing(Operation):
             "buffers": served.buffers,
         }
         host.write_file(self.layout.record, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), 0o644)
+        host.printer.line(host.name, f"answering after {served.seconds:.1f} s; {_buffers_line(served.buffers)}")
 
     def _rollback(self, host: Host) -> str:
         """Put the last good deployment back and start it; say what happened in one clause."""
@@ -517,6 +518,20 @@ class EnsureServing(Operation):
         rec["run"] = running.ident
         host.write_file(self.layout.record, (json.dumps(rec, indent=2, sort_keys=True) + "\n").encode(), 0o644)
         return f"rolled back to the deployment of {rec.get('at')}, which answers again"
+
+
+def _buffers_line(b: dict[str, Any]) -> str:
+    """The load log's buffers beside the plan's, as the record keeps them."""
+    planned = b.get("planned") or {}
+    parts = []
+    for key, label in (("kv_mib", "KV cache"), ("compute_mib", "compute buffer")):
+        real = sum((b.get(key) or {}).values())
+        plan = planned.get(key)
+        parts.append(f"{label} {real:.2f} MiB" + (f" (plan {plan:.2f})" if plan is not None else ""))
+    if b.get("offloaded"):
+        n, m = b["offloaded"]
+        parts.append(f"{n}/{m} layers on the GPU")
+    return ", ".join(parts)
 
 
 def require_systemd(booted: bool, manager: str, host: str) -> None:
