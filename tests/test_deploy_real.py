@@ -205,7 +205,8 @@ def test_deploy_under_systemd_no_op_one_restart_rollback_and_bad_input(nspawn_ho
             _chat(port, nspawn_host.netns)
         finally:
             host.sudo(
-                f"systemctl disable --now {unit}; rm -f /etc/systemd/system/{unit}; systemctl daemon-reload",
+                f"systemctl disable --now {unit}; rm -f /etc/systemd/system/{unit}; systemctl daemon-reload; "
+                f"rm -rf {nspawn_host.prefix}/deploy {nspawn_host.prefix}/serve {nspawn_host.prefix}/models",
                 check=False,
                 stream=False,
             )
@@ -247,3 +248,28 @@ def test_deploy_as_a_process_where_there_is_no_systemd(sshd_host, tiny_q4, tmp_p
     finally:
         assert run_stop("box", str(recipe), settings=settings) == 0
     assert not pid_file.exists()
+
+
+def test_one_instance_per_gpu_is_planned_from_the_template(nspawn_host, tmp_path, capsys):
+    """A V100 recipe with --gpus 0,1 on the systemd host, as a dry run (no GPU here to start
+    it): the instance template and one env file per GPU are shown, and each instance gets its
+    own port check and its own serving step (port + i)."""
+    recipe = load_recipe("qwen2.5-14b-v100-16gb")
+    prefix = str(nspawn_host.prefix)
+    gguf = ModelLayout(prefix, recipe_weights(recipe).model_id).gguf(recipe.recipe.quant_name)
+    with connect(spec_for(nspawn_host)) as host:
+        host.run(f"mkdir -p {shlex.quote(gguf.rsplit('/', 1)[0])}", stream=False)
+        host.put(json.dumps({"sha256": "ab" * 32, "bytes": 9 * 10**9}).encode(), manifest_path(gguf))
+        try:
+            settings = Settings(inventory=inventory_for(tmp_path, "box", nspawn_host, prefix=prefix))
+            assert run_deploy("box", "qwen2.5-14b-v100-16gb", dry_run=True, gpus=(0, 1), settings=settings) == 0
+            out = capsys.readouterr().out
+            port = recipe.recipe.service.port
+            for i in (0, 1):
+                assert f"+++ /etc/voltaforge/voltaforge-llama-server@{i}.env (rendered)" in out
+                assert f"+VOLTAFORGE_PORT={port + i}" in out and f"+CUDA_VISIBLE_DEVICES={i}" in out
+                assert f"Ensure systemd unit voltaforge-llama-server@{i}.service serves on 127.0.0.1:{port + i}" in out
+            assert "+++ /etc/systemd/system/voltaforge-llama-server@.service (rendered)" in out
+            assert host.run("test -e /etc/voltaforge", check=False, stream=False).exited == 1  # nothing written
+        finally:
+            host.run(f"rm -rf {shlex.quote(prefix)}/models {shlex.quote(prefix)}/deploy", check=False, stream=False)

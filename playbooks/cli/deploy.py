@@ -70,62 +70,66 @@ def make_manager(kind: str, server: ServerLayout, state: DeployLayout, unit_name
     )
 
 
-def deploy_ops(loaded: LoadedRecipe, host: Host, prefix: str, manager_choice: str) -> list[Operation]:
+def deploy_ops(
+    loaded: LoadedRecipe, host: Host, prefix: str, manager_choice: str, gpus: tuple[int, ...] = (0,)
+) -> list[Operation]:
+    """The operations of one deployment. Several GPU indexes (llama.cpp): the instance template,
+    one env file per GPU, and one instance each (port + i), each checked and rolled back alone."""
     r = loaded.recipe
     kind = choose_manager(host, manager_choice)
     server = ServerLayout(prefix=prefix)
-    rendered = render_service_files(r, server)
+    rendered = render_service_files(r, server, gpus)
     unit = rendered[0]
     unit_name = unit.path.rsplit("/", 1)[1]
-    state = DeployLayout(prefix, unit_name.removesuffix(".service"))
+    template = unit_name.endswith("@.service")
+    if template and kind != "systemd":
+        raise VoltaforgeError(f"{host.name}: one server per GPU is a systemd instance template; this host has none")
+    service = unit_name.removesuffix(".service").removesuffix("@")
     model = ModelLayout(prefix, recipe_weights(loaded).model_id)
     hint = f"run `invoke quantize --host {host.name} --recipe {r.name}` first"
     if r.backend == "exllamav2":
         if kind != "systemd":
-            raise VoltaforgeError(
-                f"{host.name}: TabbyAPI (EXL2) is deployed as a systemd unit only, and this host has none"
-            )
+            raise VoltaforgeError(f"{host.name}: TabbyAPI (EXL2) runs as a systemd unit only, and this host has none")
         assert not isinstance(r.quant, str)  # the recipe schema: an exllamav2 recipe gives bpw
-        rate, head_bits = r.quant.bpw, r.quant.head_bits
-        artifact = Exl2Layout(model.root).output(Exl2Layout.tag(rate, head_bits))
+        artifact = Exl2Layout(model.root).output(Exl2Layout.tag(r.quant.bpw, r.quant.head_bits))
         manifest, link = f"{artifact}/{EXL2_STAMP}", server.tabbyapi_model_link
     else:
         artifact = model.gguf(r.quant_name)
         manifest, link = manifest_path(artifact), server.model_file(r)
     if kind == "process" and r.service.api_key_ref:
-        raise VoltaforgeError(
-            f"{host.name}: an API key reaches the server as a systemd credential; this host has no systemd"
-        )
+        raise VoltaforgeError(f"{host.name}: an API key reaches the server as a systemd credential; no systemd here")
     facts = _manifest(host, manifest)
+    state_root = f"{prefix}/deploy"
     files = [
         ServiceFile(f.path, f.text, f.mode, sudo=True)
         if kind == "systemd"
-        else ServiceFile(f"{state.state_dir}/{f.path.rsplit('/', 1)[1]}", f.text, f.mode)
+        else ServiceFile(f"{state_root}/{service}/{f.path.rsplit('/', 1)[1]}", f.text, f.mode)
         for f in rendered
     ]
-    manager = make_manager(kind, server, state, unit_name, unit.text)
+    # (the systemd unit it runs, where its state lives, its port)
+    instances = (
+        [(f"{service}@{i}.service", DeployLayout(prefix, f"{service}@{i}"), r.service.port + i) for i in gpus]
+        if template
+        else [(unit_name, DeployLayout(prefix, service), r.service.port)]
+    )
     plan = plan_recipe(loaded)
     option = next((o for o in plan.options if o.quant == r.quant_name), None)
     gpu = not get_gpu(r.gpu).is_cpu
+    llama = r.backend == "llamacpp"
     expect = Expectations(
         layers=loaded.shape.num_hidden_layers + 1 if gpu else None,
-        kv_mib=option.kv_bytes / 2**20 if option and r.backend == "llamacpp" else None,
-        compute_mib=option.compute_bytes / 2**20 if option and r.backend == "llamacpp" else None,
+        kv_mib=option.kv_bytes / 2**20 if option and llama else None,
+        compute_mib=option.compute_bytes / 2**20 if option and llama else None,
     )
-    ops: list[Operation] = [
-        CheckPort(r.service.port, manager, sudo=kind == "systemd"),
-        EnsureDirectory(f"{prefix}/serve", 0o755),
-        EnsureDirectory(state.state_dir.rsplit("/", 1)[0], 0o755),
-        EnsureDirectory(state.state_dir, 0o700),
-        EnsureModelLink(link, artifact, manifest, hint),
-    ]
-    if kind == "systemd" and any(f.path.startswith("/etc/voltaforge/") for f in files):
-        ops.append(EnsureDirectory("/etc/voltaforge", 0o755, sudo=True))
-        ops += [
-            EnsureDirectory(d, 0o755, sudo=True)
-            for d in sorted({f.path.rsplit("/", 1)[0] for f in files})
-            if d.startswith("/etc/voltaforge/")
-        ]
+    managers = [make_manager(kind, server, state, name, unit.text) for name, state, _ in instances]
+    ports = [port for _, _, port in instances]
+    ops: list[Operation] = [CheckPort(p, m, sudo=kind == "systemd") for m, p in zip(managers, ports, strict=True)]
+    ops += [EnsureDirectory(f"{prefix}/serve", 0o755), EnsureDirectory(state_root, 0o755)]
+    ops += [EnsureDirectory(state.state_dir, 0o700) for _, state, _ in instances]
+    ops.append(EnsureModelLink(link, artifact, manifest, hint))
+    etc = sorted({f.path.rsplit("/", 1)[0] for f in files if f.path.startswith("/etc/voltaforge/")})
+    if kind == "systemd" and etc:
+        ops += [EnsureDirectory(d, 0o755, sudo=True) for d in dict.fromkeys(["/etc/voltaforge", *etc])]
     if r.backend == "exllamav2":
         # TabbyAPI opens these relative to its working directory (ServerLayout.tabbyapi_links)
         ops += [EnsureSymlink(f"{server.tabbyapi_serve_dir}/{n}", t) for n, t in server.tabbyapi_links().items()]
@@ -133,19 +137,12 @@ def deploy_ops(loaded: LoadedRecipe, host: Host, prefix: str, manager_choice: st
         if secret:
             ops.append(EnsureTabbyTokens(secret, server.tabbyapi_tokens))
     ops += [EnsureServiceFile(f) for f in files]
-    ops.append(
-        EnsureServing(
-            manager,
-            state,
-            files,
-            link,
-            artifact,
-            str(facts.get("sha256") or facts.get("id") or ""),
-            int(facts.get("bytes") or 0),
-            r.service.port,
-            expect,
-        )
-    )
+    sha = str(facts.get("sha256") or facts.get("id") or "")
+    size = int(facts.get("bytes") or 0)
+    ops += [
+        EnsureServing(m, state, files, link, artifact, sha, size, port, expect)
+        for m, (_, state, port) in zip(managers, instances, strict=True)
+    ]
     return ops
 
 
@@ -155,9 +152,10 @@ def run_deploy(
     dry_run: bool = False,
     manager: str = "auto",
     settings: Settings | None = None,
+    gpus: tuple[int, ...] = (0,),
 ) -> int:
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
-        return deploy_ops(loaded, host, prefix, manager)
+        return deploy_ops(loaded, host, prefix, manager, gpus)
 
     return converge(settings or Settings(), host_name, recipe, ops, dry_run)
 

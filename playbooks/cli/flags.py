@@ -106,3 +106,15 @@ def choice(flag: str, value: object, allowed: tuple[str, ...]) -> str:
     if text not in allowed:
         raise UsageError(f"{flag} {text!r}: want one of {', '.join(allowed)}")
     return text
+
+
+def gpu_indexes(value: object) -> tuple[int, ...]:
+    """``--gpus 0,1`` -> (0, 1): one llama-server instance per GPU."""
+    text = str(value).strip()
+    try:
+        indexes = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise UsageError(f"--gpus {text!r}: give GPU indexes separated by commas, e.g. 0,1") from None
+    if any(i < 0 or i > 63 for i in indexes) or len(set(indexes)) != len(indexes):
+        raise UsageError(f"--gpus {text!r}: distinct GPU indexes 0-63")
+    return indexes

@@ -14,18 +14,6 @@ from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.steps.units import ServerLayout, render_service_files
 
 
-def gpu_indexes(value: object) -> tuple[int, ...]:
-    """``--gpus 0,1`` -> (0, 1): one llama-server instance per GPU."""
-    text = str(value).strip()
-    try:
-        indexes = tuple(int(p) for p in text.split(","))
-    except ValueError:
-        raise UsageError(f"--gpus {text!r}: give GPU indexes separated by commas, e.g. 0,1") from None
-    if any(i < 0 or i > 63 for i in indexes) or len(set(indexes)) != len(indexes):
-        raise UsageError(f"--gpus {text!r}: distinct GPU indexes 0-63")
-    return indexes
-
-
 def output_dir(value: object) -> Path:
     text = str(value or "")
     if not text.strip() or "\n" in text or "\0" in text:

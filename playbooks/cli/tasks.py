@@ -275,12 +275,12 @@ def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: 
     local directory; needs no host."""
 
     def go() -> int:
-        from playbooks.cli.render_files import gpu_indexes, output_dir, run_render
+        from playbooks.cli.render_files import output_dir, run_render
 
         return run_render(
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             out=output_dir(out),
-            gpus=gpu_indexes(gpus),
+            gpus=flags.gpu_indexes(gpus),
             recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
             prefix=flags.install_prefix("voltaforge.prefix", _cfg(c, "prefix")),
         )
@@ -295,6 +295,7 @@ def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: 
         "recipe": RECIPE_HELP,
         "dry-run": "show the diff of every file and the commands; change nothing",
         "manager": "auto (systemd where it runs, else a managed process), systemd, or process",
+        "gpus": "GPU indexes, comma-separated (default 0); several: one llama-server instance per GPU",
         "inventory": INVENTORY_HELP,
     },
 )
@@ -304,6 +305,7 @@ def deploy(
     recipe: str | None = None,
     dry_run: bool = False,
     manager: str = "auto",
+    gpus: str = "0",
     inventory: str | None = None,
 ) -> None:
     """Install and start the recipe's server from the rendered files and the verified model;
@@ -318,6 +320,7 @@ def deploy(
             dry_run=dry_run,
             manager=flags.choice("--manager", manager, ("auto", "systemd", "process")),
             settings=_settings(c, inventory),
+            gpus=flags.gpu_indexes(gpus),
         )
 
     run_command(go)
