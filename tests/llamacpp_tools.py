@@ -57,7 +57,7 @@ def llamacpp_tree() -> Path:
     return tree
 
 
-TARGETS = ("llama-quantize", "llama-server")
+TARGETS = ("llama-quantize", "llama-server", "llama-bench")
 
 
 def build_tools() -> Path:

@@ -343,6 +343,41 @@ def stop(c: Context, host: str | None = None, recipe: str | None = None, invento
 
 
 @task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "json": "print the whole result as JSON instead of the table",
+        "compare": "show the change against the last and the best run of this host and recipe",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def bench(
+    c: Context,
+    host: str | None = None,
+    recipe: str | None = None,
+    json: bool = False,
+    compare: bool = False,
+    inventory: str | None = None,
+) -> None:
+    """Measure the deployed server: a concurrency sweep against the roofline, telemetry, the
+    gate (exit 1 when it fails), JSON/Markdown/PNG reports and a history on this machine."""
+
+    def go() -> int:
+        from playbooks.cli.bench import run_bench
+
+        return run_bench(
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            as_json=json,
+            show_compare=compare,
+            settings=_settings(c, inventory),
+        )
+
+    run_command(go)
+
+
+@task(
     auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"}
 )
 def test(c: Context, k: str | None = None, fast: bool = False) -> None:
@@ -360,5 +395,5 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     c.run(" ".join(shlex.quote(a) for a in args), pty=False)
 
 
-ns = Collection(plan, preflight, toolchain, build, quantize, artifacts, render, deploy, stop, test)
+ns = Collection(plan, preflight, toolchain, build, quantize, artifacts, render, deploy, stop, bench, test)
 ns.configure(DEFAULTS)

@@ -218,6 +218,18 @@ class Gate(_Strict):
     min_aggregate_tok_s: float = Field(0, ge=0)
     at_concurrency: int = Field(4, ge=1)
     max_ttft_ms: float = Field(0, ge=0, description="0: not gated")
+    # the sweep `invoke bench` runs
+    levels: list[int] = Field([1, 2, 4, 8], min_length=1, description="concurrency levels, rising")
+    prompt_tokens: int = Field(128, ge=8, le=32768, description="tokens of each prompt")
+    max_tokens: int = Field(64, ge=8, le=8192, description="tokens generated per request (EOS ignored)")
+    requests_per_level: int = Field(0, ge=0, description="0: twice the concurrency, at least 4")
+
+    @field_validator("levels")
+    @classmethod
+    def _levels(cls, v):
+        if any(c < 1 or c > 256 for c in v) or sorted(set(v)) != v:
+            raise ValueError("must be rising concurrency levels from 1 to 256, e.g. [1, 2, 4, 8]")
+        return v
 
 
 class PlannerSettings(_Strict):

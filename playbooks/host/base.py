@@ -10,11 +10,13 @@ every user of the host in ``ps``), so secrets are safe and binary data is exact.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import io
 import os
 import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, cast
 
@@ -266,6 +268,12 @@ class Host:
             os.replace(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def forward(self, port: int) -> Iterator[int]:
+        """A local port that reaches ``127.0.0.1:port`` on the host (a service that listens on
+        the host's loopback only). Here: the same port; over SSH: a forwarded one."""
+        yield port
 
     def spawn(self, cmd: str, *, sudo: bool = False) -> Process:
         """Start ``cmd`` and return at once, stdin kept open (for :func:`ops.host_lock`)."""

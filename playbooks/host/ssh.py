@@ -7,13 +7,14 @@ travel on stdin.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import getpass
 import os
 import shlex
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import paramiko
@@ -141,6 +142,16 @@ class SshHost(Host):
             keys.add(_known_hosts_name(self.spec.host, self.spec.port), keytype, key)
         client.set_missing_host_key_policy(_RejectUnknownHostKey())
         return client
+
+    @contextlib.contextmanager
+    def forward(self, port: int) -> Iterator[int]:
+        """Fabric's local port forward to the host's 127.0.0.1:port, on a free local port."""
+        self.open()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            local = s.getsockname()[1]
+        with self.conn.forward_local(local, remote_port=port, remote_host="127.0.0.1", local_host="127.0.0.1"):
+            yield local
 
     def open(self) -> SshHost:
         """Connect now; every way it can fail becomes one HostError that says what to do."""

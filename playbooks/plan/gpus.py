@@ -24,6 +24,9 @@ class Gpu(BaseModel):
     compute_capability: tuple[int, int]
     bf16: bool
     is_cpu: bool = False
+    # dense FP16 tensor-core peak (TFLOPS, datasheet): the prefill ceiling's denominator; None
+    # where voltaforge has no datasheet figure it trusts
+    fp16_tensor_tflops: float | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -42,6 +45,7 @@ _CATALOG = [
         bandwidth_gb_s=900,
         compute_capability=(7, 0),
         bf16=False,
+        fp16_tensor_tflops=125,
     ),
     Gpu(
         key="v100-pcie-16gb",
@@ -50,6 +54,7 @@ _CATALOG = [
         bandwidth_gb_s=900,
         compute_capability=(7, 0),
         bf16=False,
+        fp16_tensor_tflops=112,
     ),
     Gpu(
         key="v100-sxm2-32gb",
@@ -58,6 +63,7 @@ _CATALOG = [
         bandwidth_gb_s=900,
         compute_capability=(7, 0),
         bf16=False,
+        fp16_tensor_tflops=125,
     ),
     Gpu(
         key="v100-pcie-32gb",
@@ -66,6 +72,7 @@ _CATALOG = [
         bandwidth_gb_s=900,
         compute_capability=(7, 0),
         bf16=False,
+        fp16_tensor_tflops=112,
     ),
     Gpu(
         key="p100-16gb",
@@ -100,6 +107,7 @@ _CATALOG = [
         bandwidth_gb_s=1555,
         compute_capability=(8, 0),
         bf16=True,
+        fp16_tensor_tflops=312,
     ),
     Gpu(
         key="a100-80gb",
@@ -108,6 +116,7 @@ _CATALOG = [
         bandwidth_gb_s=2039,
         compute_capability=(8, 0),
         bf16=True,
+        fp16_tensor_tflops=312,
     ),
     Gpu(
         key="h200",

@@ -1,0 +1,273 @@
+"""`invoke bench`'s arithmetic (pure): the workload, each level's figures from its samples, the
+knee, the ceilings beside them, output sanity and the gate with its diagnosis.
+
+The method is the seed's, made repeatable: compute the ceiling, measure against it, say what
+holds the figure down. Decode is judged against the bandwidth roofline (every weight byte a
+token streams, over the memory's bandwidth: the datasheet's for a GPU, a measured copy rate
+for a CPU); the server's own ``predicted_per_second`` is the cross-check of the client's
+figure (within 5% at every level, or the report says the numbers disagree).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from playbooks.steps.bench_client import Sample
+
+#: the client's decode rate must agree with the server's own this closely
+CROSSCHECK_TOLERANCE = 0.05
+#: aggregate tok/s rising less than this from one level to the next: the knee
+KNEE_GAIN = 0.10
+#: TTFT p95 growing more than this factor from one level to the next: latency exploded
+KNEE_TTFT_FACTOR = 3.0
+
+
+# ------------------------------------------------------------------------------------------
+# the workload
+# ------------------------------------------------------------------------------------------
+
+
+def prompts_for(text: str, words: int, count: int, seed: int) -> list[str]:
+    """``count`` prompts of ``words`` words each, cut from ``text`` at seeded offsets (real text:
+    a real model's tokenizer sees real words; every request differs, so no prompt cache
+    makes a level look faster than it is)."""
+    pool = text.split()
+    if not pool:
+        raise ValueError("the prompt text is empty")
+    while len(pool) < words + 1:
+        pool = pool + pool
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        start = rng.randrange(0, len(pool) - words)
+        out.append(" ".join(pool[start : start + words]))
+    return out
+
+
+def words_for(target_tokens: int, probe_words: int, probe_tokens: int) -> int:
+    """Words for a prompt of about ``target_tokens``, from one probe's tokens per word."""
+    per_word = max(probe_tokens, 1) / max(probe_words, 1)
+    return max(1, round(target_tokens / per_word))
+
+
+# ------------------------------------------------------------------------------------------
+# one level
+# ------------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), None for no values."""
+    data = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not data:
+        return None
+    k = (len(data) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return data[lo] + (data[hi] - data[lo]) * (k - lo)
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float) -> dict[str, Any]:
+    """One concurrency level's figures: aggregate over its wall time, per-stream medians,
+    latency percentiles, the server's own rates, errors (a few quoted)."""
+    ok = [s for s in samples if s.error is None]
+    errors = [s.error for s in samples if s.error is not None]
+    out_tokens = sum(s.completion_tokens or 0 for s in ok)
+    decode = [d for d in (s.decode_tok_s for s in ok) if d]
+    server = [s.timings["predicted_per_second"] for s in ok if "predicted_per_second" in s.timings]
+    prefill_server = [s.timings["prompt_per_second"] for s in ok if "prompt_per_second" in s.timings]
+    ttft = [t for t in (s.ttft for s in ok) if t is not None]
+    itl = [x for s in ok for x in s.itls]
+    e2e = [t for t in (s.e2e for s in ok) if t is not None]
+    prompt = [s.prompt_tokens for s in ok if s.prompt_tokens]
+    per_stream = statistics.median(decode) if decode else None
+    server_rate = statistics.median(server) if server else None
+    prefill = (
+        statistics.median(prefill_server)
+        if prefill_server
+        else (statistics.median(p / t for p, t in zip(prompt, ttft, strict=False) if t) if prompt and ttft else None)
+    )
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:3],
+        "aggregate_tok_s": _r(out_tokens / wall_s if wall_s > 0 and ok else 0.0, 3),
+        "per_stream_decode_tok_s": _r(per_stream, 3),
+        "server_predicted_per_second": _r(server_rate, 3),
+        "crosscheck_ratio": _r(per_stream / server_rate if per_stream and server_rate else None),
+        "prefill_tok_s": _r(prefill, 3),
+        "prompt_tokens": statistics.median(prompt) if prompt else None,
+        "output_tokens": out_tokens,
+        "ttft_p50_s": _r(percentile(ttft, 50)),
+        "ttft_p95_s": _r(percentile(ttft, 95)),
+        "ttft_p99_s": _r(percentile(ttft, 99)),
+        "itl_p50_s": _r(percentile(itl, 50), 5),
+        "itl_p95_s": _r(percentile(itl, 95), 5),
+        "itl_p99_s": _r(percentile(itl, 99), 5),
+        "e2e_p50_s": _r(percentile(e2e, 50)),
+        "e2e_p95_s": _r(percentile(e2e, 95)),
+        "wall_s": _r(wall_s, 3),
+    }
+
+
+def find_knee(levels: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The level after which more concurrency stops paying: the aggregate rises less than
+    KNEE_GAIN, or TTFT p95 grows more than KNEE_TTFT_FACTOR times."""
+    for prev, cur in zip(levels, levels[1:], strict=False):
+        a, b = prev.get("aggregate_tok_s") or 0, cur.get("aggregate_tok_s") or 0
+        if a > 0 and b < a * (1 + KNEE_GAIN):
+            gain = (b / a - 1) * 100
+            return {
+                "concurrency": prev["concurrency"],
+                "why": f"aggregate {'rose' if gain >= 0 else 'fell'} {abs(gain):.0f}% from "
+                f"{prev['concurrency']} to {cur['concurrency']}",
+            }
+        ta, tb = prev.get("ttft_p95_s"), cur.get("ttft_p95_s")
+        if ta and tb and tb > ta * KNEE_TTFT_FACTOR:
+            return {
+                "concurrency": prev["concurrency"],
+                "why": f"TTFT p95 grew {tb / ta:.1f}x from {prev['concurrency']} to {cur['concurrency']}",
+            }
+    return None
+
+
+def scaling(levels: Sequence[dict[str, Any]], backend: str, gpu_is_volta: bool) -> str:
+    """Whether concurrency can scale here at all: ExLlamaV2 on a V100 runs batch 1 (TabbyAPI's
+    compatibility mode without flash-attn's paged attention), which is expected, not a bug."""
+    if backend == "exllamav2" and gpu_is_volta:
+        return "does not scale (ExLlamaV2 on V100: batch 1, by design)"
+    if len(levels) < 2:
+        return "one level only"
+    first, last = levels[0].get("aggregate_tok_s") or 0, levels[-1].get("aggregate_tok_s") or 0
+    return "scales" if first and last >= first * (1 + KNEE_GAIN) else "does not scale"
+
+
+# ------------------------------------------------------------------------------------------
+# output sanity
+# ------------------------------------------------------------------------------------------
+
+
+def sanity(samples: Sequence[Sample], random_weights: bool) -> dict[str, Any]:
+    """Output checks that mean something for this model. Random test weights produce word
+    salad and may loop on one token: only non-empty and finite are checked for them."""
+    ok = [s for s in samples if s.error is None]
+    checked = ["non_empty", "finite"]
+    skipped: dict[str, str] = {}
+    failures: list[str] = []
+    empty = [s for s in ok if not s.text.strip()]
+    if empty:
+        failures.append(f"{len(empty)} of {len(ok)} completions were empty")
+    bad = [s for s in ok if any(w in s.text.lower() for w in ("nan", "inf")) and _is_numeric_junk(s.text)]
+    if bad:
+        failures.append(f"{len(bad)} completions are NaN/inf text: {bad[0].text[:60]!r}")
+    if random_weights:
+        skipped["not_one_token_repeated"] = "random test weights: a loop on one token means nothing"
+    else:
+        checked.append("not_one_token_repeated")
+        looped = [s for s in ok if _one_token_repeated(s.text)]
+        if looped:
+            failures.append(
+                f"{len(looped)} of {len(ok)} completions repeat one token over and over: {looped[0].text[:60]!r}"
+            )
+    return {"checked": checked, "skipped": skipped, "failures": failures}
+
+
+def _one_token_repeated(text: str) -> bool:
+    words = text.split()
+    if len(words) >= 4:
+        return len(set(words)) == 1
+    chars = text.strip()
+    return len(chars) >= 8 and len(set(chars)) == 1
+
+
+def _is_numeric_junk(text: str) -> bool:
+    words = [w.strip(".,").lower() for w in text.split()]
+    return bool(words) and sum(w in ("nan", "inf", "-inf") for w in words) * 2 >= len(words)
+
+
+# ------------------------------------------------------------------------------------------
+# the gate
+# ------------------------------------------------------------------------------------------
+
+
+def judge(result: dict[str, Any], thresholds: dict[str, float], seen: dict[str, Any]) -> dict[str, Any]:
+    """Pass or fail with reasons (each threshold missed, each sanity failure, each level with
+    errors, each cross-check beyond 5%) and a diagnosis from what was seen (``seen``: the
+    deployment's load log, telemetry, the scaling verdict, the plan)."""
+    reasons: list[str] = []
+    levels = result.get("levels") or []
+    if not result.get("complete", False):
+        reasons.append(result.get("error") or "the sweep did not complete")
+    first = levels[0] if levels else {}
+    single = first.get("per_stream_decode_tok_s") or 0.0
+    if thresholds.get("min_tok_s") and single < thresholds["min_tok_s"]:
+        reasons.append(f"single-stream decode {single:.1f} tok/s is below the gate's {thresholds['min_tok_s']:g}")
+    mbu = result.get("mbu")
+    if thresholds.get("min_roofline_fraction") and (mbu or 0) < thresholds["min_roofline_fraction"]:
+        reasons.append(
+            f"decode reaches {(mbu or 0):.0%} of the roofline ({result.get('roofline_tok_s')} tok/s), below the gate's "
+            f"{thresholds['min_roofline_fraction']:.0%}"
+        )
+    at = int(thresholds.get("at_concurrency") or 0)
+    if thresholds.get("min_aggregate_tok_s") and at:
+        level = next((lv for lv in levels if lv["concurrency"] == at), None)
+        got = (level or {}).get("aggregate_tok_s") or 0.0
+        if level is None:
+            reasons.append(f"no level at concurrency {at} to judge the aggregate gate")
+        elif got < thresholds["min_aggregate_tok_s"]:
+            reasons.append(
+                f"aggregate {got:.1f} tok/s at concurrency {at} is below the gate's {thresholds['min_aggregate_tok_s']:g}"
+            )
+    if thresholds.get("max_ttft_ms") and first.get("ttft_p95_s") is not None:
+        ttft_ms = first["ttft_p95_s"] * 1000
+        if ttft_ms > thresholds["max_ttft_ms"]:
+            reasons.append(f"single-stream TTFT p95 {ttft_ms:.0f} ms is above the gate's {thresholds['max_ttft_ms']:g}")
+    for lv in levels:
+        if lv.get("errors"):
+            quoted = "; ".join(lv.get("error_samples") or [])
+            reasons.append(f"{lv['errors']} of {lv['requests']} requests failed at concurrency {lv['concurrency']}: {quoted}")
+        ratio = lv.get("crosscheck_ratio")
+        if ratio is not None and abs(ratio - 1) > CROSSCHECK_TOLERANCE:
+            reasons.append(
+                f"at concurrency {lv['concurrency']} the client's decode {lv['per_stream_decode_tok_s']} tok/s and the "
+                f"server's own {lv['server_predicted_per_second']} differ by {abs(ratio - 1):.0%} (over 5%)"
+            )
+    reasons += list((result.get("sanity") or {}).get("failures") or [])
+    return {"passed": not reasons, "reasons": reasons, "diagnosis": diagnose(result, seen), "thresholds": thresholds}
+
+
+def diagnose(result: dict[str, Any], seen: dict[str, Any]) -> list[str]:
+    """What explains the figures, from what was seen, most decisive first."""
+    notes: list[str] = []
+    offloaded = seen.get("offloaded")
+    if offloaded and offloaded[0] < offloaded[1]:
+        notes.append(
+            f"layers on the CPU: the load log offloaded {offloaded[0]}/{offloaded[1]} layers; every token crosses PCIe"
+        )
+    for problem in seen.get("load_problems") or []:
+        notes.append(f"the load log: {problem}")
+    throttle = (result.get("telemetry") or {}).get("summary") or {}
+    if throttle.get("throttled"):
+        when = throttle.get("started_at_s")
+        notes.append(
+            f"the GPU throttled ({', '.join(throttle.get('reasons') or []) or 'clocks fell'})"
+            + (f" from {when:.0f} s into the run" if when is not None else "")
+        )
+    if str(result.get("scaling", "")).startswith("does not scale"):
+        notes.append(f"concurrency {result['scaling']}")
+    mbu = result.get("mbu")
+    if mbu is not None and mbu < 0.3 and not notes:
+        notes.append(
+            f"decode at {mbu:.0%} of the bandwidth roofline with nothing else seen: a small model is bound by "
+            "per-token overhead (kernel launches, sampling, HTTP), not by memory"
+        )
+    if seen.get("context_over_plan"):
+        notes.append(seen["context_over_plan"])
+    return notes
