@@ -1,0 +1,566 @@
+"""`invoke bench`'s reports: one sweep result, shown to people, kept for tools, remembered.
+
+The benchmark (client, sweep, gate) produces one result dict; this module only shows it:
+
+- ``write_reports``: ``bench.json`` (the dict itself), ``bench.md`` and ``bench.png`` in one
+  folder, each written to a temp file beside it and renamed, so a reader never sees half a
+  report and an interrupted run leaves no stray files.
+- ``render_sweep_table``: the same table in the terminal (rich), with the gate line.
+- ``append_history`` / ``read_history`` / ``compare`` / ``render_compare``: one JSON line per
+  complete run on the controller; this run against the last and the best of the same host and
+  recipe, per concurrency level.
+
+Everything is pure except the files it is asked to write. Every decode rate stands beside the
+roofline (bandwidth / bytes streamed per token) as a percentage: per stream that is the MBU, the
+number that says whether the server or the memory is the limit. Aggregate rates above 100% are
+not an error: a batched decode step reads the weights once for every stream in the batch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import tempfile
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from playbooks.errors import VoltaforgeError
+
+REPORT_FILES = {"json": "bench.json", "markdown": "bench.md", "png": "bench.png"}
+
+# The chart's size in pixels is FIGSIZE x DPI: 1000 x 600, fixed, never "tight", so two runs
+# draw on the same canvas and their PNGs can be compared (and diffed byte for byte).
+CHART_FIGSIZE_IN = (10.0, 6.0)
+CHART_DPI = 100
+
+# The metrics history and compare track per level: the ones a regression shows in first.
+TRACKED = ("aggregate_tok_s", "per_stream_decode_tok_s", "ttft_p95_s")
+# For TTFT lower is better; compare still reports the plain % change and leaves judging to people.
+
+
+class IncompleteResult(VoltaforgeError, ValueError):
+    """A partial sweep (interrupted, a level missing) kept out of the history it would skew."""
+
+
+# ------------------------------------------------------------------------------------------
+# atomic files
+# ------------------------------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> Path:
+    """Write through ``write`` into a temp file beside ``path``, fsync, rename over ``path``.
+
+    The temp file is on the same filesystem (rename is atomic) and hidden; it is removed on
+    every failure, so nothing but finished files is ever left in the folder.
+    """
+    path = Path(path)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".vf-tmp")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are meant to be read and shared
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> Path:
+    def write(f: io.BufferedWriter) -> None:
+        f.write(data)
+
+    return _atomic_write(path, write)
+
+
+# ------------------------------------------------------------------------------------------
+# figures, shared by the markdown and the terminal tables
+# ------------------------------------------------------------------------------------------
+
+
+def _num(v: Any) -> float | None:
+    """A finite number, or None (missing, null, NaN: a server that does not report a figure)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _fmt(v: Any, spec: str = ".1f", scale: float = 1.0) -> str:
+    n = _num(v)
+    return "-" if n is None else format(n * scale, spec)
+
+
+def _of_roofline(v: Any, roofline: Any) -> str:
+    """``61.0 (51%)``: a decode rate and its share of the single-stream roofline."""
+    n, r = _num(v), _num(roofline)
+    if n is None:
+        return "-"
+    return f"{n:.1f} ({n / r:.0%})" if r else f"{n:.1f}"
+
+
+def crosscheck_ratio(level: dict[str, Any]) -> float | None:
+    """Client-measured per-stream decode over the server's own ``predicted_per_second``.
+
+    Near 1.0 the client measures what the server does; far from it, one of the two counts
+    something else (prefill in the decode time, a slow SSE stream, a wrong token count).
+    """
+    given = _num(level.get("crosscheck_ratio"))
+    if given is not None:
+        return given
+    client, server = _num(level.get("per_stream_decode_tok_s")), _num(level.get("server_predicted_per_second"))
+    return client / server if client is not None and server else None
+
+
+def sweep_columns(result: dict[str, Any]) -> list[str]:
+    """The sweep table's headers; every "%" is of the single-stream roofline (:func:`roofline_note`)."""
+    return [
+        "concurrency",
+        "aggregate tok/s",
+        "per-stream decode tok/s (MBU)",
+        "server predicted tok/s",
+        "client/server",
+        "TTFT p50/p95/p99 ms",
+        "ITL p50/p95 ms",
+        "errors",
+    ]
+
+
+def roofline_note(result: dict[str, Any]) -> str:
+    roof = _num(result.get("roofline_tok_s"))
+    if not roof:
+        return "no roofline in this result: rates are shown without a share"
+    return f"(%) = share of the single-stream roofline, {roof:.1f} tok/s ({result.get('roofline_basis')})"
+
+
+def sweep_rows(result: dict[str, Any]) -> list[list[str]]:
+    """One row of text per concurrency level, in the order of :func:`sweep_columns`."""
+    roof = result.get("roofline_tok_s")
+    rows = []
+    for lv in result.get("levels") or []:
+        errors, requests = lv.get("errors"), lv.get("requests")
+        rows.append(
+            [
+                str(lv.get("concurrency")),
+                _of_roofline(lv.get("aggregate_tok_s"), roof),
+                _of_roofline(lv.get("per_stream_decode_tok_s"), roof),
+                _of_roofline(lv.get("server_predicted_per_second"), roof),
+                _fmt(crosscheck_ratio(lv), ".2f"),
+                "/".join(_fmt(lv.get(f"ttft_{p}_s"), ".0f", 1000) for p in ("p50", "p95", "p99")),
+                "/".join(_fmt(lv.get(f"itl_{p}_s"), ".1f", 1000) for p in ("p50", "p95")),
+                f"{errors}/{requests}" if requests is not None else str(errors),
+            ]
+        )
+    return rows
+
+
+def gate_line(result: dict[str, Any]) -> str:
+    gate = result.get("gate") or {}
+    if not gate:
+        return "gate: not run"
+    if gate.get("passed"):
+        return "gate: PASSED"
+    reasons = gate.get("reasons") or []
+    return "gate: FAILED" + (": " + "; ".join(str(r) for r in reasons) if reasons else "")
+
+
+def _knee_text(result: dict[str, Any]) -> str:
+    knee = result.get("knee")
+    if not knee:
+        return "no knee within the sweep: aggregate throughput still rose at the highest concurrency"
+    return f"concurrency {knee.get('concurrency')}: {knee.get('why')}"
+
+
+def _title(result: dict[str, Any]) -> str:
+    return f"{result.get('recipe')} on {result.get('host')}, {result.get('at')}"
+
+
+# ------------------------------------------------------------------------------------------
+# markdown
+# ------------------------------------------------------------------------------------------
+
+
+def _md(text: Any) -> str:
+    """Text from a host or a server in a Markdown table cell or line: pipes and newlines are data."""
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(_md(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _telemetry_lines(telemetry: dict[str, Any]) -> list[str]:
+    s = telemetry.get("summary") or {}
+    if s.get("throttled"):
+        when = _num(s.get("started_at_s"))
+        at = f" from {when:.1f} s into the sweep" if when is not None else ""
+        reasons = ", ".join(str(r) for r in s.get("reasons") or []) or "no reason reported"
+        throttle = f"**throttled**{at}: {_md(reasons)}"
+    else:
+        throttle = "not throttled"
+    return [
+        f"- source: {_md(telemetry.get('source'))}",
+        f"- {throttle}",
+        f"- max temperature: {_fmt(s.get('max_temperature_c'), '.0f')} C",
+        f"- SM clock: {_fmt(s.get('min_sm_clock_mhz'), '.0f')} to {_fmt(s.get('max_sm_clock_mhz'), '.0f')} MHz",
+        f"- mean power: {_fmt(s.get('mean_power_w'), '.0f')} W",
+    ]
+
+
+def _llama_bench_rows(result: dict[str, Any]) -> list[list[str]]:
+    lb = result["llama_bench"]
+    first: dict[str, Any] = next((lv for lv in result.get("levels") or [] if lv.get("concurrency") == 1), {})
+
+    def row(what: str, bench: Any, ours: Any, ceiling: Any) -> list[str]:
+        b, o = _num(bench), _num(ours)
+        return [
+            what,
+            _of_roofline(b, ceiling),
+            _of_roofline(o, ceiling),
+            f"{o / b:.2f}" if b and o is not None else "-",
+        ]
+
+    return [
+        row(
+            "decode (tg) tok/s", lb.get("tg_tok_s"), first.get("per_stream_decode_tok_s"), result.get("roofline_tok_s")
+        ),
+        row("prefill (pp) tok/s", lb.get("pp_tok_s"), first.get("prefill_tok_s"), result.get("prefill_ceiling_tok_s")),
+    ]
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The report people read: gate first, then the sweep, then what explains it."""
+    server = result.get("server") or {}
+    workload = result.get("workload") or {}
+    gate = result.get("gate") or {}
+    out = [f"# Benchmark: {_md(_title(result))}", ""]
+    if result.get("complete") is False:
+        out += ["**INCOMPLETE RUN**: not every level finished; not kept in the history.", ""]
+    out += [
+        f"- server: {_md(server.get('kind'))} build {_md(server.get('build'))} at {_md(server.get('url'))}",
+        f"- model: `{_md(server.get('model'))}`",
+        f"- recipe sha256: `{_md(result.get('recipe_sha256'))}`",
+        f"- workload: {workload.get('prompt_tokens')} prompt tokens, {workload.get('max_tokens')} max tokens, "
+        f"{workload.get('requests_per_level')} requests per level, seed {workload.get('seed')}",
+        f"- roofline: {_fmt(result.get('roofline_tok_s'))} tok/s per stream ({_md(result.get('roofline_basis'))})",
+        f"- prefill ceiling: {_fmt(result.get('prefill_ceiling_tok_s'))} tok/s ({_md(result.get('prefill_basis'))})",
+        f"- MBU: {_fmt(result.get('mbu'), '.0%') if _num(result.get('mbu')) is not None else '-'}",
+        "",
+        "## Gate",
+        "",
+        f"**{'PASSED' if gate.get('passed') else 'FAILED' if gate else 'NOT RUN'}**",
+        "",
+    ]
+    for title, items in (("Reasons", gate.get("reasons")), ("Diagnosis", gate.get("diagnosis"))):
+        if items:
+            out += [f"{title}:", ""] + [f"- {_md(i)}" for i in items] + [""]
+    if gate.get("thresholds"):
+        out += ["Thresholds: " + ", ".join(f"{_md(k)} {_md(v)}" for k, v in sorted(gate["thresholds"].items())), ""]
+    out += ["## Sweep", "", _md(roofline_note(result)), ""]
+    out += _md_table(sweep_columns(result), sweep_rows(result)) + [""]
+    out += [
+        "MBU is the per-stream decode rate over the roofline. An aggregate above 100% is batching "
+        "(one decode step reads the weights once for every stream); client/server near 1.00 means the "
+        "client measures what the server reports.",
+        "",
+    ]
+    errors = [lv for lv in result.get("levels") or [] if lv.get("errors")]
+    for lv in errors:
+        samples = "; ".join(_md(s) for s in lv.get("error_samples") or []) or "no sample kept"
+        out.append(f"- errors at concurrency {lv.get('concurrency')}: {samples}")
+    out += [""] if errors else []
+    out += ["## Knee and scaling", "", f"- knee: {_md(_knee_text(result))}"]
+    out += [f"- scaling: {_md(result.get('scaling') or 'not judged')}", ""]
+    if result.get("telemetry"):
+        out += ["## Telemetry", ""] + _telemetry_lines(result["telemetry"]) + [""]
+    if result.get("llama_bench"):
+        lb = result["llama_bench"]
+        note = "(%) = share of the roofline (decode) or the prefill ceiling (prefill)"
+        out += ["## llama-bench cross-check", "", note, ""]
+        header = ["", "llama-bench", "this sweep, concurrency 1", "sweep / llama-bench"]
+        out += _md_table(header, _llama_bench_rows(result))
+        out += ["", f"`{_md(lb.get('command'))}`", ""]
+    sanity = result.get("sanity")
+    if sanity:
+        out += ["## Sanity", "", "- checked: " + (", ".join(_md(c) for c in sanity.get("checked") or []) or "nothing")]
+        out += [f"- skipped {_md(k)}: {_md(v)}" for k, v in sorted((sanity.get("skipped") or {}).items())]
+        out += [f"- **failed**: {_md(f)}" for f in sanity.get("failures") or []] + [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+# ------------------------------------------------------------------------------------------
+# chart
+# ------------------------------------------------------------------------------------------
+
+
+def chart_png(result: dict[str, Any]) -> bytes:
+    """The chart as PNG bytes: throughput vs concurrency on a log2 axis, TTFT p95 on the right.
+
+    Drawn on a Figure with its own Agg canvas, never pyplot: no display is touched, no global
+    figure state is shared between threads, and nothing needs closing. The PNG carries no
+    "Software" text chunk (the matplotlib version), so the same data gives the same bytes.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    levels = sorted(result.get("levels") or [], key=lambda lv: lv.get("concurrency") or 0)
+    conc = [lv.get("concurrency") for lv in levels]
+
+    def series(key: str) -> list[float]:
+        return [v if (v := _num(lv.get(key))) is not None else math.nan for lv in levels]
+
+    fig = Figure(figsize=CHART_FIGSIZE_IN, dpi=CHART_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(conc, series("aggregate_tok_s"), marker="o", color="tab:blue", label="aggregate tok/s")
+    ax.plot(conc, series("per_stream_decode_tok_s"), marker="s", color="tab:green", label="per-stream decode tok/s")
+    roof = _num(result.get("roofline_tok_s"))
+    if roof:
+        ax.axhline(
+            roof,
+            linestyle="--",
+            color="tab:red",
+            label=f"single-stream roofline {roof:.1f} tok/s ({result.get('roofline_basis')})",
+        )
+    ax.set_xscale("log", base=2)
+    if conc:
+        ax.xaxis.set_major_locator(FixedLocator(conc))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([str(c) for c in conc])
+    ax.set_xlabel("concurrency (streams)")
+    ax.set_ylabel("tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+
+    ttft = ax.twinx()
+    ttft.plot(conc, series("ttft_p95_s"), marker="^", linestyle=":", color="tab:orange", label="TTFT p95 (s)")
+    ttft.set_ylabel("TTFT p95 s")
+    ttft.set_ylim(bottom=0)
+
+    handles, labels = ax.get_legend_handles_labels()
+    h2, l2 = ttft.get_legend_handles_labels()
+    # below the plot: inside it the legend would hide the high-concurrency points it explains
+    ax.legend(handles + h2, labels + l2, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize="small")
+    gate = (result.get("gate") or {}).get("passed")
+    ax.set_title(
+        f"{result.get('recipe')} on {result.get('host')} ({result.get('at')})"
+        + ("" if gate is None else ", gate " + ("passed" if gate else "FAILED"))
+    )
+    fig.tight_layout()  # arranges inside the fixed canvas; the pixel size does not change
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=CHART_DPI, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def render_chart(result: dict[str, Any], path: Path) -> Path:
+    """Write :func:`chart_png` to ``path`` atomically; returns the path."""
+    return _atomic_write_bytes(Path(path), chart_png(result))
+
+
+# ------------------------------------------------------------------------------------------
+# files
+# ------------------------------------------------------------------------------------------
+
+
+def result_json(result: dict[str, Any]) -> str:
+    return json.dumps(result, indent=2, sort_keys=True) + "\n"
+
+
+def write_reports(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """``bench.json``, ``bench.md``, ``bench.png`` in ``out_dir`` (made if missing), each atomic.
+
+    Everything is rendered before the first file is written: a chart that cannot be drawn
+    leaves the folder as it was, not with a JSON beside an older chart.
+    """
+    out_dir = Path(out_dir)
+    contents = {
+        "json": result_json(result).encode(),
+        "markdown": render_markdown(result).encode(),
+        "png": chart_png(result),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {kind: _atomic_write_bytes(out_dir / REPORT_FILES[kind], data) for kind, data in contents.items()}
+
+
+# ------------------------------------------------------------------------------------------
+# terminal
+# ------------------------------------------------------------------------------------------
+
+
+def render_sweep_table(result: dict[str, Any], console: Console) -> Table:
+    """What `invoke bench` prints: the sweep table (the markdown's columns), the knee, the gate."""
+    table = Table(title=Text(f"voltaforge bench: {_title(result)}"), caption=Text(roofline_note(result)))
+    rows = sweep_rows(result)
+    for i, col in enumerate(sweep_columns(result)):
+        # headers wrap to their figures' width, so the figures never do: left to itself rich
+        # shares the width by header length and puts a "(50%)" on a line of its own
+        widest = max([len(r[i]) for r in rows] + [8])
+        header = Text(textwrap.fill(col, widest, break_long_words=False))
+        table.add_column(header, justify="right" if i else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(c) for c in row))
+    console.print(table)
+    if result.get("complete") is False:
+        console.print(Text("incomplete run: not kept in the history", style="bold yellow"))
+    console.print(Text(f"knee: {_knee_text(result)}"))
+    gate = result.get("gate") or {}
+    console.print(Text(gate_line(result), style="green" if gate.get("passed") else "bold red"))
+    for d in gate.get("diagnosis") or []:
+        console.print(Text(f"  diagnosis: {d}"))
+    return table
+
+
+# ------------------------------------------------------------------------------------------
+# history
+# ------------------------------------------------------------------------------------------
+
+
+def history_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The line one run leaves in the history: enough to compare, not the whole result."""
+    return {
+        "at": result.get("at"),
+        "host": result.get("host"),
+        "recipe": result.get("recipe"),
+        "recipe_sha256": result.get("recipe_sha256"),
+        "build": (result.get("server") or {}).get("build"),
+        "gate_passed": (result.get("gate") or {}).get("passed"),
+        "roofline_tok_s": result.get("roofline_tok_s"),
+        "mbu": result.get("mbu"),
+        "levels": [
+            {"concurrency": lv.get("concurrency"), **{k: lv.get(k) for k in TRACKED}}
+            for lv in result.get("levels") or []
+        ],
+    }
+
+
+def append_history(result: dict[str, Any], history_file: Path) -> None:
+    """Add this run's summary as one JSON line. A result not marked complete is refused.
+
+    Atomic: the old lines plus the new one go to a temp file that replaces the history, so a
+    reader sees the history before or after, never a torn last line. (Two controllers
+    appending at the same instant could lose one line; a bench holds the host's lock.)
+    """
+    if result.get("complete") is not True:
+        raise IncompleteResult(
+            f"not added to {history_file}: the result is incomplete (complete={result.get('complete')!r}); "
+            "a partial sweep would be compared as if it were a run"
+        )
+    history_file = Path(history_file)
+    history_file.parent.mkdir(parents=True, exist_ok=True)
+    old = history_file.read_bytes() if history_file.exists() else b""
+    if old and not old.endswith(b"\n"):
+        old += b"\n"
+    line = json.dumps(history_summary(result), sort_keys=True, separators=(",", ":")) + "\n"
+    _atomic_write_bytes(history_file, old + line.encode())
+
+
+def read_history(history_file: Path, host: str | None = None, recipe: str | None = None) -> list[dict[str, Any]]:
+    """The history's runs, oldest line first, optionally one host's and/or one recipe's."""
+    history_file = Path(history_file)
+    if not history_file.exists():
+        return []
+    runs = []
+    for n, line in enumerate(history_file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            run = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise VoltaforgeError(f"{history_file}:{n}: not a JSON line ({e.msg}); remove or fix that line") from e
+        if (host is None or run.get("host") == host) and (recipe is None or run.get("recipe") == recipe):
+            runs.append(run)
+    return runs
+
+
+def _pct(now: Any, then: Any) -> float | None:
+    n, t = _num(now), _num(then)
+    return (n - t) / t * 100 if n is not None and t else None
+
+
+def _ref(run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: Any) -> dict[str, Any]:
+    return {
+        "at": run.get("at"),
+        "build": run.get("build"),
+        "recipe_sha256": run.get("recipe_sha256"),
+        # an edited recipe (other flags, another quant) explains a change better than a regression
+        "recipe_changed": run.get("recipe_sha256") != sha,
+        "values": {k: level.get(k) for k in TRACKED},
+        "change_pct": {k: _pct(now.get(k), level.get(k)) for k in TRACKED},
+    }
+
+
+def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per concurrency level of ``result``: its values, the last run's and the best run's, and % changes.
+
+    Only runs of the same host and recipe count, and never this run itself (it may already be
+    in the history). "Last" is the latest ``at``; "best" is the run with the highest aggregate
+    tok/s at that level. A level a past run did not measure has ``last``/``best`` None.
+    Each row: ``{"concurrency", "now": {metric: value}, "last": ref | None, "best": ref | None}``
+    with ref ``{"at", "build", "recipe_sha256", "recipe_changed", "values": {...}, "change_pct": {metric: % | None}}``
+    (change = (now - then) / then; for TTFT a positive change is slower).
+    """
+    same = (result.get("host"), result.get("recipe"))
+    past = [r for r in history if (r.get("host"), r.get("recipe")) == same and r.get("at") != result.get("at")]
+    past.sort(key=lambda r: str(r.get("at")))
+    rows = []
+    for lv in result.get("levels") or []:
+        c = lv.get("concurrency")
+        now = {k: lv.get(k) for k in TRACKED}
+        measured = [(run, pl) for run in past for pl in run.get("levels") or [] if pl.get("concurrency") == c]
+        sha = result.get("recipe_sha256")
+        last = _ref(*measured[-1], now, sha) if measured else None
+        scored = [m for m in measured if _num(m[1].get("aggregate_tok_s")) is not None]
+        best = _ref(*max(scored, key=lambda m: m[1]["aggregate_tok_s"]), now, sha) if scored else None
+        rows.append({"concurrency": c, "now": now, "last": last, "best": best})
+    return rows
+
+
+def _change_text(ref: dict[str, Any] | None, key: str, spec: str) -> Text:
+    if ref is None:
+        return Text("-")
+    then, pct = ref["values"].get(key), ref["change_pct"].get(key)
+    text = Text(_fmt(then, spec))
+    if pct is not None:
+        # a throughput drop or a TTFT rise of more than 5% is worth a colour
+        worse = pct < -5 if key != "ttft_p95_s" else pct > 5
+        better = pct > 5 if key != "ttft_p95_s" else pct < -5
+        text.append(f" ({pct:+.1f}%)", style="red" if worse else "green" if better else "")
+    return text
+
+
+def render_compare(rows: Sequence[dict[str, Any]], console: Console) -> Table:
+    """This run against the last and the best run, per level: values and % change."""
+    table = Table(title="voltaforge bench: against the history (same host and recipe)")
+    columns = ["concurrency", "aggregate tok/s", "vs last", "vs best", "per-stream tok/s", "vs last", "vs best"]
+    columns += ["TTFT p95 s", "vs last", "vs best"]
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="right" if i else "left", overflow="fold")
+    for r in rows:
+        cells = [Text(str(r["concurrency"]))]
+        for key, spec in (("aggregate_tok_s", ".1f"), ("per_stream_decode_tok_s", ".1f"), ("ttft_p95_s", ".3f")):
+            cells += [Text(_fmt(r["now"].get(key), spec)), _change_text(r["last"], key, spec)]
+            cells.append(_change_text(r["best"], key, spec))
+        table.add_row(*cells)
+    console.print(table)
+    refs = [r[k] for r in rows for k in ("last", "best") if r[k]]
+    if not refs:
+        console.print(Text("no earlier run of this host and recipe to compare with"))
+    else:
+        for label, key in (("last", "last"), ("best", "best")):
+            runs = {(str(r[key]["at"]), str(r[key]["build"]), r[key]["recipe_changed"]) for r in rows if r[key]}
+            for at, build, changed in sorted(runs):
+                note = ", recipe changed since" if changed else ""
+                console.print(Text(f"{label}: run at {at}, build {build}{note}"))
+    return table
