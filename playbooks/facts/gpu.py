@@ -54,6 +54,8 @@ class GpuInfo(BaseModel):
     max_sm_clock_mhz: int | None = None
     mem_clock_mhz: int | None = None
     max_mem_clock_mhz: int | None = None
+    # Percent of the last sample period a kernel ran (telemetry's 'was the GPU busy at all').
+    utilization_gpu_pct: int | None = None
     persistence_mode: bool | None = None
     pcie_gen: int | None = None
     pcie_width: int | None = None
@@ -346,6 +348,7 @@ def _csv_row_to_gpu(row: Mapping[str, str], position: int) -> GpuInfo:
         max_sm_clock_mhz=_int(row.get("clocks.max.sm")),
         mem_clock_mhz=_int(row.get("clocks.mem")),
         max_mem_clock_mhz=_int(row.get("clocks.max.mem")),
+        utilization_gpu_pct=_int(row.get("utilization.gpu")),
         persistence_mode=_bool(row.get("persistence_mode")),
         pcie_gen=_int(row.get("pcie.link.gen.current")),
         pcie_width=_int(row.get("pcie.link.width.current")),
