@@ -25,6 +25,7 @@ from playbooks.cli.settings import Settings
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
+from playbooks.facts import membw as membw_facts
 from playbooks.facts import read_fact, system
 from playbooks.facts import telemetry as telem
 from playbooks.host import Host
@@ -32,8 +33,14 @@ from playbooks.plan.gpus import get_gpu
 from playbooks.plan.tensors import parameter_count
 from playbooks.resources import resource_dir
 from playbooks.steps import bench, bench_client
-from playbooks.steps.bench_report import append_history, compare, read_history, render_compare, render_sweep_table
-from playbooks.steps.bench_report import write_reports
+from playbooks.steps.bench_report import (
+    append_history,
+    compare,
+    read_history,
+    render_compare,
+    render_sweep_table,
+    write_reports,
+)
 from playbooks.steps.build import source_cache_dir
 from playbooks.steps.deploy import DeployLayout
 from playbooks.steps.units import ServerLayout, render_service_files
@@ -100,7 +107,10 @@ def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
             "TFLOPS FP16 tensor (datasheet)",
         }
         if gpu.fp16_tensor_tflops
-        else {"prefill_ceiling_tok_s": None, "prefill_basis": "no FP16 tensor figure: llama-bench's pp is the measured rate"}
+        else {
+            "prefill_ceiling_tok_s": None,
+            "prefill_basis": "no FP16 tensor figure: llama-bench's pp is the measured rate",
+        }
     )
     return {"roofline_tok_s": round(roof, 2), "roofline_basis": basis, **prefill}
 
@@ -170,8 +180,8 @@ def measure(
     python = _python(host, prefix)
     membw = None
     if gpu.is_cpu:
-        probe = _push_probe(host, prefix, telem.MEMBW_PROBE_PATH)
-        membw = telem.parse_membw(read_fact(host, telem.membw_command(python, probe)))
+        probe = _push_probe(host, prefix, membw_facts.MEMBW_PROBE_PATH)
+        membw = membw_facts.parse_membw(read_fact(host, membw_facts.membw_command(python, probe)))
     result |= ceilings(loaded, membw)
     result["membw_gb_s"] = membw
     text = (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
@@ -191,7 +201,7 @@ def measure(
             # in the background, into a file: the sweep's own requests are never waiting on it
             tel_pid = host.run(
                 f"setsid {telem.telemetry_command(python, tprobe, 0.5, 3600)} > {shlex.quote(tel_out)} 2>&1 "
-                "< /dev/null & echo $!",
+                "< /dev/null & echo $!",  # stdin /dev/null: the probe runs until killed
                 stream=False,
             ).stdout.strip()
         t0 = time.monotonic()

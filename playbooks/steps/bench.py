@@ -223,7 +223,8 @@ def judge(result: dict[str, Any], thresholds: dict[str, float], seen: dict[str, 
             reasons.append(f"no level at concurrency {at} to judge the aggregate gate")
         elif got < thresholds["min_aggregate_tok_s"]:
             reasons.append(
-                f"aggregate {got:.1f} tok/s at concurrency {at} is below the gate's {thresholds['min_aggregate_tok_s']:g}"
+                f"aggregate {got:.1f} tok/s at concurrency {at} is below the gate's "
+                f"{thresholds['min_aggregate_tok_s']:g}"
             )
     if thresholds.get("max_ttft_ms") and first.get("ttft_p95_s") is not None:
         ttft_ms = first["ttft_p95_s"] * 1000
@@ -232,7 +233,9 @@ def judge(result: dict[str, Any], thresholds: dict[str, float], seen: dict[str, 
     for lv in levels:
         if lv.get("errors"):
             quoted = "; ".join(lv.get("error_samples") or [])
-            reasons.append(f"{lv['errors']} of {lv['requests']} requests failed at concurrency {lv['concurrency']}: {quoted}")
+            reasons.append(
+                f"{lv['errors']} of {lv['requests']} requests failed at concurrency {lv['concurrency']}: {quoted}"
+            )
         ratio = lv.get("crosscheck_ratio")
         if ratio is not None and abs(ratio - 1) > CROSSCHECK_TOLERANCE:
             reasons.append(

@@ -98,7 +98,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
                 return s
             ctype = r.headers.get("content-type", "")
             if "text/event-stream" not in ctype:
-                s.error = f"POST {COMPLETIONS} answered {ctype or 'no content type'}, not an event stream: not OpenAI-shaped"
+                s.error = (
+                    f"POST {COMPLETIONS} answered {ctype or 'no content type'}, not an event stream: not OpenAI-shaped"
+                )
                 return s
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
