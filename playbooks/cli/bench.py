@@ -228,7 +228,7 @@ def measure(
     result["sanity"] = bench.sanity(samples_all, random_weights)
     result["knee"] = bench.find_knee(result["levels"])
     result["scaling"] = bench.scaling(result["levels"], r.backend, gpu.compute_capability == (7, 0))
-    single = (result["levels"][0] if result["levels"] else {}).get("per_stream_decode_tok_s")
+    single = bench.decode_figure(result["levels"][0]) if result["levels"] else None
     roof = result.get("roofline_tok_s")
     result["mbu"] = round(single / roof, 4) if single and roof else None
     if r.backend == "llamacpp" and model and "error" not in result:

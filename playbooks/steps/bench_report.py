@@ -117,6 +117,8 @@ def crosscheck_ratio(level: dict[str, Any]) -> float | None:
     given = _num(level.get("crosscheck_ratio"))
     if given is not None:
         return given
+    if level.get("crosscheck"):  # the client could not time tokens this fast: no ratio
+        return None
     client, server = _num(level.get("per_stream_decode_tok_s")), _num(level.get("server_predicted_per_second"))
     return client / server if client is not None and server else None
 
@@ -154,7 +156,7 @@ def sweep_rows(result: dict[str, Any]) -> list[list[str]]:
                 _of_roofline(lv.get("aggregate_tok_s"), roof),
                 _of_roofline(lv.get("per_stream_decode_tok_s"), roof),
                 _of_roofline(lv.get("server_predicted_per_second"), roof),
-                _fmt(crosscheck_ratio(lv), ".2f"),
+                "too fast to time" if lv.get("crosscheck") else _fmt(crosscheck_ratio(lv), ".2f"),
                 "/".join(_fmt(lv.get(f"ttft_{p}_s"), ".0f", 1000) for p in ("p50", "p95", "p99")),
                 "/".join(_fmt(lv.get(f"itl_{p}_s"), ".1f", 1000) for p in ("p50", "p95")),
                 f"{errors}/{requests}" if requests is not None else str(errors),
