@@ -71,3 +71,33 @@ def shared_ccache(prefix: Path, user: str) -> None:
         d.mkdir(exist_ok=True)
         shutil.chown(d, user, user)
     (prefix / "llama.cpp" / "ccache").symlink_to(shared)
+
+
+def stage_served_model(host, prefix: str, recipe: Path, gguf_file: Path, quant: str = "Q4_K_M") -> str:
+    """What `invoke build` and `invoke quantize` leave for `invoke deploy`: the static CPU
+    llama-server and llama-bench behind a `current` link, and the quantized model with its
+    manifest under models/<id>/gguf/ (quantize's own run of it: tests/test_quantize_real.py)."""
+    import hashlib
+    import json
+
+    from playbooks.cli.quantize import recipe_weights
+    from playbooks.config.recipe import load_recipe
+    from playbooks.steps.quantize import ModelLayout, manifest_path
+    from tests import llamacpp_tools
+
+    loaded = load_recipe(str(recipe))
+    gguf = ModelLayout(prefix, recipe_weights(loaded).model_id).gguf(quant)
+    build = f"{prefix}/llama.cpp/builds/test-cpu"
+    host.run(
+        f"mkdir -p {build}/bin {gguf.rsplit('/', 1)[0]} && ln -sfn {build} {prefix}/llama.cpp/current", stream=False
+    )
+    tools = llamacpp_tools.build_tools()
+    for tool in ("llama-server", "llama-bench"):
+        host.put(str(tools / tool), f"{build}/bin/{tool}", mode=0o755)
+    host.put(str(gguf_file), gguf, mode=0o644)
+    data = gguf_file.read_bytes()
+    manifest = {"path": gguf, "kind": "gguf", "quant": quant, "bytes": len(data)}
+    manifest["sha256"] = hashlib.sha256(data).hexdigest()
+    host.put(json.dumps(manifest).encode(), manifest_path(gguf), mode=0o644)
+    host.run(f"chmod -R a+rX {prefix}", stream=False)
+    return gguf

@@ -354,3 +354,10 @@ def test_append_survives_a_history_without_a_final_newline(result, tmp_path):
 def test_paths_are_accepted_as_strings(result, tmp_path):
     paths = write_reports(result, str(tmp_path))  # type: ignore[arg-type]
     assert all(p.exists() for p in paths.values())
+
+
+def test_a_run_without_levels_still_gets_its_chart(tmp_path):
+    """A server that was down: no level measured; the reports are written all the same."""
+    result = json.loads(EXAMPLE.read_text()) | {"levels": [], "complete": False, "error": "cannot connect"}
+    files = write_reports(result, tmp_path)
+    assert files["png"].read_bytes().startswith(b"\x89PNG")

@@ -36,7 +36,7 @@ from playbooks.host import connect
 from playbooks.steps.quantize import ModelLayout, manifest_path
 from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
-from tests.helpers import ROOT, inventory_for, spec_for
+from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
 from tests.testhosts import free_port
 
 pytestmark = pytest.mark.slow
@@ -63,25 +63,6 @@ def _recipe(tmp_path: Path, name: str, port: int, **over) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def _stage(host, prefix: str, recipe: Path, q4: Path) -> str:
-    """The build's binary behind `current` (a link, as `invoke build` leaves it) and the
-    quantized model with its manifest where `invoke quantize` puts them."""
-    loaded = load_recipe(str(recipe))
-    gguf = ModelLayout(prefix, recipe_weights(loaded).model_id).gguf("Q4_K_M")
-    build = f"{prefix}/llama.cpp/builds/test-cpu"
-    host.run(
-        f"mkdir -p {build}/bin {gguf.rsplit('/', 1)[0]} && ln -sfn {build} {prefix}/llama.cpp/current", stream=False
-    )
-    host.put(str(llamacpp_tools.llama_server()), f"{build}/bin/llama-server", mode=0o755)
-    host.put(str(q4), gguf, mode=0o644)
-    data = q4.read_bytes()
-    manifest = {"path": gguf, "kind": "gguf", "quant": "Q4_K_M", "bytes": len(data)}
-    manifest["sha256"] = hashlib.sha256(data).hexdigest()
-    host.put(json.dumps(manifest).encode(), manifest_path(gguf), mode=0o644)
-    host.run(f"chmod -R a+rX {prefix}", stream=False)
-    return gguf
 
 
 CHAT = textwrap.dedent(
@@ -122,7 +103,7 @@ def test_deploy_under_systemd_no_op_one_restart_rollback_and_bad_input(nspawn_ho
     settings = Settings(inventory=inv)
     unit = "voltaforge-llama-server.service"
     with connect(spec_for(nspawn_host)) as host:
-        _stage(host, str(nspawn_host.prefix), recipe, tiny_q4)
+        stage_served_model(host, str(nspawn_host.prefix), recipe, tiny_q4)
 
         def show(prop: str) -> str:
             return host.run(f"systemctl show -p {prop} --value {unit}", stream=False).stdout.strip()
@@ -218,7 +199,7 @@ def test_deploy_as_a_process_where_there_is_no_systemd(sshd_host, tiny_q4, tmp_p
     prefix = str(sshd_host.prefix / "vf")
     settings = Settings(inventory=inventory_for(tmp_path, "box", sshd_host, prefix=prefix))
     with connect(spec_for(sshd_host)) as host:
-        _stage(host, prefix, recipe, tiny_q4)
+        stage_served_model(host, prefix, recipe, tiny_q4)
     # a unit asked for where systemd does not run: one line, nothing touched
     with pytest.raises(VoltaforgeError, match=r"^box: systemd is not running there .*--manager process"):
         run_deploy("box", str(recipe), manager="systemd", settings=settings)

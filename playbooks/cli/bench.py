@@ -28,6 +28,7 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import membw as membw_facts
 from playbooks.facts import read_fact, system
 from playbooks.facts import telemetry as telem
+from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.tensors import parameter_count
@@ -79,6 +80,10 @@ def _push_probe(host: Host, prefix: str, local: Path) -> str:
 def _python(host: Host, prefix: str) -> str:
     venv = f"{prefix}/venv/bin/python"
     return venv if host.exists(venv) else "python3"
+
+
+def bench_health(host: Host, port: int) -> int:
+    return parse_health(read_fact(host, health_command(port)))
 
 
 def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
@@ -186,6 +191,10 @@ def measure(
     result["membw_gb_s"] = membw
     text = (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
     kind = result["server"]["kind"]
+    # is anything there? (through the forward a refused port only looks like a broken read)
+    if bench_health(host, port) == 0:
+        result["error"] = f"the server on {host.name}:{port} does not answer: nothing listens there (is it stopped?)"
+        return result, seen
     with host.forward(port) as local_port:
         url = f"http://127.0.0.1:{local_port}"
         probe_words = 64

@@ -13,6 +13,7 @@ import getpass
 import os
 import shlex
 import socket
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
@@ -145,13 +146,62 @@ class SshHost(Host):
 
     @contextlib.contextmanager
     def forward(self, port: int) -> Iterator[int]:
-        """Fabric's local port forward to the host's 127.0.0.1:port, on a free local port."""
+        """A local port forwarded to the host's 127.0.0.1:port over this SSH connection.
+
+        Our own small forwarder rather than Fabric's ``forward_local``: that one re-raises, when
+        its context exits, any broken pipe its pump threads saw, and an HTTP client closing a
+        kept-alive connection is exactly that. Here each accepted connection gets a
+        ``direct-tcpip`` channel and two pumps; a peer that goes away just ends its pair.
+        """
         self.open()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            local = s.getsockname()[1]
-        with self.conn.forward_local(local, remote_port=port, remote_host="127.0.0.1", local_host="127.0.0.1"):
-            yield local
+        transport = self.conn.client.get_transport()
+        if transport is None:
+            raise HostError(f"{self.where}: the SSH connection is gone")
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        listener.settimeout(0.2)
+        stop = threading.Event()
+
+        def pump(src: Any, dst: Any) -> None:
+            try:
+                while True:
+                    data = src.recv(CHUNK)
+                    if not data:
+                        break
+                    dst.sendall(data)
+            except (OSError, EOFError, paramiko.SSHException):
+                pass
+            finally:
+                for end in (src, dst):
+                    with contextlib.suppress(Exception):
+                        end.close()
+
+        def accept() -> None:
+            while not stop.is_set():
+                try:
+                    client, addr = listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+                try:
+                    chan = transport.open_channel("direct-tcpip", ("127.0.0.1", port), addr)
+                except (paramiko.SSHException, OSError):
+                    client.close()
+                    continue
+                threading.Thread(target=pump, args=(client, chan), daemon=True).start()
+                threading.Thread(target=pump, args=(chan, client), daemon=True).start()
+
+        acceptor = threading.Thread(target=accept, daemon=True)
+        acceptor.start()
+        try:
+            yield listener.getsockname()[1]
+        finally:
+            stop.set()
+            acceptor.join(2)
+            listener.close()
 
     def open(self) -> SshHost:
         """Connect now; every way it can fail becomes one HostError that says what to do."""

@@ -108,7 +108,7 @@ def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float) ->
         "server_predicted_per_second": _r(server_rate, 3),
         "crosscheck_ratio": _r(per_stream / server_rate if per_stream and server_rate and resolvable else None),
         "crosscheck": None
-        if resolvable
+        if resolvable or not server_rate
         else f"not resolvable: the server decodes a token every {1000 / server_rate:.2f} ms, faster than the "
         "client can time tokens over HTTP",
         "prefill_tok_s": _r(prefill, 3),

@@ -336,8 +336,8 @@ def chart_png(result: dict[str, Any]) -> bytes:
             color="tab:red",
             label=f"single-stream roofline {roof:.1f} tok/s ({result.get('roofline_basis')})",
         )
-    ax.set_xscale("log", base=2)
     if conc:
+        ax.set_xscale("log", base=2)  # only with data: matplotlib cannot log-scale an empty axis
         ax.xaxis.set_major_locator(FixedLocator(conc))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticklabels([str(c) for c in conc])

@@ -1,0 +1,197 @@
+"""`invoke bench`'s arithmetic, and its client against real HTTP servers that misbehave: a
+server that streams one token over and over (garbage), one that answers JSON instead of an
+event stream (not OpenAI-shaped), one that never answers (timeout), one that dies mid-stream,
+and no server at all. Each becomes an error or a failure on its level, never an exception."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from playbooks.steps import bench, bench_client
+from playbooks.steps.bench_client import Sample
+from tests.testhosts import free_port
+
+
+def _sample(tokens: int, per_token: float, ttft: float = 0.1, text: str = "a b c d", server: float | None = None):
+    s = Sample(sent=0.0, chunks=[ttft + i * per_token for i in range(tokens)], text=text, completion_tokens=tokens)
+    s.done = s.chunks[-1] + 0.001
+    s.prompt_tokens = 128
+    if server:
+        s.timings = {"predicted_per_second": server, "prompt_per_second": 1000.0}
+    return s
+
+
+def test_percentiles_match_numpy_and_levels_add_up():
+    values = [0.3, 0.1, 0.9, 0.5, 0.7, 0.2]
+    for q in (50, 95, 99):
+        assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    samples = [_sample(64, 0.02, server=50.0) for _ in range(4)]
+    lv = bench.level_summary(2, samples, wall_s=2.56)
+    assert lv["aggregate_tok_s"] == pytest.approx(4 * 64 / 2.56, rel=1e-3)
+    assert lv["per_stream_decode_tok_s"] == pytest.approx(50.0, rel=1e-3)
+    assert lv["crosscheck_ratio"] == pytest.approx(1.0, rel=1e-3) and lv["crosscheck"] is None
+    assert lv["ttft_p50_s"] == pytest.approx(0.1) and lv["itl_p50_s"] == pytest.approx(0.02)
+    # a server faster than the client can time: no ratio, the reason instead, judged by the server's figure
+    fast = bench.level_summary(1, [_sample(64, 0.0001, server=2800.0)], wall_s=0.1)
+    assert fast["crosscheck_ratio"] is None and fast["crosscheck"].startswith("not resolvable")
+    assert bench.decode_figure(fast) == 2800.0
+
+
+def test_knee_and_scaling():
+    def lv(c, agg, ttft=0.1):
+        return {"concurrency": c, "aggregate_tok_s": agg, "ttft_p95_s": ttft}
+
+    assert bench.find_knee([lv(1, 50), lv(2, 95), lv(4, 180), lv(8, 185)]) == {
+        "concurrency": 4,
+        "why": "aggregate rose 3% from 4 to 8",
+    }
+    assert bench.find_knee([lv(1, 50), lv(2, 100, 0.1), lv(4, 200, 0.5)])["why"].startswith("TTFT p95 grew 5.0x")
+    assert bench.find_knee([lv(1, 50), lv(2, 100)]) is None
+    assert bench.scaling([lv(1, 50), lv(8, 50)], "exllamav2", True).startswith("does not scale (ExLlamaV2 on V100")
+    assert bench.scaling([lv(1, 50), lv(8, 300)], "llamacpp", True) == "scales"
+
+
+def test_sanity_checks_what_means_something_for_the_weights():
+    looped = [_sample(8, 0.01, text="the the the the the the")]
+    real = bench.sanity(looped, random_weights=False)
+    assert real["failures"] and "repeat one token" in real["failures"][0]
+    assert bench.sanity(looped, random_weights=True) == {
+        "checked": ["non_empty", "finite"],
+        "skipped": {"not_one_token_repeated": "random test weights: a loop on one token means nothing"},
+        "failures": [],
+    }
+    assert "were empty" in bench.sanity([_sample(8, 0.01, text="  ")], True)["failures"][0]
+    assert "NaN/inf" in bench.sanity([_sample(8, 0.01, text="nan nan nan")], True)["failures"][0]
+
+
+def _result(single=50.0, agg4=150.0, ttft=0.2, complete=True, errors=0):
+    levels = [
+        {"concurrency": 1, "requests": 4, "errors": errors, "error_samples": ["cannot connect"] if errors else [],
+         "per_stream_decode_tok_s": single, "server_predicted_per_second": single, "crosscheck_ratio": 1.0,
+         "aggregate_tok_s": single, "ttft_p95_s": ttft},
+        {"concurrency": 4, "requests": 8, "errors": 0, "per_stream_decode_tok_s": 40.0,
+         "server_predicted_per_second": 40.0, "crosscheck_ratio": 1.0, "aggregate_tok_s": agg4, "ttft_p95_s": 0.4},
+    ]  # fmt: skip
+    return {"complete": complete, "levels": levels, "mbu": single / 100, "roofline_tok_s": 100.0, "sanity": {}}
+
+
+def test_the_gate_passes_below_reality_and_fails_above_it_with_reasons():
+    th = {"min_tok_s": 40, "min_roofline_fraction": 0.4, "min_aggregate_tok_s": 100, "at_concurrency": 4,
+          "max_ttft_ms": 500}  # fmt: skip
+    assert bench.judge(_result(), th, {})["passed"]
+    g = bench.judge(_result(single=30.0, agg4=90.0, ttft=0.9), th, {})
+    assert not g["passed"]
+    assert g["reasons"] == [
+        "single-stream decode 30.0 tok/s is below the gate's 40",
+        "decode reaches 30% of the roofline (100.0 tok/s), below the gate's 40%",
+        "aggregate 90.0 tok/s at concurrency 4 is below the gate's 100",
+        "single-stream TTFT p95 900 ms is above the gate's 500",
+    ]
+    failed = bench.judge(_result(errors=2), {}, {})
+    assert failed["reasons"] == ["2 of 4 requests failed at concurrency 1: cannot connect"]
+    incomplete = bench.judge(_result(complete=False) | {"error": "the server is down"}, {}, {})
+    assert incomplete["reasons"][0] == "the server is down"
+    seen = {"offloaded": [39, 41], "load_problems": ["no kernel image is available"]}
+    telemetry = {"summary": {"throttled": True, "reasons": ["hw_thermal_slowdown"], "started_at_s": 42.0}}
+    diagnosis = bench.judge(_result() | {"telemetry": telemetry}, {}, seen)["diagnosis"]
+    assert diagnosis[0].startswith("layers on the CPU: the load log offloaded 39/41")
+    assert "the GPU throttled (hw_thermal_slowdown) from 42 s into the run" in diagnosis
+
+
+def test_prompts_are_seeded_and_sized_by_the_servers_own_count():
+    text = " ".join(f"w{i}" for i in range(1000))
+    a, b = bench.prompts_for(text, 50, 3, seed=7), bench.prompts_for(text, 50, 3, seed=7)
+    assert a == b and len({*a}) == 3 and all(len(p.split()) == 50 for p in a)
+    assert bench.words_for(128, probe_words=64, probe_tokens=256) == 32
+
+
+# ------------------------------------------------------------------------------------------
+# the client against real HTTP servers that misbehave
+# ------------------------------------------------------------------------------------------
+
+
+class _Stub(BaseHTTPRequestHandler):
+    mode = "repeat"
+    served = 0
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_POST(self):
+        type(self).served += 1
+        length = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(length))
+        if self.mode == "json":
+            data = json.dumps({"choices": [{"text": "hi"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        if self.mode == "hang":
+            time.sleep(3)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_tokens"]
+        for i in range(n):
+            if self.mode == "die" and i == 3:
+                self.connection.shutdown(socket.SHUT_RDWR)  # the server dies mid-stream
+                return
+            chunk = {"choices": [{"text": " the", "index": 0, "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.005)
+        usage = {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n}
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+
+
+@pytest.fixture
+def stub():
+    port = free_port()
+    server = ThreadingHTTPServer(("127.0.0.1", port), _Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{port}"
+    server.shutdown()
+    server.server_close()
+
+
+def _level(url, mode, timeout=10.0):
+    _Stub.mode = mode
+    samples, wall = asyncio.run(bench_client.run_level(url, ["a b c"] * 4, 2, 16, 1, "llama-server", timeout))
+    return samples, bench.level_summary(2, samples, wall)
+
+
+def test_garbage_output_fails_the_sanity_check(stub):
+    samples, lv = _level(stub, "repeat")
+    assert lv["errors"] == 0 and lv["output_tokens"] == 64
+    assert "repeat one token" in bench.sanity(samples, random_weights=False)["failures"][0]
+
+
+@pytest.mark.parametrize(
+    "mode,words",
+    [
+        ("json", "answered application/json, not an event stream: not OpenAI-shaped"),
+        ("hang", "no answer within 1 s"),
+        ("die", "the stream ended without usage"),
+    ],
+)
+def test_a_server_that_misbehaves_is_an_error_on_its_level(stub, mode, words):
+    samples, lv = _level(stub, mode, timeout=1.0)
+    assert lv["errors"] == 4 and words in lv["error_samples"][0], lv["error_samples"]
+    assert not bench.judge({"complete": True, "levels": [lv], "sanity": {}}, {}, {})["passed"]
+
+
+def test_no_server_at_all():
+    samples, lv = _level(f"http://127.0.0.1:{free_port()}", "repeat")
+    assert lv["errors"] == 4 and lv["error_samples"][0].startswith("cannot connect")

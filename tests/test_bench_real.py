@@ -1,0 +1,107 @@
+"""`invoke bench` for real: a generated Llama large enough to be memory-bound on this CPU
+(12 layers, hidden 1024, Q8_0: about 155 MB, random BF16 weights, made like the tiny one),
+deployed by `invoke deploy` on a host without systemd (a private sshd: the managed process),
+measured through the SSH port forward. The sweep runs; the client's decode agrees with the
+server's own within 5% at every level; llama-bench runs beside it; the three reports are
+written and the PNG is a real image; the gate passes below reality and fails above it; a
+server that is down fails the gate in one line and leaves the history as it was."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from playbooks.cli.bench import bench_dir, run_bench
+from playbooks.cli.deploy import run_deploy, run_stop
+from playbooks.cli.settings import Settings
+from playbooks.host import connect
+from playbooks.weights.tinymodel import write_tiny_llama
+from tests import llamacpp_tools
+from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
+from tests.testhosts import free_port
+
+pytestmark = pytest.mark.slow
+BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16,
+       "num_key_value_heads": 8}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def membound(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("bench-model")
+    config = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())["model"]["config"] | BIG
+    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
+    return llamacpp_tools.quantize(f16, work / "m-Q8_0.gguf", "Q8_0")
+
+
+def _recipe(tmp_path: Path, port: int, **gate) -> Path:
+    data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
+    data["model"]["config"] |= BIG
+    data |= {"quant": "Q8_0", "parallel": 4, "service": {"port": port}}
+    data["gate"] = {"levels": [1, 2, 4, 8], "prompt_tokens": 64, "max_tokens": 48} | gate
+    where = tmp_path / str(abs(hash(json.dumps(gate, sort_keys=True))))
+    where.mkdir(exist_ok=True)
+    (where / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    path = where / "bench-cpu.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.timeout(1200)
+def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound, tmp_path, monkeypatch, capsys):
+    port = free_port()
+    prefix = str(sshd_host.prefix / "vf")
+    settings = Settings(inventory=inventory_for(tmp_path, "box", sshd_host, prefix=prefix))
+    passing = _recipe(tmp_path, port, min_tok_s=1.0)
+    with connect(spec_for(sshd_host)) as host:
+        stage_served_model(host, prefix, passing, membound, "Q8_0")
+    # reports and history in the test's own cache (after staging: the test tools live in the real one)
+    monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
+    assert run_deploy("box", str(passing), settings=settings) == 0, capsys.readouterr().out[-3000:]
+    capsys.readouterr()
+    history = bench_dir() / "history.jsonl"
+    try:
+        assert run_bench("box", str(passing), as_json=True, settings=settings) == 0
+        result = json.loads(capsys.readouterr().out)
+        levels = result["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2, 4, 8] and result["complete"]
+        for lv in levels:
+            assert lv["errors"] == 0 and lv["output_tokens"] == lv["requests"] * 48
+            # the client's decode and the server's own agree within 5% at every level
+            assert lv["crosscheck"] is None and abs(lv["crosscheck_ratio"] - 1) <= 0.05, lv
+            assert lv["ttft_p50_s"] > 0 and lv["itl_p95_s"] >= lv["itl_p50_s"] > 0
+        assert levels[0]["prompt_tokens"] == pytest.approx(64, rel=0.25)  # sized by the server's own count
+        # the ceiling beside the figures: a measured copy rate over the bytes a token streams
+        assert result["roofline_basis"].startswith("measured CPU copy") and 0 < result["mbu"] < 1.5
+        assert result["llama_bench"]["tg_tok_s"] > 0 and result["llama_bench"]["pp_tok_s"] > 0
+        assert result["gate"]["passed"] and result["gate"]["reasons"] == []
+        assert result["sanity"]["skipped"] == {
+            "not_one_token_repeated": "random test weights: a loop on one token means nothing"
+        }
+        reports = next((bench_dir() / "box" / "bench-cpu").iterdir())
+        assert json.loads((reports / "bench.json").read_text())["levels"] == levels
+        md = (reports / "bench.md").read_text()
+        assert all(re.search(rf"^\|\s*{c}\s*\|", md, re.M) for c in (1, 2, 4, 8)), md
+        import matplotlib.image
+
+        assert matplotlib.image.imread(reports / "bench.png").shape == (600, 1000, 4)
+        assert len(history.read_text().splitlines()) == 1
+
+        # a threshold above reality: the same run fails the gate, exit 1, saying which
+        failing = _recipe(tmp_path, port, min_tok_s=1e6)
+        assert run_bench("box", str(failing), settings=settings) == 1
+        out = capsys.readouterr().out
+        assert "FAILED" in out and "is below the gate's 1e+06" in out, out[-2000:]
+        assert len(history.read_text().splitlines()) == 2  # a complete run, failed gate: recorded
+    finally:
+        assert run_stop("box", str(passing), settings=settings) == 0
+    capsys.readouterr()
+    # the server is down: one line in the report, a failed gate, no history entry
+    assert run_bench("box", str(passing), as_json=True, settings=settings) == 1
+    down = json.loads(capsys.readouterr().out)
+    assert not down["complete"] and "does not answer: nothing listens there (is it stopped?)" in down["error"]
+    assert down["gate"]["reasons"][0] == down["error"] and "\n" not in down["error"]
+    assert len(history.read_text().splitlines()) == 2
