@@ -76,6 +76,10 @@ BAD = {
     ("deploy", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("deploy", "inventory"): [("BROKEN", "inventory")],
     ("deploy", "manager"): [("docker", "--manager 'docker': want one of auto, systemd, process")],
+    ("deploy", "gpus"): [("a,b", "give GPU indexes"), ("0,0", "distinct GPU indexes")],
+    ("bench", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
+    ("bench", "recipe"): [("nope", "unknown recipe 'nope'")],
+    ("bench", "inventory"): [("BROKEN", "inventory")],
     ("stop", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
     ("stop", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("stop", "inventory"): [("BROKEN", "inventory")],
@@ -105,6 +109,9 @@ CONTEXT = {
     ("deploy", "recipe"): ["--host", "local"],
     ("deploy", "inventory"): ["--host", "some-host"],
     ("deploy", "manager"): ["--host", "local", "--recipe", "tiny-cpu"],
+    ("deploy", "gpus"): ["--host", "local", "--recipe", "tiny-cpu"],
+    ("bench", "recipe"): ["--host", "local"],
+    ("bench", "inventory"): ["--host", "some-host"],
     ("stop", "recipe"): ["--host", "local"],
     ("stop", "inventory"): ["--host", "some-host"],
     ("artifacts", "inventory"): ["--host", "some-host"],
@@ -120,6 +127,8 @@ NO_BAD_VALUE = {
     ("build", "no-cache"),
     ("quantize", "dry-run"),
     ("deploy", "dry-run"),
+    ("bench", "json"),
+    ("bench", "compare"),
     ("quantize", "force"),
     ("quantize", "verify"),
     ("artifacts", "json"),
@@ -153,7 +162,7 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "task", ["plan", "preflight", "toolchain", "build", "quantize", "artifacts", "render", "deploy", "stop"]
+    "task", ["plan", "preflight", "toolchain", "build", "quantize", "artifacts", "render", "deploy", "stop", "bench"]
 )
 def test_dash_h_is_help_not_host(task):
     r = invoke(task, "-h")
