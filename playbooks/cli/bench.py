@@ -30,6 +30,7 @@ from playbooks.facts import read_fact, system
 from playbooks.facts import telemetry as telem
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
+from playbooks.host.local import LocalHost
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.tensors import parameter_count
 from playbooks.resources import resource_dir
@@ -157,7 +158,7 @@ def measure(
         "host": host.name,
         "recipe": r.name,
         "recipe_sha256": hashlib.sha256(loaded.path.read_bytes()).hexdigest(),
-        "client": "the controller, through an SSH port forward" if host.name != "local" else "this machine",
+        "client": "this machine" if isinstance(host, LocalHost) else "the controller, through an SSH port forward",
         "workload": {"prompt_tokens": g.prompt_tokens, "max_tokens": g.max_tokens, "seed": 1, "levels": levels},
         "levels": [],
         "telemetry": None,
