@@ -19,12 +19,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from playbooks.cli.quantize import recipe_weights
+from playbooks.cli.deploy import single_service
 from playbooks.cli.render import console
 from playbooks.cli.settings import Settings
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe
-from playbooks.errors import VoltaforgeError
 from playbooks.facts import membw as membw_facts
 from playbooks.facts import read_fact, system
 from playbooks.facts import telemetry as telem
@@ -44,8 +43,7 @@ from playbooks.steps.bench_report import (
     write_reports,
 )
 from playbooks.steps.build import source_cache_dir
-from playbooks.steps.deploy import DeployLayout
-from playbooks.steps.units import ServerLayout, render_service_files
+from playbooks.steps.deploy import read_record
 
 #: per request: generous for a slow host, short enough that a hung server fails the run
 REQUEST_TIMEOUT_S = 300.0
@@ -54,21 +52,6 @@ REQUEST_TIMEOUT_S = 300.0
 def bench_dir() -> Path:
     """Reports and history live on the controller, beside the other caches."""
     return source_cache_dir().parent / "bench"
-
-
-def _service(loaded: LoadedRecipe, prefix: str) -> tuple[str, DeployLayout]:
-    unit = render_service_files(loaded.recipe, ServerLayout(prefix=prefix))[0]
-    name = unit.path.rsplit("/", 1)[1].removesuffix(".service")
-    return name, DeployLayout(prefix, name)
-
-
-def _deploy_record(host: Host, layout: DeployLayout) -> dict[str, Any]:
-    raw = read_fact(host, f"cat -- {shlex.quote(layout.record)} 2>/dev/null || true")
-    try:
-        data = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        data = {}
-    return data if isinstance(data, dict) else {}
 
 
 def _push_probe(host: Host, prefix: str, local: Path) -> str:
@@ -149,8 +132,8 @@ def measure(
     r = loaded.recipe
     g = r.gate
     levels = levels or list(g.levels)
-    service, layout = _service(loaded, prefix)
-    record = _deploy_record(host, layout)
+    _, _, layout = single_service(loaded, prefix)
+    record = read_record(host, layout) or {}
     result: dict[str, Any] = {
         "version": 1,
         "complete": False,
@@ -173,7 +156,9 @@ def measure(
     result["facts"] = {"cpus": nproc, "memory_gb": round(total / 1e9, 1) if total else None, "gpu": r.gpu}
     gpu = get_gpu(r.gpu)
     if not record:
-        result["error"] = f"{service} was never deployed on {host.name}: run `invoke deploy --host {host.name}` first"
+        result["error"] = (
+            f"{layout.service} was never deployed on {host.name}: run `invoke deploy --host {host.name}` first"
+        )
         return result, seen
     port = int(record.get("port") or r.service.port)
     model = str((record.get("artifact") or {}).get("path") or "")
@@ -268,11 +253,7 @@ def run_bench(
 ) -> int:
     settings = settings or Settings()
     spec = settings.host_spec(host_name)
-    name = recipe or spec.recipe
-    if not name:
-        raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
-    loaded = settings.load_recipe(name)
-    recipe_weights(loaded)  # the model id exists (a generated model is made once)
+    loaded = settings.load_recipe(settings.recipe_for(host_name, recipe))
     with settings.connect(spec) as host:
         result, seen = measure(loaded, host, spec.prefix)
     result["gate"] = bench.judge(result, thresholds(loaded), seen)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from playbooks.cli.render import render_report
 from playbooks.cli.settings import Settings
 from playbooks.config.recipe import LoadedRecipe
-from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.files import parse_writable, writable_command
 from playbooks.host import Host
@@ -27,10 +26,7 @@ def prefix_needs_sudo(host: Host, prefix: str) -> bool:
 
 def converge(settings: Settings, host_name: str, recipe: str | None, make_ops: MakeOps, dry_run: bool) -> int:
     spec = settings.host_spec(host_name)
-    name = recipe or spec.recipe
-    if not name:
-        raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
-    loaded = settings.load_recipe(name)
+    loaded = settings.load_recipe(settings.recipe_for(host_name, recipe))
     with settings.connect(spec) as host:
         sudo = prefix_needs_sudo(host, spec.prefix)
         ops = make_ops(loaded, host, spec.prefix, sudo)

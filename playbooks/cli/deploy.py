@@ -3,8 +3,6 @@ the verified artifact (steps/deploy.py), under systemd or as a managed process."
 
 from __future__ import annotations
 
-import json
-import shlex
 from typing import Literal
 
 from playbooks.cli.converge import converge
@@ -15,6 +13,7 @@ from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
+from playbooks.facts.files import cat_command, parse_json_object
 from playbooks.facts.system import SYSTEMD_COMMAND, parse_systemd
 from playbooks.host import Host
 from playbooks.host.ops import Change, EnsureDirectory, Operation, run_command
@@ -35,7 +34,7 @@ from playbooks.steps.exl2_convert import STAMP_NAME as EXL2_STAMP
 from playbooks.steps.exl2_convert import Exl2Layout
 from playbooks.steps.quantize import ModelLayout, manifest_path
 from playbooks.steps.service_manager import Manager, ProcessRunner, Systemd, process_argv, unit_environment
-from playbooks.steps.units import ServerLayout, parse_exec_start, render_service_files
+from playbooks.steps.units import RenderedFile, ServerLayout, parse_exec_start, render_service_files
 
 ManagerChoice = Literal["auto", "systemd", "process"]
 
@@ -49,16 +48,14 @@ def choose_manager(host: Host, wanted: str) -> str:
     return "systemd" if wanted == "systemd" or (wanted == "auto" and booted) else "process"
 
 
-def _manifest(host: Host, path: str) -> dict:
-    raw = read_fact(host, f"cat -- {shlex.quote(path)} 2>/dev/null || true")
-    try:
-        data = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        data = {}
-    return data if isinstance(data, dict) else {}
+def single_service(loaded: LoadedRecipe, prefix: str) -> tuple[RenderedFile, str, DeployLayout]:
+    """The recipe's one server (GPU 0 or the CPU): its rendered unit, unit name and state."""
+    unit = render_service_files(loaded.recipe, ServerLayout(prefix=prefix))[0]
+    unit_name = unit.path.rsplit("/", 1)[1]
+    return unit, unit_name, DeployLayout(prefix, unit_name.removesuffix(".service"))
 
 
-def make_manager(kind: str, server: ServerLayout, state: DeployLayout, unit_name: str, unit_text: str) -> Manager:
+def make_manager(kind: str, state: DeployLayout, unit_name: str, unit_text: str) -> Manager:
     if kind == "systemd":
         return Systemd(unit_name)
     argv = parse_exec_start(unit_text)
@@ -98,7 +95,7 @@ def deploy_ops(
         manifest, link = manifest_path(artifact), server.model_file(r)
     if kind == "process" and r.service.api_key_ref:
         raise VoltaforgeError(f"{host.name}: an API key reaches the server as a systemd credential; no systemd here")
-    facts = _manifest(host, manifest)
+    facts = parse_json_object(read_fact(host, cat_command(manifest))) or {}
     state_root = f"{prefix}/deploy"
     files = [
         ServiceFile(f.path, f.text, f.mode, sudo=True)
@@ -121,7 +118,7 @@ def deploy_ops(
         kv_mib=option.kv_bytes / 2**20 if option and llama else None,
         compute_mib=option.compute_bytes / 2**20 if option and llama else None,
     )
-    managers = [make_manager(kind, server, state, name, unit.text) for name, state, _ in instances]
+    managers = [make_manager(kind, state, name, unit.text) for name, state, _ in instances]
     ports = [port for _, _, port in instances]
     ops: list[Operation] = [CheckPort(p, m, sudo=kind == "systemd") for m, p in zip(managers, ports, strict=True)]
     ops += [EnsureDirectory(f"{prefix}/serve", 0o755), EnsureDirectory(state_root, 0o755)]
@@ -164,17 +161,11 @@ def run_stop(host_name: str, recipe: str | None = None, settings: Settings | Non
     """Stop the recipe's server (the unit, or the managed process); its files stay."""
     settings = settings or Settings()
     spec = settings.host_spec(host_name)
-    name = recipe or spec.recipe
-    if not name:
-        raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
-    loaded = settings.load_recipe(name)
+    loaded = settings.load_recipe(settings.recipe_for(host_name, recipe))
     with settings.connect(spec) as host:
         kind = choose_manager(host, "auto")
-        server = ServerLayout(prefix=spec.prefix)
-        unit = render_service_files(loaded.recipe, server)[0]
-        unit_name = unit.path.rsplit("/", 1)[1]
-        state = DeployLayout(spec.prefix, unit_name.removesuffix(".service"))
-        mgr = make_manager(kind, server, state, unit_name, unit.text)
+        unit, unit_name, state = single_service(loaded, spec.prefix)
+        mgr = make_manager(kind, state, unit_name, unit.text)
         cmd = mgr.stop()
         run_command(host, cmd)
         change = Change(host.name, f"Stop {mgr.describe()}", "changed", "stopped", (cmd.show(),))

@@ -199,9 +199,7 @@ def run_quantize(
     if not on or on == host_name:
         return converge(settings, host_name, recipe, ops, dry_run)
     # the serving host's recipe, made on the other host
-    name = recipe or settings.host_spec(host_name).recipe
-    if not name:
-        raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
+    name = settings.recipe_for(host_name, recipe)
     code = converge(settings, on, name, ops, dry_run)
     if code and not dry_run:
         return code

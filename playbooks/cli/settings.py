@@ -9,6 +9,7 @@ from pathlib import Path
 
 from playbooks.config.inventory import HostSpec, resolve_host
 from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
+from playbooks.errors import VoltaforgeError
 from playbooks.host import Host, connect
 
 
@@ -24,6 +25,13 @@ class Settings:
         if self.prefix and "prefix" not in spec.model_fields_set:
             spec = HostSpec.model_validate({**spec.model_dump(), "prefix": self.prefix})
         return spec
+
+    def recipe_for(self, host_name: str, recipe: str | None) -> str:
+        """The flag's recipe, else the inventory's for that host; one line when neither names one."""
+        name = recipe or self.host_spec(host_name).recipe
+        if not name:
+            raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
+        return name
 
     def load_recipe(self, name: str) -> LoadedRecipe:
         return load_recipe(name, self.recipes_dir or RECIPES_DIR)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -55,3 +57,17 @@ def writable_command(path: str) -> str:
 
 def parse_writable(output: str) -> bool:
     return output.strip() == "yes"
+
+
+def cat_command(path: str) -> str:
+    """A small file's content; nothing when it is absent or unreadable."""
+    return f"cat -- {shlex.quote(path)} 2>/dev/null || true"
+
+
+def parse_json_object(output: str) -> dict[str, Any] | None:
+    """A JSON object (a manifest, a stamp, a record); None when empty, garbage or not an object."""
+    try:
+        data = json.loads(output) if output.strip() else None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -26,6 +26,7 @@ from typing import Any
 from playbooks.errors import HostError
 from playbooks.facts import lines, read_fact
 from playbooks.facts.artifacts import parse_stat_size_mtime, stat_size_mtime_command
+from playbooks.facts.files import cat_command, parse_json_object
 from playbooks.host import Host
 from playbooks.host.base import Process
 from playbooks.host.commands import check_path
@@ -86,18 +87,6 @@ class CopyFacts:
     source: SourceFacts
     target_identity: dict[str, Any] | None
     target_size: int | None  # a GGUF file's size on the target (None: absent)
-
-
-def _json_or_none(text: str) -> dict[str, Any] | None:
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _cat_command(path: str) -> str:
-    return f"cat -- {shlex.quote(path)} 2>/dev/null || true"
 
 
 def files_with_sha256_command(directory: str) -> str:
@@ -172,7 +161,7 @@ class EnsureArtifactCopy(Operation):
         self.name = f"Ensure {dst.path} is the copy of {source.name}'s"
 
     def read(self, host: Host) -> CopyFacts:
-        identity = _json_or_none(read_fact(self.source, _cat_command(self.src.identity)))
+        identity = parse_json_object(read_fact(self.source, cat_command(self.src.identity)))
         files: tuple[tuple[str, int, str], ...] = ()
         if identity is not None:
             if self.src.is_dir:
@@ -182,7 +171,7 @@ class EnsureArtifactCopy(Operation):
                 digest = identity.get("sha256")
                 if st is not None and isinstance(digest, str):
                     files = (("", st[0], digest),)
-        target_identity = _json_or_none(read_fact(host, _cat_command(self.dst.identity)))
+        target_identity = parse_json_object(read_fact(host, cat_command(self.dst.identity)))
         st = parse_stat_size_mtime(read_fact(host, stat_size_mtime_command(self.dst.path)))
         return CopyFacts(SourceFacts(identity, files), target_identity, st[0] if st and not self.dst.is_dir else None)
 
@@ -211,6 +200,9 @@ class EnsureArtifactCopy(Operation):
         # the finished name appears only by renaming a complete, checked copy
         swap = f"rm -rf -- {qo} && {{ [ ! -e {qd} ] || mv -T -- {qd} {qo}; }} && mv -T -- {qp} {qd} && rm -rf -- {qo}"
         commands.append(Shell(swap))
+        if not self.dst.is_dir:
+            # the manifest read above, the one the bytes were checked against (never read again)
+            commands.append(Record(self.dst.identity, "the manifest, naming this copy", json.dumps(src.identity)))
         why = "not on this host" if facts.target_identity is None else f"this host has {key} {str(have)[:12]}"
         total = sum(size for _, size, _ in src.files)
         return Decision.act(f"{why}, {self.source.name} has {str(want)[:12]}: copying {total} bytes", *commands)
@@ -230,18 +222,16 @@ class EnsureArtifactCopy(Operation):
                     host.run(f"mkdir -p -- {shlex.quote(cmd.path.rsplit('/', 1)[0])}", stream=False)
                 stream_file(self.source, host, cmd)
             elif isinstance(cmd, Record):
-                continue  # a dry run's placeholder: never applied
+                if cmd.meta:  # a dry run's placeholder has none: it is never applied
+                    self._write_manifest(host, json.loads(cmd.meta))
             else:
                 run_command(host, cmd)
-        if not self.dst.is_dir:
-            self._write_manifest(host)
 
-    def _write_manifest(self, host: Host) -> None:
+    def _write_manifest(self, host: Host, identity: dict[str, Any]) -> None:
         """The source's manifest, naming this host's path and the copy's mtime."""
-        identity = _json_or_none(read_fact(self.source, _cat_command(self.src.identity))) or {}
         st = parse_stat_size_mtime(read_fact(host, stat_size_mtime_command(self.dst.path)))
         if st is None:
             raise OperationError(f"{self.dst.path} is not there after the copy")
-        copied = {**identity, "path": self.dst.path, "mtime": st[1], "copied_from": {"host": self.source.name}}
-        copied["copied_from"]["path"] = self.src.path
+        copied_from = {"host": self.source.name, "path": self.src.path}
+        copied = {**identity, "path": self.dst.path, "mtime": st[1], "copied_from": copied_from}
         host.write_file(self.dst.identity, (json.dumps(copied, indent=2, sort_keys=True) + "\n").encode(), 0o644)

@@ -40,11 +40,13 @@ from typing import Any
 
 from playbooks.errors import HostError, VoltaforgeError
 from playbooks.facts import read_fact
+from playbooks.facts.builds import parse_readlink, readlink_command
+from playbooks.facts.files import cat_command, parse_json_object
 from playbooks.facts.server_log import judge_load, parse_load_log
 from playbooks.facts.service import health_command, listeners_command, parse_health, parse_listeners
 from playbooks.host.base import Host
 from playbooks.host.commands import check_path
-from playbooks.host.ops import Command, Decision, Operation, OperationError, Record, Shell, Upload, run_command
+from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell, Upload, run_command
 from playbooks.steps.service_manager import Manager, ProcessRunner, Running
 
 #: the fingerprint's format: bump when what it covers changes
@@ -79,6 +81,11 @@ class DeployLayout:
     @property
     def good_dir(self) -> str:
         return f"{self.state_dir}/good"
+
+
+def read_record(host: Host, layout: DeployLayout) -> dict[str, Any] | None:
+    """The deployment record: what was started, when, from which files, and its buffers."""
+    return parse_json_object(read_fact(host, cat_command(layout.record)))
 
 
 @dataclass(frozen=True)
@@ -175,13 +182,8 @@ class EnsureModelLink(Operation):
         self.name = f"Ensure {link} points at the verified model"
 
     def read(self, host: Host) -> LinkFacts:
-        target = read_fact(host, f"readlink -- {shlex.quote(self.link)} 2>/dev/null || true").strip() or None
-        raw = read_fact(host, f"cat -- {shlex.quote(self.manifest)} 2>/dev/null || true")
-        try:
-            manifest = json.loads(raw) if raw.strip() else None
-        except ValueError:
-            manifest = None
-        return LinkFacts(target, manifest if isinstance(manifest, dict) else None)
+        target = parse_readlink(read_fact(host, readlink_command(self.link)))
+        return LinkFacts(target, parse_json_object(read_fact(host, cat_command(self.manifest))))
 
     def decide(self, facts: LinkFacts) -> Decision:
         if facts.manifest is None or not facts.manifest.get("sha256") and not facts.manifest.get("id"):
@@ -207,7 +209,7 @@ class EnsureSymlink(Operation):
         self.name = f"Ensure {link} -> {target}"
 
     def read(self, host: Host) -> str | None:
-        return read_fact(host, f"readlink -- {shlex.quote(self.link)} 2>/dev/null || true").strip() or None
+        return parse_readlink(read_fact(host, readlink_command(self.link)))
 
     def decide(self, facts: str | None) -> Decision:
         if facts == self.target:
@@ -349,7 +351,7 @@ class EnsureServing(Operation):
         self.manager, self.layout, self.files, self.link = manager, layout, tuple(files), link
         self.artifact, self.artifact_sha256, self.artifact_bytes = artifact, artifact_sha256, artifact_bytes
         self.port, self.expect = port, expect
-        self.sudo = isinstance(manager, ProcessRunner) is False
+        self.sudo = not isinstance(manager, ProcessRunner)
         self.want = fingerprint(self.files, artifact_sha256, artifact)
         self.name = f"Ensure {manager.describe()} serves on 127.0.0.1:{port}"
 
@@ -359,13 +361,10 @@ class EnsureServing(Operation):
         return host.sudo if self.sudo else host.run
 
     def read(self, host: Host) -> ServingFacts:
-        state = self._run(host)(self.manager.state_command(), check=False, stream=False).stdout
-        raw = read_fact(host, f"cat -- {shlex.quote(self.layout.record)} 2>/dev/null || true")
-        try:
-            record = json.loads(raw) if raw.strip() else None
-        except ValueError:
-            record = None
-        return ServingFacts(self.manager.running(state), record if isinstance(record, dict) else None)
+        return ServingFacts(self._running(host), read_record(host, self.layout))
+
+    def _running(self, host: Host) -> Running:
+        return self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
 
     def decide(self, facts: ServingFacts) -> Decision:
         rec = facts.record or {}
@@ -408,12 +407,12 @@ class EnsureServing(Operation):
     def _start(self, host: Host) -> Served:
         t0 = time.monotonic()
         run_command(host, self.manager.restart())
-        first = self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
+        first = self._running(host)
         timeout = health_timeout(self.artifact_bytes)
         code = 0
         while True:
             code = parse_health(read_fact(host, health_command(self.port)))
-            now = self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
+            now = self._running(host)
             if code == 200 and now.up:
                 break
             if not now.up or (first.ident and now.ident != first.ident):
@@ -460,7 +459,7 @@ class EnsureServing(Operation):
             cmds.append(f"cp -p -- {shlex.quote(f.path)} {shlex.quote(f'{good}.new/{i}')}")
         cmds.append(f"rm -rf -- {shlex.quote(good)} && mv -T -- {shlex.quote(good)}.new {shlex.quote(good)}")
         self._run(host)(" && ".join(cmds), stream=False)
-        running = self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
+        running = self._running(host)
         record = {
             "fingerprint": self.want,
             "run": running.ident,
@@ -479,12 +478,8 @@ class EnsureServing(Operation):
 
     def _rollback(self, host: Host) -> str:
         """Put the last good deployment back and start it; say what happened in one clause."""
-        raw = read_fact(host, f"cat -- {shlex.quote(self.layout.record)} 2>/dev/null || true")
-        try:
-            rec = json.loads(raw) if raw.strip() else {}
-        except ValueError:
-            rec = {}
-        good = rec.get("good") if isinstance(rec, dict) else None
+        rec = read_record(host, self.layout) or {}
+        good = rec.get("good")
         if not good:
             try:
                 run_command(host, self.manager.stop())
@@ -513,7 +508,7 @@ class EnsureServing(Operation):
                 time.sleep(HEALTH_POLL_S)
         except HostError as exc:
             return f"the rollback failed too: {exc}"
-        running = self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
+        running = self._running(host)
         # the record keeps describing what runs: the good deployment, in its new run
         rec["run"] = running.ident
         host.write_file(self.layout.record, (json.dumps(rec, indent=2, sort_keys=True) + "\n").encode(), 0o644)
@@ -541,7 +536,3 @@ def require_systemd(booted: bool, manager: str, host: str) -> None:
             f"{host}: systemd is not running there (no /run/systemd/system): a unit cannot be started; "
             "deploy with --manager process to run the same command line as a managed process"
         )
-
-
-def decisions_summary(commands: Sequence[Command]) -> list[str]:
-    return [c.show() for c in commands]

@@ -59,9 +59,6 @@ class Systemd:
     def stop(self) -> Shell:
         return Shell(f"systemctl stop -- {shlex.quote(self.unit)}", True)
 
-    def reload(self) -> Shell:
-        return Shell("systemctl daemon-reload", True)
-
     def log_command(self, ident: str) -> str:
         """This run's log only: the journal entries of one invocation of the unit."""
         match = f" _SYSTEMD_INVOCATION_ID={ident}" if re.fullmatch(r"[0-9a-f]{32}", ident) else ""
@@ -119,9 +116,6 @@ class ProcessRunner:
 
     def stop(self) -> Shell:
         return Shell(self._stop_script())
-
-    def reload(self) -> None:
-        return None
 
     def log_command(self, ident: str) -> str:
         return f"tail -n 2000 -- {shlex.quote(self.log_file)} 2>/dev/null || true"

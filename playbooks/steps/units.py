@@ -74,21 +74,13 @@ def parse_exec_start(unit_text: str) -> list[str]:
         quote = ""
         while i < n:
             c = text[i]
-            if quote:
-                if c == quote:
-                    quote = ""
-                elif c == "\\":
-                    i += 1
-                    if i >= n or text[i] not in _ESCAPES:
-                        raise VoltaforgeError(f"unsupported escape in ExecStart: {text!r}")
-                    word.append(_ESCAPES[text[i]])
-                else:
-                    word.append(c)
-            elif c in " \t":
+            if quote and c == quote:
+                quote = ""
+            elif not quote and c in " \t":
                 break
-            elif c in "\"'":
+            elif not quote and c in "\"'":
                 quote = c
-            elif c == "\\":
+            elif c == "\\":  # C escapes apply inside quotes and out
                 i += 1
                 if i >= n or text[i] not in _ESCAPES:
                     raise VoltaforgeError(f"unsupported escape in ExecStart: {text!r}")
