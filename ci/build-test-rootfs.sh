@@ -2,11 +2,18 @@
 # Builds the Debian 12 (bookworm) root filesystem that tests/testhosts.py boots with
 # systemd-nspawn (the `nspawn_host` fixture), and caches it as a zstd tarball:
 #
-#     ${VOLTAFORGE_CACHE:-$HOME/.cache/voltaforge}/rootfs-bookworm.tar.zst
+#     ${VOLTAFORGE_CACHE:-$HOME/.cache/voltaforge}/rootfs-bookworm-v2.tar.zst
+#
+# The name carries the image's version: bump it whenever the package list or the changes
+# below change, so every cache (developer machines, CI) builds the new image instead of
+# booting the old one (tests/testhosts.py names the same file: ROOTFS_TARBALL).
+# v1 (rootfs-bookworm.tar.zst): a bootable host; v2: plus what provisioning the tiny-cpu
+# recipe needs on a host without internet (python3-venv, compilers, cmake, ccache).
 #
 # Idempotent: if the tarball exists, nothing is done (pass --force to rebuild).
-# Needs root, debootstrap, zstd and network access to a Debian mirror (about 2 min, the
-# unpacked tree is ~270 MB, the tarball ~85 MB).
+# Needs root, debootstrap, zstd and network access to a Debian mirror. Measured for v2 on
+# this kind of machine (2 cores, deb.debian.org): MEASURED_BUILD_TIME; v1 took about 2 min
+# (270 MB unpacked, an 85 MB tarball).
 #
 # Mirror: $VOLTAFORGE_DEBIAN_MIRROR, else the first `URIs:` (deb822) or `deb` line for
 # debian (not debian-security) found under /etc/apt, else http://deb.debian.org/debian.
@@ -20,6 +27,21 @@
 #   libnss-myhostname          resolves the container's own hostname without DNS: without it
 #                              (and nspawn's --resolv-conf=delete) every `sudo` inside stalls
 #                              ~20 s waiting for a DNS server that does not exist.
+# What `invoke toolchain`/`build`/`quantize` of a CPU recipe need on the host (the container
+# has no internet: apt cannot fetch them later; Python packages come from a wheelhouse the
+# tests bind-mount, see tests/testhosts.py):
+#   python3-venv               `python3 -m venv` (EnsureVenv): Debian's python3 has no ensurepip
+#                              without it
+#   g++                        the C/C++ compiler (gcc, g++, libc6-dev, binutils) for llama.cpp
+#                              and the llama-cpp-python bindings; `gcc --version` is a build input
+#   make                       cmake's default generator for the server build
+#   cmake                      configures llama.cpp (3.25; the bindings' scikit-build-core
+#                              wants >= 3.21, else it would pip-install a cmake wheel)
+#   ccache                     the build step uses it when present (CCACHE_DIR under the
+#                              prefix): rebuilds with other flags, and tests sharing one cache
+# Not needed, checked: git (llama.cpp's build info is "unknown" without it; the vendored tree
+# is no git checkout anyway), pkg-config, ninja (the bindings' build gets the ninja wheel from
+# the wheelhouse, as pip would from PyPI), python3-dev (the bindings load libllama with ctypes).
 # Changes after debootstrap and why:
 #   /etc/hostname removed      nspawn --hostname= then names the machine
 #   /etc/machine-id emptied    the fixture writes a fresh one per boot (no shared identity)
@@ -40,9 +62,10 @@ case "${1:-}" in
 esac
 
 cache="${VOLTAFORGE_CACHE:-$HOME/.cache/voltaforge}"
-tarball="$cache/rootfs-bookworm.tar.zst"
+tarball="$cache/rootfs-bookworm-v2.tar.zst"
 suite=bookworm
 packages="systemd,systemd-sysv,dbus,openssh-server,python3,curl,iproute2,sudo,libnss-myhostname,ca-certificates"
+packages="$packages,python3-venv,g++,make,cmake,ccache"
 
 if [ -s "$tarball" ] && [ "$force" = 0 ]; then
     echo "build-test-rootfs: $tarball exists, nothing to do"
@@ -73,7 +96,7 @@ mirror="${VOLTAFORGE_DEBIAN_MIRROR:-$(detect_mirror)}"
 
 mkdir -p "$cache"
 # One builder at a time (parallel CI jobs sharing a cache wait for the first one).
-exec 9>"$cache/.rootfs-bookworm.lock"
+exec 9>"$cache/.rootfs-bookworm-v2.lock"
 flock 9
 if [ -s "$tarball" ] && [ "$force" = 0 ]; then
     echo "build-test-rootfs: $tarball was built meanwhile, nothing to do"

@@ -11,6 +11,7 @@ from testhosts import (  # noqa: F401  (imported to register the fixtures)
     make_sshd_host,
     netns_host,
     nspawn_host,
+    provisionable_nspawn_host,
     sshd_host,
     testhost_user,
 )

@@ -253,3 +253,47 @@ def test_nspawn_host_systemd_unit_lifecycle(nspawn_host, tmp_path):
                 warn=True,
                 hide=True,
             )
+
+
+# ---------------------------------------------------------------------------------------
+# provisionable_nspawn_host
+# ---------------------------------------------------------------------------------------
+
+
+def test_the_image_name_is_the_one_the_rootfs_script_builds():
+    from testhosts import BUILD_ROOTFS_SCRIPT, ROOTFS_TARBALL
+
+    assert f'tarball="$cache/{ROOTFS_TARBALL}"' in BUILD_ROOTFS_SCRIPT.read_text()
+
+
+@pytest.mark.parametrize("provisionable_nspawn_host", [{"ccache": None}], indirect=True)
+def test_provisionable_nspawn_host_without_a_shared_ccache(provisionable_nspawn_host):
+    host = provisionable_nspawn_host
+    assert host.ccache is None and not any(b.startswith("--bind=") for b in host.binds)
+    assert host.run_inside(f"test -e {host.prefix}/llama.cpp", check=False).returncode == 1
+
+
+def test_provisionable_nspawn_host_installs_only_from_its_wheelhouse(provisionable_nspawn_host):
+    from tests.wheelhouse import wheel_names
+
+    host = provisionable_nspawn_host
+    names = wheel_names(host.wheelhouse_on_controller)
+    assert {"torch", "scikit-build-core", "ninja", "transformers", "numpy"} <= names.keys()
+    with strict_connection(host) as c:
+        # the build tools of the image
+        for tool in ("gcc", "g++", "make", "cmake", "ccache"):
+            assert c.run(f"command -v {tool}", warn=True, hide=True).ok, tool
+        c.run("python3 -m venv /tmp/v", hide=True)
+        # pip knows only the wheelhouse: what is there installs, anything else is not found
+        # (at once: no index is asked, and there is no route out anyway)
+        ok = c.run("/tmp/v/bin/pip install -q diskcache && /tmp/v/bin/pip show diskcache", hide=True).stdout
+        assert f"Version: {names['diskcache']}" in ok
+        start = time.monotonic()
+        missing = c.run("/tmp/v/bin/pip install six", warn=True, hide=True)
+        assert missing.exited == 1 and "No matching distribution found for six" in missing.stderr
+        assert time.monotonic() - start < 15
+        # the wheelhouse is read-only inside; the shared ccache is writable by deploy and is
+        # where the build step's CCACHE_DIR under the prefix points
+        assert not c.run(f"touch {host.wheelhouse}/x", warn=True, hide=True).ok
+        assert c.run(f"readlink {host.prefix}/llama.cpp/ccache", hide=True).stdout.strip() == str(host.ccache)
+        c.run(f"touch {host.ccache}/.vf-probe && rm {host.ccache}/.vf-probe", hide=True)

@@ -20,6 +20,18 @@ every flag come from ``shared/testhosts.md``):
     and booted through an overlay mount, so the cache stays clean and each session starts
     from a fresh system.
 
+``provisionable_nspawn_host`` (:class:`NspawnHost`, a few seconds, function scope)
+    The same Debian 12 container, booted fresh for each test, staged like an air-gapped lab
+    stages a host so voltaforge can provision it without internet: the image carries the
+    Debian packages provisioning needs (python3-venv, g++, make, cmake, ccache); the Python
+    packages come from a wheelhouse on the controller (tests/wheelhouse.py, built once),
+    bind-mounted read-only at ``/opt/voltaforge-wheels``, with ``/etc/pip.conf`` saying
+    ``no-index`` and ``find-links`` there, so pip on the host installs from it and nothing
+    else. A ccache directory in the test cache is bind-mounted writable and linked from
+    ``<prefix>/llama.cpp/ccache`` (where the build step puts its cache), so the server's
+    compile is warm across containers and sessions (the bindings' is not: pip builds them in
+    a random temporary directory, so their compiler command lines never repeat).
+
 Every host is verified with strict host-key checking: the fixture knows the host key before
 the first connection (it generated it) and writes it to ``known_hosts``; use
 :func:`strict_connection` (Fabric) or :func:`strict_client` (paramiko), which load that file and
@@ -72,6 +84,7 @@ __all__ = [
     "make_sshd_host",
     "netns_host",
     "nspawn_host",
+    "provisionable_nspawn_host",
     "reap_stale_resources",
     "remove_test_user",
     "sshd_host",
@@ -87,6 +100,11 @@ BUILD_ROOTFS_SCRIPT = REPO_ROOT / "ci" / "build-test-rootfs.sh"
 SUDOERS_DIR = Path("/etc/sudoers.d")
 #: /30 subnets for veth pairs are taken from here (checked against addresses in use).
 VETH_POOL = ipaddress.ip_network("10.213.0.0/16")
+#: The cached image ci/build-test-rootfs.sh builds; its version is in the name (see there).
+ROOTFS_TARBALL = "rootfs-bookworm-v2.tar.zst"
+#: Inside a provisionable container: the wheelhouse (read-only) and the shared ccache.
+CONTAINER_WHEELHOUSE = PurePosixPath("/opt/voltaforge-wheels")
+CONTAINER_CCACHE = PurePosixPath("/var/cache/voltaforge-ccache")
 #: Prefix of every system-wide name this module creates; see reap_stale_resources().
 NAME_PREFIX = "vf-"
 
@@ -766,7 +784,7 @@ def cache_dir() -> Path:
 
 def ensure_rootfs_tarball(timeout: float = 1800) -> Path:
     """The cached Debian 12 rootfs tarball, built by ci/build-test-rootfs.sh if missing."""
-    tarball = cache_dir() / "rootfs-bookworm.tar.zst"
+    tarball = cache_dir() / ROOTFS_TARBALL
     if tarball.is_file() and tarball.stat().st_size > 0:
         return tarball
     require(binaries=("debootstrap", "zstd", "chroot"), what="building the nspawn rootfs")
@@ -789,11 +807,13 @@ def _unpacked_rootfs(tarball: Path) -> Path:
     This tree is only ever the read-only *lower* layer of an overlay, so it never changes
     after unpacking and can be shared by parallel sessions. Unpacks to a temp dir and
     renames, so a half-unpacked tree is never used; stale trees of older tarballs are
-    removed when no overlay uses them.
+    removed when no overlay uses them. Each image version unpacks under its own directory
+    (``rootfs-bookworm-v2.d``), so sessions of older checkouts booting the older image never
+    see their tree removed by this one.
     """
     st = tarball.stat()
     stamp = f"{st.st_size}-{st.st_mtime_ns}"
-    root = cache_dir() / "rootfs-bookworm.d"
+    root = tarball.with_name(tarball.name.removesuffix(".tar.zst") + ".d")
     target = root / stamp
     if target.is_dir():
         return target
@@ -866,6 +886,11 @@ class NspawnHost:
     directory *inside the container* owned by ``deploy``. ``rootfs`` is the container's
     root as seen from this machine (the overlay mount), ``lower_dir`` the shared read-only
     cached tree under it.
+
+    A provisionable host (:func:`start_nspawn_host` with ``wheelhouse``/``ccache``) also has
+    ``wheelhouse``, the wheelhouse's path inside (pip's only source there; on this machine:
+    ``wheelhouse_on_controller``), and ``ccache``, the shared ccache directory inside;
+    ``binds`` are the systemd-nspawn arguments that mount them.
     """
 
     hostname: str
@@ -885,6 +910,11 @@ class NspawnHost:
     link: NetnsLink | None = None
     log_file: Path | None = None
     cgroups: tuple[Path, ...] = ()
+    wheelhouse: PurePosixPath | None = None
+    wheelhouse_on_controller: Path | None = None
+    ccache: PurePosixPath | None = None
+    #: systemd-nspawn --bind/--bind-ro arguments: controller directories seen inside.
+    binds: tuple[str, ...] = ()
 
     _proc: subprocess.Popen | None = dataclasses.field(default=None, repr=False)
     _cleanups: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack, repr=False)
@@ -949,6 +979,8 @@ class NspawnHost:
             "--resolv-conf=delete",
             # Keep the journal inside the container (no links into this machine's /var/log).
             "--link-journal=no",
+            # A provisionable host's wheelhouse (read-only) and shared ccache (writable).
+            *self.binds,
         ]
         with open(self.log_file, "ab") as log:
             self._proc = subprocess.Popen(
@@ -1009,7 +1041,13 @@ class NspawnHost:
         return {"key_filename": self.key_filename, "look_for_keys": False, "allow_agent": False}
 
 
-def start_nspawn_host(work_dir: Path, *, boot_timeout: float = 60) -> NspawnHost:
+def start_nspawn_host(
+    work_dir: Path,
+    *,
+    boot_timeout: float = 60,
+    wheelhouse: Path | None = None,
+    ccache: Path | None = None,
+) -> NspawnHost:
     """Prepare and boot one Debian 12 container; call ``.close()`` when done.
 
     Steps: cached tarball (built if missing) -> unpacked once into the cache -> overlay
@@ -1018,6 +1056,13 @@ def start_nspawn_host(work_dir: Path, *, boot_timeout: float = 60) -> NspawnHost
     keys into the tree *before* boot and keep them on disk) -> per-boot machine-id,
     SSH host key and authorized_keys written into the tree -> known_hosts from that host
     key (no ssh-keyscan, no trust on first use) -> netns + veth -> own cgroups -> boot.
+
+    ``wheelhouse``: a directory of wheels on this machine, bind-mounted read-only at
+    ``/opt/voltaforge-wheels`` with an ``/etc/pip.conf`` (``no-index``, ``find-links`` there)
+    written into the tree: pip in the container installs from it and nothing else.
+    ``ccache``: a directory on this machine, bind-mounted writable at
+    ``/var/cache/voltaforge-ccache``, owned by ``deploy``, and linked from
+    ``<prefix>/llama.cpp/ccache`` (the build step's CCACHE_DIR under the default prefix).
     """
     require(
         binaries=("systemd-nspawn", "ip", "ssh", "ssh-keygen", "tar", "zstd", "mount", "umount"), what="nspawn_host"
@@ -1073,6 +1118,15 @@ def start_nspawn_host(work_dir: Path, *, boot_timeout: float = 60) -> NspawnHost
         prefix_dir = merged / "opt/voltaforge-test"
         prefix_dir.mkdir(parents=True, exist_ok=True)
         os.chown(prefix_dir, deploy[0], deploy[1])
+        binds = []
+        if wheelhouse is not None:
+            binds.append(f"--bind-ro={Path(wheelhouse).resolve()}:{CONTAINER_WHEELHOUSE}")
+            (merged / "etc/pip.conf").write_text(_pip_conf(CONTAINER_WHEELHOUSE))
+        if ccache is not None:
+            binds.append(f"--bind={_shared_ccache_dir(Path(ccache), deploy)}:{CONTAINER_CCACHE}")
+            (prefix_dir / "llama.cpp").mkdir()
+            os.chown(prefix_dir / "llama.cpp", deploy[0], deploy[1])
+            (prefix_dir / "llama.cpp" / "ccache").symlink_to(CONTAINER_CCACHE)
 
         link = NetnsLink.create()
         stack.callback(link.destroy)
@@ -1091,6 +1145,10 @@ def start_nspawn_host(work_dir: Path, *, boot_timeout: float = 60) -> NspawnHost
             lower_dir=lower,
             link=link,
             log_file=work_dir / f"{machine}-nspawn.log",
+            wheelhouse=CONTAINER_WHEELHOUSE if wheelhouse is not None else None,
+            wheelhouse_on_controller=Path(wheelhouse).resolve() if wheelhouse is not None else None,
+            ccache=CONTAINER_CCACHE if ccache is not None else None,
+            binds=tuple(binds),
         )
         known_hosts.write_text(host.host_key_line + "\n")
 
@@ -1109,6 +1167,26 @@ def start_nspawn_host(work_dir: Path, *, boot_timeout: float = 60) -> NspawnHost
     except BaseException:
         stack.close()
         raise
+
+
+def _pip_conf(find_links: PurePosixPath) -> str:
+    return (
+        "# voltaforge test host: an offline host's pip installs only from the wheelhouse\n"
+        "# (tests/wheelhouse.py, bind-mounted read-only by tests/testhosts.py)\n"
+        "[global]\n"
+        "no-index = true\n"
+        f"find-links = {find_links}\n"
+        "disable-pip-version-check = true\n"
+    )
+
+
+def _shared_ccache_dir(path: Path, owner: tuple[int, int]) -> Path:
+    """The ccache directory a container shares with later ones, owned by its ``deploy``."""
+    path.mkdir(parents=True, exist_ok=True)
+    st = path.stat()
+    if (st.st_uid, st.st_gid) != owner:  # a new directory, or an image whose deploy moved
+        _run(["chown", "-R", f"{owner[0]}:{owner[1]}", str(path)], timeout=300)
+    return path.resolve()
 
 
 def _passwd_entry(rootfs: Path, user: str) -> tuple[int, int]:
@@ -1277,6 +1355,37 @@ def nspawn_host(tmp_path_factory) -> Iterator[NspawnHost]:
     :func:`start_nspawn_host` for a private one.
     """
     host = start_nspawn_host(tmp_path_factory.mktemp("nspawn"))
+    try:
+        yield host
+    finally:
+        host.close()
+
+
+def shared_nspawn_ccache() -> Path:
+    """The ccache directory provisionable containers share, in the test cache: the server
+    compiled in one container (or an earlier session) warms the next one's compile."""
+    return cache_dir() / "ccache-nspawn"
+
+
+@pytest.fixture
+def provisionable_nspawn_host(request, tmp_path) -> Iterator[NspawnHost]:
+    """A fresh Debian 12 container that voltaforge can provision without internet (see the
+    module docstring): the image's build tools, the wheelhouse as pip's only source
+    (``host.wheelhouse`` inside), a shared ccache (``host.ccache`` inside, linked from
+    ``<host.prefix>/llama.cpp/ccache``; a test provisioning another prefix links its own).
+    Booted for each test, so every test starts from nothing but the image.
+
+    Options via indirect parametrization, e.g.
+    ``@pytest.mark.parametrize("provisionable_nspawn_host", [{"ccache": None}], indirect=True)``:
+    ``ccache``: a directory on this machine to share (default :func:`shared_nspawn_ccache`),
+    or None for no shared cache (the build step then keeps one inside the container).
+    """
+    from tests.wheelhouse import ensure_wheelhouse
+
+    options = {"ccache": shared_nspawn_ccache(), **getattr(request, "param", {})}
+    require(binaries=("systemd-nspawn",), what="provisionable_nspawn_host")
+    wheelhouse = ensure_wheelhouse()
+    host = start_nspawn_host(tmp_path / "nspawn", wheelhouse=wheelhouse, ccache=options["ccache"])
     try:
         yield host
     finally:
