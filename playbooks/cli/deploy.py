@@ -68,10 +68,16 @@ def make_manager(kind: str, state: DeployLayout, unit_name: str, unit_text: str)
 
 
 def deploy_ops(
-    loaded: LoadedRecipe, host: Host, prefix: str, manager_choice: str, gpus: tuple[int, ...] = (0,)
+    loaded: LoadedRecipe,
+    host: Host,
+    prefix: str,
+    manager_choice: str,
+    gpus: tuple[int, ...] = (0,),
+    gated: bool = False,
 ) -> list[Operation]:
     """The operations of one deployment. Several GPU indexes (llama.cpp): the instance template,
-    one env file per GPU, and one instance each (port + i), each checked and rolled back alone."""
+    one env file per GPU, and one instance each (port + i), each checked and rolled back alone.
+    ``gated``: a started service becomes the rollback target only once the gate passes it."""
     r = loaded.recipe
     kind = choose_manager(host, manager_choice)
     server = ServerLayout(prefix=prefix)
@@ -137,7 +143,7 @@ def deploy_ops(
     sha = str(facts.get("sha256") or facts.get("id") or "")
     size = int(facts.get("bytes") or 0)
     ops += [
-        EnsureServing(m, state, files, link, artifact, sha, size, port, expect)
+        EnsureServing(m, state, files, link, artifact, sha, size, port, expect, gated)
         for m, (_, state, port) in zip(managers, instances, strict=True)
     ]
     return ops
