@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from playbooks.config.recipe import Recipe
 from playbooks.errors import HostError, VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.builds import parse_readlink, readlink_command
@@ -47,6 +48,7 @@ from playbooks.facts.service import health_command, listeners_command, parse_hea
 from playbooks.host.base import Host
 from playbooks.host.commands import check_path
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell, Upload, run_command
+from playbooks.plan.gpus import get_gpu
 from playbooks.steps.service_manager import Manager, ProcessRunner, Running
 
 #: the fingerprint's format: bump when what it covers changes
@@ -568,6 +570,18 @@ def _buffers_line(b: dict[str, Any]) -> str:
         n, m = b["offloaded"]
         parts.append(f"{n}/{m} layers on the GPU")
     return ", ".join(parts)
+
+
+def systemd_only(recipe: Recipe, gpu_indexes: Sequence[int] = (0,)) -> str | None:
+    """Why this deployment cannot run as a managed process (None: it can). Deploy refuses it
+    on a host without systemd; preflight judges a host's missing systemd by it."""
+    if recipe.backend == "exllamav2":
+        return "TabbyAPI (EXL2) runs as a systemd unit only"
+    if recipe.service.api_key_ref:
+        return "an API key reaches the server as a systemd credential"
+    if len(gpu_indexes) > 1 and not get_gpu(recipe.gpu).is_cpu:
+        return "one server per GPU is a systemd instance template"
+    return None
 
 
 def require_systemd(booted: bool, manager: str, host: str) -> None:
