@@ -174,7 +174,19 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
 
 @pytest.mark.parametrize(
     "task",
-    ["plan", "preflight", "toolchain", "build", "quantize", "artifacts", "render", "deploy", "stop", "bench", "provision"],
+    [
+        "plan",
+        "preflight",
+        "toolchain",
+        "build",
+        "quantize",
+        "artifacts",
+        "render",
+        "deploy",
+        "stop",
+        "bench",
+        "provision",
+    ],
 )
 def test_dash_h_is_help_not_host(task):
     r = invoke(task, "-h")

@@ -147,9 +147,9 @@ def step_why(changes: Sequence[Change]) -> str:
         return failed.why
     changed = [c for c in changes if c.status == "changed"]
     if changed:
-        first = changed[0].why.split(" (")[0]
-        more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
-        return f"{len(changed)} of {len(changes)} changed: {changed[0].step} ({first}){more}"
+        whys = "; ".join(dict.fromkeys(c.why for c in changed))
+        whys = whys if len(whys) <= 200 else whys[:199] + "…"
+        return f"{len(changed)} of {len(changes)} changed: {whys}"
     if len(changes) == 1:
         return changes[0].why
     return f"all {len(changes)} in place"
@@ -357,6 +357,15 @@ def render_summary(outcomes: Sequence[HostOutcome], out: Console, dry_run: bool 
                 out.print(Text(f"reports: {o.reports.get('markdown')}"))
         out.print(Text(f"log: {o.log}", style="dim"))
     if len(outcomes) > 1:
+        fleet = Table(title="provision: every host", title_justify="left")
+        for col in ("host", *STEPS, "time", "result"):
+            fleet.add_column(col, overflow="fold")
+        for o in outcomes:
+            failed = o.failure()
+            result = f"failed at {failed.step}" if failed else figures_line(o.gate) if o.gate else "done"
+            cells = [Text(s.status, style=_STYLE.get(s.status, "")) for s in o.steps]
+            fleet.add_row(Text(o.host), *cells, Text(f"{o.seconds:.1f} s"), Text(result))
+        out.print(fleet)
         bad = [o.host for o in outcomes if o.failed]
         ok = [o.host for o in outcomes if not o.failed]
         out.print(

@@ -478,6 +478,14 @@ def fit_summary(cx: Context, plan: Plan) -> tuple[str, Check]:
         if chosen.fits
         else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB"
     )
+    if not chosen.fits and not chosen.unfit_reason:
+        # the plan's numbers, so the refusal can be checked against `invoke plan` by hand
+        gib = 2**30
+        verdict += (
+            f" at {plan.serving.context} tokens x {plan.serving.parallel}: needs {chosen.vram_bytes / gib:.2f} GiB "
+            f"of {chosen.gpu_bytes / gib:.2f} GiB (weights {chosen.gpu_weights_bytes / gib:.2f}, "
+            f"KV {chosen.kv_bytes / gib:.2f}, compute {chosen.compute_bytes / gib:.2f})"
+        )
     source = "the inventory's" if cx.inventory_gpu else "the recipe's"
     target = plan.gpu.name + (
         f" ({source} GPU: none seen on the host)" if host_gpu(cx.facts) is None and cx.wants_gpu else ""
