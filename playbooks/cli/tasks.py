@@ -416,6 +416,14 @@ def provision(
     run_command(go)
 
 
+VERIFY_USAGE = """Usage: invoke verify-recipe RECIPE [--reports DIR]
+
+  Provision RECIPE on this machine with the benchmark gate measured afresh (what the GPU
+  runner's workflow runs for each recipe); the gate's JSON/Markdown/PNG reports and
+  provision.json land in DIR (default: reports/RECIPE). Exit 0: the gate passed; 1: a step or
+  the gate failed; 2: bad input."""
+
+
 @task(
     auto_shortflags=False,
     positional=["recipe"],
@@ -431,6 +439,9 @@ def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = N
     def go() -> int:
         from playbooks.cli.provision import Options, run_provision
 
+        if recipe in ("-h", "--help"):  # a positional argument takes the next word, even --help
+            print(VERIFY_USAGE)
+            return 0
         name = flags.name_or_path("RECIPE", recipe)
         if name is None:
             raise flags.UsageError("verify-recipe: name the recipe, e.g. `invoke verify-recipe qwen2.5-14b-v100-16gb`")
