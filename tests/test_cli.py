@@ -88,6 +88,12 @@ BAD = {
     ("render", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
     ("render", "out"): [("", "is not a directory path"), ("README.md", "exists and is not a directory")],
     ("render", "gpus"): [("a,b", "give GPU indexes"), ("0,0", "distinct GPU indexes"), ("99", "distinct GPU")],
+    ("provision", "host"): [("nosuch..host", "is not a valid host name"), ("a,a", "a host is named twice")],
+    ("provision", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
+    ("provision", "inventory"): [("BROKEN", "inventory")],
+    ("provision", "json"): [("", "is not a file path"), ("tests", "is a directory, not a file")],
+    ("verify-recipe", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
+    ("verify-recipe", "reports"): [("README.md", "exists and is not a directory")],
 }
 # what else each bad value needs beside it, so that the flag under test is the one judged
 CONTEXT = {
@@ -117,6 +123,9 @@ CONTEXT = {
     ("artifacts", "inventory"): ["--host", "some-host"],
     ("render", "recipe"): ["--out", "/tmp/vf-render-unused"],
     ("render", "gpus"): ["--recipe", "tiny-cpu", "--out", "/tmp/vf-render-unused"],
+    ("provision", "inventory"): ["--host", "some-host"],
+    ("provision", "json"): ["--host", "nosuch-host-anywhere"],
+    ("verify-recipe", "reports"): ["tiny-cpu"],
 }
 # flags that take no value to get wrong (booleans) or are not user input (the test runner's)
 NO_BAD_VALUE = {
@@ -132,6 +141,8 @@ NO_BAD_VALUE = {
     ("quantize", "force"),
     ("quantize", "verify"),
     ("artifacts", "json"),
+    ("provision", "dry-run"),
+    ("provision", "rebench"),
     ("test", "k"),
     ("test", "fast"),
 }
@@ -162,7 +173,20 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "task", ["plan", "preflight", "toolchain", "build", "quantize", "artifacts", "render", "deploy", "stop", "bench"]
+    "task",
+    [
+        "plan",
+        "preflight",
+        "toolchain",
+        "build",
+        "quantize",
+        "artifacts",
+        "render",
+        "deploy",
+        "stop",
+        "bench",
+        "provision",
+    ],
 )
 def test_dash_h_is_help_not_host(task):
     r = invoke(task, "-h")

@@ -3,6 +3,7 @@ and rollback against a real process on this machine that never turns green."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -223,3 +224,46 @@ def test_a_value_that_would_inject_into_a_unit_is_one_line_before_any_host(value
     inv.write_text(yaml.safe_dump({"hosts": {"box": {"host": "127.0.0.1", "port": 1, "prefix": f"/opt/{value}"}}}))
     with pytest.raises(VoltaforgeError, match="prefix"):
         run_deploy("box", "tiny-cpu", settings=Settings(inventory=inv))
+
+
+class _NoSystemd:
+    """A host that answers the systemd fact as a machine not booted with it does, and nothing else."""
+
+    name = "box"
+
+    def run(self, command, check=True, stream=True, **kw):
+        from types import SimpleNamespace
+
+        assert "/run/systemd/system" in command, command  # the fact, never a change
+        return SimpleNamespace(stdout="booted=no\nstate=offline\n", stderr="", exited=0)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra", "gpus", "why"),
+    [
+        ("tiny-cpu", "", (0,), None),
+        ("qwen2.5-14b-v100-16gb", "", (0,), None),
+        ("qwen2.5-14b-v100-16gb", "", (0, 1), "one server per GPU is a systemd instance template"),
+        ("qwen2.5-32b-exl2-v100-16gb", "", (0,), "TabbyAPI (EXL2) runs as a systemd unit only"),
+        ("tiny-cpu", "  api_key_ref: k\n", (0,), "an API key reaches the server as a systemd credential"),
+    ],
+)
+def test_what_only_systemd_runs_is_one_rule_for_deploy_and_preflight(tmp_path, recipe, extra, gpus, why):
+    """steps/deploy.py systemd_only: deploy refuses it on a host without systemd (before
+    touching anything), preflight blocks on it (tests/test_preflight_judge.py)."""
+    from playbooks.cli.deploy import deploy_ops
+    from playbooks.config.recipe import load_recipe
+    from tests.helpers import ROOT
+
+    text = (
+        (ROOT / "recipes" / f"{recipe}.yaml").read_text().replace("config: models/", f"config: {ROOT}/recipes/models/")
+    )
+    if extra:
+        text = text.replace("service:\n", "service:\n" + extra)
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    (tmp_path / f"{recipe}.yaml").write_text(text)
+    loaded = load_recipe(tmp_path / f"{recipe}.yaml")
+    assert deploy.systemd_only(loaded.recipe, gpus) == why
+    if why:
+        with pytest.raises(VoltaforgeError, match=rf"^box: {re.escape(why)}, and this host runs no systemd$"):
+            deploy_ops(loaded, _NoSystemd(), "/opt/vf", "auto", gpus)

@@ -3,10 +3,12 @@ machine's real CUDA 13 + 11.8 pair). Gathering over real SSH is in test_prefligh
 
 import re
 
+import pytest
+
 from playbooks.config.recipe import load_recipe
 from playbooks.facts import cuda, gpu, system
 from playbooks.steps.preflight import HostFacts, judge
-from tests.helpers import fixture_body
+from tests.helpers import ROOT, fixture_body
 
 GIB = 1 << 30
 
@@ -106,9 +108,60 @@ def test_disk_too_small_for_download_plus_conversion():
     assert abs(shown - need) <= 0.01e9, (shown, need)  # the planner's file estimate is within 0.3%
 
 
-def test_no_systemd_blocks():
-    v = judge(facts(booted=False), None, "/opt/voltaforge/models", "/opt/voltaforge")
-    assert by_name(v)["systemd"].status == "fail" and not v.ok
+def _tiny_with_api_key(tmp_path):
+    """tiny-cpu with service.api_key_ref: the key reaches the server as a systemd credential."""
+    text = (ROOT / "recipes" / "tiny-cpu.yaml").read_text()
+    assert "  port: 18080\n" in text
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    path = tmp_path / "tiny-keyed.yaml"
+    path.write_text(text.replace("  port: 18080\n", "  port: 18080\n  api_key_ref: tiny-key\n"))
+    return load_recipe(path)
+
+
+NOT_BOOTED = system.SystemdState(systemd_running=False, booted=False, systemctl_present=True, state="offline")
+NO_SYSTEMCTL = system.SystemdState(systemd_running=False, booted=False, systemctl_present=False)
+MAINTENANCE = system.SystemdState(systemd_running=False, booted=True, systemctl_present=True, state="maintenance")
+RUNNING = system.SystemdState(systemd_running=True, booted=True, systemctl_present=True, state="running")
+
+
+EXL2 = "qwen2.5-32b-exl2-v100-16gb"
+GPU_LLAMA = "qwen2.5-14b-v100-16gb"
+# the fix, by what is wrong: boot with systemd (a warning or a block), or repair the one running
+FIXES = {"warn": "boot the host with systemd for a service that survives reboots", "fail": "booted with systemd"}
+
+# (systemd, recipe, status, blocking, words in the detail)
+SYSTEMD_CASES = [
+    # a llama.cpp recipe runs as a managed process where systemd does not: a warning
+    (NOT_BOOTED, "tiny-cpu", "warn", False, ["state offline", "managed process", "not restarted at boot"]),
+    (NO_SYSTEMCTL, "tiny-cpu", "warn", False, ["state absent", "managed process", "not restarted at boot"]),
+    (NOT_BOOTED, GPU_LLAMA, "warn", False, ["managed process", "one server per GPU (`--gpus 0,1`) would need it"]),
+    # what only a unit does blocks, and says why
+    (NOT_BOOTED, EXL2, "fail", True, [f"recipe {EXL2}: TabbyAPI (EXL2) runs as a systemd unit only"]),
+    (NOT_BOOTED, "keyed", "fail", True, ["recipe tiny-keyed: an API key reaches the server as a systemd credential"]),
+    # no recipe: what a recipe would need is said, nothing blocks
+    (NOT_BOOTED, None, "warn", False, ["managed process", "(EXL2), an API key or one server per GPU needs systemd"]),
+    # PID 1 but unable to start units: deploy would use it, so it blocks whatever the recipe
+    (MAINTENANCE, "tiny-cpu", "fail", True, ["state maintenance", "cannot start units"]),
+    (MAINTENANCE, None, "fail", True, ["state maintenance", "cannot start units"]),
+    (RUNNING, EXL2, "pass", False, ["state running"]),
+    (RUNNING, None, "pass", False, ["state running"]),
+]
+
+
+@pytest.mark.parametrize(("sd", "recipe", "status", "blocking", "says"), SYSTEMD_CASES)
+def test_systemd_is_judged_by_what_the_recipe_needs(tmp_path, sd, recipe, status, blocking, says):
+    loaded = _tiny_with_api_key(tmp_path) if recipe == "keyed" else load_recipe(recipe) if recipe else None
+    v = judge(facts(systemd=sd), loaded, "/opt/voltaforge/models", "/opt/voltaforge")
+    c = by_name(v)["systemd"]
+    assert (c.status, c.blocking) == (status, blocking), c
+    assert all(w in c.detail for w in says), c.detail
+    if status == "pass":
+        assert c.fix == ""
+    elif sd.booted:
+        assert "systemctl is-system-running" in c.fix and "systemctl --failed" in c.fix
+    else:
+        assert FIXES[status] in c.fix, c.fix
+    assert v.ok is not blocking  # nothing else blocks on these facts: the verdict is systemd's
 
 
 def test_recipe_pinning_cuda_13_is_refused(tmp_path):

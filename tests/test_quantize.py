@@ -352,3 +352,31 @@ def test_calibration_text_is_the_recipes_file_the_tiny_models_words_or_the_shipp
         calibration_text(real, named)
     with pytest.raises(VoltaforgeError, match="cannot read it as UTF-8"):
         calibration_text(real, tmp_path / "absent.txt")
+
+
+def test_the_generated_models_id_changes_with_the_generator_not_only_the_config(tmp_path, monkeypatch):
+    """The tiny model is cached under its id and never regenerated: a generator that writes
+    something new (v2: a chat template) must make a new id for the same config."""
+    from playbooks.steps.quantize import generated_weights
+    from playbooks.weights import tinymodel
+
+    made = []
+
+    def fake_writer(out, config):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps(config))
+        made.append(tinymodel.GENERATOR_VERSION)
+
+    monkeypatch.setattr(tinymodel, "write_tiny_llama", fake_writer)
+    config = TINY.recipe.model.config
+    first = generated_weights(config, tmp_path)
+    assert generated_weights(config, tmp_path).model_id == first.model_id and len(made) == 1  # cached
+    assert first.origin["generator"] == tinymodel.GENERATOR_VERSION
+    monkeypatch.setattr(tinymodel, "GENERATOR_VERSION", tinymodel.GENERATOR_VERSION + 1)
+    newer = generated_weights(config, tmp_path)
+    assert newer.model_id != first.model_id and newer.model_id.startswith("tiny-llama-") and len(made) == 2
+    assert newer.origin["config_sha256"] == first.origin["config_sha256"]
+    assert generated_weights({**config, "num_hidden_layers": 2}, tmp_path).model_id not in (
+        first.model_id,
+        newer.model_id,
+    )

@@ -21,7 +21,7 @@ from playbooks.config.recipe import load_recipe
 from playbooks.host import connect
 from playbooks.host.ops import run_ops
 from playbooks.steps.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, toolchain_ops
-from tests.helpers import inventory_for, recipe_with, spec_for
+from tests.helpers import fixture_body, inventory_for, recipe_with, spec_for
 from tests.llamacpp_tools import TORCH_CPU, cpu_torch_wheel
 
 pytestmark = pytest.mark.slow
@@ -150,3 +150,39 @@ def test_cuda_on_an_unsupported_os_is_refused_with_what_is_supported(as_ubuntu):
         changes = run_ops(host, [EnsureCudaToolkit("11.8")], dry_run=True)
     assert changes[0].status == "failed"
     assert "no automatic install of CUDA 11.8" in changes[0].why and "Ubuntu 20.04/22.04" in changes[0].why
+
+
+# -- the distribution's build tools ---------------------------------------------------------
+
+
+def _os(os_id: str, like: tuple[str, ...] = ()):
+    from playbooks.facts.system import OsRelease
+
+    return OsRelease(available=True, id=os_id, version_id="12", pretty_name=os_id, id_like=like)
+
+
+def test_dpkg_status_is_read_from_real_output():
+    from playbooks.facts import apt
+
+    installed = apt.parse_installed(fixture_body("thishost-dpkg-query-status.txt"))
+    assert {"build-essential", "cmake", "ccache", "python3-venv", "curl"} <= installed
+    assert "nosuchpkg" not in installed
+    assert apt.parse_installed("cmake not-installed\nccache config-files\nlibc6:amd64 installed\n") == {"libc6"}
+
+
+def test_build_tools_installed_only_when_missing():
+    from playbooks.host.ops import OperationError, Shell
+    from playbooks.steps.toolchain import BUILD_PACKAGES, EnsureSystemPackages
+
+    op = EnsureSystemPackages(BUILD_PACKAGES, "test")
+    assert op.decide((set(BUILD_PACKAGES), _os("debian"))).commands == ()
+    d = op.decide(({"build-essential", "curl"}, _os("ubuntu")))
+    assert d.reason == "cmake, ccache, python3-venv missing"
+    assert d.commands[-1] == Shell(
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake ccache python3-venv", True
+    )
+    assert op.decide((set(), _os("linuxmint", ("ubuntu", "debian")))).commands  # a derivative has apt too
+    with pytest.raises(OperationError, match="has no apt"):
+        op.decide((set(), _os("fedora")))
+    with pytest.raises(ValueError, match="not a Debian package name"):
+        EnsureSystemPackages(("cmake; rm -rf /",), "test")

@@ -19,6 +19,43 @@ from playbooks.steps.tabbyapi import EnsureTabbyAPI
 from playbooks.steps.toolchain import venv_path
 
 
+def build_step(
+    loaded: LoadedRecipe,
+    host: Host,
+    prefix: str,
+    sudo: bool,
+    targets: tuple[str, ...] = LLAMACPP_TARGETS,
+    extra_flags: tuple[str, ...] = (),
+    no_cache: bool = False,
+    bindings: bool = True,
+) -> list[Operation]:
+    """The build's operations for one host: llama.cpp (from the fleet cache when it holds a
+    proven build of the same inputs), the bindings, and for EXL2 ExLlamaV2 and TabbyAPI."""
+    r = loaded.recipe
+    tc = r.toolchain
+    major, minor = (int(x) for x in tc.cuda.split("."))  # the recipe schema checks MAJOR.MINOR
+    layout = BuildLayout(prefix)
+    source = fetch_sdist(tc.llamacpp_sdist, tc.llamacpp_ref)  # on the controller, once
+    cuda_release = None if get_gpu(r.gpu).is_cpu else (major, minor)
+    ops = build_ops(
+        layout,
+        source,
+        cuda_release=cuda_release,
+        recipe_arch=tc.cuda_arch,
+        targets=targets,
+        extra_flags=extra_flags,
+        owner=host.user,
+        sudo=sudo,
+        cache=None if no_cache else FleetCache.default(),
+    )
+    if bindings:
+        ops += bindings_ops(layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch)
+    if r.backend == "exllamav2":
+        # EXL2 recipes serve through TabbyAPI on ExLlamaV2, built for this host's GPU
+        ops += [EnsureExllamav2(prefix, venv_path(prefix), tc), EnsureTabbyAPI(prefix, venv_path(prefix), tc)]
+    return ops
+
+
 def run_build(
     host_name: str,
     recipe: str | None = None,
@@ -31,29 +68,6 @@ def run_build(
     settings: Settings | None = None,
 ) -> int:
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
-        r = loaded.recipe
-        tc = r.toolchain
-        major, minor = (int(x) for x in tc.cuda.split("."))  # the recipe schema checks MAJOR.MINOR
-        layout = BuildLayout(prefix)
-        source = fetch_sdist(tc.llamacpp_sdist, tc.llamacpp_ref)  # on the controller, once
-        cuda_release = None if get_gpu(r.gpu).is_cpu else (major, minor)
-        server = build_ops(
-            layout,
-            source,
-            cuda_release=cuda_release,
-            recipe_arch=tc.cuda_arch,
-            targets=targets,
-            extra_flags=extra_flags,
-            owner=host.user,
-            sudo=sudo,
-            cache=None if no_cache else FleetCache.default(),
-        )
-        ops = server
-        if bindings:
-            ops += bindings_ops(layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch)
-        if r.backend == "exllamav2":
-            # EXL2 recipes serve through TabbyAPI on ExLlamaV2, built for this host's GPU
-            ops += [EnsureExllamav2(prefix, venv_path(prefix), tc), EnsureTabbyAPI(prefix, venv_path(prefix), tc)]
-        return ops
+        return build_step(loaded, host, prefix, sudo, targets, extra_flags, no_cache, bindings)
 
     return converge(settings or Settings(inventory=Path(inventory)), host_name, recipe, ops, dry_run)

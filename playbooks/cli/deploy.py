@@ -29,6 +29,7 @@ from playbooks.steps.deploy import (
     Expectations,
     ServiceFile,
     require_systemd,
+    systemd_only,
 )
 from playbooks.steps.exl2_convert import STAMP_NAME as EXL2_STAMP
 from playbooks.steps.exl2_convert import Exl2Layout
@@ -68,33 +69,36 @@ def make_manager(kind: str, state: DeployLayout, unit_name: str, unit_text: str)
 
 
 def deploy_ops(
-    loaded: LoadedRecipe, host: Host, prefix: str, manager_choice: str, gpus: tuple[int, ...] = (0,)
+    loaded: LoadedRecipe,
+    host: Host,
+    prefix: str,
+    manager_choice: str,
+    gpus: tuple[int, ...] = (0,),
+    gated: bool = False,
 ) -> list[Operation]:
     """The operations of one deployment. Several GPU indexes (llama.cpp): the instance template,
-    one env file per GPU, and one instance each (port + i), each checked and rolled back alone."""
+    one env file per GPU, and one instance each (port + i), each checked and rolled back alone.
+    ``gated``: a started service becomes the rollback target only once the gate passes it."""
     r = loaded.recipe
     kind = choose_manager(host, manager_choice)
     server = ServerLayout(prefix=prefix)
     rendered = render_service_files(r, server, gpus)
+    why = systemd_only(r, gpus)
+    if why and kind != "systemd":
+        raise VoltaforgeError(f"{host.name}: {why}, and this host runs no systemd")
     unit = rendered[0]
     unit_name = unit.path.rsplit("/", 1)[1]
     template = unit_name.endswith("@.service")
-    if template and kind != "systemd":
-        raise VoltaforgeError(f"{host.name}: one server per GPU is a systemd instance template; this host has none")
     service = unit_name.removesuffix(".service").removesuffix("@")
     model = ModelLayout(prefix, recipe_weights(loaded).model_id)
     hint = f"run `invoke quantize --host {host.name} --recipe {r.name}` first"
     if r.backend == "exllamav2":
-        if kind != "systemd":
-            raise VoltaforgeError(f"{host.name}: TabbyAPI (EXL2) runs as a systemd unit only, and this host has none")
         assert not isinstance(r.quant, str)  # the recipe schema: an exllamav2 recipe gives bpw
         artifact = Exl2Layout(model.root).output(Exl2Layout.tag(r.quant.bpw, r.quant.head_bits))
         manifest, link = f"{artifact}/{EXL2_STAMP}", server.tabbyapi_model_link
     else:
         artifact = model.gguf(r.quant_name)
         manifest, link = manifest_path(artifact), server.model_file(r)
-    if kind == "process" and r.service.api_key_ref:
-        raise VoltaforgeError(f"{host.name}: an API key reaches the server as a systemd credential; no systemd here")
     facts = parse_json_object(read_fact(host, cat_command(manifest))) or {}
     state_root = f"{prefix}/deploy"
     files = [
@@ -137,7 +141,7 @@ def deploy_ops(
     sha = str(facts.get("sha256") or facts.get("id") or "")
     size = int(facts.get("bytes") or 0)
     ops += [
-        EnsureServing(m, state, files, link, artifact, sha, size, port, expect)
+        EnsureServing(m, state, files, link, artifact, sha, size, port, expect, gated)
         for m, (_, state, port) in zip(managers, instances, strict=True)
     ]
     return ops

@@ -118,3 +118,27 @@ def gpu_indexes(value: object) -> tuple[int, ...]:
     if any(i < 0 or i > 63 for i in indexes) or len(set(indexes)) != len(indexes):
         raise UsageError(f"--gpus {text!r}: distinct GPU indexes 0-63")
     return indexes
+
+
+def output_dir(flag: str, value: object) -> Path:
+    """A directory to write into: made when missing, refused when a file is there."""
+    text = str(value or "")
+    if not text.strip() or "\n" in text or "\0" in text:
+        raise UsageError(f"{flag} {text!r} is not a directory path")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {text!r} exists and is not a directory")
+    return path
+
+
+def output_file(flag: str, value: object) -> Path | None:
+    """A file to write: its directory is made when missing; a directory there is refused."""
+    if value is None:
+        return None
+    text = str(value)
+    if not text.strip() or "\n" in text or "\0" in text:
+        raise UsageError(f"{flag} {text!r} is not a file path")
+    path = Path(text)
+    if path.is_dir():
+        raise UsageError(f"{flag} {text!r} is a directory, not a file")
+    return path

@@ -117,6 +117,80 @@ def parse_bpw(value: str) -> float:
     return bpw
 
 
+def quantize_step(
+    loaded: LoadedRecipe,
+    prefix: str,
+    quant: str | None = None,
+    bpw: str | None = None,
+    force: bool = False,
+    verify: bool = False,
+) -> list[Operation]:
+    """The quantize operations for one host: the recipe's quant (or ``quant``'s GGUF types,
+    or an EXL2 rate with ``bpw``), refused before any work when the plan says it cannot fit."""
+    r = loaded.recipe
+    if bpw is not None and quant is not None:
+        raise VoltaforgeError("--bpw makes an EXL2 quant and --quant GGUF types: give one")
+    if bpw is not None or r.backend == "exllamav2":
+        return _exl2_step(loaded, prefix, bpw, force)
+    quants = parse_quants(quant, r.quant_name)
+    for q in quants:
+        refuse_unfit(loaded, q, force)
+    weights = recipe_weights(loaded)
+    layout = ModelLayout(prefix, weights.model_id)
+    build = BuildLayout(prefix)
+    venv = venv_path(prefix)
+    imatrix = r.planner.imatrix
+    recipe_hash = hashlib.sha256(loaded.path.read_bytes()).hexdigest()
+    ceiling = r.planner.max_kld
+
+    def gguf(q: str) -> EnsureGguf:
+        return EnsureGguf(
+            layout,
+            build,
+            venv,
+            weights,
+            loaded.shape,
+            q,
+            imatrix=imatrix,
+            kld_ceiling=ceiling,
+            verify=verify,
+            recipe_sha256=recipe_hash,
+        )
+
+    return [
+        EnsureDirectory(f"{prefix}/models", 0o755),
+        EnsureDirectory(layout.root, 0o755),
+        # the converter's packages first: huggingface_hub (a download) comes with transformers
+        EnsureConvertDeps(venv, r.toolchain),
+        weights_op(layout, weights, venv, loaded.shape),
+        EnsureTexts(layout, calibration_text(weights, recipe_calibration(loaded)), TEST_PROMPT),
+        EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
+        gguf("F16"),
+        EnsureReference(layout, build, imatrix),
+        *(gguf(q) for q in quants),
+    ]
+
+
+def _exl2_step(loaded: LoadedRecipe, prefix: str, bpw: str | None, force: bool) -> list[Operation]:
+    r = loaded.recipe
+    recipe_bpw = None if isinstance(r.quant, str) else r.quant.bpw
+    rate = parse_bpw(bpw) if bpw is not None else recipe_bpw
+    if rate is None:
+        raise VoltaforgeError(f"{loaded.path}: a GGUF recipe: give --bpw for an EXL2 quant of its model")
+    head_bits = 6 if isinstance(r.quant, str) else r.quant.head_bits
+    refuse_unfit(loaded, exl2_quant_name(rate), force)
+    weights = recipe_weights(loaded)
+    layout = ModelLayout(prefix, weights.model_id)
+    venv = venv_path(prefix)
+    return [
+        EnsureDirectory(f"{prefix}/models", 0o755),
+        EnsureDirectory(layout.root, 0o755),
+        weights_op(layout, weights, venv, loaded.shape),
+        EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
+        *exl2_ops(venv, layout.hf, layout.root, [(rate, head_bits)], source_sha=weights.source_sha256),
+    ]
+
+
 def run_quantize(
     host_name: str,
     recipe: str | None = None,
@@ -133,67 +207,7 @@ def run_quantize(
     big quantize wants RAM and disk the serving host may lack)."""
 
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
-        r = loaded.recipe
-        if bpw is not None and quant is not None:
-            raise VoltaforgeError("--bpw makes an EXL2 quant and --quant GGUF types: give one")
-        if bpw is not None or r.backend == "exllamav2":
-            return exl2(loaded, prefix)
-        quants = parse_quants(quant, r.quant_name)
-        for q in quants:
-            refuse_unfit(loaded, q, force)
-        weights = recipe_weights(loaded)
-        layout = ModelLayout(prefix, weights.model_id)
-        build = BuildLayout(prefix)
-        venv = venv_path(prefix)
-        imatrix = r.planner.imatrix
-        recipe_hash = hashlib.sha256(loaded.path.read_bytes()).hexdigest()
-        ceiling = r.planner.max_kld
-
-        def gguf(q: str) -> EnsureGguf:
-            return EnsureGguf(
-                layout,
-                build,
-                venv,
-                weights,
-                loaded.shape,
-                q,
-                imatrix=imatrix,
-                kld_ceiling=ceiling,
-                verify=verify,
-                recipe_sha256=recipe_hash,
-            )
-
-        return [
-            EnsureDirectory(f"{prefix}/models", 0o755),
-            EnsureDirectory(layout.root, 0o755),
-            # the converter's packages first: huggingface_hub (a download) comes with transformers
-            EnsureConvertDeps(venv, r.toolchain),
-            weights_op(layout, weights, venv, loaded.shape),
-            EnsureTexts(layout, calibration_text(weights, recipe_calibration(loaded)), TEST_PROMPT),
-            EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
-            gguf("F16"),
-            EnsureReference(layout, build, imatrix),
-            *(gguf(q) for q in quants),
-        ]
-
-    def exl2(loaded: LoadedRecipe, prefix: str) -> list[Operation]:
-        r = loaded.recipe
-        recipe_bpw = None if isinstance(r.quant, str) else r.quant.bpw
-        rate = parse_bpw(bpw) if bpw is not None else recipe_bpw
-        if rate is None:
-            raise VoltaforgeError(f"{loaded.path}: a GGUF recipe: give --bpw for an EXL2 quant of its model")
-        head_bits = 6 if isinstance(r.quant, str) else r.quant.head_bits
-        refuse_unfit(loaded, exl2_quant_name(rate), force)
-        weights = recipe_weights(loaded)
-        layout = ModelLayout(prefix, weights.model_id)
-        venv = venv_path(prefix)
-        return [
-            EnsureDirectory(f"{prefix}/models", 0o755),
-            EnsureDirectory(layout.root, 0o755),
-            weights_op(layout, weights, venv, loaded.shape),
-            EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
-            *exl2_ops(venv, layout.hf, layout.root, [(rate, head_bits)], source_sha=weights.source_sha256),
-        ]
+        return quantize_step(loaded, prefix, quant, bpw, force, verify)
 
     settings = settings or Settings()
     if not on or on == host_name:

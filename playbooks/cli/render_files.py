@@ -8,20 +8,14 @@ from pathlib import Path
 
 from rich.text import Text
 
-from playbooks.cli.flags import UsageError
+from playbooks.cli import flags
 from playbooks.cli.render import console
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.steps.units import ServerLayout, render_service_files
 
 
 def output_dir(value: object) -> Path:
-    text = str(value or "")
-    if not text.strip() or "\n" in text or "\0" in text:
-        raise UsageError(f"--out {text!r} is not a directory path")
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {text!r} exists and is not a directory")
-    return path
+    return flags.output_dir("--out", value)
 
 
 def run_render(
@@ -32,7 +26,7 @@ def run_render(
     prefix: str | None = None,
 ) -> int:
     if not recipe:
-        raise UsageError("--recipe is required (or voltaforge.recipe in invoke.yaml)")
+        raise flags.UsageError("--recipe is required (or voltaforge.recipe in invoke.yaml)")
     loaded = load_recipe(recipe, recipes_dir or RECIPES_DIR)
     layout = ServerLayout(prefix=prefix) if prefix else ServerLayout()
     files = render_service_files(loaded.recipe, layout, gpus)

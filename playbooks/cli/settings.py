@@ -11,6 +11,7 @@ from playbooks.config.inventory import HostSpec, resolve_host
 from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import Host, connect
+from playbooks.host.output import Printer
 
 
 @dataclass(frozen=True)
@@ -36,5 +37,5 @@ class Settings:
     def load_recipe(self, name: str) -> LoadedRecipe:
         return load_recipe(name, self.recipes_dir or RECIPES_DIR)
 
-    def connect(self, spec: HostSpec) -> Host:
-        return connect(spec, connect_timeout=self.connect_timeout)
+    def connect(self, spec: HostSpec, printer: Printer | None = None) -> Host:
+        return connect(spec, printer, connect_timeout=self.connect_timeout)

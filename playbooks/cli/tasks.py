@@ -378,6 +378,86 @@ def bench(
 
 
 @task(
+    auto_shortflags=False,
+    help={
+        "host": "one host or several, comma-separated, provisioned at once (default: voltaforge.host, else local)",
+        "recipe": "recipe name or path (default: each host's in the inventory, else voltaforge.recipe, else tiny-cpu)",
+        "dry-run": "print every step's commands and change nothing",
+        "rebench": "run the gate's benchmark even when this deployment already passed it",
+        "json": "also write the summary as JSON to this file",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def provision(
+    c: Context,
+    host: str | None = None,
+    recipe: str | None = None,
+    dry_run: bool = False,
+    rebench: bool = False,
+    json: str | None = None,
+    inventory: str | None = None,
+) -> None:
+    """Everything, in order, on one host or many: preflight, toolchain, build, quantize, deploy
+    and the benchmark gate; each step ok when already right; a failed gate rolls back; a re-run
+    resumes. With no flags: the tiny CPU recipe on this machine."""
+
+    def go() -> int:
+        from playbooks.cli.provision import DEFAULT_RECIPE, Options, run_provision
+
+        return run_provision(
+            flags.host_names("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", recipe),
+            default_recipe=flags.name_or_path("voltaforge.recipe", _cfg(c, "recipe")) or DEFAULT_RECIPE,
+            options=Options(dry_run=dry_run, rebench=rebench),
+            settings=_settings(c, inventory),
+            json_out=flags.output_file("--json", json),
+        )
+
+    run_command(go)
+
+
+VERIFY_USAGE = """Usage: invoke verify-recipe RECIPE [--reports DIR]
+
+  Provision RECIPE on this machine with the benchmark gate measured afresh (what the GPU
+  runner's workflow runs for each recipe); the gate's JSON/Markdown/PNG reports and
+  provision.json land in DIR (default: reports/RECIPE). Exit 0: the gate passed; 1: a step or
+  the gate failed; 2: bad input."""
+
+
+@task(
+    auto_shortflags=False,
+    positional=["recipe"],
+    help={
+        "recipe": "the recipe to prove on this machine's GPU (name or path)",
+        "reports": "directory for the gate's JSON/Markdown/PNG reports and provision.json (default: reports/RECIPE)",
+    },
+)
+def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = None) -> None:
+    """What the GPU runner runs (ci/): provision RECIPE on this machine with the gate measured
+    afresh; the reports land in --reports; exit 1 when the gate fails."""
+
+    def go() -> int:
+        from playbooks.cli.provision import Options, run_provision
+
+        if recipe in ("-h", "--help"):  # a positional argument takes the next word, even --help
+            print(VERIFY_USAGE)
+            return 0
+        name = flags.name_or_path("RECIPE", recipe)
+        if name is None:
+            raise flags.UsageError("verify-recipe: name the recipe, e.g. `invoke verify-recipe qwen2.5-14b-v100-16gb`")
+        where = flags.output_dir("--reports", reports or f"reports/{Path(name).stem}")
+        return run_provision(
+            ["local"],
+            recipe=name,
+            options=Options(rebench=True, reports=where),
+            settings=_settings(c, None),
+            json_out=where / "provision.json",
+        )
+
+    run_command(go)
+
+
+@task(
     auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"}
 )
 def test(c: Context, k: str | None = None, fast: bool = False) -> None:
@@ -395,5 +475,7 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     c.run(" ".join(shlex.quote(a) for a in args), pty=False)
 
 
-ns = Collection(plan, preflight, toolchain, build, quantize, artifacts, render, deploy, stop, bench, test)
+ns = Collection(
+    plan, preflight, toolchain, build, quantize, artifacts, render, deploy, stop, bench, provision, verify_recipe, test
+)
 ns.configure(DEFAULTS)

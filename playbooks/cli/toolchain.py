@@ -13,6 +13,11 @@ from playbooks.plan.gpus import get_gpu
 from playbooks.steps.toolchain import toolchain_ops
 
 
+def toolchain_step(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+    needs_cuda = not get_gpu(loaded.recipe.gpu).is_cpu
+    return toolchain_ops(prefix, loaded.recipe.toolchain, host.user, needs_cuda, sudo)
+
+
 def run_toolchain(
     host_name: str,
     recipe: str | None = None,
@@ -20,8 +25,4 @@ def run_toolchain(
     inventory: str | Path = "inventory.yaml",
     settings: Settings | None = None,
 ) -> int:
-    def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
-        needs_cuda = not get_gpu(loaded.recipe.gpu).is_cpu
-        return toolchain_ops(prefix, loaded.recipe.toolchain, host.user, needs_cuda, sudo)
-
-    return converge(settings or Settings(inventory=Path(inventory)), host_name, recipe, ops, dry_run)
+    return converge(settings or Settings(inventory=Path(inventory)), host_name, recipe, toolchain_step, dry_run)

@@ -22,3 +22,18 @@ def parse_debian_mirror(output: str) -> str | None:
     if not mirror.startswith(("http://", "https://")) or any(c in _UNSAFE for c in mirror):
         return None
     return mirror
+
+
+def installed_command(packages: tuple[str, ...]) -> str:
+    """Which of ``packages`` dpkg holds installed (names are checked by the caller)."""
+    names = " ".join(packages)
+    return f"dpkg-query -W -f='${{Package}} ${{db:Status-Status}}\\n' {names} 2>/dev/null || true"
+
+
+def parse_installed(output: str) -> set[str]:
+    found = set()
+    for line in output.splitlines():
+        name, _, status = line.strip().partition(" ")
+        if status.strip() == "installed":
+            found.add(name.split(":")[0])  # dpkg prints foo:amd64 for multi-arch names
+    return found

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from playbooks.config.recipe import Recipe
 from playbooks.errors import HostError, VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.builds import parse_readlink, readlink_command
@@ -47,10 +48,13 @@ from playbooks.facts.service import health_command, listeners_command, parse_hea
 from playbooks.host.base import Host
 from playbooks.host.commands import check_path
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell, Upload, run_command
+from playbooks.plan.gpus import get_gpu
 from playbooks.steps.service_manager import Manager, ProcessRunner, Running
 
 #: the fingerprint's format: bump when what it covers changes
-RECORD_VERSION = 1
+FINGERPRINT_VERSION = 1
+#: the record's format (2: the rollback target is described whole, and the gate's verdict kept)
+RECORD_VERSION = 2
 #: /health polls: how often, and the least time a load may take
 HEALTH_POLL_S = 0.5
 MIN_HEALTH_TIMEOUT_S = 60
@@ -120,7 +124,7 @@ def health_timeout(model_bytes: int) -> float:
 def fingerprint(files: Sequence[ServiceFile], artifact_sha256: str, artifact_path: str) -> str:
     blob = json.dumps(
         {
-            "v": RECORD_VERSION,
+            "v": FINGERPRINT_VERSION,
             "files": {f.path: f.sha256 for f in files},
             "artifact": [artifact_path, artifact_sha256],
         },
@@ -347,10 +351,11 @@ class EnsureServing(Operation):
         artifact_bytes: int,
         port: int,
         expect: Expectations,
+        gated: bool = False,
     ):
         self.manager, self.layout, self.files, self.link = manager, layout, tuple(files), link
         self.artifact, self.artifact_sha256, self.artifact_bytes = artifact, artifact_sha256, artifact_bytes
-        self.port, self.expect = port, expect
+        self.port, self.expect, self.gated = port, expect, gated
         self.sudo = not isinstance(manager, ProcessRunner)
         self.want = fingerprint(self.files, artifact_sha256, artifact)
         self.name = f"Ensure {manager.describe()} serves on 127.0.0.1:{port}"
@@ -398,11 +403,12 @@ class EnsureServing(Operation):
     # -- acting ------------------------------------------------------------------------------
 
     def apply(self, host: Host, decision: Decision) -> None:
+        before = read_record(host, self.layout) or {}
         try:
             served = self._start(host)
         except HostError as exc:
-            raise HostError(f"{exc}; {self._rollback(host)}") from None
-        self._remember(host, served)
+            raise HostError(f"{exc}; {self.rollback(host)}") from None
+        self._remember(host, served, before)
 
     def _start(self, host: Host) -> Served:
         t0 = time.monotonic()
@@ -451,35 +457,49 @@ class EnsureServing(Operation):
         tail = [line.strip() for line in out.splitlines() if line.strip()]
         return f"its log ends: {tail[-1][:300]}" if tail else "it logged nothing"
 
-    def _remember(self, host: Host, served: Served) -> None:
-        """This deployment worked: its files and link become the rollback target."""
+    def _remember(self, host: Host, served: Served, before: dict[str, Any]) -> None:
+        """Record what now runs. Ungated, it becomes the rollback target at once; gated, the
+        rollback target stays the one before until the gate passes (``promote``)."""
+        record = {
+            "version": RECORD_VERSION,
+            "fingerprint": self.want,
+            "run": self._running(host).ident,
+            "at": _now(),
+            "manager": self.manager.kind,
+            "files": {f.path: f.sha256 for f in self.files},
+            "link": self.link,
+            "artifact": {"path": self.artifact, "sha256": self.artifact_sha256, "bytes": self.artifact_bytes},
+            "port": self.port,
+            "ready_s": round(served.seconds, 2),
+            "buffers": served.buffers,
+            "gate": {"status": "pending" if self.gated else "not run"},
+            "good": good_of(before),
+        }
+        if self.gated:
+            write_record(host, self.layout, record)
+        else:
+            self.promote(host, record)
+        host.printer.line(host.name, f"answering after {served.seconds:.1f} s; {_buffers_line(served.buffers)}")
+
+    def promote(self, host: Host, record: dict[str, Any]) -> None:
+        """This deployment worked: its files are copied to ``good/`` and it becomes the one a
+        later failure rolls back to."""
         good = self.layout.good_dir
         cmds = [f"rm -rf -- {shlex.quote(good)}.new && mkdir -p -m 0700 -- {shlex.quote(good)}.new"]
         for i, f in enumerate(self.files):
             cmds.append(f"cp -p -- {shlex.quote(f.path)} {shlex.quote(f'{good}.new/{i}')}")
         cmds.append(f"rm -rf -- {shlex.quote(good)} && mv -T -- {shlex.quote(good)}.new {shlex.quote(good)}")
         self._run(host)(" && ".join(cmds), stream=False)
-        running = self._running(host)
-        record = {
-            "fingerprint": self.want,
-            "run": running.ident,
-            "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "manager": self.manager.kind,
-            "files": {f.path: f.sha256 for f in self.files},
-            "good": {str(i): {"path": f.path, "mode": f.mode} for i, f in enumerate(self.files)},
-            "link": self.link,
-            "artifact": {"path": self.artifact, "sha256": self.artifact_sha256, "bytes": self.artifact_bytes},
-            "port": self.port,
-            "ready_s": round(served.seconds, 2),
-            "buffers": served.buffers,
+        record["good"] = {
+            **{k: record.get(k) for k in SNAPSHOT_KEYS},
+            "copies": {str(i): {"path": f.path, "mode": f.mode} for i, f in enumerate(self.files)},
         }
-        host.write_file(self.layout.record, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), 0o644)
-        host.printer.line(host.name, f"answering after {served.seconds:.1f} s; {_buffers_line(served.buffers)}")
+        write_record(host, self.layout, record)
 
-    def _rollback(self, host: Host) -> str:
+    def rollback(self, host: Host) -> str:
         """Put the last good deployment back and start it; say what happened in one clause."""
         rec = read_record(host, self.layout) or {}
-        good = rec.get("good")
+        good = good_of(rec)
         if not good:
             try:
                 run_command(host, self.manager.stop())
@@ -487,11 +507,11 @@ class EnsureServing(Operation):
                 pass
             return "nothing served here before: the new service is stopped"
         cmds = []
-        for i, entry in good.items():
+        for i, entry in good["copies"].items():
             path = check_path(entry["path"])
             src = shlex.quote(f"{self.layout.good_dir}/{int(i)}")
             cmds.append(f"cp -p -- {src} {shlex.quote(path)}")
-        art = rec.get("artifact", {}).get("path")
+        art = (good.get("artifact") or {}).get("path")
         if art:
             cmds.append(
                 f"ln -sfn -- {shlex.quote(check_path(art))} {shlex.quote(self.link)}.new && "
@@ -500,19 +520,42 @@ class EnsureServing(Operation):
         try:
             self._run(host)(" && ".join(cmds), stream=False)
             run_command(host, self.manager.restart())
-            deadline = time.monotonic() + health_timeout(int(rec.get("artifact", {}).get("bytes") or 0))
-            port = int(rec.get("port") or self.port)
+            deadline = time.monotonic() + health_timeout(int((good.get("artifact") or {}).get("bytes") or 0))
+            port = int(good.get("port") or self.port)
             while parse_health(read_fact(host, health_command(port))) != 200:
                 if time.monotonic() > deadline:
-                    return f"rolled back to the deployment of {rec.get('at')}, but it does not answer either"
+                    return f"rolled back to the deployment of {good.get('at')}, but it does not answer either"
                 time.sleep(HEALTH_POLL_S)
         except HostError as exc:
             return f"the rollback failed too: {exc}"
-        running = self._running(host)
-        # the record keeps describing what runs: the good deployment, in its new run
-        rec["run"] = running.ident
-        host.write_file(self.layout.record, (json.dumps(rec, indent=2, sort_keys=True) + "\n").encode(), 0o644)
-        return f"rolled back to the deployment of {rec.get('at')}, which answers again"
+        # the record describes what runs again: the good deployment, in its new run
+        restored = {k: v for k, v in good.items() if k != "copies"}
+        restored |= {"version": RECORD_VERSION, "run": self._running(host).ident, "good": good, "link": self.link}
+        restored["manager"] = self.manager.kind
+        write_record(host, self.layout, restored)
+        return f"rolled back to the deployment of {good.get('at')}, which answers again"
+
+
+#: what a rollback target keeps of its deployment's record (with ``copies``: where good/'s files go)
+SNAPSHOT_KEYS = ("fingerprint", "at", "files", "artifact", "port", "ready_s", "buffers", "gate")
+
+
+def good_of(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The rollback target a record names (records of version 1 kept only the file copies)."""
+    good = record.get("good")
+    if not good:
+        return None
+    if "copies" in good:
+        return dict(good)
+    return {**{k: record.get(k) for k in SNAPSHOT_KEYS}, "copies": good}
+
+
+def write_record(host: Host, layout: DeployLayout, record: dict[str, Any]) -> None:
+    host.write_file(layout.record, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), 0o644)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _buffers_line(b: dict[str, Any]) -> str:
@@ -527,6 +570,18 @@ def _buffers_line(b: dict[str, Any]) -> str:
         n, m = b["offloaded"]
         parts.append(f"{n}/{m} layers on the GPU")
     return ", ".join(parts)
+
+
+def systemd_only(recipe: Recipe, gpu_indexes: Sequence[int] = (0,)) -> str | None:
+    """Why this deployment cannot run as a managed process (None: it can). Deploy refuses it
+    on a host without systemd; preflight judges a host's missing systemd by it."""
+    if recipe.backend == "exllamav2":
+        return "TabbyAPI (EXL2) runs as a systemd unit only"
+    if recipe.service.api_key_ref:
+        return "an API key reaches the server as a systemd credential"
+    if len(gpu_indexes) > 1 and not get_gpu(recipe.gpu).is_cpu:
+        return "one server per GPU is a systemd instance template"
+    return None
 
 
 def require_systemd(booted: bool, manager: str, host: str) -> None:

@@ -22,6 +22,7 @@ from playbooks.host.base import Host
 from playbooks.plan.gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name, size_text
 from playbooks.plan.planner import Plan, make_plan
 from playbooks.plan.tensors import parameter_count
+from playbooks.steps.deploy import systemd_only
 
 # Minimum Linux driver per CUDA major release (NVIDIA's CUDA compatibility table, minor
 # version compatibility): 11.x needs >= 450.80.02, 12.x needs >= 525.60.13.
@@ -214,14 +215,54 @@ def check_os(cx: Context) -> list[Check]:
 
 
 def check_systemd(cx: Context) -> list[Check]:
+    """systemd runs the server as a unit that starts at boot. Without it deploy runs a llama.cpp
+    recipe's same command line as a managed process (not restarted at boot): a warning. What
+    only a unit can do (TabbyAPI, an API key as a credential, one server per GPU) blocks."""
     sd = cx.facts.systemd
+    state = f"state {sd.state or 'absent'}"
+    if sd.systemd_running:
+        return [Check("systemd", "pass", state)]
+    if sd.booted:
+        # deploy would choose systemd here (it is PID 1), and units cannot start in this state
+        return [
+            Check(
+                "systemd",
+                "fail",
+                f"{state}: systemd is PID 1 but cannot start units",
+                "bring it to running or degraded (`systemctl is-system-running`, `systemctl --failed`)",
+                blocking=True,
+            )
+        ]
+    boot = "boot the host with systemd for a service that survives reboots"
+    if cx.recipe is None:
+        return [
+            Check(
+                "systemd",
+                "warn",
+                f"{state} (not booted with systemd): a llama.cpp recipe would run as a managed process, "
+                "not restarted at boot; TabbyAPI (EXL2), an API key or one server per GPU needs systemd",
+                boot,
+            )
+        ]
+    why = systemd_only(cx.recipe)
+    if why:
+        return [
+            Check(
+                "systemd",
+                "fail",
+                f"{state} (not booted with systemd): recipe {cx.recipe.name}: {why}",
+                "use a host booted with systemd",
+                blocking=True,
+            )
+        ]
+    several = "" if get_gpu(cx.recipe.gpu).is_cpu else "; one server per GPU (`--gpus 0,1`) would need it"
     return [
         Check(
             "systemd",
-            "pass" if sd.systemd_running else "fail",
-            f"state {sd.state or 'absent'}",
-            "" if sd.systemd_running else "services are systemd units: use a host booted with systemd",
-            blocking=True,
+            "warn",
+            f"{state} (not booted with systemd): the server will run as a managed process, not restarted "
+            f"at boot{several}",
+            boot,
         )
     ]
 
@@ -437,6 +478,14 @@ def fit_summary(cx: Context, plan: Plan) -> tuple[str, Check]:
         if chosen.fits
         else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB"
     )
+    if not chosen.fits and not chosen.unfit_reason:
+        # the plan's numbers, so the refusal can be checked against `invoke plan` by hand
+        gib = 2**30
+        verdict += (
+            f" at {plan.serving.context} tokens x {plan.serving.parallel}: needs {chosen.vram_bytes / gib:.2f} GiB "
+            f"of {chosen.gpu_bytes / gib:.2f} GiB (weights {chosen.gpu_weights_bytes / gib:.2f}, "
+            f"KV {chosen.kv_bytes / gib:.2f}, compute {chosen.compute_bytes / gib:.2f})"
+        )
     source = "the inventory's" if cx.inventory_gpu else "the recipe's"
     target = plan.gpu.name + (
         f" ({source} GPU: none seen on the host)" if host_gpu(cx.facts) is None and cx.wants_gpu else ""

@@ -168,9 +168,15 @@ def _hash_dir(directory: Path) -> dict[str, tuple[int, str]]:
 
 def generated_weights(config: dict[str, Any], cache: Path) -> LocalWeights:
     """The tiny random Llama of `config`, generated once into the controller's cache."""
-    from playbooks.weights.tinymodel import write_tiny_llama
+    from playbooks.weights.tinymodel import GENERATOR_VERSION, write_tiny_llama
 
-    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    # The id names what is cached here and on hosts (models/<id>/: the weights, their GGUFs),
+    # and a cached model is never regenerated: so the key holds the generator's version as well
+    # as the config, and a generator that writes something new (a chat template, say) makes a
+    # new model instead of reusing one an older generator left.
+    config_sha = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    keyed = {"config_sha256": config_sha, "generator": GENERATOR_VERSION}
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     model_id = f"tiny-llama-{key}"
     where = cache / model_id
     if not (where / ".complete").exists():
@@ -182,7 +188,7 @@ def generated_weights(config: dict[str, Any], cache: Path) -> LocalWeights:
         write_tiny_llama(tmp, config)
         (tmp / ".complete").write_text("")
         tmp.rename(where)
-    return LocalWeights(model_id, where, _hash_dir(where), {"generate": "tiny-llama", "config_sha256": key})
+    return LocalWeights(model_id, where, _hash_dir(where), {"generate": "tiny-llama", **keyed})
 
 
 def path_weights(directory: Path) -> LocalWeights:

@@ -12,6 +12,7 @@ get `cuda-toolkit-11-8` from NVIDIA's repository.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -123,6 +124,56 @@ class EnsureCudaToolkit(Operation):
             raise
 
 
+#: what building llama.cpp and its bindings, and the venv, need from the distribution: the
+#: compilers and cmake for the build, ccache so a rebuild of the same tree takes seconds,
+#: python3-venv for the toolchain venv (Debian splits it out), curl for the health checks
+BUILD_PACKAGES = ("build-essential", "cmake", "ccache", "python3-venv", "curl")
+_PACKAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
+
+
+class EnsureSystemPackages(Operation):
+    """Debian/Ubuntu packages are installed (apt, with sudo), only those missing."""
+
+    def __init__(self, packages: tuple[str, ...], why: str):
+        bad = [p for p in packages if not _PACKAGE_NAME.match(p)]
+        if bad:
+            raise ValueError(f"not a Debian package name: {bad[0]!r}")
+        self.packages, self.why = packages, why
+        self.name = f"Ensure {', '.join(packages)} are installed ({why})"
+
+    def read(self, host: Host) -> tuple[set[str], system.OsRelease]:
+        installed = apt.parse_installed(read_fact(host, apt.installed_command(self.packages)))
+        return installed, system.parse_os_release(read_fact(host, system.OS_RELEASE_COMMAND))
+
+    def decide(self, facts: tuple[set[str], system.OsRelease]) -> Decision:
+        installed, os = facts
+        missing = [p for p in self.packages if p not in installed]
+        if not missing:
+            return Decision.ok(f"all {len(self.packages)} installed")
+        if os.id not in ("debian", "ubuntu") and "debian" not in os.id_like:
+            raise OperationError(
+                f"{', '.join(missing)} missing and {os.pretty_name or 'this OS'} has no apt: "
+                "install the equivalents by hand, then re-run"
+            )
+        return Decision.act(
+            f"{', '.join(missing)} missing",
+            Shell("apt-get update -qq", sudo=True),
+            Shell(f"{APT_ENV} apt-get install -y -qq --no-install-recommends {' '.join(missing)}", sudo=True),
+        )
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        try:
+            super().apply(host, decision)
+        except HostError as exc:
+            text = str(exc)
+            if "Unable to locate package" in text or "Temporary failure resolving" in text or "Could not" in text:
+                raise HostError(
+                    f"{host.name}: apt could not install {', '.join(self.packages)}: its mirror cannot be reached "
+                    "or lacks them; install them from a local mirror or by hand, then re-run"
+                ) from None
+            raise
+
+
 class EnsureVenv(Operation):
     """Ensure the project venv exists (stdlib venv, the host's python3)."""
 
@@ -228,7 +279,10 @@ def toolchain_ops(
     prefix: str, tc: Toolchain, owner: str | None, needs_cuda: bool, prefix_sudo: bool
 ) -> list[Operation]:
     venv = venv_path(prefix)
-    ops: list[Operation] = [EnsureDirectory(prefix, 0o755, owner=owner if prefix_sudo else None, sudo=prefix_sudo)]
+    ops: list[Operation] = [
+        EnsureDirectory(prefix, 0o755, owner=owner if prefix_sudo else None, sudo=prefix_sudo),
+        EnsureSystemPackages(BUILD_PACKAGES, "to build llama.cpp and make the venv"),
+    ]
     if needs_cuda:
         ops.append(EnsureCudaToolkit(tc.cuda))
     ops += [EnsureVenv(venv), EnsureTorch(venv, tc), EnsureToolchainLock(prefix, venv, tc)]

@@ -36,6 +36,28 @@ _HF_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 
+# What the generator writes: part of the generated model's id (steps/quantize.py
+# generated_weights), so a changed generator never reuses a model an older one cached.
+# 1: weights, config and tokenizer; 2: a chat template in tokenizer_config.json.
+GENERATOR_VERSION = 2
+
+# ChatML's layout ("<|im_start|>role\n...") with this tokenizer's own special tokens. The
+# template opens with bos_token, as Hugging Face chat templates do: llama.cpp drops it again
+# when the vocabulary adds a BOS itself (add_bos_token below), so the prompt has one BOS either
+# way. A turn ends with eos_token (</s>) rather than ChatML's <|im_end|>: the vocabulary has no
+# <|im_end|> token (byte fallback would spell it as ten byte tokens that no server stops at),
+# while </s> is one token that llama-server ends a reply on. add_generation_prompt opens the
+# assistant's turn.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "ba", "po", "gu", "fe", "zi", "ha", "wy")
 
 
@@ -107,6 +129,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
                 "add_bos_token": True,
                 "add_eos_token": False,
                 "legacy": True,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )

@@ -1,0 +1,433 @@
+"""`invoke provision`: every step, in order, on one host or many at once.
+
+    preflight -> toolchain -> build -> quantize -> deploy -> gate
+
+Each step is a list of operations (the same ones its own task runs), so a step whose state is
+already right is ``ok`` with the reason, a dry run shows every command and changes nothing,
+and a re-run after a failure resumes where it stopped: what was finished reads as ``ok``.
+
+- preflight judges the host's facts against the recipe first; a blocking check (a recipe that
+  cannot fit this GPU, with the plan's numbers; no NVIDIA driver; ...) stops the host before
+  anything is downloaded or written.
+- deploy starts a changed service *gated*: the last deployment that passed stays the rollback
+  target until the gate (steps/gate.py) passes on the new one; a failed gate rolls back.
+- The host lock is held for the whole run (a dry run only reads); Ctrl-C or a lost
+  connection drops it (host/lock.py), and every step switches things in whole (builds and
+  quantized files are made aside and renamed), so nothing is left half-switched.
+
+Many hosts run in parallel threads, each with its own log file holding everything its
+commands printed, and live output prefixed with the host's name. One host failing does not
+stop the others; the summary shows all of them and the exit code is 1 when any failed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from playbooks.cli.build import build_step
+from playbooks.cli.converge import prefix_needs_sudo
+from playbooks.cli.deploy import deploy_ops
+from playbooks.cli.edge import log_dir
+from playbooks.cli.quantize import quantize_step
+from playbooks.cli.render import console
+from playbooks.cli.settings import Settings
+from playbooks.cli.toolchain import toolchain_step
+from playbooks.config.inventory import HostSpec
+from playbooks.config.recipe import LoadedRecipe
+from playbooks.errors import HostError, VoltaforgeError
+from playbooks.host import Host
+from playbooks.host.base import Printer
+from playbooks.host.local import LocalHost
+from playbooks.host.lock import host_lock
+from playbooks.host.ops import Change, Decision, Operation, run_ops
+from playbooks.steps.deploy import EnsureServing
+from playbooks.steps.gate import EnsureGate, figures_line
+from playbooks.steps.preflight import gather, judge
+
+#: the built-in default: the tiny CPU recipe, which needs no GPU and no download
+DEFAULT_RECIPE = "tiny-cpu"
+STEPS = ("preflight", "toolchain", "build", "quantize", "deploy", "gate")
+
+
+@dataclass(frozen=True)
+class Options:
+    dry_run: bool = False
+    rebench: bool = False
+    reports: Path | None = None  # where the gate's reports go (default: the bench cache)
+
+
+@dataclass
+class StepOutcome:
+    step: str
+    status: str  # changed | ok | failed | would change | not reached
+    seconds: float = 0.0
+    why: str = ""
+    changes: list[Change] = field(default_factory=list)
+
+
+@dataclass
+class HostOutcome:
+    host: str
+    recipe: str
+    log: Path
+    steps: list[StepOutcome] = field(default_factory=list)
+    gate: dict[str, Any] | None = None
+    reports: dict[str, str] = field(default_factory=dict)
+    endpoint: str | None = None
+    fix: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return any(s.status == "failed" for s in self.steps)
+
+    def failure(self) -> StepOutcome | None:
+        return next((s for s in self.steps if s.status == "failed"), None)
+
+
+class HostPrinter(Printer):
+    """Every line to the host's log file; to the console too unless quiet. Prefixed, so the
+    lines of hosts running at once stay apart."""
+
+    def __init__(self, log: TextIO, out: TextIO | None = None, quiet: bool = False):
+        super().__init__(out, quiet)
+        self.log = log
+
+    def line(self, host: str, text: str) -> None:
+        with self._lock:
+            self.log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+            self.log.flush()
+        super().line(host, text)
+
+
+class Interrupted(HostError):
+    """Ctrl-C: the run stops between operations."""
+
+
+class _Cancellable(Operation):
+    """An operation that refuses to start once the run was interrupted."""
+
+    def __init__(self, op: Operation, cancel: threading.Event):
+        self.op, self.cancel = op, cancel
+        self.name, self.idempotent, self.notify = op.name, op.idempotent, op.notify
+
+    def check(self, host: Host) -> Decision:
+        if self.cancel.is_set():
+            raise Interrupted("interrupted before this operation: nothing of it was done")
+        return self.op.check(host)
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        self.op.apply(host, decision)
+
+
+def step_status(changes: Sequence[Change], dry_run: bool) -> str:
+    if any(c.status == "failed" for c in changes):
+        return "failed"
+    if any(c.status == "changed" for c in changes):
+        return "would change" if dry_run else "changed"
+    return "ok"
+
+
+def step_why(changes: Sequence[Change]) -> str:
+    """One line for the summary: the failure, else what changed, else that all was in place."""
+    failed = next((c for c in changes if c.status == "failed"), None)
+    if failed:
+        return failed.why
+    changed = [c for c in changes if c.status == "changed"]
+    if changed:
+        whys = "; ".join(dict.fromkeys(c.why for c in changed))
+        whys = whys if len(whys) <= 200 else whys[:199] + "…"
+        return f"{len(changed)} of {len(changes)} changed: {whys}"
+    if len(changes) == 1:
+        return changes[0].why
+    return f"all {len(changes)} in place"
+
+
+def fix_for(step: str, host: str, detail: str) -> str:
+    resume = f"then `invoke provision --host {host}` resumes at {step}"
+    if detail:
+        return f"{detail}; {resume}"
+    return f"fix the cause above; {resume} (the log has every line)"
+
+
+class Provisioner:
+    """One provision run over some hosts: resolves them (one line and exit 2 for a name or
+    recipe that does not exist, before any connection), then runs each in its own thread."""
+
+    def __init__(self, settings: Settings, options: Options, out: TextIO | None = None):
+        self.settings, self.options, self.out = settings, options, out
+        self.cancel = threading.Event()
+        self.run_dir = log_dir() / f"provision-{time.strftime('%Y%m%d-%H%M%S')}"
+        self._open: dict[str, Host] = {}
+        self._lock = threading.Lock()
+
+    # -- per host ----------------------------------------------------------------------------
+
+    def run_host(self, spec: HostSpec, loaded: LoadedRecipe) -> HostOutcome:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.run_dir / f"{spec.name}.log"
+        outcome = HostOutcome(spec.name, loaded.recipe.name, log_path)
+        t0 = time.monotonic()
+        with open(log_path, "w", encoding="utf-8") as log:
+            printer = HostPrinter(log, self.out)
+            try:
+                self._provision(spec, loaded, printer, outcome)
+            except (HostError, VoltaforgeError) as exc:
+                # connecting (unreachable, host key changed, sudo) or a step that could not
+                # even be planned: one line, on the step it happened in
+                step = STEPS[len(outcome.steps)] if len(outcome.steps) < len(STEPS) else "gate"
+                why = str(exc).removeprefix(f"{spec.name}: ")
+                outcome.steps.append(StepOutcome(step, "failed", 0.0, why))
+                printer.line(spec.name, f"failed: {step}: {why}")
+            finally:
+                with self._lock:
+                    self._open.pop(spec.name, None)
+            for s in outcome.steps:
+                for c in s.changes:
+                    detail = getattr(c, "detail", "")
+                    if c.status == "failed" and detail:
+                        log.write(f"--- {s.step}: {c.step} failed:\n{detail}\n")
+            failed = outcome.failure()
+            if failed and outcome.fix is None:
+                outcome.fix = fix_for(failed.step, spec.name, "")
+            done = len(outcome.steps)
+            outcome.steps += [StepOutcome(s, "not reached") for s in STEPS[done:]]
+        outcome.seconds = time.monotonic() - t0
+        return outcome
+
+    def _provision(self, spec: HostSpec, loaded: LoadedRecipe, printer: Printer, outcome: HostOutcome) -> None:
+        opts = self.options
+        with self.settings.connect(spec, printer) as host:
+            with self._lock:
+                self._open[spec.name] = host
+            if self.cancel.is_set():
+                raise Interrupted("interrupted before it started")
+            # 1. preflight: facts judged against the recipe, before anything is written
+            t = time.monotonic()
+            printer.line(spec.name, "== preflight ==")
+            model_dir = f"{spec.prefix}/models"
+            verdict = judge(gather(host, spec.prefix, model_dir), loaded, model_dir, spec.prefix, spec.gpu)
+            blocking = [c for c in verdict.checks if c.status == "fail" and c.blocking]
+            if blocking:
+                b = blocking[0]
+                outcome.steps.append(StepOutcome("preflight", "failed", time.monotonic() - t, f"{b.name}: {b.detail}"))
+                outcome.fix = fix_for("preflight", spec.name, b.fix)
+                return
+            warned = [c for c in verdict.checks if c.status == "warn"]
+            why = f"{len(verdict.checks)} checks pass" + (
+                f", {len(warned)} warning{'s' if len(warned) > 1 else ''}: {warned[0].name}: {warned[0].detail}"
+                if warned
+                else ""
+            )
+            outcome.steps.append(StepOutcome("preflight", "ok", time.monotonic() - t, why))
+            sudo = prefix_needs_sudo(host, spec.prefix)
+            if opts.dry_run:
+                self._steps(host, spec, loaded, sudo, printer, outcome)
+            else:
+                with host_lock(host, spec.prefix, sudo=sudo):
+                    self._steps(host, spec, loaded, sudo, printer, outcome)
+
+    def _steps(
+        self, host: Host, spec: HostSpec, loaded: LoadedRecipe, sudo: bool, printer: Printer, outcome: HostOutcome
+    ) -> None:
+        opts, prefix = self.options, spec.prefix
+        gates: list[EnsureGate] = []
+
+        def deploy_and_gate() -> list[Operation]:
+            ops = deploy_ops(loaded, host, prefix, "auto", gated=True)
+            for op in ops:
+                if isinstance(op, EnsureServing):
+                    gates.append(EnsureGate(op, loaded, prefix, force=opts.rebench, out_dir=opts.reports))
+            return ops
+
+        makers: list[tuple[str, Callable[[], list[Operation]]]] = [
+            ("toolchain", lambda: toolchain_step(loaded, host, prefix, sudo)),
+            ("build", lambda: build_step(loaded, host, prefix, sudo)),
+            ("quantize", lambda: quantize_step(loaded, prefix)),
+            ("deploy", deploy_and_gate),
+            ("gate", lambda: list(gates)),
+        ]
+        pending = False  # a dry run whose earlier step would change things
+        for step, make in makers:
+            t = time.monotonic()
+            printer.line(spec.name, f"== {step} ==")
+            if self.cancel.is_set():
+                raise Interrupted(f"interrupted before {step}")
+            try:
+                ops = make()
+            except (VoltaforgeError, HostError) as exc:
+                why = str(exc).removeprefix(f"{spec.name}: ")
+                if opts.dry_run and pending:
+                    outcome.steps.append(
+                        StepOutcome(step, "not reached", time.monotonic() - t, f"after the above: {why}")
+                    )
+                    continue
+                outcome.steps.append(StepOutcome(step, "failed", time.monotonic() - t, why))
+                return
+            changes = run_ops(host, [_Cancellable(op, self.cancel) for op in ops], dry_run=opts.dry_run)
+            status = step_status(changes, opts.dry_run)
+            if status == "failed" and opts.dry_run and pending:
+                status = "not reached"
+            outcome.steps.append(StepOutcome(step, status, time.monotonic() - t, step_why(changes), changes))
+            if status == "failed":
+                return
+            pending = pending or status == "would change"
+        for g in gates:
+            if g.result:
+                outcome.reports = {k: str(v) for k, v in g.reports.items()}
+        rec = gates[0].read(host) if gates and not opts.dry_run else {}
+        verdict = rec.get("gate") or {}
+        if verdict.get("status") == "passed":
+            outcome.gate = verdict.get("figures")
+            port = rec.get("port")
+            where = "this machine" if isinstance(host, LocalHost) else spec.name
+            outcome.endpoint = f"http://127.0.0.1:{port}/v1 on {where}"
+
+    # -- all hosts ---------------------------------------------------------------------------
+
+    def run(self, targets: Sequence[tuple[HostSpec, LoadedRecipe]]) -> list[HostOutcome]:
+        if len(targets) == 1:
+            return [self.run_host(*targets[0])]
+        pool = ThreadPoolExecutor(max_workers=min(len(targets), 16), thread_name_prefix="provision")
+        futures = [pool.submit(self.run_host, spec, loaded) for spec, loaded in targets]
+        try:
+            while True:
+                done, rest = wait_futures(futures, timeout=0.5)
+                if not rest:
+                    break
+        except KeyboardInterrupt:
+            self.interrupt()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return [f.result() for f in futures]
+
+    def interrupt(self) -> None:
+        """Ctrl-C: no new operation starts; open connections close, which ends the commands
+        running on them and drops each host's lock."""
+        self.cancel.set()
+        with self._lock:
+            hosts = list(self._open.values())
+        for host in hosts:
+            try:
+                host.close()
+            except Exception:  # noqa: BLE001 - closing what may already be broken
+                pass
+
+
+# ------------------------------------------------------------------------------------------
+# the summary
+# ------------------------------------------------------------------------------------------
+
+_STYLE = {"changed": "yellow", "ok": "green", "failed": "bold red", "would change": "yellow", "not reached": "dim"}
+
+
+def render_summary(outcomes: Sequence[HostOutcome], out: Console, dry_run: bool = False) -> None:
+    for o in outcomes:
+        title = f"provision {o.host} ({o.recipe}){' - dry run' if dry_run else ''}: {o.seconds:.1f} s"
+        table = Table(title=title, title_justify="left")
+        for col in ("step", "status", "time", "why"):
+            table.add_column(col, overflow="fold")
+        for s in o.steps:
+            seconds = f"{s.seconds:.1f} s" if s.status != "not reached" or s.seconds else ""
+            table.add_row(Text(s.step), Text(s.status, style=_STYLE.get(s.status, "")), Text(seconds), Text(s.why))
+        out.print(table)
+        failed = o.failure()
+        if failed:
+            out.print(Text(f"{o.host}: failed at {failed.step}: {failed.why}", style="bold red"))
+            if o.fix:
+                out.print(Text(f"fix: {o.fix}"))
+        elif o.gate:
+            out.print(Text(f"{o.host}: gate passed: {figures_line(o.gate)}", style="green"))
+            if o.endpoint:
+                out.print(Text(f"serving: {o.endpoint} (OpenAI API: /v1/completions, /v1/chat/completions)"))
+            if o.reports:
+                out.print(Text(f"reports: {o.reports.get('markdown')}"))
+        out.print(Text(f"log: {o.log}", style="dim"))
+    if len(outcomes) > 1:
+        fleet = Table(title="provision: every host", title_justify="left")
+        for col in ("host", *STEPS, "time", "result"):
+            fleet.add_column(col, overflow="fold")
+        for o in outcomes:
+            failed = o.failure()
+            result = f"failed at {failed.step}" if failed else figures_line(o.gate) if o.gate else "done"
+            cells = [Text(s.status, style=_STYLE.get(s.status, "")) for s in o.steps]
+            fleet.add_row(Text(o.host), *cells, Text(f"{o.seconds:.1f} s"), Text(result))
+        out.print(fleet)
+        bad = [o.host for o in outcomes if o.failed]
+        ok = [o.host for o in outcomes if not o.failed]
+        out.print(
+            Text(f"{len(ok)} of {len(outcomes)} hosts provisioned" + (f"; failed: {', '.join(bad)}" if bad else ""))
+        )
+
+
+def outcome_json(o: HostOutcome) -> dict[str, Any]:
+    return {
+        "host": o.host,
+        "recipe": o.recipe,
+        "failed": o.failed,
+        "seconds": round(o.seconds, 2),
+        "steps": [{"step": s.step, "status": s.status, "seconds": round(s.seconds, 2), "why": s.why} for s in o.steps],
+        "gate": o.gate,
+        "endpoint": o.endpoint,
+        "fix": o.fix,
+        "reports": o.reports,
+        "log": str(o.log),
+    }
+
+
+def resolve_targets(
+    settings: Settings, hosts: Sequence[str], recipe: str | None, default_recipe: str
+) -> list[tuple[HostSpec, LoadedRecipe]]:
+    """Every host's inventory entry and recipe (the flag's, else the inventory's for that
+    host, else the default), loaded and checked before anything connects."""
+    if len(set(hosts)) != len(hosts):
+        raise VoltaforgeError(f"--host {','.join(hosts)}: a host is named twice")
+    targets = []
+    for name in hosts:
+        spec = settings.host_spec(name)
+        targets.append((spec, settings.load_recipe(recipe or spec.recipe or default_recipe)))
+    return targets
+
+
+def run_provision(
+    hosts: Sequence[str],
+    recipe: str | None = None,
+    default_recipe: str = DEFAULT_RECIPE,
+    options: Options | None = None,
+    settings: Settings | None = None,
+    json_out: Path | None = None,
+) -> int:
+    import json
+
+    options = options or Options()
+    settings = settings or Settings()
+    targets = resolve_targets(settings, hosts, recipe, default_recipe)
+    prov = Provisioner(settings, options)
+    try:
+        outcomes = prov.run(targets)
+    except KeyboardInterrupt:
+        prov.interrupt()
+        print(
+            "error: interrupted: no operation was left half-done (each switches in whole) and the host locks "
+            f"are released; run the same command again to resume (logs: {prov.run_dir})",
+            file=sys.stderr,
+        )
+        return 130
+    render_summary(outcomes, console(), options.dry_run)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps([outcome_json(o) for o in outcomes], indent=2) + "\n")
+    return 1 if any(o.failed for o in outcomes) else 0

@@ -1,0 +1,249 @@
+"""The measurement behind `invoke bench` and provision's gate: the deployed server measured
+against its physical ceiling, judged, written as reports, and added to the history.
+
+Where things run: the client runs here, on the controller, and reaches the server through an
+SSH port forward (the service listens on the host's loopback only), so latencies include the
+forward (sub-millisecond on a LAN; the report says where the client ran). Telemetry and the
+memory-bandwidth probe run on the host; llama.cpp's own ``llama-bench`` too, for the
+side-by-side decode figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shlex
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from playbooks.config.planning import plan_recipe
+from playbooks.config.recipe import LoadedRecipe
+from playbooks.facts import membw as membw_facts
+from playbooks.facts import read_fact, system
+from playbooks.facts import telemetry as telem
+from playbooks.facts.service import health_command, parse_health
+from playbooks.host import Host
+from playbooks.host.local import LocalHost
+from playbooks.plan.gpus import get_gpu
+from playbooks.plan.tensors import parameter_count
+from playbooks.resources import resource_dir
+from playbooks.steps import bench, bench_client
+from playbooks.steps.bench_report import append_history, read_history, write_reports
+from playbooks.steps.build import source_cache_dir
+from playbooks.steps.deploy import DeployLayout, read_record
+
+#: per request: generous for a slow host, short enough that a hung server fails the run
+REQUEST_TIMEOUT_S = 300.0
+
+
+def bench_dir() -> Path:
+    """Reports and history live on the controller, beside the other caches."""
+    return source_cache_dir().parent / "bench"
+
+
+def _push_probe(host: Host, prefix: str, local: Path) -> str:
+    remote = f"{prefix}/bench/{local.name}"
+    host.run(f"mkdir -p -- {shlex.quote(prefix)}/bench", stream=False)
+    host.put(str(local), remote, mode=0o644)
+    return remote
+
+
+def _python(host: Host, prefix: str) -> str:
+    venv = f"{prefix}/venv/bin/python"
+    return venv if host.exists(venv) else "python3"
+
+
+def bench_health(host: Host, port: int) -> int:
+    return parse_health(read_fact(host, health_command(port)))
+
+
+def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
+    """The decode roofline (bytes a token streams over the memory's bandwidth) and the prefill
+    ceiling (2 x parameters FLOPs per token over FP16 tensor throughput), with their basis."""
+    plan = plan_recipe(loaded)
+    r = loaded.recipe
+    option = next((o for o in plan.options if o.quant == r.quant_name), None)
+    gpu = get_gpu(r.gpu)
+    if option is None:
+        return {"roofline_tok_s": None, "roofline_basis": f"the planner has no {r.quant_name} option"}
+    streamed = option.streamed_bytes
+    if gpu.is_cpu:
+        if not membw_gb_s:
+            return {"roofline_tok_s": None, "roofline_basis": "the host's memory bandwidth could not be measured"}
+        roof = membw_gb_s * 1e9 / streamed
+        basis = f"measured CPU copy {membw_gb_s:.1f} GB/s / {streamed / 1e6:.1f} MB per token"
+    else:
+        roof = gpu.bandwidth_gb_s * 1e9 / streamed
+        basis = f"{gpu.name} datasheet {gpu.bandwidth_gb_s:g} GB/s / {streamed / 1e6:.0f} MB per token"
+    params = parameter_count(loaded.shape)
+    prefill = (
+        {
+            "prefill_ceiling_tok_s": round(gpu.fp16_tensor_tflops * 1e12 / (2 * params), 1),
+            "prefill_basis": f"2 x {params / 1e9:.2f} B parameters FLOPs per token over {gpu.fp16_tensor_tflops:g} "
+            "TFLOPS FP16 tensor (datasheet)",
+        }
+        if gpu.fp16_tensor_tflops
+        else {
+            "prefill_ceiling_tok_s": None,
+            "prefill_basis": "no FP16 tensor figure: llama-bench's pp is the measured rate",
+        }
+    )
+    return {"roofline_tok_s": round(roof, 2), "roofline_basis": basis, **prefill}
+
+
+def _llama_bench(host: Host, prefix: str, model: str, prompt_tokens: int, max_tokens: int) -> dict[str, Any] | None:
+    """llama.cpp's own figure on the same model, when the build has llama-bench (the server
+    keeps running: on a CPU host the two compete, and the report says it ran after the sweep)."""
+    binary = f"{prefix}/llama.cpp/current/bin/llama-bench"
+    if not host.exists(binary):
+        return None
+    cmd = f"{shlex.quote(binary)} -m {shlex.quote(model)} -p {prompt_tokens} -n {max_tokens} -r 2 -o json"
+    out = host.run(f"{cmd} 2>/dev/null", check=False, stream=False, timeout=600)
+    try:
+        rows = json.loads(out.stdout)
+    except ValueError:
+        return {"error": f"llama-bench printed no JSON (exit {out.exited})", "command": cmd}
+    found: dict[str, Any] = {"command": cmd}
+    for row in rows if isinstance(rows, list) else []:
+        if row.get("n_gen"):
+            found["tg_tok_s"] = round(float(row.get("avg_ts", 0)), 2)
+        elif row.get("n_prompt"):
+            found["pp_tok_s"] = round(float(row.get("avg_ts", 0)), 2)
+    return found
+
+
+def measure(
+    loaded: LoadedRecipe, host: Host, prefix: str, layout: DeployLayout, levels: list[int] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole run on one host: the result dict (the report's schema) and what was seen."""
+    r = loaded.recipe
+    g = r.gate
+    levels = levels or list(g.levels)
+    record = read_record(host, layout) or {}
+    result: dict[str, Any] = {
+        "version": 1,
+        "complete": False,
+        "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": host.name,
+        "recipe": r.name,
+        "recipe_sha256": hashlib.sha256(loaded.path.read_bytes()).hexdigest(),
+        "client": "this machine" if isinstance(host, LocalHost) else "the controller, through an SSH port forward",
+        "workload": {"prompt_tokens": g.prompt_tokens, "max_tokens": g.max_tokens, "seed": 1, "levels": levels},
+        "levels": [],
+        "telemetry": None,
+        "llama_bench": None,
+    }
+    seen: dict[str, Any] = {}
+    buffers = record.get("buffers") or {}
+    seen["offloaded"] = buffers.get("offloaded")
+    nproc = system.parse_nproc(read_fact(host, system.NPROC_COMMAND))
+    mem = system.parse_meminfo(read_fact(host, system.MEMINFO_COMMAND))
+    total = mem.mem_total_bytes
+    result["facts"] = {"cpus": nproc, "memory_gb": round(total / 1e9, 1) if total else None, "gpu": r.gpu}
+    gpu = get_gpu(r.gpu)
+    if not record:
+        result["error"] = (
+            f"{layout.service} was never deployed on {host.name}: run `invoke deploy --host {host.name}` first"
+        )
+        return result, seen
+    port = int(record.get("port") or r.service.port)
+    model = str((record.get("artifact") or {}).get("path") or "")
+    result["server"] = {
+        "port": port,
+        "kind": "llama-server" if r.backend == "llamacpp" else "tabbyapi",
+        "model": model,
+        "deployed_at": record.get("at"),
+    }
+    python = _python(host, prefix)
+    membw = None
+    if gpu.is_cpu:
+        probe = _push_probe(host, prefix, membw_facts.MEMBW_PROBE_PATH)
+        membw = membw_facts.parse_membw(read_fact(host, membw_facts.membw_command(python, probe)))
+    result |= ceilings(loaded, membw)
+    result["membw_gb_s"] = membw
+    text = (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
+    kind = result["server"]["kind"]
+    # is anything there? (through the forward a refused port only looks like a broken read)
+    if bench_health(host, port) == 0:
+        result["error"] = f"the server on {host.name}:{port} does not answer: nothing listens there (is it stopped?)"
+        return result, seen
+    with host.forward(port) as local_port:
+        url = f"http://127.0.0.1:{local_port}"
+        probe_words = 64
+        first = bench_client.probe_prompt_tokens(url, " ".join(text.split()[:probe_words]), kind, 60)
+        if first.error:
+            result["error"] = f"the server on {host.name}:{port} does not serve completions: {first.error}"
+            return result, seen
+        words = bench.words_for(g.prompt_tokens, probe_words, first.prompt_tokens or probe_words)
+        tel_pid = None
+        tel_out = f"{prefix}/bench/telemetry.jsonl"
+        if not gpu.is_cpu:
+            tprobe = _push_probe(host, prefix, telem.TELEMETRY_PROBE_PATH)
+            # in the background, into a file: the sweep's own requests are never waiting on it
+            tel_pid = host.run(
+                f"setsid {telem.telemetry_command(python, tprobe, 0.5, 3600)} > {shlex.quote(tel_out)} 2>&1 "
+                "< /dev/null & echo $!",  # stdin /dev/null: the probe runs until killed
+                stream=False,
+            ).stdout.strip()
+        t0 = time.monotonic()
+        samples_all = []
+        try:
+            for c in levels:
+                n = g.requests_per_level or max(2 * c, 4)
+                prompts = bench.prompts_for(text, words, n, seed=c)
+                samples, wall = asyncio.run(
+                    bench_client.run_level(url, prompts, c, g.max_tokens, 1, kind, REQUEST_TIMEOUT_S)
+                )
+                samples_all += samples
+                result["levels"].append(bench.level_summary(c, samples, wall))
+                if all(s.error for s in samples):
+                    result["error"] = f"every request failed at concurrency {c}: {samples[0].error}"
+                    break
+        finally:
+            if tel_pid and tel_pid.isdigit():
+                host.run(f"kill {tel_pid} 2>/dev/null; sleep 0.2", check=False, stream=False)
+                t = telem.parse_telemetry(read_fact(host, f"cat -- {shlex.quote(tel_out)} 2>/dev/null || true"))
+                result["telemetry"] = {"source": t.source, "error": t.error, "summary": telem.throttle_summary(t)}
+        result["sweep_s"] = round(time.monotonic() - t0, 2)
+    random_weights = bool(r.model.generate)
+    result["sanity"] = bench.sanity(samples_all, random_weights)
+    result["knee"] = bench.find_knee(result["levels"])
+    result["scaling"] = bench.scaling(result["levels"], r.backend, gpu.compute_capability == (7, 0))
+    single = bench.decode_figure(result["levels"][0]) if result["levels"] else None
+    roof = result.get("roofline_tok_s")
+    result["mbu"] = round(single / roof, 4) if single and roof else None
+    if r.backend == "llamacpp" and model and "error" not in result:
+        result["llama_bench"] = _llama_bench(host, prefix, model, g.prompt_tokens, g.max_tokens)
+    result["complete"] = "error" not in result
+    return result, seen
+
+
+def thresholds(loaded: LoadedRecipe) -> dict[str, float]:
+    g = loaded.recipe.gate
+    return {
+        "min_tok_s": g.min_tok_s,
+        "min_roofline_fraction": g.min_roofline_fraction,
+        "min_aggregate_tok_s": g.min_aggregate_tok_s,
+        "at_concurrency": g.at_concurrency,
+        "max_ttft_ms": g.max_ttft_ms,
+    }
+
+
+def gate_run(
+    loaded: LoadedRecipe, host: Host, prefix: str, layout: DeployLayout, out_dir: Path | None = None
+) -> tuple[dict[str, Any], dict[str, Path], list[dict[str, Any]]]:
+    """Measure, judge, write the reports (``out_dir``, else under bench_dir()) and add a
+    complete run to the history. Returns the result, the report files and the earlier runs
+    of this host and recipe (for a comparison)."""
+    result, seen = measure(loaded, host, prefix, layout)
+    result["gate"] = bench.judge(result, thresholds(loaded), seen)
+    where = out_dir or bench_dir() / host.name / loaded.recipe.name / result["at"].replace(":", "")
+    files = write_reports(result, where)
+    history = bench_dir() / "history.jsonl"
+    earlier = read_history(history, host.name, loaded.recipe.name) if history.exists() else []
+    if result["complete"]:
+        append_history(result, history)  # an incomplete run never enters the history
+    return result, files, earlier

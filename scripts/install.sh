@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The quick start's set-up command: voltaforge into .venv in this checkout, with what the
+# built-in demo needs (sentencepiece, to generate the tiny model's tokenizer). Needs python3
+# >= 3.10; Debian and Ubuntu ship the venv module apart (python3-venv), so it is installed
+# first when missing (with sudo unless root). Everything else a host needs (compilers, cmake,
+# ccache, CUDA for a GPU recipe) is installed by `invoke provision`'s toolchain step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv
+fi
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q -e '.[tiny]'
+echo "installed: .venv/bin/invoke provision (or .venv/bin/voltaforge provision)"

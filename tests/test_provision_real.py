@@ -1,0 +1,237 @@
+"""`invoke provision` end to end, for real: a booted Debian 12 container (systemd-nspawn, its
+own network namespace, no internet: pip installs from a wheelhouse, as on an air-gapped lab
+host) provisioned over SSH with the tiny CPU recipe, through the real CLI in a subprocess.
+
+1. From nothing to a passing gate: toolchain, build (the server from the controller's fleet
+   cache when it holds a proven build, the bindings compiled in the container), quantize,
+   deploy as a systemd unit, the gate's sweep. The service answers what a person types.
+2. Again: every step ok, nothing restarted, the gate not re-run.
+3. One recipe change (a slot more): only deploy and the gate run.
+4. A gate that cannot pass: the new deployment is rolled back, the previous one answers.
+5. Ctrl-C during the gate: exit 130, the host lock released; a re-run resumes (measures).
+6. The connection lost mid-run: that host fails in one line; a re-run resumes.
+7. Two hosts at once, the container and a loopback sshd host whose key changed: the container
+   is done, the other fails in one line, the exit code says one failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+UNIT = "voltaforge-llama-server.service"
+
+
+def recipe(tmp_path: Path, host, name: str = "tiny", **over) -> Path:
+    """tiny-cpu whose torch comes from the container's wheelhouse, some keys replaced."""
+    data = yaml.safe_load((ROOT / "recipes" / "tiny-cpu.yaml").read_text())
+    data["toolchain"] = {
+        **data["toolchain"],
+        "torch_index": "https://pypi.org/simple",
+        "torch_find_links": str(host.wheelhouse),
+    }
+    for key, value in over.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    (d / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    path = d / "tiny-cpu.yaml"  # the same recipe name each time: one service, changed
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def inventory(tmp_path: Path, hosts: dict) -> Path:
+    path = tmp_path / "inventory.yaml"
+    entries = {}
+    for name, (h, rec) in hosts.items():
+        entries[name] = {
+            "host": h.hostname,
+            "port": h.port,
+            "user": h.user,
+            "key_file": h.key_filename,
+            "known_hosts": h.known_hosts,
+            "prefix": str(h.prefix),
+            "recipe": str(rec),
+        }
+    path.write_text(yaml.safe_dump({"hosts": entries}))
+    return path
+
+
+def provision(inv: Path, hosts: str, *extra: str) -> tuple[int, list[dict], str, float]:
+    out = inv.parent / "summary.json"
+    out.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "provision", "--host", hosts, "--inventory", str(inv),
+         "--json", str(out), *extra],
+        cwd=inv.parent, capture_output=True, text=True, timeout=3000,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    summary = json.loads(out.read_text()) if out.exists() else []
+    return r.returncode, summary, r.stdout + r.stderr, took
+
+
+def statuses(summary: dict) -> dict[str, str]:
+    return {s["step"]: s["status"] for s in summary["steps"]}
+
+
+def start(inv: Path, hosts: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "provision", "--host", hosts, "--inventory", str(inv)],
+        cwd=inv.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 600) -> list[str]:
+    """Read the live output until a line holds ``needle``."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"never saw {needle!r}: {''.join(seen)[-3000:]}")
+
+
+def record(host) -> dict:
+    out = host.run_inside(f"cat {host.prefix}/deploy/voltaforge-llama-server/deployed.json").stdout
+    return json.loads(out)
+
+
+def unit_pid(host) -> str:
+    return host.run_inside(f"systemctl show -p MainPID --value {UNIT}").stdout.strip()
+
+
+def answers(host, port: int = 18080) -> dict:
+    """What a person types (a capital, a newline, CJK) gets an answer, through the chat API."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Hello!\nWho are you? 你好"}], "max_tokens": 8})
+    out = host.run_inside(
+        f"curl -sf -m 30 http://127.0.0.1:{port}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d {json.dumps(body)}"
+    ).stdout
+    return json.loads(out)
+
+
+@pytest.mark.timeout(3600)
+def test_provision_a_systemd_host_end_to_end(provisionable_nspawn_host, make_sshd_host, tmp_path):
+    host = provisionable_nspawn_host
+    base = recipe(tmp_path, host, "base")
+    inv = inventory(tmp_path, {"box": (host, base)})
+
+    # 1. from nothing to a passing gate
+    code, [s], out, first = provision(inv, "box")
+    assert code == 0, out[-6000:]
+    st = statuses(s)
+    assert st == {
+        "preflight": "ok",
+        "toolchain": "changed",
+        "build": "changed",
+        "quantize": "changed",
+        "deploy": "changed",
+        "gate": "changed",
+    }, s
+    assert s["gate"]["single_tok_s"] >= 5 and s["endpoint"].startswith("http://127.0.0.1:18080/v1 on box")
+    assert "gate passed:" in out and "serving: http://127.0.0.1:18080/v1" in out
+    reply = answers(host)
+    assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] == 8
+    rec = record(host)
+    assert rec["gate"]["status"] == "passed" and rec["good"]["fingerprint"] == rec["fingerprint"]
+    assert host.run_inside(f"systemctl show -p User --value {UNIT}").stdout.strip() != "root"
+    pid = unit_pid(host)
+
+    # 2. again: everything ok, nothing restarted, no sweep
+    code, [s], out, again = provision(inv, "box")
+    assert code == 0 and set(statuses(s).values()) == {"ok"}, out[-4000:]
+    assert unit_pid(host) == pid and record(host)["gate"]["at"] == rec["gate"]["at"]
+    print(f"\nprovision from nothing: {first:.1f} s; again (no-op): {again:.1f} s")
+
+    # 3. one recipe change: a slot more; only deploy and the gate run
+    wider = recipe(tmp_path, host, "wider", parallel=3)
+    inv = inventory(tmp_path, {"box": (host, wider)})
+    code, [s], out, _ = provision(inv, "box")
+    assert code == 0, out[-4000:]
+    assert statuses(s) == {
+        "preflight": "ok",
+        "toolchain": "ok",
+        "build": "ok",
+        "quantize": "ok",
+        "deploy": "changed",
+        "gate": "changed",
+    }, s
+    passed = record(host)
+    assert passed["fingerprint"] != rec["fingerprint"] and passed["good"]["fingerprint"] == passed["fingerprint"]
+    assert "--parallel 3" in host.run_inside(f"systemctl cat {UNIT}").stdout
+
+    # 4. a gate that cannot pass, on a new deployment: rolled back, the previous one answers
+    strict = recipe(tmp_path, host, "strict", parallel=4, gate={"min_tok_s": 1000000})
+    inv = inventory(tmp_path, {"box": (host, strict)})
+    code, [s], out, _ = provision(inv, "box")
+    assert code == 1, out[-4000:]
+    assert statuses(s)["deploy"] == "changed" and statuses(s)["gate"] == "failed"
+    why = next(x["why"] for x in s["steps"] if x["step"] == "gate")
+    assert why.startswith("the gate failed: single-stream decode") and "below the gate's 1e+06" in why
+    assert f"rolled back to the deployment of {passed['at']}, which answers again" in why
+    now = record(host)
+    assert now["fingerprint"] == passed["fingerprint"] and now["gate"]["status"] == "passed"
+    assert "--parallel 3" in host.run_inside(f"systemctl cat {UNIT}").stdout
+    assert answers(host)["choices"]
+
+    # 5. Ctrl-C during the gate of a new deployment: exit 130, lock released; a re-run resumes
+    four = recipe(tmp_path, host, "four", parallel=4)
+    inv = inventory(tmp_path, {"box": (host, four)})
+    proc = start(inv, "box")
+    wait_for_line(proc, "== gate ==")
+    time.sleep(1.0)  # inside the sweep
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted: no operation was left half-done")
+    mid = record(host)  # the new deployment runs, not yet gated: the passed one is still the rollback target
+    assert mid["gate"]["status"] == "pending" and mid["good"]["fingerprint"] == passed["fingerprint"]
+    code, [s], out, _ = provision(inv, "box")  # the lock was released: this run takes it
+    assert code == 0, out[-4000:]
+    assert statuses(s)["deploy"] == "ok" and statuses(s)["gate"] == "changed"
+    assert record(host)["good"]["fingerprint"] == mid["fingerprint"]
+
+    # 6. the connection lost mid-run (every sshd session of the login user killed): that host
+    # fails in one line; a re-run resumes
+    inv = inventory(tmp_path, {"box": (host, wider)})
+    proc = start(inv, "box")
+    wait_for_line(proc, "== gate ==")
+    time.sleep(1.0)
+    host.run_inside(f"pkill -KILL -u {host.user} -f 'sshd: {host.user}' || true")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-3000:] + err
+    [line] = [x for x in out.splitlines() if x.startswith("box: failed at ")]
+    assert "connection" in line.lower() or "lost" in line.lower(), line
+    code, [s], out, _ = provision(inv, "box")
+    assert code == 0 and statuses(s)["gate"] in ("changed", "ok"), out[-4000:]
+
+    # 7. two hosts at once: the container (nothing to do) and an sshd host whose key changed
+    other = make_sshd_host()
+    other.regenerate_host_key()
+    inv = inventory(tmp_path, {"box": (host, wider), "other": (other, wider)})
+    code, summary, out, _ = provision(inv, "box,other")
+    assert code == 1, out[-4000:]
+    by = {x["host"]: x for x in summary}
+    assert not by["box"]["failed"] and set(statuses(by["box"]).values()) == {"ok"}
+    assert by["other"]["failed"] and "host key CHANGED" in by["other"]["steps"][0]["why"]
+    assert "1 of 2 hosts provisioned; failed: other" in out
+    assert Path(by["other"]["log"]).exists() and Path(by["box"]["log"]).exists()
+    assert list(other.prefix.iterdir()) == []
+    assert os.path.dirname(by["box"]["log"]) == os.path.dirname(by["other"]["log"])  # one run, one log directory
