@@ -8,7 +8,7 @@
 # below change, so every cache (developer machines, CI) builds the new image instead of
 # booting the old one (tests/testhosts.py names the same file: ROOTFS_TARBALL).
 # v1 (rootfs-bookworm.tar.zst): a bootable host; v2: plus what provisioning the tiny-cpu
-# recipe needs on a host without internet (python3-venv, compilers, cmake, ccache).
+# recipe needs on a host without internet (build-essential, cmake, ccache, python3-venv).
 #
 # Idempotent: if the tarball exists, nothing is done (pass --force to rebuild).
 # Needs root, debootstrap, zstd and network access to a Debian mirror. Measured for v2 on
@@ -27,18 +27,19 @@
 #   libnss-myhostname          resolves the container's own hostname without DNS: without it
 #                              (and nspawn's --resolv-conf=delete) every `sudo` inside stalls
 #                              ~20 s waiting for a DNS server that does not exist.
-# What `invoke toolchain`/`build`/`quantize` of a CPU recipe need on the host (the container
-# has no internet: apt cannot fetch them later; Python packages come from a wheelhouse the
-# tests bind-mount, see tests/testhosts.py):
-#   python3-venv               `python3 -m venv` (EnsureVenv): Debian's python3 has no ensurepip
-#                              without it
-#   g++                        the C/C++ compiler (gcc, g++, libc6-dev, binutils) for llama.cpp
-#                              and the llama-cpp-python bindings; `gcc --version` is a build input
-#   make                       cmake's default generator for the server build
+# What `invoke toolchain`/`build`/`quantize` of a CPU recipe need on the host: exactly the
+# toolchain step's BUILD_PACKAGES (playbooks/steps/toolchain.py), which it apt-installs when
+# missing; the container has no internet, so they must already be here (curl is above).
+# Python packages come from a wheelhouse the tests bind-mount (tests/wheelhouse.py).
+#   build-essential            gcc, g++, make, libc6-dev: compiles llama.cpp (make is cmake's
+#                              generator for the server) and the llama-cpp-python bindings;
+#                              `gcc --version` is a build input
 #   cmake                      configures llama.cpp (3.25; the bindings' scikit-build-core
 #                              wants >= 3.21, else it would pip-install a cmake wheel)
 #   ccache                     the build step uses it when present (CCACHE_DIR under the
 #                              prefix): rebuilds with other flags, and tests sharing one cache
+#   python3-venv               `python3 -m venv` (EnsureVenv): Debian's python3 has no ensurepip
+#                              without it
 # Not needed, checked: git (llama.cpp's build info is "unknown" without it; the vendored tree
 # is no git checkout anyway), pkg-config, ninja (the bindings' build gets the ninja wheel from
 # the wheelhouse, as pip would from PyPI), python3-dev (the bindings load libllama with ctypes).
@@ -65,7 +66,7 @@ cache="${VOLTAFORGE_CACHE:-$HOME/.cache/voltaforge}"
 tarball="$cache/rootfs-bookworm-v2.tar.zst"
 suite=bookworm
 packages="systemd,systemd-sysv,dbus,openssh-server,python3,curl,iproute2,sudo,libnss-myhostname,ca-certificates"
-packages="$packages,python3-venv,g++,make,cmake,ccache"
+packages="$packages,build-essential,cmake,ccache,python3-venv"
 
 if [ -s "$tarball" ] && [ "$force" = 0 ]; then
     echo "build-test-rootfs: $tarball exists, nothing to do"

@@ -266,6 +266,18 @@ def test_the_image_name_is_the_one_the_rootfs_script_builds():
     assert f'tarball="$cache/{ROOTFS_TARBALL}"' in BUILD_ROOTFS_SCRIPT.read_text()
 
 
+def test_the_image_holds_what_the_toolchain_step_would_apt_install():
+    """The container has no internet: a package the toolchain step finds missing could not
+    be installed there, so the image carries every one of them."""
+    import re
+
+    from playbooks.steps.toolchain import BUILD_PACKAGES
+    from testhosts import BUILD_ROOTFS_SCRIPT
+
+    lists = re.findall(r'^packages="(?:\$packages,)?([^"]*)"$', BUILD_ROOTFS_SCRIPT.read_text(), re.M)
+    assert set(BUILD_PACKAGES) <= {p for line in lists for p in line.split(",")}
+
+
 @pytest.mark.parametrize("provisionable_nspawn_host", [{"ccache": None}], indirect=True)
 def test_provisionable_nspawn_host_without_a_shared_ccache(provisionable_nspawn_host):
     host = provisionable_nspawn_host
