@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from playbooks.cli.converge import converge, prefix_needs_sudo
+from playbooks.cli.edge import write_details
 from playbooks.cli.render import console, render_artifacts, render_report
 from playbooks.cli.settings import Settings
 from playbooks.config.planning import plan_recipe
@@ -255,7 +256,7 @@ def copy_artifacts(
         else:
             with host_lock(dst, dst_spec.prefix, sudo=prefix_needs_sudo(dst, dst_spec.prefix)):
                 changes = run_ops(dst, ops)
-    render_report(changes)
+    render_report(changes, log=write_details(changes))
     return 1 if any(c.status == "failed" for c in changes) else 0
 
 
