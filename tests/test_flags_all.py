@@ -10,8 +10,12 @@ ACCEPTED: the task then runs on, and still says at most one line.
 
 Nothing real is touched: each run has its own temporary cwd (three levels deep, so
 ``../../etc/x`` stays inside it), HOME and log directory, no INVOKE_* variables, a dry run
-where the task has one, and ``--host nowhere.invalid`` (RFC 6761: never resolves) where it
-takes a host. The values of invoke.yaml's ``voltaforge:`` keys are walked the same way.
+where the task has one, ``--host nowhere.invalid`` (RFC 6761: never resolves) where it takes a
+host, and a recipe that does not exist for a task that would act on this machine. No junk
+value names a path outside the run's directory: a flag may name a file the task writes
+(``provision --json``), so "an existing file" and "an existing directory" are ones made for
+the run ({file}, {dir}), never /etc/passwd or /. The values of invoke.yaml's ``voltaforge:``
+keys are walked the same way.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ JUNK = (
     "1" + "0" * 400,  # a huge number, and a file name too long for any filesystem
     "1e999",  # infinity, to float()
     "x\ny",
-    "/",
-    "/etc/passwd",
+    "{dir}",  # an existing directory (made for the run)
+    "{file}",  # an existing file that is no recipe, inventory or config (made for the run)
 )
 # tasks not walked, and why
 NOT_WALKED = {"test": "the developer's test runner: --k is any pytest expression (and it runs the suite)"}
@@ -52,11 +56,14 @@ ACCEPTED = {
     ("quantize", "bpw"): {"5"},  # EXL2 at 5.0 bits per weight
     ("render", "gpus"): {"5"},  # GPU 5
     ("deploy", "gpus"): {"5"},
-    # a directory to write into (created under the run's cwd); "/" is right too, and not run:
-    # it would write the unit files into /etc/systemd/system of this machine
-    ("render", "out"): {"abc", "-1", "5", "../../etc/x", "a b;rm", "1e999"},
+    # a directory to write into (made under the run's directory)
+    ("render", "out"): {"abc", "-1", "5", "../../etc/x", "a b;rm", "1e999", "{dir}"},
+    ("verify-recipe", "reports"): {"abc", "-1", "5", "../../etc/x", "a b;rm", "1e999", "{dir}"},
+    # a file to write the summary into (an existing one is replaced)
+    ("provision", "json"): {"abc", "-1", "5", "../../etc/x", "a b;rm", "1e999", "{file}"},
+    # well-formed host names: provision reports the one it cannot reach in its summary, exit 1
+    ("provision", "host"): {"abc", "1e999"},
 }
-NOT_RUN = {("render", "out", "/")}
 # what a flag needs beside it for its own value to be the one judged (default: see context())
 CONTEXT = {
     ("plan", "model-config"): [],  # not with --recipe: that is refused for naming both
@@ -64,6 +71,8 @@ CONTEXT = {
     ("plan", "quant"): ["--model-config", QWEN7],
 }
 WORKERS = max(2, min(8, os.cpu_count() or 2))
+# tasks that read a recipe and write nothing outside --out (under the run's cwd)
+WRITES_ONLY_UNDER_CWD = {"plan", "render"}
 
 
 def value_flags(task: str) -> dict[str, object]:
@@ -79,7 +88,11 @@ def context(task: str, flag: str, out: Path) -> list[str]:
     if "host" in flags and flag != "host":
         ctx += ["--host", NOWHERE]
     if "recipe" in flags and flag != "recipe":
-        ctx += ["--recipe", "tiny-cpu"]
+        # a recipe that loads only where nothing can happen: a dry run, a host that is never
+        # reached, or a task that only writes under the run's directory; a task that acts on
+        # this machine (verify-recipe) gets one that does not exist, so it stops there
+        harmless = "dry-run" in flags or "host" in flags or task in WRITES_ONLY_UNDER_CWD
+        ctx += ["--recipe", "tiny-cpu" if harmless else "no-such-recipe"]
     if "dry-run" in flags:
         ctx.append("--dry-run")
     if "out" in flags and flag != "out":
@@ -95,6 +108,13 @@ def clean_env(home: Path, prefix: bool) -> dict[str, str]:
         # the variable to the file's type, and a `prefix: 5` would make it an int)
         env["INVOKE_VOLTAFORGE_PREFIX"] = str(home / "prefix")
     return env
+
+
+def made_for_the_run(home: Path, value: str) -> str:
+    """{dir} and {file} in a junk value: an existing directory and file of this run."""
+    (home / "existing-dir").mkdir(parents=True, exist_ok=True)
+    (home / "existing-file").write_text("root:x:0:0:root:/root:/bin/bash\n")  # neither YAML nor JSON
+    return value.replace("{dir}", str(home / "existing-dir")).replace("{file}", str(home / "existing-file"))
 
 
 def run(args: list[str], home: Path, program: str = "invoke") -> subprocess.CompletedProcess[str]:
@@ -133,7 +153,7 @@ WALKED = sorted(set(ns.tasks) - set(NOT_WALKED))
 def test_the_walk_covers_every_task_and_the_tables_name_real_flags():
     assert set(NOT_WALKED) <= set(ns.tasks), "NOT_WALKED names a task that no longer exists"
     assert set(WALKED) | set(NOT_WALKED) == set(ns.tasks)
-    for task, flag in [*ACCEPTED, *CONTEXT, *((t, f) for t, f, _ in NOT_RUN)]:
+    for task, flag in [*ACCEPTED, *CONTEXT]:
         assert flag in value_flags(task), f"{task} --{flag} is no flag of the collection"
     for (task, flag), values in ACCEPTED.items():
         assert values < set(JUNK), f"{task} --{flag}: accepts every junk value?"
@@ -141,15 +161,17 @@ def test_the_walk_covers_every_task_and_the_tables_name_real_flags():
 
 @pytest.mark.parametrize("task", WALKED)
 def test_junk_in_every_flag_is_one_line_and_exit_2(task, tmp_path):
-    cases = [(flag, value) for flag in value_flags(task) for value in JUNK if (task, flag, value) not in NOT_RUN]
-    assert cases or not value_flags(task)
+    cases = [(flag, junk) for flag in value_flags(task) for junk in JUNK]
 
     def one(i_case: tuple[int, tuple[str, str]]) -> str | None:
-        i, (flag, value) = i_case
+        i, (flag, junk) = i_case
         home = tmp_path / str(i)
+        value = made_for_the_run(home, junk)
         r = run([task, f"--{flag}={value}", *context(task, flag, home)], home)
-        names = (f"--{flag}", value, repr(value)[1:-1])
-        return judge(f"{task} --{flag}={value!r}", r, names, value in ACCEPTED.get((task, flag), ()))
+        # a positional argument (verify-recipe RECIPE) is named as its usage shows it; a long
+        # value is quoted by its start (flags._short)
+        names = (f"--{flag}", flag.upper(), value, repr(value)[1:-1], value[:24] if len(value) > 40 else "")
+        return judge(f"{task} --{flag}={value!r}", r, names, junk in ACCEPTED.get((task, flag), ()))
 
     with ThreadPoolExecutor(WORKERS) as pool:
         problems = [p for p in pool.map(one, enumerate(cases)) if p]
@@ -169,8 +191,8 @@ YAML_JUNK = [
     '"1' + "0" * 400 + '"',
     '"1e999"',
     '"x\\ny"',
-    '"/"',
-    '"/etc/passwd"',
+    '"{dir}"',
+    '"{file}"',
     "5",
     "-1",
     "0",
@@ -185,8 +207,8 @@ CONFIG_ACCEPTED = {
     "host": {'"abc"', '"1e999"', "true"},  # host names that do not resolve: refused when connecting, named
     "recipe": {"null"},  # no recipe: preflight judges the host alone
     "inventory": {"null"},
-    "recipes_dir": {"null", '"/"'},  # a directory; no recipe is asked for
-    "prefix": {"null", '"/"', '"/etc/passwd"'},  # absolute paths (that the second is a file is the host's to say)
+    "recipes_dir": {"null", '"{dir}"'},  # a directory; no recipe is asked for
+    "prefix": {"null", '"{dir}"', '"{file}"'},  # absolute paths on the host (what is there is the host's to say)
     "connect_timeout": {"5"},
 }
 
@@ -198,16 +220,16 @@ def test_every_configuration_key_is_walked():
 @pytest.mark.parametrize("key", sorted(DEFAULTS["voltaforge"]))
 def test_junk_in_every_configuration_key_is_one_line_and_exit_2(key, tmp_path):
     def one(i_value: tuple[int, str]) -> str | None:
-        i, value = i_value
+        i, junk = i_value
         home = tmp_path / str(i)
-        home.mkdir()
+        value = made_for_the_run(home, junk)
         cfg = home / "site.yaml"
         cfg.write_text(f"voltaforge:\n  {key}: {value}\n")
         args = ["-f", str(cfg), "preflight"] + ([] if key == "host" else ["--host", NOWHERE])
         r = run(args, home)
         parsed = str(yaml.safe_load(value))  # what the task gets: true is 'True', .inf 'inf'
         names = (f"voltaforge.{key}", f"--{key}", parsed, repr(parsed)[1:-1])
-        return judge(f"{key}: {value}", r, names, value in CONFIG_ACCEPTED[key])
+        return judge(f"{key}: {value}", r, names, junk in CONFIG_ACCEPTED[key])
 
     with ThreadPoolExecutor(WORKERS) as pool:
         problems = [p for p in pool.map(one, enumerate(YAML_JUNK)) if p]

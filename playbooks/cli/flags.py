@@ -8,6 +8,7 @@ tokens``, and exit 2, never a traceback or a silently wrong plan ("-3 slot(s)").
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import cast
@@ -183,11 +184,8 @@ def output_dir(flag: str, value: object) -> Path:
     if not text.strip() or "\n" in text or "\0" in text:
         raise UsageError(f"{flag} {text!r} is not a directory path")
     path = Path(text)
-    try:
-        clash = path.exists() and not path.is_dir()
-    except OSError as exc:  # a name too long, ...
-        raise UsageError(f"{flag} {text!r}: {exc.strerror or exc}") from None
-    if clash:
+    _check_writable(flag, text, path)
+    if _is(path, Path.exists) and not _is(path, Path.is_dir):
         raise UsageError(f"{flag} {text!r} exists and is not a directory")
     return path
 
@@ -202,4 +200,23 @@ def output_file(flag: str, value: object) -> Path | None:
     path = Path(text)
     if _is(path, Path.is_dir):
         raise UsageError(f"{flag} {text!r} is a directory, not a file")
+    _check_writable(flag, text, path)
     return path
+
+
+NAME_MAX = 255  # bytes in one path component: ext4, xfs, btrfs, tmpfs
+
+
+def _check_writable(flag: str, text: str, path: Path) -> None:
+    """Refused now what a write at the end of a long run would fail on: a component longer
+    than a file name can be, or a nearest existing directory this user cannot write (or a
+    file where a directory must be)."""
+    if any(len(part.encode()) > NAME_MAX for part in path.parts):
+        raise UsageError(f"{flag} {_short(text)!r}: a name in it is longer than {NAME_MAX} bytes")
+    above = path.absolute()
+    while not _is(above, Path.exists) and above != above.parent:
+        above = above.parent
+    if above != path.absolute() and not _is(above, Path.is_dir):
+        raise UsageError(f"{flag} {_short(text)!r}: {above} is not a directory")
+    if above != path.absolute() and not os.access(above, os.W_OK):
+        raise UsageError(f"{flag} {_short(text)!r}: cannot write in {above}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 from invoke import Collection, Context, task
@@ -452,7 +453,7 @@ def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = N
         name = flags.name_or_path("RECIPE", recipe)
         if name is None:
             raise flags.UsageError("verify-recipe: name the recipe, e.g. `invoke verify-recipe qwen2.5-14b-v100-16gb`")
-        where = flags.output_dir("--reports", reports or f"reports/{Path(name).stem}")
+        where = flags.output_dir("--reports", reports if reports is not None else f"reports/{Path(name).stem}")
         return run_provision(
             ["local"],
             recipe=name,
