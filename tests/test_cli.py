@@ -69,7 +69,7 @@ BAD = {
     ("quantize", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
     ("quantize", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("quantize", "inventory"): [("BROKEN", "inventory")],
-    ("quantize", "quant"): [("Q9_K", "--quant Q9_K: not a GGUF quant type"), ("F16", "not a GGUF quant type")],
+    ("quantize", "quant"): [("Q9_K", "--quant 'Q9_K': not a GGUF quant type"), ("F16", "not a GGUF quant type")],
     ("quantize", "bpw"): [("1.5", "--bpw 1.5: outside 2.0-8.0"), ("lots", "want bits per weight")],
     ("quantize", "on"): [("nosuch..host", "is not a valid host name"), ("a,b", "--on: this command takes one host")],
     ("deploy", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],

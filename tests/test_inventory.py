@@ -48,3 +48,23 @@ def test_bad_inventory_messages(tmp_path):
     inv.write_text("hosts: [\n")
     with pytest.raises(RecipeError, match=r"inventory.yaml:2: invalid YAML"):
         load_inventory(inv)
+
+
+@pytest.mark.parametrize(
+    "name,ok",
+    [
+        ("v100-01", True),
+        ("gpu.lab.example", True),
+        ("10.0.0.21", True),
+        ("::1", True),
+        ("5", False),  # the resolver's shorthand for 0.0.0.5, not a name
+        ("10.1", False),  # 10.0.0.1 to inet_aton
+        ("box.42", False),  # no top-level domain is all digits
+        ("a..b", False),
+        ("", False),
+    ],
+)
+def test_host_addresses(name, ok):
+    from playbooks.config.inventory import is_host_address
+
+    assert is_host_address(name) is ok

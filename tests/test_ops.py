@@ -25,7 +25,16 @@ from playbooks.errors import HostError
 from playbooks.facts.files import FileStat, parse_stat
 from playbooks.host import LocalHost, connect
 from playbooks.host.lock import LOCK_NAME, host_lock
-from playbooks.host.ops import Change, EnsureDirectory, EnsureFile, run_ops
+from playbooks.host.ops import (
+    FULL_OUTPUT_NOTE,
+    Change,
+    EnsureDirectory,
+    EnsureFile,
+    RunCommand,
+    Shell,
+    run_ops,
+    summarize,
+)
 
 
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.slow)])
@@ -335,6 +344,52 @@ def test_render_report():
     ):
         assert word in text
     assert "v100-01: 1 changed, 1 ok, 0 failed" in text and "v100-02: 0 changed, 0 ok, 1 failed" in text
+
+
+def test_a_long_failure_is_one_line_in_the_report_and_whole_in_detail(tmp_path, monkeypatch, capsys):
+    """A command that fails with 40 lines of output (pip's retries, a compiler's errors): the
+    why column holds one line, the first, and says the rest is in the log; detail holds it all."""
+    from playbooks.cli.edge import write_details
+
+    script = 'for i in $(seq 1 40); do echo "pip line $i: WARNING: Retrying after connection broken" >&2; done; exit 1'
+    (change,) = run_ops(LocalHost(), [RunCommand("Install torch", Shell(script), "always")])
+    assert change.status == "failed" and len(change.why.splitlines()) == 1
+    assert change.why.startswith("command failed (exit 1): for i in") and change.why.endswith(FULL_OUTPUT_NOTE)
+    assert len(change.why) <= 300 + len(FULL_OUTPUT_NOTE) + 1 and "pip line 40" not in change.why
+    assert "pip line 40: WARNING" in change.detail and change.detail.startswith("command failed (exit 1)")
+    # what run_ops printed while it ran: one line for the failure too
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[local] failed:")]
+    assert len(printed) == 1 and printed[0].endswith(FULL_OUTPUT_NOTE)
+    # the table: the summary, not the output
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    monkeypatch.setenv("VOLTAFORGE_LOG_DIR", str(tmp_path / "logs"))
+    log = write_details([change])
+    render_report([change], console, log=log)
+    text = console.file.getvalue()
+    assert "pip line 2:" not in text and f"the full output of what failed is in {log}" in text
+    assert (
+        log is not None and "pip line 40: WARNING" in log.read_text() and "== local: Install torch" in log.read_text()
+    )
+    # nothing cut, nothing to write
+    ok = Change("local", "step", "failed", "no space left on device at /x", detail="no space left on device at /x")
+    assert write_details([ok]) is None
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("no space left on device at /opt/vf/f", "no space left on device at /opt/vf/f"),
+        ("  one line\n\n", "one line"),
+        ("", "failed without a message"),
+        ("first\nsecond", f"first {FULL_OUTPUT_NOTE}"),
+        ("x" * 400 + "\nsecond", "x" * 297 + f"... {FULL_OUTPUT_NOTE}"),
+        ("y" * 400, "y" * 400),  # one line written for people: its fix is at the end, kept
+        ("z" * 1200, "z" * 997 + f"... {FULL_OUTPUT_NOTE}"),
+        ("Traceback (most recent call last):\n  File x\nValueError: bad", f"ValueError: bad {FULL_OUTPUT_NOTE}"),
+    ],
+)
+def test_summarize(text, why):
+    assert summarize(text) == why
 
 
 def test_handlers_run_once_when_notified_and_not_when_nothing_changed(tmp_path):

@@ -193,9 +193,13 @@ def test_the_gguf_check_line_or_an_error_never_an_exception():
 
 
 def test_unknown_quant_and_a_quant_that_cannot_fit():
-    with pytest.raises(VoltaforgeError, match=r"^--quant Q9_K: not a GGUF quant type; allowed: "):
+    with pytest.raises(VoltaforgeError, match=r"^--quant 'Q9_K': not a GGUF quant type; allowed: "):
         parse_quants("Q4_K_M,Q9_K", "Q4_K_M")
     assert parse_quants(None, "Q4_K_M") == ["Q4_K_M"] and parse_quants("Q4_K_M, Q8_0", "x") == ["Q4_K_M", "Q8_0"]
+    assert parse_quants("Q8_0,Q8_0", "x") == ["Q8_0"]  # once each
+    for given in ("", " , "):  # given, but naming none: not "the recipe's quant"
+        with pytest.raises(VoltaforgeError, match=r"^--quant .*: give GGUF types separated by commas"):
+            parse_quants(given, "Q4_K_M")
     big = load_recipe("qwen2.5-32b-v100-16gb", ROOT / "recipes")
     with pytest.raises(VoltaforgeError, match=r"^Q8_0 does not fit .* needs \d+\.\d\d GiB of 1\d\.\d\d GiB .*--force"):
         refuse_unfit(big, "Q8_0", force=False)

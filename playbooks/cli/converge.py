@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from playbooks.cli.edge import write_details
 from playbooks.cli.render import render_report
 from playbooks.cli.settings import Settings
 from playbooks.config.recipe import LoadedRecipe
@@ -35,5 +36,5 @@ def converge(settings: Settings, host_name: str, recipe: str | None, make_ops: M
         else:
             with host_lock(host, spec.prefix, sudo=sudo):
                 changes = run_ops(host, ops)
-    render_report(changes)
+    render_report(changes, log=write_details(changes))
     return 1 if any(c.status == "failed" for c in changes) else 0

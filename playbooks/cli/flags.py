@@ -7,7 +7,11 @@ tokens``, and exit 2, never a traceback or a silently wrong plan ("-3 slot(s)").
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import cast
 
 from playbooks.config.inventory import is_host_address
 from playbooks.errors import VoltaforgeError
@@ -17,8 +21,17 @@ class UsageError(VoltaforgeError):
     """A flag has a value the command cannot use."""
 
 
-def positive_int(flag: str, value: object, what: str) -> int | None:
-    """``--ctx 4096`` -> 4096; None stays None; anything else but a whole number > 0 is refused."""
+def _is(path: Path, test: Callable[[Path], bool]) -> bool:
+    """``path.is_dir()`` and co., False where the name itself is impossible (too long, ...)."""
+    try:
+        return test(path)
+    except OSError:
+        return False
+
+
+def positive_int(flag: str, value: object, what: str, maximum: int | None = None) -> int | None:
+    """``--ctx 4096`` -> 4096; None stays None; anything else but a whole number > 0 (and at
+    most ``maximum``) is refused."""
     if value is None:
         return None
     text = str(value).strip()
@@ -28,7 +41,24 @@ def positive_int(flag: str, value: object, what: str) -> int | None:
         raise UsageError(f"{flag} {text!r} is not a number of {what}") from None
     if number <= 0:
         raise UsageError(f"{flag} must be a positive number of {what}, got {number}")
+    if maximum is not None and number > maximum:
+        raise UsageError(f"{flag} must be at most {maximum} {what}, got {_short(text)}")
     return number
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """A value as a message quotes it: a 400-digit number is not read, it is recognised."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def word(flag: str, value: object, what: str) -> str | None:
+    """A name such as a GPU or a quant type: None stays None; given, it is a non-empty single line."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if not text or "\n" in text or "\0" in text:
+        raise UsageError(f"{flag} {str(value)!r}: give {what}")
+    return text
 
 
 def name_or_path(flag: str, value: object) -> str | None:
@@ -45,7 +75,7 @@ def existing_file(flag: str, value: object) -> Path | None:
     if value is None:
         return None
     path = Path(str(value))
-    if not path.is_file():
+    if not _is(path, Path.is_file):
         raise UsageError(f"{flag} {str(value)!r}: no such file")
     return path
 
@@ -69,7 +99,7 @@ def one_host(flag: str, value: object) -> str:
     return names[0]
 
 
-def positive_float(flag: str, value: object, what: str) -> float:
+def positive_float(flag: str, value: object, what: str, maximum: float | None = None) -> float:
     text = str(value).strip()
     try:
         number = float(text)
@@ -77,14 +107,42 @@ def positive_float(flag: str, value: object, what: str) -> float:
         raise UsageError(f"{flag} {text!r} is not a number of {what}") from None
     if not number > 0:
         raise UsageError(f"{flag} must be a positive number of {what}, got {text}")
+    if not math.isfinite(number) or (maximum is not None and number > maximum):
+        most = f"at most {maximum:g}" if maximum is not None else "a finite number of"
+        raise UsageError(f"{flag} must be {most} {what}, got {_short(text)}")
     return number
+
+
+def inventory_file(flag: str, value: object, default: object) -> Path:
+    """The inventory: the default name may be absent (an empty inventory, hosts from
+    ~/.ssh/config); any other file named must exist, or a typo would silently mean "no inventory"."""
+    text = name_or_path(flag, value) or str(default)
+    path = Path(text)
+    if text != str(default) and not _is(path, Path.is_file):
+        raise UsageError(f"{flag} {text!r}: no such file")
+    return path
+
+
+def config_section(section: object, known: Mapping[str, object]) -> Mapping[str, object]:
+    """The ``voltaforge:`` section of Invoke's configuration: a mapping of the keys voltaforge
+    knows; a misspelt key would otherwise be ignored without a word."""
+    if section is None:
+        return {}
+    if not hasattr(section, "keys") or not hasattr(section, "get"):
+        raise UsageError(f"voltaforge: in the configuration must be a mapping of settings, got {section!r}")
+    unknown = sorted(str(k) for k in section.keys() if k not in known)
+    if unknown:
+        raise UsageError(
+            f"voltaforge.{unknown[0]} in the configuration is not a setting; known: {', '.join(sorted(known))}"
+        )
+    return cast(Mapping[str, object], section)
 
 
 def directory(flag: str, value: object) -> Path | None:
     if value is None:
         return None
     path = Path(str(value))
-    if not path.is_dir():
+    if not str(value).strip() or not _is(path, Path.is_dir):  # Path("") is ".": not what "" meant
         raise UsageError(f"{flag} {str(value)!r}: no such directory")
     return path
 
@@ -126,7 +184,8 @@ def output_dir(flag: str, value: object) -> Path:
     if not text.strip() or "\n" in text or "\0" in text:
         raise UsageError(f"{flag} {text!r} is not a directory path")
     path = Path(text)
-    if path.exists() and not path.is_dir():
+    _check_writable(flag, text, path)
+    if _is(path, Path.exists) and not _is(path, Path.is_dir):
         raise UsageError(f"{flag} {text!r} exists and is not a directory")
     return path
 
@@ -139,6 +198,25 @@ def output_file(flag: str, value: object) -> Path | None:
     if not text.strip() or "\n" in text or "\0" in text:
         raise UsageError(f"{flag} {text!r} is not a file path")
     path = Path(text)
-    if path.is_dir():
+    if _is(path, Path.is_dir):
         raise UsageError(f"{flag} {text!r} is a directory, not a file")
+    _check_writable(flag, text, path)
     return path
+
+
+NAME_MAX = 255  # bytes in one path component: ext4, xfs, btrfs, tmpfs
+
+
+def _check_writable(flag: str, text: str, path: Path) -> None:
+    """Refused now what a write at the end of a long run would fail on: a component longer
+    than a file name can be, or a nearest existing directory this user cannot write (or a
+    file where a directory must be)."""
+    if any(len(part.encode()) > NAME_MAX for part in path.parts):
+        raise UsageError(f"{flag} {_short(text)!r}: a name in it is longer than {NAME_MAX} bytes")
+    above = path.absolute()
+    while not _is(above, Path.exists) and above != above.parent:
+        above = above.parent
+    if above != path.absolute() and not _is(above, Path.is_dir):
+        raise UsageError(f"{flag} {_short(text)!r}: {above} is not a directory")
+    if above != path.absolute() and not os.access(above, os.W_OK):
+        raise UsageError(f"{flag} {_short(text)!r}: cannot write in {above}")

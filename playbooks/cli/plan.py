@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from playbooks.cli.flags import UsageError
+from playbooks.cli.flags import UsageError, name_or_path, word
 from playbooks.cli.render import console, plan_json, render_plan
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
@@ -16,6 +16,10 @@ from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.model_config import load_config_file
 from playbooks.plan.planner import Serving, make_plan, quant_names, serving_for
+
+#: --parallel: more llama-server slots than any GPU's memory serves (the planner's arithmetic
+#: overflows a float long before a number of slots stops being a number)
+MAX_SLOTS = 1024
 
 
 def _normalize_quant(quant: str) -> str:
@@ -45,6 +49,12 @@ def run_plan(
 ) -> int:
     """Returns the exit code: 0 when the planned configuration fits, 1 when it does not."""
     out = out or sys.stdout
+    # given but empty is a mistake, not "use the default"
+    model_config = name_or_path("--model-config", model_config)
+    gpu = word("--gpu", gpu, "a GPU name, e.g. v100-16gb")
+    quant = word("--quant", quant, "a quant type, e.g. Q4_K_M or EXL2-3.3")
+    if parallel is not None and parallel > MAX_SLOTS:
+        raise UsageError(f"--parallel must be at most {MAX_SLOTS} slots, got {parallel}")
     if bool(recipe) == bool(model_config):
         raise UsageError("give either --recipe NAME or --model-config path/to/config.json")
     if ctx is not None and ctx <= 0:

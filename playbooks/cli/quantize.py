@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from playbooks.cli.converge import converge, prefix_needs_sudo
+from playbooks.cli.edge import write_details
+from playbooks.cli.flags import UsageError
 from playbooks.cli.render import console, render_artifacts, render_report
 from playbooks.cli.settings import Settings
 from playbooks.config.planning import plan_recipe
@@ -50,12 +52,15 @@ TEST_PROMPT = "kalo mine ruta vosi dega"
 
 
 def parse_quants(value: str | None, recipe_quant: str) -> list[str]:
-    """--quant Q4_K_M[,Q8_0...]: GGUF types, checked against llama-quantize's list."""
-    quants = [q.strip() for q in (value or recipe_quant).split(",") if q.strip()]
+    """--quant Q4_K_M[,Q8_0...]: GGUF types, checked against llama-quantize's list (the
+    recipe's quant when the flag is not given; given, it names at least one)."""
+    quants = list(dict.fromkeys(q.strip() for q in (recipe_quant if value is None else value).split(",") if q.strip()))
     allowed = [t for t in FILE_TYPES if t not in ("F16", "BF16")]  # F16 is always made; V100 has no BF16
+    if not quants:
+        raise UsageError(f"--quant {value!r}: give GGUF types separated by commas, e.g. Q4_K_M,Q8_0")
     unknown = [q for q in quants if q not in allowed]
     if unknown:
-        raise VoltaforgeError(f"--quant {unknown[0]}: not a GGUF quant type; allowed: {', '.join(allowed)}")
+        raise VoltaforgeError(f"--quant {unknown[0]!r}: not a GGUF quant type; allowed: {', '.join(allowed)}")
     return quants
 
 
@@ -209,6 +214,13 @@ def run_quantize(
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         return quantize_step(loaded, prefix, quant, bpw, force, verify)
 
+    # the flags are judged before any host is reached (the recipe's quant comes later)
+    if bpw is not None and quant is not None:
+        raise UsageError("--bpw makes an EXL2 quant and --quant GGUF types: give one")
+    if bpw is not None:
+        parse_bpw(bpw)
+    if quant is not None:
+        parse_quants(quant, "")
     settings = settings or Settings()
     if not on or on == host_name:
         return converge(settings, host_name, recipe, ops, dry_run)
@@ -255,7 +267,7 @@ def copy_artifacts(
         else:
             with host_lock(dst, dst_spec.prefix, sudo=prefix_needs_sudo(dst, dst_spec.prefix)):
                 changes = run_ops(dst, ops)
-    render_report(changes)
+    render_report(changes, log=write_details(changes))
     return 1 if any(c.status == "failed" for c in changes) else 0
 
 

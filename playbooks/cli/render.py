@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console, JustifyMethod
@@ -231,8 +232,10 @@ def render_verdict(v: Verdict, out: Console) -> None:
 _CHANGE_STYLE = {"changed": "yellow", "ok": "green", "failed": "bold red"}
 
 
-def render_report(changes: Sequence[Change], out: Console | None = None) -> Table:
-    """Print one table, host | step | status | why, and a count per host; returns the table."""
+def render_report(changes: Sequence[Change], out: Console | None = None, log: Path | None = None) -> Table:
+    """Print one table, host | step | status | why, and a count per host; returns the table.
+    The why column holds one line per step (a failure's summary, never its output); ``log``:
+    the file that holds what the summaries left out."""
     out = out or console()
     table = Table(title="voltaforge: what changed")
     for col in ("host", "step", "status", "why"):
@@ -243,6 +246,8 @@ def render_report(changes: Sequence[Change], out: Console | None = None) -> Tabl
     for host in dict.fromkeys(c.host for c in changes):
         counts = {s: sum(1 for c in changes if c.host == host and c.status == s) for s in _CHANGE_STYLE}
         out.print(Text(f"{host}: {counts['changed']} changed, {counts['ok']} ok, {counts['failed']} failed"))
+    if log is not None:
+        out.print(Text(f"the full output of what failed is in {log}"))
     return table
 
 

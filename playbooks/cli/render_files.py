@@ -33,8 +33,11 @@ def run_render(
     show = console()
     for f in files:
         target = out / f.path.lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(f.text)
-        target.chmod(f.mode)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(f.text)
+            target.chmod(f.mode)
+        except OSError as exc:
+            raise flags.UsageError(f"--out {str(out)!r}: cannot write {target}: {exc.strerror or exc}") from None
         show.print(Text(f"wrote {target} ({f.kind}, mode {f.mode:04o}, host path {f.path})"))
     return 0

@@ -48,16 +48,24 @@ def _cfg(c: Context, key: str, flag: str | None = None) -> Any:
     configuration's, else the built-in default."""
     if flag is not None:
         return flag
-    return c.config.get("voltaforge", {}).get(key, DEFAULTS["voltaforge"][key])
+    return flags.config_section(c.config.get("voltaforge"), DEFAULTS["voltaforge"]).get(
+        key, DEFAULTS["voltaforge"][key]
+    )
 
 
 def _settings(c: Context, inventory: str | None) -> Settings:
     """The shared settings, each value checked like a flag (a bad one in invoke.yaml is one line)."""
     return Settings(
-        inventory=Path(flags.name_or_path("--inventory", _cfg(c, "inventory", inventory)) or "inventory.yaml"),
+        inventory=flags.inventory_file(
+            "--inventory" if inventory is not None else "voltaforge.inventory",
+            _cfg(c, "inventory", inventory),
+            DEFAULTS["voltaforge"]["inventory"],
+        ),
         recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
         prefix=flags.install_prefix("voltaforge.prefix", _cfg(c, "prefix")),
-        connect_timeout=flags.positive_float("voltaforge.connect_timeout", _cfg(c, "connect_timeout"), "seconds"),
+        connect_timeout=flags.positive_float(
+            "voltaforge.connect_timeout", _cfg(c, "connect_timeout"), "seconds", maximum=3600
+        ),
     )
 
 
@@ -239,7 +247,7 @@ def quantize(
             force=force,
             verify=verify,
             settings=_settings(c, inventory),
-            on=flags.one_host("--on", on) if on else None,
+            on=flags.one_host("--on", on) if on is not None else None,
         )
 
     run_command(go)
@@ -445,7 +453,7 @@ def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = N
         name = flags.name_or_path("RECIPE", recipe)
         if name is None:
             raise flags.UsageError("verify-recipe: name the recipe, e.g. `invoke verify-recipe qwen2.5-14b-v100-16gb`")
-        where = flags.output_dir("--reports", reports or f"reports/{Path(name).stem}")
+        where = flags.output_dir("--reports", reports if reports is not None else f"reports/{Path(name).stem}")
         return run_provision(
             ["local"],
             recipe=name,

@@ -27,7 +27,8 @@ _PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]*$")
 def is_host_address(value: str) -> bool:
     """An IP address, or a DNS name of dot-separated labels (RFC 1123; `_` tolerated as
     ~/.ssh/config aliases use it). Anything else would fail deep in the resolver (an empty
-    label raises UnicodeError there), so it is refused here with a message."""
+    label raises UnicodeError there), so it is refused here with a message. A name ending in an
+    all-digit label that is not an IP address ("5", "10.1") is refused too."""
     try:
         ipaddress.ip_address(value)
         return True
@@ -35,7 +36,12 @@ def is_host_address(value: str) -> bool:
         pass
     if not value or len(value) > 253:
         return False
-    return all(_LABEL_RE.match(label) for label in value.removesuffix(".").split("."))
+    labels = value.removesuffix(".").split(".")
+    # all digits at the end and not an IP address: the resolver's shorthand ("5" is 0.0.0.5,
+    # "10.1" is 10.0.0.1), never a name (no top-level domain is all digits)
+    if labels[-1].isdigit():
+        return False
+    return all(_LABEL_RE.match(label) for label in labels)
 
 
 class HostSpec(BaseModel):

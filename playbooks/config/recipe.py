@@ -353,12 +353,19 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the filesystem, ...: no such recipe
+        return False
+
+
 def resolve_recipe_path(name_or_path: str, recipes_dir: Path = RECIPES_DIR) -> Path:
     p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") or p.exists():
+    if p.suffix in (".yaml", ".yml") or _exists(p):
         return p
     candidate = recipes_dir / f"{name_or_path}.yaml"
-    if candidate.exists():
+    if _exists(candidate):
         return candidate
     known = sorted(q.stem for q in recipes_dir.glob("*.yaml") if q.name != DEFAULTS_FILE)
     raise RecipeError(f"unknown recipe {name_or_path!r}; shipped recipes: {', '.join(known)}")

@@ -174,6 +174,11 @@ class Host:
             "passwordless sudo (NOPASSWD) for the provisioning user"
         )
 
+    def failure(self, cmd: str, result: Result) -> HostError:
+        """The error ``run`` raises for a failed command, for a caller that ran it with
+        ``check=False`` to read its output first."""
+        return HostError(self._failure(cmd, result))
+
     def _failure(self, cmd: str, result: Result) -> str:
         lines = result.stderr.strip().splitlines()
         # a full disk is said once, early, and then buried under make's and the compiler's

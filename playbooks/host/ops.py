@@ -8,7 +8,8 @@ serves many hosts at once, and decisions are tested table-driven without a host
 (tests/data/operations/).
 
 :func:`run_ops` drives a list on one host and returns one :class:`Change` per operation:
-changed, ok (with the reason nothing was done) or failed (with the error). A dry run stops
+changed, ok (with the reason nothing was done) or failed (with a one-line summary of the
+error; its full text, a command's output, in ``detail`` for a log file). A dry run stops
 after deciding and prints the commands: exactly the plan a real run would follow.
 
 Two shapes beside the idempotent default, for the steps that deploy services:
@@ -166,8 +167,9 @@ class Change:
     host: str
     step: str
     status: Status
-    why: str
+    why: str  # one line for the report (a failure's summary, see ``summarize``)
     commands: tuple[str, ...] = ()
+    detail: str = ""  # a failure's full text (a command's output), for a log file; never shown in the report
 
 
 # ------------------------------------------------------------------------------------------
@@ -330,9 +332,33 @@ class EnsureFile(Operation):
 # ------------------------------------------------------------------------------------------
 
 
-def _why(host: Host, exc: HostError) -> str:
+#: raw output (a command's stderr) is cut to its first line, at most this long
+SUMMARY_LIMIT = 300
+#: a message that is one line is one written for people, its fix at the end: kept up to this
+MESSAGE_LIMIT = 1000
+FULL_OUTPUT_NOTE = "(full output in the log)"
+
+
+def summarize(text: str) -> str:
+    """One line for the report's why column out of an error's text: its first meaningful line
+    (a Python traceback's is its last), cut to SUMMARY_LIMIT characters when the text has more
+    lines; it ends with FULL_OUTPUT_NOTE exactly when something was left out. A one-line
+    message is kept whole up to MESSAGE_LIMIT characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return "failed without a message"
+    if len(lines) == 1 and len(lines[0]) <= MESSAGE_LIMIT:
+        return lines[0]
+    first = lines[-1] if lines[0].startswith("Traceback (most recent call last)") else lines[0]
+    limit = MESSAGE_LIMIT if len(lines) == 1 else SUMMARY_LIMIT
+    cut = first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
+    return f"{cut} {FULL_OUTPUT_NOTE}"
+
+
+def _failed(host: Host, step: str, exc: HostError, shown: tuple[str, ...] = ()) -> Change:
     # The report has a host column: drop the "v100-01: " that standalone messages carry.
-    return str(exc).removeprefix(f"{host.name}: ")
+    text = str(exc).removeprefix(f"{host.name}: ")
+    return Change(host.name, step, "failed", summarize(text), shown, detail=text)
 
 
 def _plural(n: int, word: str) -> str:
@@ -368,7 +394,7 @@ def run_ops(
         try:
             decision = op.check(host)
         except HostError as exc:
-            record(Change(host.name, op.name, "failed", _why(host, exc)))
+            record(_failed(host, op.name, exc))
             failed = True
             break
         shown = tuple(decision.shown())
@@ -386,7 +412,7 @@ def run_ops(
             try:
                 op.apply(host, decision)
             except HostError as exc:
-                record(Change(host.name, op.name, "failed", _why(host, exc), shown))
+                record(_failed(host, op.name, exc, shown))
                 failed = True
                 break
             record(Change(host.name, op.name, "changed", decision.reason, shown))
@@ -406,7 +432,7 @@ def run_ops(
             for cmd in handler.commands:
                 run_command(host, cmd)
         except HostError as exc:
-            record(Change(host.name, handler.name, "failed", _why(host, exc), shown))
+            record(_failed(host, handler.name, exc, shown))
             break
         record(Change(host.name, handler.name, "changed", "notified by a change", shown))
     return changes

