@@ -41,8 +41,8 @@ def proven(o, f):
 
 def test_cuda_bindings_build_in_the_servers_environment_for_sm70():
     d = op().decide(facts())
-    install, version, cubins, record = d.commands
-    cmd = install.show()
+    mkdir, build, install, version, cubins, record = d.commands
+    cmd = build.show()
     assert d.reason == "not installed"
     # one toolkit (Debian's 11.8), none of the CUDA 13 that is first on PATH here
     assert (
@@ -55,10 +55,17 @@ def test_cuda_bindings_build_in_the_servers_environment_for_sm70():
         and "CMAKE_BUILD_PARALLEL_LEVEL=16" in cmd
         and "CCACHE_DIR=/opt/vf/llama.cpp/ccache" in cmd
     )
-    # the very archive the server was built from, never a cached wheel built with other flags
+    # the very archive the server was built from, as a wheel (pip's cache off: it would reuse a
+    # wheel built with other flags), then installed from that wheel
+    wheels = mkdir.show().rsplit(" ", 1)[1]
+    assert wheels.startswith("/opt/vf/src/wheels/0.3.36-cuda-")
     assert cmd.endswith(
-        "/opt/vf/venv/bin/pip install --disable-pip-version-check --no-cache-dir -v /opt/vf/src/x.tar.gz"
+        f"/opt/vf/venv/bin/pip wheel --disable-pip-version-check --no-cache-dir --no-deps -v -w {wheels} "
+        "/opt/vf/src/x.tar.gz"
     )
+    pip = "/opt/vf/venv/bin/pip install --disable-pip-version-check --no-cache-dir"
+    assert install.show() == f"{pip} {wheels}/llama_cpp_python-0.3.36-*.whl"
+    assert "CMAKE_ARGS" not in install.show()
     # proof: cubins for sm_70 in the venv's libggml-cuda.so; the import needs the driver (no GPU here)
     assert isinstance(cubins, Probe) and cubins.expect == ("sm_70",)
     assert "/usr/bin/cuobjdump --list-elf /opt/vf/venv/lib/python3*/site-packages/llama_cpp/lib/libggml-cuda.so" in (
@@ -105,14 +112,14 @@ def test_other_bindings_are_reinstalled_without_touching_their_dependencies(inst
     stamp = proven(op(cuda_release=None), facts()) if stamp_from == "cpu" else None
     d = op().decide(facts(installed=installed, stamp=stamp))
     assert d.reason.startswith(reason)
-    assert "--force-reinstall --no-deps" in d.commands[0].show()
+    assert "--force-reinstall --no-deps" in d.commands[2].show()
 
 
 def test_a_cpu_build_has_no_cuda_and_its_import_is_the_proof():
     d = op(cuda_release=None).decide(facts())
-    install, version, record = d.commands
-    assert "CMAKE_ARGS='-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_CUDA=OFF'" in install.show()
-    assert "CUDACXX" not in install.show() and "PATH=/usr/sbin:/usr/bin:/sbin:/bin" in install.show()
+    _, build, install, version, record = d.commands
+    assert "CMAKE_ARGS='-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_CUDA=OFF'" in build.show()
+    assert "CUDACXX" not in build.show() and "PATH=/usr/sbin:/usr/bin:/sbin:/bin" in build.show()
     assert isinstance(version, Probe) and not version.may_fail
 
 
@@ -133,3 +140,37 @@ def test_the_stamp_holds_the_proof_from_real_output():
     assert stamp["import"] == "0.3.36" and stamp["system_info"].startswith("CPU : SSE3")
     assert stamp["cubins"] == sorted(cuda.parse_cuobjdump_list_elf(listing)) and "sm_70" in stamp["cubins"]
     assert stamp["id"] == op().plan(facts())[0].build_id and stamp["inputs"]["arch"] == "70"
+
+
+ABI = "cpython-311 linux-x86_64 glibc-2.36"
+
+
+def test_a_wheel_in_the_fleet_cache_is_pushed_not_compiled(tmp_path):
+    from playbooks.host.ops import Fetch, PushFile
+    from playbooks.steps.build import FleetCache
+    from playbooks.steps.llamacpp_python import parse_abi, wheel_key
+
+    cache = FleetCache(tmp_path)
+    cpu = EnsureLlamaCppPython(LAYOUT, SOURCE, VENV, cuda_release=None, recipe_arch="70", cache=cache)
+    # no wheel yet: compiled, and the proven wheel is fetched into the cache afterwards
+    d = cpu.decide(facts(abi=ABI))
+    assert "pip wheel" in d.commands[1].show() and isinstance(d.commands[-1], Fetch)
+    key = wheel_key(cpu.plan(facts(abi=ABI))[0], ABI)
+    assert d.commands[-1].local == tmp_path / "wheels" / key
+    # another host of the fleet, same inputs and ABI, another prefix: the wheel is pushed
+    whl = cache.wheel_dir(key) / "llama_cpp_python-0.3.36-cp311-cp311-linux_x86_64.whl"
+    whl.parent.mkdir(parents=True)
+    whl.write_bytes(b"wheel")
+    other = EnsureLlamaCppPython(BuildLayout("/srv/vf"), SOURCE, "/srv/vf/venv", cuda_release=None, recipe_arch="70",
+                                 cache=cache)  # fmt: skip
+    d = other.decide(facts(abi=ABI))
+    assert d.reason == "not installed; the controller's fleet cache holds this build's wheel: pushed, not compiled"
+    push = next(c for c in d.commands if isinstance(c, PushFile))
+    assert push.path == f"/srv/vf/src/wheels/{key}/{whl.name}" and push.local == whl
+    assert not any("pip wheel" in c.show() or isinstance(c, Fetch) for c in d.commands)
+    # the stamp still names this venv's inputs, and the import proves it here
+    assert any(isinstance(c, Probe) and "import llama_cpp" in c.command for c in d.commands)
+    # another Python (or no venv yet, so no ABI known): compiled
+    assert "pip wheel" in other.decide(facts(abi="cpython-312 linux-x86_64 glibc-2.36")).commands[1].show()
+    assert "pip wheel" in other.decide(facts(abi=None)).commands[1].show()
+    assert parse_abi(ABI + "\n") == ABI and parse_abi("Traceback ...") is None

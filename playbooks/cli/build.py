@@ -37,6 +37,7 @@ def build_step(
     layout = BuildLayout(prefix)
     source = fetch_sdist(tc.llamacpp_sdist, tc.llamacpp_ref)  # on the controller, once
     cuda_release = None if get_gpu(r.gpu).is_cpu else (major, minor)
+    cache = None if no_cache else FleetCache.default()
     ops = build_ops(
         layout,
         source,
@@ -46,10 +47,12 @@ def build_step(
         extra_flags=extra_flags,
         owner=host.user,
         sudo=sudo,
-        cache=None if no_cache else FleetCache.default(),
+        cache=cache,
     )
     if bindings:
-        ops += bindings_ops(layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch)
+        ops += bindings_ops(
+            layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch, cache=cache
+        )
     if r.backend == "exllamav2":
         # EXL2 recipes serve through TabbyAPI on ExLlamaV2, built for this host's GPU
         ops += [EnsureExllamav2(prefix, venv_path(prefix), tc), EnsureTabbyAPI(prefix, venv_path(prefix), tc)]

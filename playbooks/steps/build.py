@@ -233,6 +233,14 @@ class FleetCache:
     def archive(self, build_id: str) -> Path:
         return self.root / f"{build_id}.tar.gz"
 
+    def wheel_dir(self, key: str) -> Path:
+        """Proven llama-cpp-python wheels (one per directory), by build inputs and ABI."""
+        return self.root / "wheels" / key
+
+    def wheel(self, key: str) -> Path | None:
+        found = sorted(self.wheel_dir(key).glob("*.whl"))
+        return found[0] if len(found) == 1 else None
+
     def ids(self) -> tuple[str, ...]:
         if not self.root.is_dir():
             return ()

@@ -27,16 +27,20 @@ import json
 import shlex
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
+from playbooks.errors import HostError
 from playbooks.facts import builds, cuda, python, read_fact
 from playbooks.host.base import Host
-from playbooks.host.ops import Decision, Operation, Record, Shell
+from playbooks.host.ops import Decision, Fetch, Operation, PushFile, Record, Shell
 from playbooks.steps.build import (
     BuildFacts,
     BuildLayout,
+    FleetCache,
     Probe,
     Source,
+    file_sha256,
     llamacpp_compile_env,
     read_compile_facts,
     run_proven,
@@ -87,15 +91,44 @@ class BindingsFacts:
     compile: BuildFacts = field(default_factory=BuildFacts)
     installed: str | None = None  # the llama_cpp_python version in the venv
     stamp: dict[str, Any] | None = None
+    #: what a wheel built here is bound to: "cpython-311 linux-x86_64 glibc-2.36" (None: no venv yet)
+    abi: str | None = None
+
+
+#: the venv's interpreter, platform and C library: a wheel built for one runs on the other
+#: exactly when these and the build inputs (less the venv's path) are the same
+ABI_CODE = (
+    "import platform, sys, sysconfig; "
+    "print(sys.implementation.cache_tag, sysconfig.get_platform(), 'glibc-' + platform.libc_ver()[1])"
+)
+
+
+def parse_abi(output: str) -> str | None:
+    line = output.strip()
+    return line if line.startswith("cpython-") and len(line.split()) == 3 else None
+
+
+def wheel_key(inputs: BindingsInputs, abi: str) -> str:
+    """The fleet cache's name for a wheel: the build inputs without the venv's path (a wheel
+    is relocatable) and the ABI it was built for."""
+    blob = json.dumps({**asdict(inputs), "venv": None, "abi": abi}, sort_keys=True).encode()
+    return f"{inputs.version}-{inputs.backend}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
 class EnsureLlamaCppPython(Operation):
     """The venv holds llama-cpp-python built from the pinned sdist for this host, proven."""
 
     def __init__(
-        self, layout: BuildLayout, source: Source, venv: str, *, cuda_release: tuple[int, int] | None, recipe_arch: str
+        self,
+        layout: BuildLayout,
+        source: Source,
+        venv: str,
+        *,
+        cuda_release: tuple[int, int] | None,
+        recipe_arch: str,
+        cache: FleetCache | None = None,
     ):
-        self.layout, self.source, self.venv = layout, source, venv
+        self.layout, self.source, self.venv, self.cache = layout, source, venv, cache
         self.cuda_release, self.recipe_arch = cuda_release, recipe_arch
         self.version = source.requirement.partition("==")[2]
         self.stamp_path = f"{venv}/{STAMP_NAME}"
@@ -107,6 +140,11 @@ class EnsureLlamaCppPython(Operation):
             compile=read_compile_facts(host, cuda_build=bool(self.cuda_release)),
             installed=python.parse_package_version(read_fact(host, python.package_version_command(self.venv, DIST))),
             stamp=builds.parse_stamp(read_fact(host, f"cat -- {shlex.quote(self.stamp_path)} 2>/dev/null || true")),
+            abi=parse_abi(
+                read_fact(
+                    host, f"{shlex.quote(self.venv + '/bin/python')} -c {shlex.quote(ABI_CODE)} 2>/dev/null || true"
+                )
+            ),
         )
 
     def plan(self, facts: BindingsFacts) -> tuple[BindingsInputs, dict[str, str], str | None]:
@@ -145,11 +183,26 @@ class EnsureLlamaCppPython(Operation):
             "CMAKE_BUILD_PARALLEL_LEVEL": str(facts.compile.nproc or 2),
             **({"CCACHE_DIR": self.layout.ccache_dir} if facts.compile.ccache else {}),
         }
-        pip = [f"{self.venv}/bin/pip", "install", "--disable-pip-version-check", "--no-cache-dir", "-v"]
+        pip = [f"{self.venv}/bin/pip", "install", "--disable-pip-version-check", "--no-cache-dir"]
         if facts.installed:
             pip += ["--force-reinstall", "--no-deps"]  # its dependencies are already there
-        pip.append(self.layout.archive(self.source))
-        install = Shell(f"{env_prefix(build_env)} {' '.join(shlex.quote(a) for a in pip)}")
+        key = wheel_key(inputs, facts.abi) if facts.abi else None
+        cached = self.cache.wheel(key) if self.cache and key else None
+        wheels = f"{self.layout.src}/wheels/{key or bid}"
+        make_dir = Shell(f"rm -rf -- {shlex.quote(wheels)} && mkdir -p -- {shlex.quote(wheels)}")
+        steps: list[Shell | PushFile] = [make_dir]
+        if cached:
+            # a proven wheel of the same inputs and ABI, from another host of the fleet
+            why += "; the controller's fleet cache holds this build's wheel: pushed, not compiled"
+            steps.append(PushFile(f"{wheels}/{cached.name}", cached, file_sha256(cached)))
+        else:
+            # built as a wheel first, so that the fleet cache can keep it for the next host
+            build = [f"{self.venv}/bin/pip", "wheel", "--disable-pip-version-check", "--no-cache-dir", "--no-deps"]
+            build += ["-v", "-w", wheels, self.layout.archive(self.source)]
+            steps.append(Shell(f"{env_prefix(build_env)} {' '.join(shlex.quote(a) for a in build)}"))
+        install = Shell(
+            f"{' '.join(shlex.quote(a) for a in pip)} {shlex.quote(wheels)}/{DIST}-{shlex.quote(self.version)}-*.whl"
+        )
         # a CUDA build imports only where the driver is (libcuda): recorded, not required, on a
         # build box without a GPU, where the cubins are the proof (as for the server)
         runnable = not cuobjdump or facts.compile.gpus.available
@@ -172,10 +225,30 @@ class EnsureLlamaCppPython(Operation):
                 )
             )
         record = Record(self.stamp_path, "the inputs and the proof", json.dumps(asdict(inputs), sort_keys=True))
-        return Decision.act(why, install, *proof, record)
+        keep = [Fetch(f"{wheels}/*.whl", self.cache.wheel_dir(key))] if self.cache and key and not cached else []
+        return Decision.act(why, *steps, install, *proof, record, *keep)
 
     def apply(self, host: Host, decision: Decision) -> None:
-        run_proven(host, decision, bindings_stamp, after="re-run `invoke build` (the server build is not affected)")
+        fetch = [c for c in decision.commands if isinstance(c, Fetch)]
+        rest = Decision(tuple(c for c in decision.commands if not isinstance(c, Fetch)), decision.reason)
+        run_proven(host, rest, bindings_stamp, after="re-run `invoke build` (the server build is not affected)")
+        for f in fetch:  # proven: the wheel goes into the fleet cache (a failure here costs a compile later)
+            keep_wheel(host, f.path.rsplit("/", 1)[0], f.local)
+
+
+def keep_wheel(host: Host, wheels: str, into: Path) -> None:
+    """Copy the proven wheel from the host into the fleet cache, whole or not at all."""
+    found = host.run(f"ls -1 -- {shlex.quote(wheels)}/*.whl 2>/dev/null || true", stream=False).stdout.split()
+    if len(found) != 1:
+        return
+    into.mkdir(parents=True, exist_ok=True)
+    tmp = into / f".{Path(found[0]).name}.partial"
+    try:
+        host.get(found[0], tmp)
+        tmp.replace(into / Path(found[0]).name)
+    except (HostError, OSError) as exc:
+        tmp.unlink(missing_ok=True)
+        host.printer.line(host.name, f"the wheel was not kept in the fleet cache: {exc}")
 
 
 def bindings_stamp(record: Record, proof: dict[str, str]) -> bytes:
@@ -195,10 +268,16 @@ def bindings_stamp(record: Record, proof: dict[str, str]) -> bytes:
 
 
 def bindings_ops(
-    layout: BuildLayout, source: Source, venv: str, *, cuda_release: tuple[int, int] | None, recipe_arch: str
+    layout: BuildLayout,
+    source: Source,
+    venv: str,
+    *,
+    cuda_release: tuple[int, int] | None,
+    recipe_arch: str,
+    cache: FleetCache | None = None,
 ) -> list[Operation]:
     """After the server build (which pushed and checked the archive): the venv, the bindings."""
     return [
         EnsureVenv(venv),
-        EnsureLlamaCppPython(layout, source, venv, cuda_release=cuda_release, recipe_arch=recipe_arch),
+        EnsureLlamaCppPython(layout, source, venv, cuda_release=cuda_release, recipe_arch=recipe_arch, cache=cache),
     ]
