@@ -9,9 +9,24 @@ compiled in the container and kept there for the next host; the llama-cpp-python
 always compiled in the container from the pushed sdist) and ``run_quantize`` (Q4_K_M: F16,
 imatrix, Q4_K_M, each verified); each returns 0, and a second run of each changes nothing.
 
-Measured on this kind of machine (2 cores shared with other work; seconds, first run / second):
+Measured on this kind of machine (2 cores shared with other work, nice 10; seconds, first run /
+second run; `VOLTAFORGE_CACHE=<empty dir> pytest tests/test_nspawn_offline.py` for cold,
+the same again with the default cache for warm):
 
-MEASURED_TIMES
+                cold (empty test cache, load ~4)        warm (fleet cache holds the server)
+    setup       93 (rootfs 73, wheelhouse 12 with       1.4 (boot)
+                pip's own cache warm, unpack 8, boot)
+    toolchain   18.3 / 0.7                              18.0 / 0.8
+    build       1226.9 / 2.5: the server compiled       336.9 / 1.5: the server copied from
+                in the container 13.4 min, the          the fleet cache, the bindings
+                bindings 7.0 min                        compiled (5.5 min)
+    quantize    33.5 / 1.5                              18.2 / 1.5
+    whole test  23 min 3 s                              6 min 24 s
+
+An earlier cold run with less load on the machine took 13 min 16 s in all. The shared ccache
+does not shorten the bindings' compile (0 hits in 127 calls when warm): pip builds them in a
+random /tmp/pip-req-build-* directory, so no compiler command line repeats. It serves a
+compile of the server (a new flag, a lost fleet cache).
 """
 
 from __future__ import annotations
