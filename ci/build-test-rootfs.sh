@@ -12,8 +12,9 @@
 #
 # Idempotent: if the tarball exists, nothing is done (pass --force to rebuild).
 # Needs root, debootstrap, zstd and network access to a Debian mirror. Measured for v2 on
-# this kind of machine (2 cores, deb.debian.org): MEASURED_BUILD_TIME; v1 took about 2 min
-# (270 MB unpacked, an 85 MB tarball).
+# this kind of machine (2 cores shared with other work, deb.debian.org): 75 s idle to 225 s
+# under load (debootstrap 65-141 s, the rest tar + zstd); 630 MB unpacked, a 183 MB tarball,
+# unpacked by the fixture in about 8 s. (v1 took about 2 min: 270 MB, an 85 MB tarball.)
 #
 # Mirror: $VOLTAFORGE_DEBIAN_MIRROR, else the first `URIs:` (deb822) or `deb` line for
 # debian (not debian-security) found under /etc/apt, else http://deb.debian.org/debian.
@@ -40,9 +41,10 @@
 #                              prefix): rebuilds with other flags, and tests sharing one cache
 #   python3-venv               `python3 -m venv` (EnsureVenv): Debian's python3 has no ensurepip
 #                              without it
-# Not needed, checked: git (llama.cpp's build info is "unknown" without it; the vendored tree
-# is no git checkout anyway), pkg-config, ninja (the bindings' build gets the ninja wheel from
-# the wheelhouse, as pip would from PyPI), python3-dev (the bindings load libllama with ctypes).
+# Not needed (tests/test_nspawn_offline.py passes without them): git (llama.cpp's build info
+# is "unknown" without it; the vendored tree is no git checkout anyway), pkg-config,
+# python3-dev (the bindings load libllama with ctypes), ninja (scikit-build-core asks pip for
+# `ninja>=1.5` here, and no cmake wheel since cmake 3.25 is enough: the wheelhouse has it).
 # Changes after debootstrap and why:
 #   /etc/hostname removed      nspawn --hostname= then names the machine
 #   /etc/machine-id emptied    the fixture writes a fresh one per boot (no shared identity)
