@@ -41,7 +41,7 @@
 #                              prefix): rebuilds with other flags, and tests sharing one cache
 #   python3-venv               `python3 -m venv` (EnsureVenv): Debian's python3 has no ensurepip
 #                              without it
-# Not needed (tests/test_nspawn_offline.py passes without them): git (llama.cpp's build info
+# Not needed (tests/test_provision_real.py provisions the container without them): git (llama.cpp's build info
 # is "unknown" without it; the vendored tree is no git checkout anyway), pkg-config,
 # python3-dev (the bindings load libllama with ctypes), ninja (scikit-build-core asks pip for
 # `ninja>=1.5` here, and no cmake wheel since cmake 3.25 is enough: the wheelhouse has it).
