@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +30,7 @@ import pytest
 import yaml
 
 from tests.helpers import ROOT
+from tests.testhosts import shared_nspawn_ccache
 
 pytestmark = pytest.mark.slow
 UNIT = "voltaforge-llama-server.service"
@@ -127,8 +130,20 @@ def answers(host, port: int = 18080) -> dict:
     return json.loads(out)
 
 
+@pytest.fixture
+def seeded_ccache() -> None:
+    """Before the container boots: what this session's SSH build tests compiled (their shared
+    ccache, tests/helpers.shared_ccache) copied into the containers' ccache. The build step
+    hashes paths relative to the prefix (CCACHE_BASEDIR) and the image's gcc is this machine's
+    (same package, same size and mtime), so the container's server compile hits most of it:
+    the same objects a fleet's second host reuses, not compiled twice in one CI run."""
+    session = Path(tempfile.gettempdir()) / f"vf-test-ccache-{os.getpid()}"
+    if session.is_dir():
+        shutil.copytree(session, shared_nspawn_ccache(), dirs_exist_ok=True, symlinks=True)
+
+
 @pytest.mark.timeout(3600)
-def test_provision_a_systemd_host_end_to_end(provisionable_nspawn_host, make_sshd_host, tmp_path):
+def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn_host, make_sshd_host, tmp_path):
     host = provisionable_nspawn_host
     base = recipe(tmp_path, host, "base")
     inv = inventory(tmp_path, {"box": (host, base)})
