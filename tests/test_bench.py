@@ -195,3 +195,13 @@ def test_a_server_that_misbehaves_is_an_error_on_its_level(stub, mode, words):
 def test_no_server_at_all():
     samples, lv = _level(f"http://127.0.0.1:{free_port()}", "repeat")
     assert lv["errors"] == 4 and lv["error_samples"][0].startswith("cannot connect")
+
+
+def test_a_cross_check_beyond_5_percent_fails_a_gpu_gate_and_is_only_reported_for_a_cpu_server():
+    off = _result()
+    off["levels"][1] |= {"per_stream_decode_tok_s": 36.8, "crosscheck_ratio": 0.92}
+    g = bench.judge(off, {}, {})
+    assert g["reasons"] == [
+        "at concurrency 4 the client's decode 36.8 tok/s and the server's own 40.0 differ by 8% (over 5%)"
+    ]
+    assert bench.judge(off, {"crosscheck_gates": 0}, {})["passed"]

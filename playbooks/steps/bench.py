@@ -257,7 +257,7 @@ def judge(result: dict[str, Any], thresholds: dict[str, float], seen: dict[str, 
                 f"{lv['errors']} of {lv['requests']} requests failed at concurrency {lv['concurrency']}: {quoted}"
             )
         ratio = lv.get("crosscheck_ratio")
-        if ratio is not None and abs(ratio - 1) > CROSSCHECK_TOLERANCE:
+        if ratio is not None and abs(ratio - 1) > CROSSCHECK_TOLERANCE and thresholds.get("crosscheck_gates", 1):
             reasons.append(
                 f"at concurrency {lv['concurrency']} the client's decode {lv['per_stream_decode_tok_s']} tok/s and the "
                 f"server's own {lv['server_predicted_per_second']} differ by {abs(ratio - 1):.0%} (over 5%)"
