@@ -33,6 +33,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/testhosts.py imports its siblings by name
 
 from tests.helpers import shared_ccache  # noqa: E402
 from tests.llamacpp_tools import TORCH_CPU, cpu_torch_wheel  # noqa: E402
