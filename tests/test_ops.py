@@ -386,6 +386,10 @@ def test_a_long_failure_is_one_line_in_the_report_and_whole_in_detail(tmp_path, 
         ("y" * 400, "y" * 400),  # one line written for people: its fix is at the end, kept
         ("z" * 1200, "z" * 997 + f"... {FULL_OUTPUT_NOTE}"),
         ("Traceback (most recent call last):\n  File x\nValueError: bad", f"ValueError: bad {FULL_OUTPUT_NOTE}"),
+        (
+            "command failed (exit 1): umask 077; key=x\nthe key has characters",
+            "the key has characters (command failed (exit 1): umask 077; key=x)",
+        ),
     ],
 )
 def test_summarize(text, why):

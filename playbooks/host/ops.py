@@ -349,6 +349,10 @@ def summarize(text: str) -> str:
         return "failed without a message"
     if len(lines) == 1 and len(lines[0]) <= MESSAGE_LIMIT:
         return lines[0]
+    if len(lines) == 2 and lines[0].startswith("command failed (exit"):
+        # a command that printed one line: that line is the message, the command says where
+        both = f"{lines[1]} ({lines[0]})"
+        return both if len(both) <= SUMMARY_LIMIT else both[: SUMMARY_LIMIT - 3].rstrip() + f"... {FULL_OUTPUT_NOTE}"
     first = lines[-1] if lines[0].startswith("Traceback (most recent call last)") else lines[0]
     limit = MESSAGE_LIMIT if len(lines) == 1 else SUMMARY_LIMIT
     cut = first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
