@@ -51,7 +51,7 @@ from playbooks.host import Host
 from playbooks.host.base import Printer
 from playbooks.host.local import LocalHost
 from playbooks.host.lock import host_lock
-from playbooks.host.ops import Change, Decision, Operation, run_ops
+from playbooks.host.ops import Change, Decision, Operation, run_ops, summarize
 from playbooks.steps.deploy import EnsureServing
 from playbooks.steps.gate import EnsureGate, figures_line
 from playbooks.steps.preflight import gather, judge
@@ -188,17 +188,16 @@ class Provisioner:
                 # connecting (unreachable, host key changed, sudo) or a step that could not
                 # even be planned: one line, on the step it happened in
                 step = STEPS[len(outcome.steps)] if len(outcome.steps) < len(STEPS) else "gate"
-                why = str(exc).removeprefix(f"{spec.name}: ")
-                outcome.steps.append(StepOutcome(step, "failed", 0.0, why))
-                printer.line(spec.name, f"failed: {step}: {why}")
+                text = str(exc).removeprefix(f"{spec.name}: ")
+                outcome.steps.append(StepOutcome(step, "failed", 0.0, summarize(text)))
+                printer.line(spec.name, f"failed: {step}: {text}")  # whole, into the log too
             finally:
                 with self._lock:
                     self._open.pop(spec.name, None)
             for s in outcome.steps:
                 for c in s.changes:
-                    detail = getattr(c, "detail", "")
-                    if c.status == "failed" and detail:
-                        log.write(f"--- {s.step}: {c.step} failed:\n{detail}\n")
+                    if c.status == "failed" and c.detail:
+                        log.write(f"--- {s.step}: {c.step} failed:\n{c.detail}\n")
             failed = outcome.failure()
             if failed and outcome.fix is None:
                 outcome.fix = fix_for(failed.step, spec.name, "")
@@ -268,12 +267,14 @@ class Provisioner:
             try:
                 ops = make()
             except (VoltaforgeError, HostError) as exc:
-                why = str(exc).removeprefix(f"{spec.name}: ")
+                text = str(exc).removeprefix(f"{spec.name}: ")
+                why = summarize(text)  # the summary's column holds one line, as run_ops's does
                 if opts.dry_run and pending:
                     outcome.steps.append(
                         StepOutcome(step, "not reached", time.monotonic() - t, f"after the above: {why}")
                     )
                     continue
+                printer.line(spec.name, f"failed: {step}: {text}")  # whole, into the log too
                 outcome.steps.append(StepOutcome(step, "failed", time.monotonic() - t, why))
                 return
             changes = run_ops(host, [_Cancellable(op, self.cancel) for op in ops], dry_run=opts.dry_run)
