@@ -26,6 +26,21 @@ KNOWN_MODEL_TYPES = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    # Mixture-of-experts: llama.cpp converts Mixtral as `llama` with expert tensors.
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "gpt_oss": "gpt-oss",
+}
+
+# The MoE architectures and where their config keeps the expert FFN width: Qwen's MoE configs
+# have a dense `intermediate_size` too (for mlp_only_layers) and the experts' own
+# `moe_intermediate_size`; Mixtral and gpt-oss size every expert by `intermediate_size`.
+MOE_MODEL_TYPES = {
+    "mixtral": "intermediate_size",
+    "qwen2_moe": "moe_intermediate_size",
+    "qwen3_moe": "moe_intermediate_size",
+    "gpt_oss": "intermediate_size",
 }
 
 
@@ -50,6 +65,12 @@ class ModelShape(BaseModel):
     # sliding-window attention as llama.cpp runs it (Gemma 2/3 only): window and SWA layer count
     sliding_window: int | None = None
     swa_layers: int = 0
+    # Mixture of experts (0 = dense): every layer routes each token to num_experts_per_tok of
+    # num_experts FFNs of width expert_intermediate_size; Qwen2-MoE adds one shared expert.
+    num_experts: int = Field(0, ge=0)
+    num_experts_per_tok: int = Field(0, ge=0)
+    expert_intermediate_size: int = Field(0, ge=0)
+    shared_expert_intermediate_size: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _gqa_divides(self) -> ModelShape:
@@ -58,7 +79,22 @@ class ModelShape(BaseModel):
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be between 1 and num_experts {self.num_experts}"
+            )
+        if self.num_experts and not self.expert_intermediate_size:
+            raise ValueError("a mixture-of-experts model needs its experts' FFN width")
         return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def active_expert_fraction(self) -> float:
+        """The share of every expert tensor one token reads (1.0 for a dense model)."""
+        return self.num_experts_per_tok / self.num_experts if self.num_experts else 1.0
 
     @property
     def n_gqa(self) -> int:
@@ -89,12 +125,7 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
             f"{where}: model_type {model_type!r} is not supported by the planner; "
             f"supported: {', '.join(sorted(KNOWN_MODEL_TYPES))}"
         )
-    for moe_key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if cfg.get(moe_key):
-            raise RecipeError(
-                f"{where}: {moe_key}={cfg[moe_key]}: mixture-of-experts models are not "
-                "supported by the planner yet (dense decoder models only)"
-            )
+    moe = _experts(model_type, cfg, where)
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in required if k not in cfg]
     if missing:
@@ -115,10 +146,11 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
         # transformers' own default when the key is absent: Gemma configs tie, the others do not
         "tie_word_embeddings": cfg.get("tie_word_embeddings", model_type.startswith("gemma")),
         # Qwen2 always has q/k/v biases (its config does not say so); others declare it.
-        "attention_bias": bool(cfg.get("attention_bias", model_type == "qwen2")),
+        "attention_bias": bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
         "torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
     }
     fields.update(_sliding_window(model_type, cfg))
+    fields.update(moe)
     try:
         return ModelShape(**fields)
     except ValidationError as exc:
@@ -127,11 +159,58 @@ def shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelS
         raise RecipeError(f"{where}: {key}: {err['msg']} (got {err.get('input')!r})") from None
 
 
+def _experts(model_type: str, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """The expert counts and widths of a MoE config; {} for a dense one.
+
+    A dense architecture that names experts, or a MoE one missing a count, is refused: the
+    sizes would be silently wrong either way.
+    """
+    counts = {k: cfg.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if cfg.get(k)}
+    if model_type not in MOE_MODEL_TYPES:
+        if counts:
+            key, value = next(iter(counts.items()))
+            raise RecipeError(
+                f"{where}: {key}={value} but model_type {model_type!r} is a dense architecture; "
+                f"mixture-of-experts model types: {', '.join(sorted(MOE_MODEL_TYPES))}"
+            )
+        return {}
+    width_key = MOE_MODEL_TYPES[model_type]
+    n_expert = cfg.get("num_local_experts") or cfg.get("num_experts")
+    missing = [
+        k
+        for k, v in (
+            ("num_experts" if model_type.startswith("qwen") else "num_local_experts", n_expert),
+            ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+            (width_key, cfg.get(width_key)),
+        )
+        if not v
+    ]
+    if missing:
+        raise RecipeError(
+            f"{where}: {model_type} is a mixture-of-experts model but the config has no "
+            f"{', '.join(missing)} (needed to size the experts)"
+        )
+    if model_type == "qwen3_moe" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+        # llama.cpp's qwen3moe graph puts experts in every layer; a checkpoint with dense
+        # layers between would not load there.
+        raise RecipeError(
+            f"{where}: mlp_only_layers / decoder_sparse_step: dense layers inside a qwen3_moe model "
+            "are not supported (llama.cpp's qwen3moe has experts in every layer)"
+        )
+    return {
+        "num_experts": n_expert,
+        "num_experts_per_tok": cfg.get("num_experts_per_tok"),
+        "expert_intermediate_size": cfg.get(width_key),
+        "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0,
+    }
+
+
 def _sliding_window(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Which layers llama.cpp gives a sliding-window KV cache (models/gemma2.cpp, gemma3.cpp).
 
     Gemma 2: every even layer (pattern 2), window 4096 unless the config says otherwise.
     Gemma 3: five of every six layers (pattern 6), only when the config sets sliding_window.
+    gpt-oss: every even layer (pattern 2), window 128.
     Other architectures (Qwen2's use_sliding_window, Mistral v0.1's window) get a full cache in
     llama.cpp, so none is planned for them.
     """
@@ -142,6 +221,9 @@ def _sliding_window(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         window, pattern = cfg.get("sliding_window") or 4096, 2
     elif model_type in ("gemma3", "gemma3_text") and cfg.get("sliding_window"):
         window, pattern = cfg["sliding_window"], cfg.get("sliding_window_pattern") or 6
+    elif model_type == "gpt_oss":
+        # llama.cpp's openai-moe graph: every other layer has a window (set_swa_pattern(2))
+        window, pattern = cfg.get("sliding_window") or 128, 2
     else:
         return {}
     swa = sum(1 for il in range(layers) if il % pattern < pattern - 1)
