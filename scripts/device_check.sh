@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU check in one call: bash scripts/device_check.sh OUT
+#
+# For a GPU machine lent for minutes with no network (the workplace's `device`): our Python
+# dependencies that its image lacks travel as wheels in .device/wheels, the llama.cpp tree as
+# .device/llama_cpp_python-0.3.36.tar.gz (the sdist's vendor/llama.cpp without models, docs,
+# tests and benches). Each phase has its own time limit so one slow phase never eats the
+# others'; everything lands in OUT/results.tgz. scripts/device_check.py says what each does.
+set -u
+OUT=${1:?usage: device_check.sh OUT}
+R="$OUT/r"
+mkdir -p "$R"
+T0=$(date +%s)
+if ls .device/wheels/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/wheels/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1
+{ command -v nvcc gcc g++ make ninja cmake; ls -d /usr/local/cuda*; nproc; } > "$R/tools.txt" 2>&1
+phase() { # phase SECONDS NAME [ARGS...]
+  local limit=$1 name=$2
+  shift 2
+  echo "== $name (limit ${limit}s, at $(($(date +%s) - T0))s)"
+  timeout -k 10 "$limit" python3 scripts/device_check.py "$name" --out "$R" "$@" 2>&1 | tail -n 40
+  tar -czf "$OUT/results.tgz" -C "$OUT" r # after every phase: a call cut short still returns what was done
+}
+phase 60 facts
+phase "${VF_BUILD_LIMIT:-390}" build
+phase 110 gate
+phase 150 moe
+echo "== done at $(($(date +%s) - T0))s"
