@@ -292,7 +292,13 @@ def phase_moe(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         for name, budget_mib in (("v100-16gb", 16384 - 400 - 256), ("v100-32gb", 32768 - 400 - 256)):
             cmd = f"{b}/llama-fit-params -m {gguf} -c 4096 -fa on -fitt {max(free_mib - budget_mib, 0)}"
             rc, text = _sh(cmd, timeout=180)
-            found[name] = {"command": cmd, "rc": rc, "free_mib": free_mib, "budget_mib": budget_mib, "out": text[-6000:]}
+            found[name] = {
+                "command": cmd,
+                "rc": rc,
+                "free_mib": free_mib,
+                "budget_mib": budget_mib,
+                "out": text[-6000:],
+            }
         return found
 
     def sweep() -> dict[str, Any]:
@@ -303,12 +309,17 @@ def phase_moe(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         return {
             "command": cmd,
             "rc": rc,
-            "rows": [{"n_cpu_moe": r.get("n_cpu_moe"), "tg_tok_s": r.get("avg_ts"), "stddev": r.get("stddev_ts")} for r in rows],
+            "rows": [
+                {"n_cpu_moe": r.get("n_cpu_moe"), "tg_tok_s": r.get("avg_ts"), "stddev": r.get("stddev_ts")}
+                for r in rows
+            ],
         }
 
     def server() -> dict[str, Any]:
         # llama-server with experts on the CPU: the load log deploy must accept
-        path = device_recipe(args.gate_recipe, args.gpu, Path("/tmp/vf-device/recipes-moe"), config, context=4096, parallel=1)
+        path = device_recipe(
+            args.gate_recipe, args.gpu, Path("/tmp/vf-device/recipes-moe"), config, context=4096, parallel=1
+        )
         loaded = load_recipe(path)
         argv, _ = llama_server_argv(loaded.recipe, ServerLayout(args.prefix))
         argv[0] = str(b / "llama-server")
@@ -319,7 +330,9 @@ def phase_moe(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         found: dict[str, Any] = {"argv": argv, "health": code, "load_s": load_s}
         try:
             if code == 200:
-                _, text = _sh(f"curl -s -m 60 http://127.0.0.1:{port}/completion -d '{{\"prompt\": \"Hello\", \"n_predict\": 64}}'")
+                _, text = _sh(
+                    f'curl -s -m 60 http://127.0.0.1:{port}/completion -d \'{{"prompt": "Hello", "n_predict": 64}}\''
+                )
                 found["timings"] = json.loads(text).get("timings")
         finally:
             _stop(proc)

@@ -65,7 +65,9 @@ def _metadata(w: gguf.GGUFWriter, shape: ModelShape, ctx_train: int) -> None:
     w.add_unk_token_id(0)
 
 
-def write_shaped_gguf(path: Path, shape: ModelShape, ftype: str, *, imatrix: bool = False, ctx_train: int = 32768) -> Path:
+def write_shaped_gguf(
+    path: Path, shape: ModelShape, ftype: str, *, imatrix: bool = False, ctx_train: int = 32768
+) -> Path:
     """Write `path` (overwritten) with the tensors and types the planner predicts for
     (shape, ftype); returns path. The file's length is the real one, its data sparse."""
     if shape.vocab_size < 259:
