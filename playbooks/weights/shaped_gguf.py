@@ -92,6 +92,7 @@ def write_shaped_gguf(
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    assert w.fout is not None  # open: the header was just written to it
     f = w.fout[0]
     start = f.tell() + (-f.tell() % w.data_alignment)
     f.truncate(start + sum(n + (-n % w.data_alignment) for n in sizes))
