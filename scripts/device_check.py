@@ -280,7 +280,14 @@ def phase_moe(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     shape = load_config_file(config)
     gguf = write_shaped_gguf(MODELS / f"{config.stem}-Q4_K_M.gguf", shape, "Q4_K_M")
     b = bin_dir(args)
-    result: dict[str, Any] = {"file_bytes": gguf.stat().st_size, "config": config.name}
+    from playbooks.plan.gguf_size import assign_types
+
+    result: dict[str, Any] = {
+        "file_bytes": gguf.stat().st_size,
+        "config": config.name,
+        # the file's own layout, so a later planner can be compared on exactly this file
+        "types": {t.name: ttype.name for t, ttype in assign_types(shape, "Q4_K_M")},
+    }
 
     def fit() -> dict[str, Any]:
         # what llama.cpp's own fit picks when the GPU leaves a V100-sized budget free
@@ -370,6 +377,7 @@ def main() -> int:
         data = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         rc = 1
     data["phase_seconds"] = round(time.monotonic() - t0, 1)
+    data["commit"] = _sh(f"git -C {ROOT} rev-parse HEAD 2>/dev/null || cat {ROOT}/.device/commit")[1].strip()
     _save(out, args.phase, data)
     print(f"{args.phase}: {'ok' if rc == 0 else data['error']} ({data['phase_seconds']} s)", flush=True)
     os.sync()

@@ -1,5 +1,11 @@
 """A tiny Llama with random weights in real formats: the `generate: tiny-llama` model source.
 
+The config may also be a Mixtral (model_type mixtral: a Llama whose FFN is num_local_experts
+experts, num_experts_per_tok of them per token): the tiny mixture-of-experts model the MoE
+tests convert, quantize and serve with experts kept in host RAM. Mixtral is the MoE layout
+whose conversion takes this SentencePiece tokenizer (llama.cpp converts it as `llama`); the
+Qwen MoE converters want a BPE tokenizer.json with a known pre-tokenizer.
+
 The tests and the README demo need a model that is real to every tool downstream
 (convert_hf_to_gguf.py, llama-quantize, llama-server) without a download: a Hugging Face
 directory with config.json, BF16 safetensors (as real checkpoints ship them, so the BF16 ->
@@ -34,6 +40,14 @@ _HF_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixtral: the router, and the stacked experts (ffn_*_exps), written one matrix per expert
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+}
+# llama.cpp's stacked expert tensor -> Mixtral's per-expert matrix (w1 gate, w2 down, w3 up)
+_HF_EXPERT = {
+    "ffn_gate_exps.weight": "w1",
+    "ffn_down_exps.weight": "w2",
+    "ffn_up_exps.weight": "w3",
 }
 
 # What the generator writes: part of the generated model's id (steps/quantize.py
@@ -142,25 +156,32 @@ def write_tiny_llama(out_dir: Path, config: dict[str, Any], seed: int = 0) -> Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = shape_from_config(config, where="tiny-llama config")
     if shape.arch != "llama" or shape.attention_bias:
-        raise ValueError("write_tiny_llama writes Llama checkpoints (model_type llama, no biases)")
+        raise ValueError("write_tiny_llama writes Llama and Mixtral checkpoints (model_type llama/mixtral, no biases)")
     rng = np.random.default_rng(seed)
     tensors: dict[str, tuple[tuple[int, ...], bytes]] = {}
     for t in model_tensors(shape):
-        if t.layer >= 0:  # blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weight
-            leaf = t.name.split(".", 2)[2]
-            hf = f"model.layers.{t.layer}.{_HF_NAMES[leaf]}"
-        else:
-            hf = _HF_NAMES[t.name]
         hf_shape = tuple(reversed(t.ne))  # torch order: (out_features, in_features)
         if t.cat is Cat.OTHER:
             values = np.ones(hf_shape, dtype=np.float32)  # norm weights start at one
         else:
             values = rng.normal(0.0, 0.02, size=hf_shape).astype(np.float32)
+        if t.experts:  # (n_expert, out, in) -> one (out, in) matrix per expert
+            leaf = t.name.split(".", 2)[2]
+            for e in range(shape.num_experts):
+                hf = f"model.layers.{t.layer}.block_sparse_moe.experts.{e}.{_HF_EXPERT[leaf]}.weight"
+                tensors[hf] = (hf_shape[1:], _bf16_bytes(values[e]))
+            continue
+        if t.layer >= 0:  # blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weight
+            leaf = t.name.split(".", 2)[2]
+            hf = f"model.layers.{t.layer}.{_HF_NAMES[leaf]}"
+        else:
+            hf = _HF_NAMES[t.name]
         tensors[hf] = (hf_shape, _bf16_bytes(values))
     write_safetensors(out_dir / "model.safetensors", tensors)
+    moe = shape.model_type == "mixtral"
     full = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": shape.model_type,
         "torch_dtype": "bfloat16",
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
