@@ -59,6 +59,9 @@ class LoadLog:
     build: str | None = None  # 'NUMBER (COMMIT)', e.g. '4916 (c6af2161b)'
     listening: str | None = None  # the last address the server said it listens on
     loaded: bool = False  # llama-server's 'model loaded' or TabbyAPI's 'Model successfully loaded'
+    # tensor -> buffer type, from the 'buffer type overridden' lines (--n-cpu-moe, -ot); llama.cpp
+    # prints them at debug verbosity (-lv 5) only, so a -lv 4 log has none
+    overridden: dict[str, str] = field(default_factory=dict)
 
     @property
     def kv_total_mib(self) -> float:
@@ -71,6 +74,11 @@ class LoadLog:
     @property
     def model_total_mib(self) -> float:
         return round(sum(self.model_mib.values()), 2)
+
+    @property
+    def model_device_mib(self) -> float:
+        """The weights on accelerators (CUDA0, ...): what --n-cpu-moe and any offload change."""
+        return round(sum(v for k, v in self.model_mib.items() if not is_host_buffer(k)), 2)
 
     @property
     def compute_device_mib(self) -> float:
@@ -104,6 +112,7 @@ _LISTENING = (
     re.compile(r"\bHTTP server is listening, hostname: ([^,\s]+), port: (\d+)"),  # 2024-25, before the load
     re.compile(r"\bUvicorn running on (\S+)"),  # TabbyAPI
 )
+_OVERRIDE = re.compile(r"\btensor (\S+) \(\d+ MiB \S+\) buffer type overridden to (\S+)")
 _LOADED = re.compile(r"\bmodel loaded\b|\bModel successfully loaded\b")
 _DEVICE = re.compile(r"\bDevice \d+: .*?, compute capability (\d+)\.(\d+)")
 _ARCHS = re.compile(r"\bCUDA : ARCHS = (\d+(?:,\d+)*)")
@@ -189,6 +198,7 @@ def parse_load_log(text: str) -> LoadLog:
     kv: dict[str, float] = {}
     compute: dict[str, float] = {}
     model: dict[str, float] = {}
+    overridden: dict[str, str] = {}
     problems: list[str] = []
     device_ccs: dict[int, str] = {}
     archs: list[int] = []
@@ -208,6 +218,8 @@ def parse_load_log(text: str) -> LoadLog:
             _add(compute, m.group(1), m.group(2))
         if m := _MODEL.search(line):
             _add(model, m.group(1) or m.group(2), m.group(3))
+        if m := _OVERRIDE.search(line):
+            overridden[m.group(1)] = m.group(2)
         if build is None:
             for rx in _BUILD:
                 if m := rx.search(line):
@@ -246,6 +258,7 @@ def parse_load_log(text: str) -> LoadLog:
         build=build,
         listening=listening,
         loaded=loaded,
+        overridden=overridden,
     )
 
 
@@ -260,6 +273,8 @@ def judge_load(
     planned_kv_mib: float | None,
     planned_compute_mib: float | None,
     margin: float = 0.10,
+    planned_device_model_mib: float | None = None,
+    model_margin: float = 0.03,
 ) -> list[str]:
     """Why this load is not the planned one (empty: it is).
 
@@ -269,6 +284,11 @@ def judge_load(
     LoadLog.compute_device_mib); None skips the check. A check that was asked for and finds
     no line in the log fails: a server started without `-lv 4` cannot be verified, and a
     silent pass would hide the CPU offload it exists to catch.
+
+    `planned_device_model_mib`: the weights the plan puts on the GPU (a MoE recipe with
+    --n-cpu-moe N: all but token_embd and the first N layers' experts). The GPU's model
+    buffers must hold that within `model_margin` (tensor alignment): less means more than the
+    planned experts stayed in host RAM (or something else did), more means fewer did.
     """
     reasons = list(log.problems)
     if expect_layers is not None:
@@ -285,6 +305,20 @@ def judge_load(
                     f"{n}/{m} layers offloaded to the GPU: {m - n} left on the CPU "
                     f"(the plan puts {'all' if planned == m else planned} on the GPU)"
                 )
+    if planned_device_model_mib is not None:
+        actual = log.model_device_mib
+        if not any(not is_host_buffer(k) for k in log.model_mib):
+            reasons.append("the log has no GPU model buffer size line, so the weights on the GPU cannot be checked")
+        elif actual < planned_device_model_mib * (1 - model_margin):
+            reasons.append(
+                f"the GPU holds {actual:.2f} MiB of weights, under the plan's {planned_device_model_mib:.2f} MiB: "
+                f"more than the planned experts stayed in host memory ({_breakdown(log.model_mib)})"
+            )
+        elif actual > planned_device_model_mib * (1 + model_margin):
+            reasons.append(
+                f"the GPU holds {actual:.2f} MiB of weights, over the plan's {planned_device_model_mib:.2f} MiB: "
+                f"fewer experts stayed in host memory than planned ({_breakdown(log.model_mib)})"
+            )
     for kind, planned_mib, actual, sizes in (
         ("KV cache", planned_kv_mib, log.kv_total_mib, log.kv_mib),
         ("compute buffer", planned_compute_mib, log.compute_device_mib, log.compute_mib),
