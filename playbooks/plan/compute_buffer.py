@@ -35,6 +35,13 @@ a FLASH_ATTN_EXT node to also hold F16 copies of a non-F16 K/V for the tile/MMA 
 (ggml_cuda_flash_attn_ext_get_alloc_size, ggml-cuda/fattn.cu) - on a V100 every batch of more
 than two tokens per sequence takes those kernels. Those two CUDA terms come from the source
 only (no GPU here); everything else is measured, a device split through an RPC device.
+
+Mixture-of-experts layers (qwen3moe, qwen2moe with its shared expert, Mixtral, gpt-oss) follow
+build_moe_ffn (_moe_ffn below). That walk was transcribed from the source, then checked against
+CPU-only loads of the pinned llama-server (tests/test_moe_planner.py: equal to the 0.01 MiB
+for all four). What a device buffer adds with --n-cpu-moe (a copy of an offloaded expert
+weight for a prefill-sized batch) comes from ggml-backend.cpp's and ggml-cuda.cu's source
+only: an estimate until a CUDA load log checks it.
 """
 
 from __future__ import annotations
@@ -138,6 +145,16 @@ class Graph:
     kv_idx_inputs: bool = True  # KV stored by ggml_set_rows with index inputs (since mid-2025)
     out_rows: bool = True  # last layer always selects the output rows (since mid-2025;
     # before, only when fewer outputs than tokens)
+    # Mixture of experts (n_expert 0: a dense FFN): llm_graph_context::build_moe_ffn, an
+    # estimate (see replay). n_ff_exp: one expert's FFN width; n_ff_shexp: a shared expert's.
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    moe_norm_w: bool = True  # weights renormalised over the selected experts (not gpt-oss)
+    # bytes CUDA allocates to copy a host-resident up, gate and down expert weight to the GPU
+    # for a prefill-sized batch (--n-cpu-moe; (0, 0, 0): every expert is on the device)
+    expert_copy: tuple[int, int, int] = (0, 0, 0)
 
 
 def replay(g: Graph) -> int:
@@ -257,13 +274,16 @@ def replay(g: Graph) -> int:
             w.F(inp)
         w.A("norm", E * t * F32)
         w.R("ffn_norm", "norm")
-        w.A("gate", F * t * F32)
-        w.A("up", F * t * F32)
-        w.F("ffn_norm")
-        w.A("swiglu", F * t * F32)
-        w.F("gate", "up")
-        w.A("ffn_out", E * t * F32)
-        w.F("swiglu")
+        if g.n_expert:
+            _moe_ffn(w, g, t)
+        else:
+            w.A("gate", F * t * F32)
+            w.A("up", F * t * F32)
+            w.F("ffn_norm")
+            w.A("swiglu", F * t * F32)
+            w.F("gate", "up")
+            w.A("ffn_out", E * t * F32)
+            w.F("swiglu")
         w.R("l_out", "ffn_out")
         w.F("ffn_inp")
         inp = "l_out"
@@ -272,6 +292,72 @@ def replay(g: Graph) -> int:
     return w.mem.peak
 
 
+def _moe_ffn(w: _Walk, g: Graph, t: int) -> None:
+    """A MoE layer's FFN on `t` tokens, from ffn_norm to ffn_out, in build_moe_ffn's order
+    (src/llama-graph.cpp at 0c1e570). Transcribed from the source, not from allocator traces
+    like the rest of replay(); real CPU-only loads agree (see the module docstring), the
+    device-side expert copies are from the source alone.
+
+    router logits (n_expert x t, F32), softmax in place; the argsort of the probabilities
+    (n_expert x t, I32), whose top-k view selects the experts and lives until the down
+    projection; the selected experts' weights (k x t) and, when renormalised, their sum (t);
+    then the mul_mat_id outputs: up and gate (n_ff_exp x k x t each), their GLU product, down
+    (n_embd x k x t, the largest for most shapes), weighted in place, and the sum of the k
+    expert rows (n_embd x t; the first add cannot reuse a view of a tensor with k views).
+    Biases (gpt-oss) are added in place (ADD_ID). A host-resident expert weight is copied into
+    the buffer at the start of its matmul's split and freed after it (ggml-backend.cpp: inputs
+    of a split; one copy at a time on a single GPU). A shared expert (Qwen2-MoE) runs as a dense
+    FFN beside it, its sigmoid gate a 1 x t row.
+    """
+    n_exp, k, Fe, E = g.n_expert, g.n_expert_used, g.n_ff_exp, g.n_embd
+    up_copy, gate_copy, down_copy = g.expert_copy if t >= _OP_OFFLOAD_MIN_BATCH else (0, 0, 0)
+
+    def matmul_id(name: str, size: int, copy: int) -> None:
+        if copy:
+            w.A("w_copy", copy)
+        w.A(name, size)
+        if copy:
+            w.F("w_copy")
+
+    w.A("logits", n_exp * t * F32)
+    w.R("probs", "logits")  # soft_max in place (gpt-oss: the logits themselves)
+    w.A("argsort", n_exp * t * 4)
+    w.A("weights", k * t * F32)  # get_rows(probs, selected); softmax/div/scale in place
+    w.F("probs")
+    if g.moe_norm_w:
+        w.A("weights_sum", t * F32)  # sum_rows, clamped in place
+        w.F("weights_sum")  # div(weights, sum) in place
+    # the graph reaches them through the GLU's sources: gate first, then up
+    matmul_id("gate", Fe * k * t * F32, gate_copy)
+    matmul_id("up", Fe * k * t * F32, up_copy)
+    if not g.n_ff_shexp:
+        w.F("ffn_norm")
+    w.A("glu", Fe * k * t * F32)
+    w.F("gate", "up")
+    matmul_id("down", E * k * t * F32, down_copy)
+    w.F("glu", "argsort")
+    w.R("weighted", "down")  # mul(experts, weights) in place
+    w.F("weights")
+    w.A("ffn_out", E * t * F32)  # the sum of the k expert rows (then in place)
+    w.F("weighted")
+    if g.n_ff_shexp:
+        # mul(ffn(cur), sigmoid gate): the graph reaches the FFN first, then the gate
+        S = g.n_ff_shexp
+        w.A("sh_gate", S * t * F32)
+        w.A("sh_up", S * t * F32)
+        w.A("sh_glu", S * t * F32)
+        w.F("sh_gate", "sh_up")
+        w.A("sh_out", E * t * F32)
+        w.F("sh_glu")
+        w.A("sh_gate_inp", t * F32)  # ffn_gate_inp_shexp x cur: 1 x t
+        w.F("ffn_norm")
+        w.A("sh_sigmoid", t * F32)  # silu(x) / x: the div in place
+        w.F("sh_gate_inp")
+        w.F("sh_sigmoid")  # mul in place
+        w.F("sh_out")  # added to ffn_out in place
+
+
+_OP_OFFLOAD_MIN_BATCH = 32  # ggml-cuda.cu: GGML_OP_OFFLOAD_MIN_BATCH's default
 _UNQUANTIZED_CACHE = ("f16", "bf16", "f32")
 
 
@@ -287,9 +373,12 @@ def worst_case_graph(
     device: bool = True,
     n_outputs: int | None = None,
     n_batch: int = 2048,
+    expert_copy: tuple[int, int, int] = (0, 0, 0),
 ) -> Graph:
     """The Graph llama_context::sched_reserve builds for these llama-server settings
-    (see planner.llamacpp_compute_buffer_bytes for the parameters; n_batch is -b)."""
+    (see planner.llamacpp_compute_buffer_bytes for the parameters; n_batch is -b).
+    expert_copy: the bytes of a host-resident up, gate and down expert weight (--n-cpu-moe),
+    which a device buffer holds a copy of while a prefill-sized batch multiplies by it."""
     if not flash_attn and cache_v not in _UNQUANTIZED_CACHE:
         # llama_context refuses it: a quantized V cache needs flash attention
         raise ValueError(f"llama.cpp needs flash attention for a quantized V cache ({cache_v})")
@@ -329,7 +418,8 @@ def worst_case_graph(
         n_tokens=tokens,
         n_stream=n_seq,
         n_kv_swa=n_kv_swa,
-        swa_pattern=2 if shape.arch == "gemma2" else 6,
+        # gemma2 and gpt-oss slide on every other layer (model_config._sliding_window)
+        swa_pattern=2 if shape.arch in ("gemma2", "gpt-oss") else 6,
         n_outputs=n_seq if n_outputs is None else n_outputs,
         flash_attn=flash_attn,
         rot_k=rot_k,
@@ -337,4 +427,12 @@ def worst_case_graph(
         device=device,
         alignment=128 if device else 32,
         fa_extra=fa_extra,
+        n_expert=shape.num_experts,
+        n_expert_used=shape.num_experts_per_tok,
+        n_ff_exp=shape.expert_intermediate_size,
+        n_ff_shexp=shape.shared_expert_intermediate_size,
+        # llama.cpp renormalises the selected experts' weights for Mixtral (llama) and Qwen3-MoE,
+        # not for Qwen2-MoE or gpt-oss (norm_w in models/*.cpp)
+        moe_norm_w=shape.arch in ("llama", "qwen3moe"),
+        expert_copy=expert_copy if device else (0, 0, 0),
     )
