@@ -5,12 +5,17 @@ Pure functions: model shape + GPU + serving settings in, bytes and tokens per se
 VRAM budget = weights on the GPU + KV cache + compute buffers + CUDA context + a margin.
 Decode at small batch is bandwidth bound: tok/s <= bandwidth / bytes read per token.
 
+Mixture-of-experts models read only their active experts per token, and can keep the experts
+of their first N layers in host RAM (llama-server --n-cpu-moe N): see playbooks/plan/moe.py for
+what moves and the two-sided roofline, and make_plan for how N is chosen.
+
 Units: bytes everywhere inside; GiB (2^30) and GB (1e9) are labelled wherever shown.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from playbooks.plan.compute_buffer import replay, worst_case_graph
 from playbooks.plan.exl2_size import (
@@ -30,7 +35,15 @@ from playbooks.plan.kv_cache import (
     llamacpp_kv_bytes_per_token,
 )
 from playbooks.plan.model_config import ModelShape
-from playbooks.plan.tensors import parameter_count
+from playbooks.plan.moe import (
+    HostMemory,
+    NCpuMoe,
+    OffloadStep,
+    expert_layout,
+    ladder_points,
+    two_sided_tok_s,
+)
+from playbooks.plan.tensors import model_tensors, parameter_count
 
 CTX_STEP = 256  # llama.cpp pads its KV cache to 256 cells; contexts are planned in these steps
 
@@ -56,6 +69,7 @@ def llamacpp_compute_buffer_bytes(
     cache_v: str = "f16",
     device: bool = True,
     n_outputs: int | None = None,
+    expert_copy: tuple[int, int, int] = (0, 0, 0),
 ) -> int:
     """llama.cpp's compute buffer at the pinned ref (0c1e570), as ggml-alloc reserves it.
 
@@ -71,8 +85,16 @@ def llamacpp_compute_buffer_bytes(
     the pinned ref: tests/test_compute_buffer.py checks it byte for byte against real loads of
     the pinned build, CPU-only and with a device split. CUDA's 128-byte alignment and its F16
     copies of a quantized K/V for flash attention come from its source (no GPU here).
+
+    Mixture-of-experts graphs (qwen3moe, qwen2moe, Mixtral, gpt-oss): the same allocator walks
+    build_moe_ffn's tensors as transcribed from its source (router logits and argsort
+    n_expert x n_ubatch, up/gate/GLU n_ff_exp x n_expert_used x n_ubatch, down
+    n_embd x n_expert_used x n_ubatch); CPU-only loads of the pinned build agree exactly, a
+    device split of a MoE has not been measured. `expert_copy` is an ESTIMATE from the source:
+    with --n-cpu-moe, the up/gate/down weight of an offloaded layer is copied into the device
+    buffer for a prefill-sized batch (moe.py), which adds about the largest such tensor.
     """
-    return replay(
+    return _replay(
         worst_case_graph(
             shape,
             n_ctx,
@@ -83,8 +105,13 @@ def llamacpp_compute_buffer_bytes(
             cache_v=cache_v,
             device=device,
             n_outputs=n_outputs,
+            expert_copy=expert_copy,
         )
     )
+
+
+# The planner replays the same graph for many candidate contexts and --n-cpu-moe values.
+_replay = lru_cache(maxsize=4096)(replay)
 
 
 def exl2_compute_bytes(
@@ -120,6 +147,9 @@ class Serving:
     margin_mib: int = 256
     imatrix: bool = True
     head_bits: int = 6  # EXL2 lm_head bits (convert.py -hb)
+    # llama-server --n-cpu-moe for a MoE model: the experts of the first N layers in host RAM.
+    # 0: none (every weight on the GPU); "auto": the smallest N that fits (make_plan)
+    n_cpu_moe: NCpuMoe = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +174,22 @@ class Option:
     draft_bytes: int = 0
     # why it cannot run on this target whatever the memory says ("": nothing but memory counts)
     unfit_reason: str = ""
+    # Mixture of experts (all 0 / None for a dense model or a MoE kept whole on the GPU):
+    n_cpu_moe: int = 0  # llama-server --n-cpu-moe: the experts of layers 0..N-1 in host RAM
+    host_bytes_per_token: int = 0  # of streamed_bytes, what is read in host RAM
+    host_weights_bytes: int = 0  # expert bytes kept in host RAM
+    host_resident_bytes: int = 0  # what the weights take of host RAM (those + token_embd)
+    host_membw_gb_s: float | None = None  # the host bandwidth the roofline divided by
+    host_membw_source: str | None = None  # measured | given | default
+
+    @property
+    def active_bytes_per_token(self) -> int:
+        """Weight bytes one decoded token reads, wherever they are (a MoE's active experts)."""
+        return self.streamed_bytes
+
+    @property
+    def gpu_bytes_per_token(self) -> int:
+        return self.streamed_bytes - self.host_bytes_per_token
 
     @property
     def fits(self) -> bool:
@@ -177,16 +223,34 @@ def _kv_per_token(shape: ModelShape, s: Serving) -> int:
 
 
 def _weights(shape: ModelShape, quant: str, s: Serving) -> tuple[int, int, int]:
-    """(file bytes, bytes on the GPU, bytes streamed per token)."""
+    """(file bytes, bytes on the GPU, bytes streamed per token). A MoE token streams its active
+    experts only (for GGUF the planner's MoE path splits this further by --n-cpu-moe)."""
     if quant.startswith("EXL2-"):
-        e = estimate_exl2(shape, float(quant[5:]), s.head_bits)
-        return e.file_bytes, e.gpu_weight_bytes, e.streamed_bytes_per_token
+        bpw = float(quant[5:])
+        e = estimate_exl2(shape, bpw, s.head_bits)
+        streamed = e.streamed_bytes_per_token
+        if shape.is_moe:
+            # EXL2 quantizes each expert's matrices at the same target rate as the rest
+            expert = sum(t.n_elements for t in model_tensors(shape) if t.experts and len(t.ne) == 3)
+            streamed -= int(expert * bpw / 8 * (1 - shape.active_expert_fraction))
+        return e.file_bytes, e.gpu_weight_bytes, streamed
     g = estimate_gguf(shape, quant, imatrix=s.imatrix)
+    if shape.is_moe:
+        lay = expert_layout(shape, quant, s.imatrix)
+        return g.file_bytes, g.gpu_weight_bytes, sum(lay.per_token(0))
     return g.file_bytes, g.gpu_weight_bytes, g.streamed_bytes_per_token
 
 
-def _vram_at(shape: ModelShape, s: Serving, ctx: int, gpu: Gpu, draft: DraftPlan | None) -> tuple[int, int, int, int]:
-    """(KV, compute, CUDA context + margin, draft model) bytes at `ctx` tokens per slot."""
+def _vram_at(
+    shape: ModelShape,
+    s: Serving,
+    ctx: int,
+    gpu: Gpu,
+    draft: DraftPlan | None,
+    expert_copy: tuple[int, int, int] = (0, 0, 0),
+) -> tuple[int, int, int, int]:
+    """(KV, compute, CUDA context + margin, draft model) bytes at `ctx` tokens per slot.
+    `expert_copy`: see llamacpp_compute_buffer_bytes (--n-cpu-moe)."""
     tokens = ctx * s.parallel
     if s.backend == "exllamav2":
         kv = _kv_per_token(shape, s) * tokens  # ExLlamaV2 caches every layer for max_seq_len x batch
@@ -204,6 +268,7 @@ def _vram_at(shape: ModelShape, s: Serving, ctx: int, gpu: Gpu, draft: DraftPlan
             cache_k=s.cache_k,
             cache_v=s.cache_v,
             device=not gpu.is_cpu,
+            expert_copy=expert_copy,
         )
     draft_b = 0
     if draft is not None:
@@ -220,21 +285,36 @@ def _vram_at(shape: ModelShape, s: Serving, ctx: int, gpu: Gpu, draft: DraftPlan
 #: places modules on "cuda:N" (model.py _torch_device) and warns at import when torch has
 #: neither CUDA nor ROCm (model.py, line 22); its converter measures on the GPU too.
 EXL2_NEEDS_CUDA = "needs a CUDA GPU"
+#: MoE architectures ExLlamaV2 0.3.2 cannot load (exllamav2/architecture.py knows
+#: MixtralForCausalLM and Qwen3MoeForCausalLM, not these).
+EXL2_MISSING_ARCHS = {"qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
-def unfit_reason(backend: str, gpu: Gpu) -> str:
+def unfit_reason(backend: str, gpu: Gpu, shape: ModelShape | None = None) -> str:
     """Why this backend cannot run on this target at all, memory aside ("": it can)."""
     if backend == "exllamav2" and gpu.is_cpu:
         return EXL2_NEEDS_CUDA
+    if backend == "exllamav2" and shape is not None and shape.model_type in EXL2_MISSING_ARCHS:
+        return f"ExLlamaV2 0.3.2 has no {EXL2_MISSING_ARCHS[shape.model_type]}"
     return ""
 
 
-def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None = None) -> Option:
+def evaluate(
+    shape: ModelShape,
+    quant: str,
+    gpu: Gpu,
+    s: Serving,
+    draft: DraftPlan | None = None,
+    host: HostMemory | None = None,
+) -> Option:
+    """One quant at these settings. A MoE GGUF quant gets its --n-cpu-moe (see _evaluate_moe)."""
+    if shape.is_moe and not quant.startswith("EXL2-"):
+        return _evaluate_moe(shape, quant, gpu, s, draft, host or HostMemory())
     file_b, gpu_w, streamed = _weights(shape, quant, s)
     kv_tok = _kv_per_token(shape, s)
     kv, compute, overhead, draft_b = _vram_at(shape, s, s.context, gpu, draft)
     backend = "exllamav2" if quant.startswith("EXL2-") else "llamacpp"
-    unfit = unfit_reason(backend, gpu)
+    unfit = unfit_reason(backend, gpu, shape)
     return Option(
         quant=quant,
         backend=backend,
@@ -257,11 +337,18 @@ def evaluate(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPl
     )
 
 
-def _max_ctx(shape: ModelShape, s: Serving, gpu_w: int, gpu: Gpu, draft: DraftPlan | None) -> int:
+def _max_ctx(
+    shape: ModelShape,
+    s: Serving,
+    gpu_w: int,
+    gpu: Gpu,
+    draft: DraftPlan | None,
+    expert_copy: tuple[int, int, int] = (0, 0, 0),
+) -> int:
     """Largest per-slot context (a multiple of CTX_STEP, at most the model's maximum) that fits."""
 
     def fits(ctx: int) -> bool:
-        return gpu_w + sum(_vram_at(shape, s, ctx, gpu, draft)) <= gpu.memory_bytes
+        return gpu_w + sum(_vram_at(shape, s, ctx, gpu, draft, expert_copy)) <= gpu.memory_bytes
 
     lo, hi = 0, shape.max_position_embeddings // CTX_STEP
     while lo < hi:  # VRAM grows with context, so the last fitting step is found by bisection
@@ -271,6 +358,146 @@ def _max_ctx(shape: ModelShape, s: Serving, gpu_w: int, gpu: Gpu, draft: DraftPl
         else:
             hi = mid - 1
     return lo * CTX_STEP
+
+
+@dataclass(frozen=True)
+class _MoeAt:
+    """A MoE GGUF quant with the experts of its first n layers in host RAM."""
+
+    n: int
+    gpu_weights: int
+    kv: int
+    compute: int
+    overhead: int
+    draft: int
+    gpu_bytes_per_token: int
+    host_bytes_per_token: int
+    host_weights: int
+    host_resident: int
+    copies: tuple[int, int, int]
+
+    @property
+    def vram(self) -> int:
+        return self.gpu_weights + self.kv + self.compute + self.overhead + self.draft
+
+
+def _moe_at(
+    shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None, n: int, ctx: int | None = None
+) -> _MoeAt:
+    lay = expert_layout(shape, quant, s.imatrix)
+    gpu_w = estimate_gguf(shape, quant, imatrix=s.imatrix).gpu_weight_bytes - lay.host_expert_bytes(n)
+    copies = lay.copies(n)
+    kv, compute, overhead, draft_b = _vram_at(shape, s, ctx or s.context, gpu, draft, copies)
+    gpu_tok, host_tok = lay.per_token(n)
+    return _MoeAt(
+        n=n,
+        gpu_weights=gpu_w,
+        kv=kv,
+        compute=compute,
+        overhead=overhead,
+        draft=draft_b,
+        gpu_bytes_per_token=gpu_tok,
+        host_bytes_per_token=host_tok,
+        host_weights=lay.host_expert_bytes(n),
+        host_resident=lay.host_resident_bytes(n),
+        copies=copies,
+    )
+
+
+def smallest_n_cpu_moe(
+    shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None = None
+) -> int | None:
+    """The fewest layers whose experts must stay in host RAM for `quant` to fit the GPU at the
+    serving settings (0: it fits whole); None when even all of them are not enough."""
+    for n in range(shape.num_hidden_layers + 1):
+        if _moe_at(shape, quant, gpu, s, draft, n).vram <= gpu.memory_bytes:
+            return n
+    return None
+
+
+def _host_ram_reason(at: _MoeAt, host: HostMemory) -> str:
+    if host.ram_bytes is None or at.host_resident <= host.ram_bytes:
+        return ""
+    return (
+        f"host RAM: token_embd + the experts of {at.n} layer(s) need {at.host_resident / 2**30:.1f} GiB, "
+        f"the host has {host.ram_bytes / 2**30:.1f} GiB ({host.ram_source})"
+    )
+
+
+def _evaluate_moe(
+    shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None, host: HostMemory
+) -> Option:
+    """A MoE GGUF quant: its --n-cpu-moe N (none on a CPU target; the serving's number when
+    pinned; the smallest that fits when "auto", all layers when none does), the VRAM without
+    those experts, the host RAM they take, and the two-sided roofline."""
+    n_layer = shape.num_hidden_layers
+    if gpu.is_cpu:
+        n = 0
+    elif s.n_cpu_moe == "auto":
+        found = smallest_n_cpu_moe(shape, quant, gpu, s, draft)
+        n = n_layer if found is None else found
+    else:
+        n = min(int(s.n_cpu_moe), n_layer)
+    at = _moe_at(shape, quant, gpu, s, draft, n)
+    unfit = _host_ram_reason(at, host)
+    # on a CPU target the "GPU" is the host: its bandwidth is the catalog's CPU figure
+    membw = host.membw_gb_s
+    roof = two_sided_tok_s(at.gpu_bytes_per_token, gpu.bandwidth_gb_s, at.host_bytes_per_token, membw)
+    kv_tok = _kv_per_token(shape, s)
+    roof_full = two_sided_tok_s(
+        at.gpu_bytes_per_token + kv_tok * s.context, gpu.bandwidth_gb_s, at.host_bytes_per_token, membw
+    )
+    file_b = estimate_gguf(shape, quant, imatrix=s.imatrix).file_bytes
+    return Option(
+        quant=quant,
+        backend="llamacpp",
+        weights_bytes=file_b,
+        params=parameter_count(shape),
+        gpu_weights_bytes=at.gpu_weights,
+        streamed_bytes=at.gpu_bytes_per_token + at.host_bytes_per_token,
+        kv_bytes_per_token=kv_tok,
+        kv_bytes=at.kv,
+        compute_bytes=at.compute,
+        overhead_bytes=at.overhead + at.draft,
+        vram_bytes=at.vram,
+        gpu_bytes=gpu.memory_bytes,
+        max_ctx=0 if unfit else _max_ctx(shape, s, at.gpu_weights, gpu, draft, at.copies),
+        roofline_tok_s=roof,
+        roofline_full_ctx_tok_s=roof_full,
+        draft_bytes=at.draft,
+        unfit_reason=unfit,
+        n_cpu_moe=n,
+        host_bytes_per_token=at.host_bytes_per_token,
+        host_weights_bytes=at.host_weights,
+        host_resident_bytes=at.host_resident,
+        host_membw_gb_s=membw if at.host_bytes_per_token else None,
+        host_membw_source=host.membw_source if at.host_bytes_per_token else None,
+    )
+
+
+def offload_ladder(
+    shape: ModelShape, quant: str, gpu: Gpu, s: Serving, host: HostMemory, draft: DraftPlan | None = None
+) -> list[OffloadStep]:
+    """What --n-cpu-moe N costs and leaves, for N = 0, the smallest that fits and a few more
+    (moe.ladder_points): VRAM at the serving's context, and the single-stream ceiling."""
+    n_fit = smallest_n_cpu_moe(shape, quant, gpu, s, draft)
+    steps = []
+    for n in ladder_points(shape.num_hidden_layers, n_fit):
+        at = _moe_at(shape, quant, gpu, s, draft, n)
+        steps.append(
+            OffloadStep(
+                n_cpu_moe=n,
+                vram_bytes=at.vram,
+                fits=at.vram <= gpu.memory_bytes and not _host_ram_reason(at, host),
+                host_weights_bytes=at.host_weights,
+                gpu_bytes_per_token=at.gpu_bytes_per_token,
+                host_bytes_per_token=at.host_bytes_per_token,
+                roofline_tok_s=two_sided_tok_s(
+                    at.gpu_bytes_per_token, gpu.bandwidth_gb_s, at.host_bytes_per_token, host.membw_gb_s
+                ),
+            )
+        )
+    return steps
 
 
 def quant_names(backend: str | None = None) -> list[str]:
@@ -321,6 +548,14 @@ class Plan:
     best_quality: Option | None = None
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    host: HostMemory = field(default_factory=HostMemory)
+    # MoE: the --n-cpu-moe ladder of one GGUF quant (the chosen one, else the recommendation)
+    offload: list[OffloadStep] = field(default_factory=list)
+    offload_quant: str | None = None
+
+
+def _offload_text(o: Option) -> str:
+    return f" with the experts of {o.n_cpu_moe} layer(s) in host RAM (--n-cpu-moe {o.n_cpu_moe})" if o.n_cpu_moe else ""
 
 
 def make_plan(
@@ -330,6 +565,7 @@ def make_plan(
     quant: str | None = None,
     draft: DraftPlan | None = None,
     min_bpw: float = 3.0,
+    host: HostMemory | None = None,
 ) -> Plan:
     """Evaluate every quant on this GPU and pick one.
 
@@ -337,10 +573,17 @@ def make_plan(
     context and slots among quants of at least `min_bpw` bits per weight: below about 3 bpw
     14-32B models lose quality quickly, and the fastest quant overall would always be the
     smallest. `best_quality` is the largest quant that fits, for users who prefer quality.
+
+    A MoE model's GGUF quants may keep experts in host RAM when the serving allows it
+    (`n_cpu_moe` "auto": each quant gets the smallest N that fits; an integer pins N; 0 keeps
+    everything on the GPU). Their roofline is two-sided (moe.two_sided_tok_s), so a quant
+    with offload ranks below one that fits whole, and is recommended only when it is the
+    fastest that fits at the quality floor.
     """
-    options = [evaluate(shape, q, gpu, serving_for(q, serving), draft) for q in quant_names()]
-    chosen = evaluate(shape, quant, gpu, serving, draft) if quant else None
-    plan = Plan(shape, gpu, serving, chosen, options, min_bpw)
+    host = host or HostMemory()
+    options = [evaluate(shape, q, gpu, serving_for(q, serving), draft, host) for q in quant_names()]
+    chosen = evaluate(shape, quant, gpu, serving, draft, host) if quant else None
+    plan = Plan(shape, gpu, serving, chosen, options, min_bpw, host=host)
     fitting = [o for o in options if o.fits]  # an option that cannot run here does not fit
     if gpu.is_cpu:
         plan.notes.append(
@@ -361,7 +604,7 @@ def make_plan(
         r = plan.recommendation
         plan.reason = (
             f"{r.quant} ({r.backend}) is the fastest quant of at least {min_bpw:g} bits/weight that fits "
-            f"{serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}: "
+            f"{serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}{_offload_text(r)}: "
             f"{r.headroom_bytes / MIB:,.0f} MiB left, roofline {r.roofline_tok_s:.0f} tok/s"
         )
     elif fitting:
@@ -383,4 +626,59 @@ def make_plan(
         )
     elif not gpu.bf16 and shape.torch_dtype == "bfloat16":
         plan.notes.append(f"{gpu.name} has no BF16: the BF16 weights are converted to FP16 before quantizing")
+    if shape.is_moe:
+        _moe_notes(plan, draft)
     return plan
+
+
+def _moe_notes(plan: Plan, draft: DraftPlan | None) -> None:
+    """The MoE part of a plan: the --n-cpu-moe ladder and what its numbers rest on."""
+    shape, gpu, s, host = plan.shape, plan.gpu, plan.serving, plan.host
+    c = plan.chosen
+    target = c if c is not None and c.backend == "llamacpp" else plan.recommendation
+    # the ladder where offload is allowed, or where the planned quant does not fit without it
+    wanted = s.n_cpu_moe != 0 or (c is not None and not c.fits)
+    if wanted and target is not None and target.backend == "llamacpp" and not gpu.is_cpu:
+        ts = serving_for(target.quant, s)
+        plan.offload = offload_ladder(shape, target.quant, gpu, ts, host, draft)
+        plan.offload_quant = target.quant
+    plan.notes.append(
+        f"mixture of experts: a token reads {shape.num_experts_per_tok} of {shape.num_experts} experts per layer, "
+        "so the roofline counts the active experts only"
+        + (
+            ""
+            if gpu.is_cpu
+            else "; the GPU compute buffer of a MoE graph is an estimate (build_moe_ffn's tensors, checked on "
+            "CPU loads only, + a copy of one offloaded expert weight for prefill when --n-cpu-moe > 0)"
+        )
+    )
+    # what the plan proposes to run with experts in host RAM
+    offloaded = [o for o in (c, plan.recommendation, plan.best_quality) if o is not None and o.n_cpu_moe]
+    if offloaded:
+        plan.notes.append(
+            f"host memory bandwidth {host.membw_gb_s:g} GB/s ({host.membw_source}"
+            + (
+                ": the seed host's DDR4 figure; give --host-membw GBPS or planner.host_membw_gb_s"
+                if host.membw_source == "default"
+                else ""
+            )
+            + "): the host side of the two-sided roofline, a ceiling (the CPU's arithmetic and the per-layer "
+            "hand-offs can bind first)"
+        )
+        if host.ram_bytes is None:
+            plan.notes.append(
+                "host RAM unknown: not checked that it holds the offloaded experts + token_embd; "
+                "give --host-ram GIB or planner.host_ram_gib (preflight checks it on the host)"
+            )
+        if s.parallel >= 32:
+            plan.notes.append(
+                f"{s.parallel} slots: a decode batch of 32+ tokens copies host-resident experts to the GPU over "
+                "PCIe instead of reading them on the CPU; the two-sided roofline does not describe that"
+            )
+    if c is not None and c.backend == "llamacpp" and s.n_cpu_moe == 0 and not c.fits and not gpu.is_cpu:
+        n = smallest_n_cpu_moe(shape, c.quant, gpu, s, draft)
+        if n is not None:
+            plan.notes.append(
+                f"{c.quant} fits with the experts of {n} layer(s) in host RAM: set n_cpu_moe: auto in the recipe "
+                f"(or --n-cpu-moe auto)"
+            )
