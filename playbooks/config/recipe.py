@@ -241,6 +241,18 @@ class PlannerSettings(_Strict):
     max_kld: float | None = Field(
         None, gt=0, description="refuse a GGUF quant whose mean KL divergence against its F16 file is above this"
     )
+    # MoE expert offload (n_cpu_moe): what the host side of the plan rests on when the host
+    # itself is not asked (preflight measures the RAM; a bare `invoke plan` cannot)
+    host_membw_gb_s: float | None = Field(
+        None,
+        gt=0,
+        le=100000,
+        description="host memory bandwidth in GB/s (1e9 B/s) for the two-sided roofline of experts kept in "
+        "host RAM; unset: 50, the seed host's DDR4 figure",
+    )
+    host_ram_gib: float | None = Field(
+        None, gt=0, le=1048576, description="host RAM (GiB) the offloaded experts + token_embd must fit; unset: unknown"
+    )
 
 
 class Recipe(_Strict):
@@ -254,6 +266,11 @@ class Recipe(_Strict):
     parallel: int = Field(1, gt=0)
     cache: Cache = Cache()
     flash_attn: bool = True
+    n_cpu_moe: int | Literal["auto"] | None = Field(
+        None,
+        description="mixture-of-experts models, llama.cpp: keep the experts of the first N layers in host RAM "
+        "(llama-server --n-cpu-moe N); auto: the smallest N that fits the GPU; unset: none",
+    )
     batch: int | None = Field(
         None,
         gt=0,
@@ -281,6 +298,16 @@ class Recipe(_Strict):
             get_gpu(v)
         except Exception:
             raise ValueError(f"unknown GPU; known: {', '.join(gpu_names())}") from None
+        return v
+
+    @field_validator("n_cpu_moe", mode="before")
+    @classmethod
+    def _n_cpu_moe(cls, v):
+        # before pydantic: `true` would pass as 1 and "12" as 12
+        if v is None or v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError("must be a number of layers (0 or more) or auto")
         return v
 
     @field_validator("quant", mode="before")
@@ -319,6 +346,11 @@ class Recipe(_Strict):
                 )
             if self.draft is not None:
                 raise ValueError("draft: draft models are planned for llamacpp recipes only")
+            if self.n_cpu_moe is not None:
+                raise ValueError(
+                    "n_cpu_moe: is llama-server's --n-cpu-moe; ExLlamaV2 keeps every expert on the GPU "
+                    "(remove it, or use backend llamacpp)"
+                )
         if self.batch is not None and self.batch < self.planner.n_ubatch:
             raise ValueError(
                 f"batch: {self.batch} is below planner.n_ubatch {self.planner.n_ubatch}; llama.cpp needs -ub <= -b"
@@ -411,6 +443,7 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
             f"{path}:{line}: context: {recipe.context} is above the model's maximum "
             f"(max_position_embeddings {shape.max_position_embeddings})"
         )
+    _check_n_cpu_moe(recipe, shape, path, lines)
     draft_shape = None
     if recipe.draft is not None:
         draft_shape = _load_shape(recipe.draft.model, path, lines, ("draft", "model"))
@@ -422,6 +455,24 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
                 f"{shape.vocab_size} by {diff} tokens; llama.cpp allows at most {SPEC_VOCAB_MAX_SIZE_DIFFERENCE}"
             )
     return LoadedRecipe(path=path, recipe=recipe, shape=shape, draft_shape=draft_shape)
+
+
+def _check_n_cpu_moe(recipe: Recipe, shape: ModelShape, path: Path, lines: Lines) -> None:
+    """n_cpu_moe against the model: only a MoE has experts, and only as many layers as it has."""
+    v = recipe.n_cpu_moe
+    if v is None:
+        return
+    at = f"{path}:{line_of(lines, ('n_cpu_moe',))}"
+    if not shape.is_moe:
+        raise RecipeError(
+            f"{at}: n_cpu_moe: {v!r} but {shape.model_type} is a dense model: it has no experts to keep in host RAM "
+            "(remove the key)"
+        )
+    if isinstance(v, int) and v > shape.num_hidden_layers:
+        raise RecipeError(
+            f"{at}: n_cpu_moe: {v} is more than the model's {shape.num_hidden_layers} layers "
+            f"(all of them: {shape.num_hidden_layers}, or auto)"
+        )
 
 
 def list_recipes(recipes_dir: Path = RECIPES_DIR) -> list[Path]:
