@@ -53,6 +53,8 @@ NOT_WALKED = {"test": "the developer's test runner: --k is any pytest expression
 ACCEPTED = {
     ("plan", "ctx"): {"5"},  # 5 tokens per slot
     ("plan", "parallel"): {"5"},  # 5 slots
+    ("plan", "host-membw"): {"5"},  # 5 GB/s of host memory bandwidth
+    ("plan", "host-ram"): {"5"},  # 5 GiB of host RAM
     ("quantize", "bpw"): {"5"},  # EXL2 at 5.0 bits per weight
     ("render", "gpus"): {"5"},  # GPU 5
     ("deploy", "gpus"): {"5"},

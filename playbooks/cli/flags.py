@@ -159,6 +159,27 @@ def install_prefix(flag: str, value: object) -> str | None:
 _PREFIX_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._/-")
 
 
+#: --n-cpu-moe: more layers than any model has (the plan then says how many the model has)
+MAX_LAYERS = 10000
+
+
+def n_cpu_moe(flag: str, value: object) -> int | str | None:
+    """``--n-cpu-moe 12`` -> 12, ``auto`` -> "auto"; None stays None; 0 is a number (no
+    offload); anything else is refused."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text == "auto":
+        return text
+    try:
+        number = int(text)
+    except ValueError:
+        raise UsageError(f"{flag} {_short(text)!r}: want a number of layers or auto") from None
+    if number < 0 or number > MAX_LAYERS:
+        raise UsageError(f"{flag} must be a number of layers from 0 to {MAX_LAYERS} or auto, got {_short(text)}")
+    return number
+
+
 def choice(flag: str, value: object, allowed: tuple[str, ...]) -> str:
     text = str(value).strip()
     if text not in allowed:

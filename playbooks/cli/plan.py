@@ -9,12 +9,13 @@ from typing import TextIO
 
 from playbooks.cli.flags import UsageError, name_or_path, word
 from playbooks.cli.render import console, plan_json, render_plan
-from playbooks.config.planning import plan_recipe
+from playbooks.config.planning import host_from_recipe, plan_recipe
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
-from playbooks.plan.gpus import get_gpu
-from playbooks.plan.model_config import load_config_file
+from playbooks.plan.gpus import GIB, get_gpu
+from playbooks.plan.model_config import ModelShape, load_config_file
+from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory
 from playbooks.plan.planner import Serving, make_plan, quant_names, serving_for
 
 #: --parallel: more llama-server slots than any GPU's memory serves (the planner's arithmetic
@@ -46,8 +47,14 @@ def run_plan(
     as_json: bool = False,
     out: TextIO | None = None,
     recipes_dir: Path | None = None,
+    n_cpu_moe: int | str | None = None,
+    host_membw_gb_s: float | None = None,
+    host_ram_gib: float | None = None,
 ) -> int:
-    """Returns the exit code: 0 when the planned configuration fits, 1 when it does not."""
+    """Returns the exit code: 0 when the planned configuration fits, 1 when it does not.
+
+    n_cpu_moe (a MoE model's experts in host RAM: a number of layers or "auto"), host_membw_gb_s
+    and host_ram_gib override the recipe's; with --model-config a MoE model plans "auto"."""
     out = out or sys.stdout
     # given but empty is a mistake, not "use the default"
     model_config = name_or_path("--model-config", model_config)
@@ -70,7 +77,12 @@ def run_plan(
                 f"--ctx {ctx} is above the model's maximum "
                 f"(max_position_embeddings {loaded.shape.max_position_embeddings})"
             )
-        plan = plan_recipe(loaded, gpu, ctx)
+        _check_n_cpu_moe(n_cpu_moe, loaded.shape, loaded.recipe.name, gpu or loaded.recipe.gpu)
+        if n_cpu_moe is not None and loaded.recipe.backend != "llamacpp":
+            raise UsageError(f"--n-cpu-moe is llama-server's; {loaded.recipe.name} is an ExLlamaV2 recipe")
+        ram = int(host_ram_gib * GIB) if host_ram_gib is not None else None
+        host = host_from_recipe(loaded, host_membw_gb_s, ram)
+        plan = plan_recipe(loaded, gpu, ctx, n_cpu_moe=n_cpu_moe, host=host)  # type: ignore[arg-type]
         label = loaded.recipe.name
     else:
         shape = load_config_file(Path(str(model_config)))
@@ -83,8 +95,20 @@ def run_plan(
         quant = _normalize_quant(quant or "Q4_K_M")
         if quant not in quant_names() and not quant.startswith("EXL2-"):
             raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
-        serving = serving_for(quant, Serving(context=context, parallel=parallel or 1))
-        plan = make_plan(shape, get_gpu(gpu or "v100-16gb"), serving, quant=quant)
+        _check_n_cpu_moe(n_cpu_moe, shape, str(model_config), gpu or "v100-16gb")
+        if n_cpu_moe is None:
+            n_cpu_moe = "auto" if shape.is_moe else 0
+        serving = serving_for(
+            quant,
+            Serving(context=context, parallel=parallel or 1, n_cpu_moe=n_cpu_moe),  # type: ignore[arg-type]
+        )
+        host = HostMemory(
+            membw_gb_s=host_membw_gb_s or HOST_MEMBW_DEFAULT_GB_S,
+            membw_source="given" if host_membw_gb_s else "default",
+            ram_bytes=int(host_ram_gib * GIB) if host_ram_gib is not None else None,
+            ram_source="given" if host_ram_gib is not None else "unknown",
+        )
+        plan = make_plan(shape, get_gpu(gpu or "v100-16gb"), serving, quant=quant, host=host)
         label = str(model_config)
     if as_json:
         out.write(json.dumps(plan_json(plan, label), indent=2) + "\n")
@@ -92,3 +116,21 @@ def run_plan(
         render_plan(plan, console(out), label)
     fits = plan.chosen.fits if plan.chosen else plan.recommendation is not None or plan.best_quality is not None
     return 0 if fits else 1
+
+
+def _check_n_cpu_moe(n_cpu_moe: int | str | None, shape: ModelShape, label: str, gpu: str) -> None:
+    """--n-cpu-moe against the model and the target: a MoE's layers, on a GPU."""
+    if n_cpu_moe is None:
+        return
+    if not shape.is_moe:
+        raise UsageError(
+            f"--n-cpu-moe {n_cpu_moe}: {label} is a dense model ({shape.model_type}): it has no experts to keep "
+            "in host RAM"
+        )
+    if isinstance(n_cpu_moe, int) and n_cpu_moe > shape.num_hidden_layers:
+        raise UsageError(
+            f"--n-cpu-moe {n_cpu_moe} is more than the model's {shape.num_hidden_layers} layers "
+            f"(all of them: {shape.num_hidden_layers}, or auto)"
+        )
+    if isinstance(n_cpu_moe, int) and n_cpu_moe > 0 and get_gpu(gpu).is_cpu:
+        raise UsageError(f"--n-cpu-moe {n_cpu_moe}: on a CPU target every weight is in host memory already")

@@ -20,8 +20,9 @@ from rich.text import Text
 
 from playbooks.host.ops import Change
 from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
+from playbooks.plan.moe import OffloadStep
 from playbooks.plan.planner import Option, Plan
-from playbooks.plan.tensors import parameter_count
+from playbooks.plan.tensors import active_parameter_count, parameter_count
 from playbooks.steps.preflight import Verdict
 
 _gb = size_text
@@ -60,6 +61,28 @@ def option_json(o: Option) -> dict[str, Any]:
         "max_ctx": o.max_ctx,
         "roofline_tok_s": round(o.roofline_tok_s, 2),
         "roofline_full_ctx_tok_s": round(o.roofline_full_ctx_tok_s, 2),
+        # weight bytes a decoded token reads, and where (a MoE: its active experts; host: the
+        # experts of the first n_cpu_moe layers, read by the CPU at host_membw_gb_s)
+        "n_cpu_moe": o.n_cpu_moe,
+        "active_bytes_per_token": o.active_bytes_per_token,
+        "gpu_bytes_per_token": o.gpu_bytes_per_token,
+        "host_bytes_per_token": o.host_bytes_per_token,
+        "host_weights_bytes": o.host_weights_bytes,
+        "host_resident_bytes": o.host_resident_bytes,
+        "host_membw_gb_s": o.host_membw_gb_s,
+        "host_membw_source": o.host_membw_source,
+    }
+
+
+def offload_step_json(st: OffloadStep) -> dict[str, Any]:
+    return {
+        "n_cpu_moe": st.n_cpu_moe,
+        "vram_bytes": st.vram_bytes,
+        "fits": st.fits,
+        "host_weights_bytes": st.host_weights_bytes,
+        "gpu_bytes_per_token": st.gpu_bytes_per_token,
+        "host_bytes_per_token": st.host_bytes_per_token,
+        "roofline_tok_s": round(st.roofline_tok_s, 2),
     }
 
 
@@ -71,16 +94,24 @@ def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
         if plan.chosen
         else next(o.kv_bytes_per_token for o in plan.options if o.backend == s.backend)
     )
+    model: dict[str, Any] = {
+        "model_type": plan.shape.model_type,
+        "parameters": parameter_count(plan.shape),
+        "layers": plan.shape.num_hidden_layers,
+        "kv_heads": plan.shape.num_key_value_heads,
+        "head_dim": plan.shape.head_dim,
+        "max_position_embeddings": plan.shape.max_position_embeddings,
+    }
+    if plan.shape.is_moe:
+        model |= {
+            "experts": plan.shape.num_experts,
+            "experts_per_token": plan.shape.num_experts_per_tok,
+            "active_parameters": active_parameter_count(plan.shape),
+        }
+    h = plan.host
     return {
         "recipe": recipe,
-        "model": {
-            "model_type": plan.shape.model_type,
-            "parameters": parameter_count(plan.shape),
-            "layers": plan.shape.num_hidden_layers,
-            "kv_heads": plan.shape.num_key_value_heads,
-            "head_dim": plan.shape.head_dim,
-            "max_position_embeddings": plan.shape.max_position_embeddings,
-        },
+        "model": model,
         "gpu": {
             "key": plan.gpu.key,
             "aliases": sorted(a for a, k in ALIASES.items() if k == plan.gpu.key),
@@ -97,11 +128,26 @@ def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
             "cache_k": s.cache_k,
             "cache_v": s.cache_v,
             "flash_attn": s.flash_attn,
+            "n_cpu_moe": s.n_cpu_moe,
+        },
+        # what the two-sided roofline of a MoE with experts in host RAM divides by, and where
+        # the figure came from (measured on the host | given by flag or recipe | default)
+        "host": {
+            "membw_gb_s": h.membw_gb_s,
+            "membw_source": h.membw_source,
+            "ram_bytes": h.ram_bytes,
+            "ram_source": h.ram_source,
         },
         "kv_bytes_per_token": kv,
         "chosen": option_json(plan.chosen) if plan.chosen else None,
         "quants": [option_json(o) for o in plan.options],
         "recommendation": plan.recommendation.quant if plan.recommendation else None,
+        "recommended": option_json(plan.recommendation) if plan.recommendation else None,
+        "offload": (
+            {"quant": plan.offload_quant, "steps": [offload_step_json(st) for st in plan.offload]}
+            if plan.offload
+            else None
+        ),
         "best_quality": plan.best_quality.quant if plan.best_quality else None,
         "reason": plan.reason,
         "notes": plan.notes,
@@ -117,9 +163,15 @@ def _fits_cell(o: Option) -> str:
 def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None:
     s = plan.serving
     shape = plan.shape
+    experts = (
+        f", {shape.num_experts} experts ({shape.num_experts_per_tok} per token, "
+        f"{_params(active_parameter_count(shape))} active)"
+        if shape.is_moe
+        else ""
+    )
     console.print(
         f"[bold]{escape(recipe or 'model')}[/]: {shape.model_type}, {_params(parameter_count(shape))} parameters, "
-        f"{shape.num_hidden_layers} layers, {shape.num_key_value_heads} KV heads x head_dim {shape.head_dim}"
+        f"{shape.num_hidden_layers} layers, {shape.num_key_value_heads} KV heads x head_dim {shape.head_dim}" + experts
     )
     arch = "memory budget" if plan.gpu.is_cpu else plan.gpu.sm + ("" if plan.gpu.bf16 else ", no BF16")
     console.print(
@@ -138,17 +190,30 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             verdict = f"[green]fits with {c.headroom_bytes / MIB:,.0f} MiB left[/]"
         else:
             verdict = f"[red]does not fit by {-c.headroom_bytes / MIB:,.0f} MiB[/]"
+        offload = (
+            f" (the experts of {c.n_cpu_moe} of {shape.num_hidden_layers} layers, {_gib(c.host_weights_bytes)}, "
+            f"stay in host RAM: --n-cpu-moe {c.n_cpu_moe})"
+            if c.n_cpu_moe
+            else ""
+        )
         console.print(
             f"\n[bold]Planned quant {c.quant}[/]: weights {_gb(c.weights_bytes)} on disk, "
-            f"{_gib(c.gpu_weights_bytes)} in {'memory' if plan.gpu.is_cpu else 'VRAM'} + KV {_gib(c.kv_bytes)} "
-            f"({c.kv_bytes_per_token:,} B/token) + compute {_gib(c.compute_bytes)} + "
+            f"{_gib(c.gpu_weights_bytes)} in {'memory' if plan.gpu.is_cpu else 'VRAM'}{offload} "
+            f"+ KV {_gib(c.kv_bytes)} "
+            f"({c.kv_bytes_per_token:,} B/token) + compute {_gib(c.compute_bytes)}"
+            f"{' (estimate)' if shape.is_moe and c.backend == 'llamacpp' and not plan.gpu.is_cpu else ''} + "
             f"context/margin {_gib(c.overhead_bytes)} = {_gib(c.vram_bytes)} of "
             f"{_gib(c.gpu_bytes)}: {verdict}"
         )
-        console.print(
-            f"Roofline: {plan.gpu.bandwidth_gb_s:g} GB/s / {_gb(c.streamed_bytes)} per token = "
-            f"{c.roofline_tok_s:.0f} tok/s ({c.roofline_full_ctx_tok_s:.0f} tok/s with a full {s.context}-token cache)"
-        )
+        console.print(_roofline_text(plan, c))
+        if c.n_cpu_moe:
+            h = plan.host
+            ram = (
+                f"of {_gib(h.ram_bytes)} ({h.ram_source})"
+                if h.ram_bytes is not None
+                else "(the host's RAM is unknown: not checked)"
+            )
+            console.print(f"Host RAM for weights: token_embd + offloaded experts = {_gib(c.host_resident_bytes)} {ram}")
     table = Table(title=f"Fit table: {s.context} tokens x {s.parallel} slot(s) on {plan.gpu.key}")
     columns: list[tuple[str, JustifyMethod]] = [
         ("quant", "left"),
@@ -160,6 +225,10 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
         ("max ctx/slot", "right"),
         ("roofline tok/s", "right"),
     ]
+    # the experts of the first N layers in host RAM (llama-server --n-cpu-moe; not on a CPU)
+    moe_column = shape.is_moe and not plan.gpu.is_cpu
+    if moe_column:
+        columns.insert(5, ("n-cpu-moe", "right"))
     for col, just in columns:
         table.add_column(col, justify=just)
     for o in plan.options:
@@ -168,7 +237,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             mark = " (recommended)"
         elif plan.best_quality is o:
             mark = " (best quality)"
-        table.add_row(
+        cells = [
             o.quant + mark,
             o.backend,
             _gb(o.weights_bytes),
@@ -177,16 +246,63 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             _fits_cell(o),
             f"{o.max_ctx:,}" if o.max_ctx else "-",
             f"{o.roofline_tok_s:.0f}",
-        )
+        ]
+        if moe_column:
+            cells.insert(5, str(o.n_cpu_moe) if o.backend == "llamacpp" else "-")
+        table.add_row(*cells)
     console.print(table)
+    if plan.offload:
+        _render_offload(plan, console)
     console.print(f"[bold]Recommendation:[/] {escape(plan.reason)}")
     if plan.best_quality and plan.best_quality is not plan.recommendation:
         b = plan.best_quality
         console.print(
-            f"Best quality that fits: {b.quant} ({b.bpw:.2f} bits/weight, roofline {b.roofline_tok_s:.0f} tok/s)"
+            f"Best quality that fits: {b.quant} ({b.bpw:.2f} bits/weight, roofline {b.roofline_tok_s:.0f} tok/s"
+            + (f", --n-cpu-moe {b.n_cpu_moe}" if b.n_cpu_moe else "")
+            + ")"
         )
     for note in plan.notes:
         console.print(f"[yellow]Note:[/] {escape(note)}")
+
+
+def _roofline_text(plan: Plan, c: Option) -> str:
+    bw = plan.gpu.bandwidth_gb_s
+    full = f"({c.roofline_full_ctx_tok_s:.0f} tok/s with a full {plan.serving.context}-token cache)"
+    if not c.host_bytes_per_token:
+        active = (
+            f" (the active experts: {plan.shape.num_experts_per_tok} of {plan.shape.num_experts})"
+            if plan.shape.is_moe and c.backend == "llamacpp"
+            else ""
+        )
+        return (
+            f"Roofline: {bw:g} GB/s / {_gb(c.streamed_bytes)} per token{active} = {c.roofline_tok_s:.0f} tok/s {full}"
+        )
+    return (
+        f"Roofline, two-sided (--n-cpu-moe {c.n_cpu_moe}): {_gb(c.gpu_bytes_per_token)} per token on the GPU / "
+        f"{bw:g} GB/s + {_gb(c.host_bytes_per_token)} per token in host RAM / {c.host_membw_gb_s:g} GB/s "
+        f"({c.host_membw_source}) = {c.roofline_tok_s:.0f} tok/s {full}"
+    )
+
+
+def _render_offload(plan: Plan, console: Console) -> None:
+    h = plan.host
+    table = Table(
+        title=f"Expert offload, {plan.offload_quant}: --n-cpu-moe N = experts of layers 0..N-1 in host RAM "
+        f"({h.membw_gb_s:g} GB/s, {h.membw_source})"
+    )
+    for col in ("N", "VRAM", "fits?", "experts in host RAM", "GPU per token", "host per token", "ceiling tok/s"):
+        table.add_column(col, justify="left" if col == "fits?" else "right")
+    for st in plan.offload:
+        table.add_row(
+            str(st.n_cpu_moe),
+            _gib(st.vram_bytes),
+            "[green]yes[/]" if st.fits else "[red]no[/]",
+            _gib(st.host_weights_bytes) if st.host_weights_bytes else "-",
+            _gb(st.gpu_bytes_per_token),
+            _gb(st.host_bytes_per_token) if st.host_bytes_per_token else "-",
+            f"{st.roofline_tok_s:.0f}",
+        )
+    console.print(table)
 
 
 # ------------------------------------------------------------------------------------------

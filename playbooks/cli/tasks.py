@@ -85,6 +85,11 @@ INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.
         "ctx": "tokens per slot (default: the recipe's, or 4096)",
         "parallel": "slots, with --model-config (default 1)",
         "quant": "with --model-config: the quant to check (default Q4_K_M; EXL2 as EXL2-3.3)",
+        "n-cpu-moe": "MoE models: keep the experts of the first N layers in host RAM (llama-server --n-cpu-moe); "
+        "auto: the smallest N that fits (default: the recipe's; with --model-config, auto)",
+        "host-membw": "host memory bandwidth in GB/s for the experts kept in host RAM (default: the recipe's "
+        "planner.host_membw_gb_s, else 50)",
+        "host-ram": "host RAM in GiB that the offloaded experts must fit (default: the recipe's, else unchecked)",
         "json": "print JSON instead of tables",
     },
 )
@@ -96,6 +101,9 @@ def plan(
     ctx: str | None = None,
     parallel: str | None = None,
     quant: str | None = None,
+    n_cpu_moe: str | None = None,
+    host_membw: str | None = None,
+    host_ram: str | None = None,
     json: bool = False,
 ) -> None:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
@@ -112,6 +120,13 @@ def plan(
             ctx=flags.positive_int("--ctx", ctx, "tokens"),
             parallel=flags.positive_int("--parallel", parallel, "slots"),
             quant=quant,
+            n_cpu_moe=flags.n_cpu_moe("--n-cpu-moe", n_cpu_moe),
+            host_membw_gb_s=None
+            if host_membw is None
+            else flags.positive_float("--host-membw", host_membw, "GB/s", maximum=100000),
+            host_ram_gib=None
+            if host_ram is None
+            else flags.positive_float("--host-ram", host_ram, "GiB", maximum=1048576),
             as_json=json,
             recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
         )
