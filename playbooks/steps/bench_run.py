@@ -19,8 +19,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from playbooks.config.planning import plan_recipe
+from playbooks.config.planning import host_from_recipe, plan_recipe, resolve_n_cpu_moe
 from playbooks.config.recipe import LoadedRecipe
+from playbooks.errors import VoltaforgeError
 from playbooks.facts import membw as membw_facts
 from playbooks.facts import read_fact, system
 from playbooks.facts import telemetry as telem
@@ -28,6 +29,7 @@ from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.host.local import LocalHost
 from playbooks.plan.gpus import get_gpu
+from playbooks.plan.moe import two_sided_tok_s
 from playbooks.plan.tensors import parameter_count
 from playbooks.resources import resource_dir
 from playbooks.steps import bench, bench_client
@@ -62,8 +64,10 @@ def bench_health(host: Host, port: int) -> int:
 
 def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
     """The decode roofline (bytes a token streams over the memory's bandwidth) and the prefill
-    ceiling (2 x parameters FLOPs per token over FP16 tensor throughput), with their basis."""
-    plan = plan_recipe(loaded)
+    ceiling (2 x parameters FLOPs per token over FP16 tensor throughput), with their basis.
+    A MoE with experts in host RAM (--n-cpu-moe) gets the two-sided roofline, its host side
+    divided by the measured copy rate when there is one, else by the plan's figure."""
+    plan = plan_recipe(loaded, host=host_from_recipe(loaded, membw_gb_s, membw_measured=True) if membw_gb_s else None)
     r = loaded.recipe
     option = next((o for o in plan.options if o.quant == r.quant_name), None)
     gpu = get_gpu(r.gpu)
@@ -75,6 +79,14 @@ def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
             return {"roofline_tok_s": None, "roofline_basis": "the host's memory bandwidth could not be measured"}
         roof = membw_gb_s * 1e9 / streamed
         basis = f"measured CPU copy {membw_gb_s:.1f} GB/s / {streamed / 1e6:.1f} MB per token"
+    elif option.host_bytes_per_token and option.host_membw_gb_s:
+        gpu_b, host_b, host_bw = option.gpu_bytes_per_token, option.host_bytes_per_token, option.host_membw_gb_s
+        roof = two_sided_tok_s(gpu_b, gpu.bandwidth_gb_s, host_b, host_bw)
+        basis = (
+            f"{gpu.name} datasheet {gpu.bandwidth_gb_s:g} GB/s / {gpu_b / 1e6:.0f} MB per token + host "
+            f"{option.host_membw_source} {host_bw:.1f} GB/s / {host_b / 1e6:.0f} MB per token "
+            f"(experts of {option.n_cpu_moe} layers in host RAM)"
+        )
     else:
         roof = gpu.bandwidth_gb_s * 1e9 / streamed
         basis = f"{gpu.name} datasheet {gpu.bandwidth_gb_s:g} GB/s / {streamed / 1e6:.0f} MB per token"
@@ -92,6 +104,13 @@ def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
         }
     )
     return {"roofline_tok_s": round(roof, 2), "roofline_basis": basis, **prefill}
+
+
+def _offloads(loaded: LoadedRecipe) -> bool:
+    try:
+        return resolve_n_cpu_moe(loaded) > 0
+    except VoltaforgeError:  # a recipe that does not fit is the gate's to report, not the probe's
+        return False
 
 
 def _llama_bench(host: Host, prefix: str, model: str, prompt_tokens: int, max_tokens: int) -> dict[str, Any] | None:
@@ -159,7 +178,8 @@ def measure(
     }
     python = _python(host, prefix)
     membw = None
-    if gpu.is_cpu:
+    # the host's copy rate: the roofline of a CPU, and the host side of a MoE with experts in host RAM
+    if gpu.is_cpu or _offloads(loaded):
         probe = _push_probe(host, prefix, membw_facts.MEMBW_PROBE_PATH)
         membw = membw_facts.parse_membw(read_fact(host, membw_facts.membw_command(python, probe)))
     result |= ceilings(loaded, membw)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from playbooks.config.planning import serving_from_recipe
+from playbooks.config.planning import host_from_recipe, serving_from_recipe
 from playbooks.config.recipe import LoadedRecipe, Recipe
 from playbooks.facts import cuda, read_fact, system
 from playbooks.facts import gpu as gpufacts
@@ -429,8 +429,15 @@ def plan_for_host(cx: Context) -> Plan | None:
         return None
     r = cx.recipe
     gpu = host_gpu(cx.facts) or get_gpu(cx.inventory_gpu or r.gpu)
+    # the host's RAM, measured: what a MoE's experts in host RAM (n_cpu_moe) must fit
+    ram = cx.facts.memory.mem_total_bytes
     return make_plan(
-        cx.loaded.shape, gpu, serving_from_recipe(cx.loaded), quant=r.quant_name, min_bpw=r.planner.min_bpw
+        cx.loaded.shape,
+        gpu,
+        serving_from_recipe(cx.loaded),
+        quant=r.quant_name,
+        min_bpw=r.planner.min_bpw,
+        host=host_from_recipe(cx.loaded, ram_bytes=ram, ram_source="measured") if ram else host_from_recipe(cx.loaded),
     )
 
 
@@ -476,6 +483,8 @@ def fit_summary(cx: Context, plan: Plan) -> tuple[str, Check]:
     verdict = (
         f"{chosen.quant} fits with {chosen.headroom_bytes / 2**20:,.0f} MiB left"
         if chosen.fits
+        else f"{chosen.quant} does not fit: {chosen.unfit_reason}"
+        if chosen.unfit_reason  # not the GPU's memory (a backend without a CPU path, the host's RAM)
         else f"{chosen.quant} does not fit by {-chosen.headroom_bytes / 2**20:,.0f} MiB"
     )
     if not chosen.fits and not chosen.unfit_reason:
