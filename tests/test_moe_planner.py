@@ -528,3 +528,19 @@ def test_bad_moe_flags_are_one_line_and_exit_2(args, message):
     assert r.returncode == 2, (r.stdout[-500:], r.stderr)
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_preflight_checks_the_offloaded_experts_against_the_hosts_ram():
+    from playbooks.facts import system
+    from playbooks.steps.preflight import judge
+    from tests.test_preflight_judge import facts
+
+    loaded = load_recipe("qwen3-30b-a3b-v100-16gb")
+    small = facts(memory=system.MemInfo(available=True, mem_total_bytes=2 * GIB))
+    fit = {c.name: c for c in judge(small, loaded, "/opt/voltaforge/models", "/opt/voltaforge").checks}["fit"]
+    assert fit.status == "fail" and fit.blocking
+    assert "Q4_K_M does not fit: host RAM: token_embd + the experts of 7 layer(s) need 2.7 GiB" in fit.detail
+    assert "the host has 2.0 GiB (measured)" in fit.detail
+    big = facts(memory=system.MemInfo(available=True, mem_total_bytes=64 * GIB))
+    fit = {c.name: c for c in judge(big, loaded, "/opt/voltaforge/models", "/opt/voltaforge").checks}["fit"]
+    assert fit.status == "pass" and "fits with" in fit.detail
