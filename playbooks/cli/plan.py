@@ -77,7 +77,7 @@ def run_plan(
                 f"--ctx {ctx} is above the model's maximum "
                 f"(max_position_embeddings {loaded.shape.max_position_embeddings})"
             )
-        _check_n_cpu_moe(n_cpu_moe, loaded.shape, loaded.recipe.name, gpu or loaded.recipe.gpu)
+        _check_n_cpu_moe(n_cpu_moe, loaded.shape, loaded.recipe.name)
         if n_cpu_moe is not None and loaded.recipe.backend != "llamacpp":
             raise UsageError(f"--n-cpu-moe is llama-server's; {loaded.recipe.name} is an ExLlamaV2 recipe")
         ram = int(host_ram_gib * GIB) if host_ram_gib is not None else None
@@ -95,7 +95,7 @@ def run_plan(
         quant = _normalize_quant(quant or "Q4_K_M")
         if quant not in quant_names() and not quant.startswith("EXL2-"):
             raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
-        _check_n_cpu_moe(n_cpu_moe, shape, str(model_config), gpu or "v100-16gb")
+        _check_n_cpu_moe(n_cpu_moe, shape, str(model_config))
         if n_cpu_moe is None:
             n_cpu_moe = "auto" if shape.is_moe else 0
         serving = serving_for(
@@ -118,8 +118,8 @@ def run_plan(
     return 0 if fits else 1
 
 
-def _check_n_cpu_moe(n_cpu_moe: int | str | None, shape: ModelShape, label: str, gpu: str) -> None:
-    """--n-cpu-moe against the model and the target: a MoE's layers, on a GPU."""
+def _check_n_cpu_moe(n_cpu_moe: int | str | None, shape: ModelShape, label: str) -> None:
+    """--n-cpu-moe against the model: a MoE, and at most its layers."""
     if n_cpu_moe is None:
         return
     if not shape.is_moe:
@@ -132,5 +132,3 @@ def _check_n_cpu_moe(n_cpu_moe: int | str | None, shape: ModelShape, label: str,
             f"--n-cpu-moe {n_cpu_moe} is more than the model's {shape.num_hidden_layers} layers "
             f"(all of them: {shape.num_hidden_layers}, or auto)"
         )
-    if isinstance(n_cpu_moe, int) and n_cpu_moe > 0 and get_gpu(gpu).is_cpu:
-        raise UsageError(f"--n-cpu-moe {n_cpu_moe}: on a CPU target every weight is in host memory already")

@@ -110,8 +110,10 @@ def llamacpp_compute_buffer_bytes(
     )
 
 
-# The planner replays the same graph for many candidate contexts and --n-cpu-moe values.
+# The planner replays the same graph for many candidate contexts and --n-cpu-moe values, and
+# sizes the same quant for each of them.
 _replay = lru_cache(maxsize=4096)(replay)
+_gguf = lru_cache(maxsize=256)(estimate_gguf)
 
 
 def exl2_compute_bytes(
@@ -385,7 +387,7 @@ def _moe_at(
     shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None, n: int, ctx: int | None = None
 ) -> _MoeAt:
     lay = expert_layout(shape, quant, s.imatrix)
-    gpu_w = estimate_gguf(shape, quant, imatrix=s.imatrix).gpu_weight_bytes - lay.host_expert_bytes(n)
+    gpu_w = _gguf(shape, quant, s.imatrix).gpu_weight_bytes - lay.host_expert_bytes(n)
     copies = lay.copies(n)
     kv, compute, overhead, draft_b = _vram_at(shape, s, ctx or s.context, gpu, draft, copies)
     gpu_tok, host_tok = lay.per_token(n)
@@ -675,6 +677,10 @@ def _moe_notes(plan: Plan, draft: DraftPlan | None) -> None:
                 f"{s.parallel} slots: a decode batch of 32+ tokens copies host-resident experts to the GPU over "
                 "PCIe instead of reading them on the CPU; the two-sided roofline does not describe that"
             )
+    if gpu.is_cpu and s.n_cpu_moe not in (0, "auto"):
+        plan.notes.append(
+            f"--n-cpu-moe {s.n_cpu_moe} on a CPU target moves no memory: every weight is in host memory already"
+        )
     if c is not None and c.backend == "llamacpp" and s.n_cpu_moe == 0 and not c.fits and not gpu.is_cpu:
         n = smallest_n_cpu_moe(shape, c.quant, gpu, s, draft)
         if n is not None:
