@@ -38,10 +38,11 @@ only (no GPU here); everything else is measured, a device split through an RPC d
 
 Mixture-of-experts layers (qwen3moe, qwen2moe with its shared expert, Mixtral, gpt-oss) follow
 build_moe_ffn (_moe_ffn below). That walk was transcribed from the source, then checked against
-CPU-only loads of the pinned llama-server (tests/test_moe_planner.py: equal to the 0.01 MiB
-for all four). What a device buffer adds with --n-cpu-moe (a copy of an offloaded expert
-weight for a prefill-sized batch) comes from ggml-backend.cpp's and ggml-cuda.cu's source
-only: an estimate until a CUDA load log checks it.
+CPU-only loads of the pinned llama-server (tests/test_moe_planner.py: 28 loads of the four,
+27 equal to the printed 0.01 MiB, one 32 bytes - an alignment unit - over). What a device
+buffer adds with --n-cpu-moe (a copy of an offloaded expert weight for a prefill-sized batch)
+comes from ggml-backend.cpp's and ggml-cuda.cu's source only: an estimate until a CUDA load
+log checks it.
 """
 
 from __future__ import annotations

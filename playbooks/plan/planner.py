@@ -89,10 +89,11 @@ def llamacpp_compute_buffer_bytes(
     Mixture-of-experts graphs (qwen3moe, qwen2moe, Mixtral, gpt-oss): the same allocator walks
     build_moe_ffn's tensors as transcribed from its source (router logits and argsort
     n_expert x n_ubatch, up/gate/GLU n_ff_exp x n_expert_used x n_ubatch, down
-    n_embd x n_expert_used x n_ubatch); CPU-only loads of the pinned build agree exactly, a
-    device split of a MoE has not been measured. `expert_copy` is an ESTIMATE from the source:
-    with --n-cpu-moe, the up/gate/down weight of an offloaded layer is copied into the device
-    buffer for a prefill-sized batch (moe.py), which adds about the largest such tensor.
+    n_embd x n_expert_used x n_ubatch); CPU-only loads of the pinned build agree to the printed
+    0.01 MiB (27 of 28; one is 32 bytes over), a device split of a MoE has not been measured.
+    `expert_copy` is an ESTIMATE from the source: with --n-cpu-moe, the up/gate/down weight of
+    an offloaded layer is copied into the device buffer for a prefill-sized batch (moe.py),
+    which adds at most the largest such tensor.
     """
     return _replay(
         worst_case_graph(
@@ -442,7 +443,7 @@ def _evaluate_moe(
         n = min(int(s.n_cpu_moe), n_layer)
     at = _moe_at(shape, quant, gpu, s, draft, n)
     unfit = _host_ram_reason(at, host)
-    # on a CPU target the "GPU" is the host: its bandwidth is the catalog's CPU figure
+    # (on a CPU target n is 0: every byte is read at the catalog's CPU bandwidth, gpu.bandwidth_gb_s)
     membw = host.membw_gb_s
     roof = two_sided_tok_s(at.gpu_bytes_per_token, gpu.bandwidth_gb_s, at.host_bytes_per_token, membw)
     kv_tok = _kv_per_token(shape, s)
