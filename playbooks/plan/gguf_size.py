@@ -6,24 +6,26 @@ keep some tensors at higher types (Q4_K_M puts `output.weight` and part of `attn
 block size fall back to another type. This module reproduces, from src/llama-quant.cpp of
 llama.cpp 0c1e570 (vendored by llama-cpp-python 0.3.36):
 
-- `tensor_allows_quantization` (lines 294-374): which tensors llama-quantize touches at all;
+- `tensor_allows_quantization` (lines 287-383): which tensors llama-quantize touches at all;
   the others (1-D tensors, norms, biases, the MoE router `ffn_gate_inp.weight`) keep the type
   the converter wrote;
-- `llama_tensor_get_type_impl` (446-715), including its mixture-of-experts rules: `layer_info`
+- `llama_tensor_get_type_impl` (446-714), including its mixture-of-experts rules: `layer_info`
   taking the layer of a stacked expert tensor from its name, the `n_expert == 8` (Mixtral)
   bumps of attn_v/attn_k/attn_output, and LLAMA_FTYPE_MOSTLY_MXFP4_MOE;
-- `tensor_type_fallback` (392-443) and `llama_ftype_get_default_type` (880-916);
+- `tensor_type_fallback` (390-443), `llama_ftype_get_default_type` (881-924) and the
+  counters of `init_quantize_state_counters` (927-940);
 - the order llama-quantize visits tensors in (llama-model-loader.h, weight_name_comparer:
   by layer, then by name), which drives its attn_v counter;
 
 for the dense and MoE architectures of model_config.py and the file types in FILE_TYPES. What
-the converter writes (conversion/base.py, prepare_tensors, 1080-1150; conversion/gpt_oss.py)
+the converter writes (conversion/base.py, prepare_tensors, 1080-1156; conversion/gpt_oss.py)
 is modelled too, since F16/BF16 files come from it and untouched tensors keep its types. Block
 sizes and bytes per block come from the `gguf` package (GGML_QUANT_SIZES), which mirrors ggml.c.
 
 Only the tensor data is exact; the metadata (tokenizer strings, tensor index, alignment
 padding) is an estimate: about 6 MB for a 152k-token vocabulary, under 0.05% of any
-14B+ quant.
+14B+ quant (it misses gpt-oss's o200k tokenizer, with twice as many BPE merges as tokens, by
+5 MB, and over-counts SentencePiece vocabularies, which have no merges, by about 0.5 MB).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def _fallback(ne0: int, target: T) -> T:
 def converter_type(shape: ModelShape, t: Tensor, outtype: T = T.F16) -> T:
     """The type convert_hf_to_gguf.py writes a tensor in for --outtype f16/bf16/q8_0.
 
-    conversion/base.py (prepare_tensors): 1-D tensors and `*_norm.weight` are F32; the routers
+    conversion/base.py (prepare_tensors, 1080-1156): 1-D tensors and `*_norm.weight` are F32; the routers
     (FFN_GATE_INP, FFN_GATE_INP_SHEXP) and every tensor whose name does not end in `.weight`
     (biases) are "always in float32"; the rest gets the outtype. conversion/gpt_oss.py writes a
     checkpoint's MXFP4 experts as they are (repack_mxfp4, raw_dtype MXFP4).
@@ -166,7 +168,7 @@ def quant_refusal(shape: ModelShape, ftype: str) -> str | None:
     if shape.arch in _MOE_ONLY_ARCHS and not shape.is_moe:
         return f"{shape.model_type} ({shape.arch}) has no experts: llama.cpp's {shape.arch} needs num_experts > 0"
     if shape.mxfp4_experts and ftype not in (*CONVERTER_TYPES, "MXFP4_MOE"):
-        # llama-quantize (llama-quant.cpp 1306): "requantizing from type mxfp4 is disabled" unless
+        # llama-quantize (llama-quant.cpp 1306-1308): "requantizing from type mxfp4 is disabled" unless
         # --allow-requantize, which voltaforge does not pass; MXFP4_MOE keeps them (same type, copied).
         return (
             f"{ftype} for {shape.model_type}: its experts are MXFP4 in the checkpoint and llama-quantize "
