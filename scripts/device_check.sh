@@ -24,8 +24,8 @@ phase() { # phase SECONDS NAME [ARGS...]
   timeout -k 10 "$limit" python3 scripts/device_check.py "$name" --out "$R" "$@" 2>&1 | tail -n 40
   tar -czf "$OUT/results.tgz" -C "$OUT" r # after every phase: a call cut short still returns what was done
 }
-phase 60 facts
-phase "${VF_BUILD_LIMIT:-390}" build
-phase 110 gate
-phase 150 moe
+phase 40 facts
+phase "${VF_BUILD_LIMIT:-330}" build
+phase 100 gate
+phase 120 moe
 echo "== done at $(($(date +%s) - T0))s"
