@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from playbooks.facts import cuda, gpu
+from playbooks.facts import builds, cuda, gpu
 from playbooks.host.ops import OperationError, Record
 from playbooks.steps.build import (
     BuildFacts,
@@ -110,7 +110,7 @@ def test_an_interrupted_build_is_resumed_in_its_directory():
 def test_cpu_build_is_static_and_needs_no_toolkit():
     d = op(cuda_release=None).decide(facts(toolkits=()))
     assert " && env PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C flock -w 900 " in shown(d)[0]
-    assert ".lock cmake -S /opt/vf/src/llama.cpp-0c1e570-" in shown(d)[0]
+    assert ".lock /usr/bin/cmake -S /opt/vf/src/llama.cpp-0c1e570-" in shown(d)[0]
     assert "-DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF" in shown(d)[0]
     assert not any(isinstance(c, Probe) and c.expect for c in d.commands)
 
@@ -300,7 +300,7 @@ def test_cuda_path_compiles_sm70_through_the_build_steps_own_commands(tmp_path):
     run = host.run(configure.replace("cmake -S", "cmake -DLLAMA_BUILD_SERVER=OFF -S", 1), stream=False, check=False)
     assert run.ok, run.stdout[-2000:] + run.stderr[-2000:]
     assert "The CUDA compiler identification is NVIDIA 11.8" in run.stdout
-    env_part = configure.split(" cmake -S", 1)[0]
+    env_part = configure.split("cmake -S", 1)[0].rsplit(" ", 1)[0]  # up to the cmake path
     build_dir = configure.split(" -B ", 1)[1].split(" ", 1)[0]
     obj = host.run(f"{env_part} make -C {build_dir}/ggml/src/ggml-cuda arange.cu.o", stream=False, check=False)
     assert obj.ok, obj.stdout[-2000:] + obj.stderr[-2000:]
@@ -420,7 +420,7 @@ def test_compiles_of_one_build_directory_never_overlap():
     and build hold a lock per build directory, so a re-run waits instead of racing it."""
     d = op().decide(facts())
     bid = op().plan(facts())[0].build_id
-    lock = f"flock -w 900 /opt/vf/llama.cpp/builds/{bid}/.voltaforge-build.lock cmake"
+    lock = f"flock -w 900 /opt/vf/llama.cpp/builds/{bid}/.voltaforge-build.lock /usr/bin/cmake"
     assert lock + " -S" in shown(d)[0] and lock + " --build" in shown(d)[1]
     assert shown(d)[0].startswith(f"mkdir -p -- /opt/vf/llama.cpp/builds/{bid} && env ")
 
@@ -442,3 +442,22 @@ def test_the_two_outside_deaths_of_a_build_are_one_line_each():
     )
     compile_error = HostError("box: command failed (exit 2): cmake --build\nerror: 'x' was not declared")
     assert build_failure(compile_error, "re-run") is compile_error
+
+
+def test_build_tools_are_run_by_the_path_the_host_found_them_at():
+    # a CUDA image: cmake and ninja from pip in /usr/local/bin, no make; the compile's PATH
+    # holds the system directories only, so a bare `cmake` would not be found there
+    tools = builds.parse_build_tools("cmake=/usr/local/bin/cmake\nmake=\nninja=/usr/local/bin/ninja\n")
+    assert tools == {"cmake": "/usr/local/bin/cmake", "make": None, "ninja": "/usr/local/bin/ninja"}
+    d = op(cuda_release=None).decide(facts(toolkits=(), **tools))
+    configure, build = shown(d)[:2]
+    assert ".lock /usr/local/bin/cmake -S " in configure and ".lock /usr/local/bin/cmake --build " in build
+    assert "-G Ninja -DCMAKE_MAKE_PROGRAM=/usr/local/bin/ninja" in configure
+    # with the system's make, cmake's default generator (and no flag that changes the build id)
+    plain = shown(op(cuda_release=None).decide(facts(toolkits=(), cmake="/usr/local/bin/cmake", ninja="/x/ninja")))[0]
+    assert "-G Ninja" not in plain
+
+
+def test_a_host_without_cmake_gets_one_line_naming_the_fix():
+    with pytest.raises(OperationError, match="cmake is not installed on the host: the toolchain step installs it"):
+        op(cuda_release=None).decide(facts(toolkits=(), cmake=None))

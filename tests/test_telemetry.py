@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -601,3 +602,25 @@ def test_membw_probe_bad_arguments_are_an_error_line():
     run = subprocess.run([sys.executable, str(MEMBW_PROBE), "--mib", "x"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stderr == ""
     assert read_membw(run.stdout).kind == "bad-arguments"
+
+
+def test_background_telemetry_runs_in_its_own_session_until_killed(tmp_path):
+    # the bench's own command line, through bash as a host runs it (a real H200 host once
+    # refused `setsid if ...`: setsid runs one program, the probe's `if` is shell syntax)
+    h100 = _h100_reasons()
+    used = int(re.search(r"FB Memory Usage\n(?:.*\n)*? +Used +: (\d+) MiB", h100).group(1))
+    (tmp_path / "pynvml.py").write_text(
+        _STANDIN_AS_CAPTURED.format(h100_used=used, h100_mask=_reasons_mask(h100), **_capture_format_values())
+    )
+    out = tmp_path / "tel out.jsonl"
+    cmd = telemetry.background_telemetry_command(sys.executable, str(TELEMETRY_PROBE), str(out), 0.05, 3600)
+    env = {**_env(), "PYTHONPATH": str(tmp_path)}
+    started = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=30)
+    pid = started.stdout.strip()
+    assert started.returncode == 0 and pid.isdigit(), started.stderr
+    time.sleep(1.0)
+    assert os.getsid(int(pid)) == int(pid)  # its own session: the sweep never waits on it
+    os.kill(int(pid), signal.SIGTERM)
+    time.sleep(0.3)
+    parsed = parse_telemetry(out.read_text())
+    assert parsed.error is None and parsed.source == "pynvml" and len(parsed.samples) >= 4

@@ -44,6 +44,22 @@ def parse_list_dir(output: str) -> tuple[str, ...]:
 
 CCACHE_COMMAND = "command -v ccache 2>/dev/null || true"
 
+# The build tools on the host's own PATH, found once and then run by absolute path: a compile
+# runs with a PATH of the system directories and the chosen CUDA only (steps/buildenv.py), so a
+# cmake in /usr/local/bin or a venv (pip's cmake, Kitware's installer) is not on it.
+BUILD_TOOLS = ("cmake", "make", "ninja")
+BUILD_TOOLS_COMMAND = "; ".join(f'echo "{t}=$(command -v {t} 2>/dev/null)"' for t in BUILD_TOOLS)
+
+
+def parse_build_tools(output: str) -> dict[str, str | None]:
+    """tool -> absolute path, None where the host has none."""
+    found: dict[str, str | None] = dict.fromkeys(BUILD_TOOLS)
+    for line in output.splitlines():
+        name, _, path = line.strip().partition("=")
+        if name in found and path.startswith("/"):
+            found[name] = path
+    return found
+
 
 def parse_ccache(output: str) -> str | None:
     path = output.strip()

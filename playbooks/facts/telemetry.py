@@ -98,6 +98,15 @@ def telemetry_command(python: str, probe_path: str, interval: float, duration: f
     )
 
 
+def background_telemetry_command(python: str, probe_path: str, out: str, interval: float, duration: float) -> str:
+    """telemetry_command in its own session, into `out`, printing its pid: the bench's requests
+    never wait on it, and `kill PID` ends it. The probe's `if` is a compound command, so it runs
+    under `sh -c` (setsid execs one program); stdin is /dev/null, so the probe runs until killed
+    or for `duration`."""
+    inner = telemetry_command(python, probe_path, interval, duration)
+    return f"setsid sh -c {quote(inner)} > {quote(out)} 2>&1 < /dev/null & echo $!"
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None

@@ -71,6 +71,9 @@ class ModelShape(BaseModel):
     num_experts_per_tok: int = Field(0, ge=0)
     expert_intermediate_size: int = Field(0, ge=0)
     shared_expert_intermediate_size: int = Field(0, ge=0)
+    # The checkpoint ships its expert weights already quantized to MXFP4 (gpt-oss: quantization_config
+    # quant_method "mxfp4"); llama.cpp's converter copies them into the GGUF as MXFP4 whatever --outtype.
+    mxfp4_experts: bool = False
 
     @model_validator(mode="after")
     def _gqa_divides(self) -> ModelShape:
@@ -202,7 +205,15 @@ def _experts(model_type: str, cfg: dict[str, Any], where: str) -> dict[str, Any]
         "num_experts_per_tok": cfg.get("num_experts_per_tok"),
         "expert_intermediate_size": cfg.get(width_key),
         "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0,
+        # conversion/gpt_oss.py repacks `*_blocks`/`*_scales` experts to ggml MXFP4 (repack_mxfp4) and
+        # skips dequantizing them; a BF16 re-upload without quantization_config is converted like any model
+        "mxfp4_experts": model_type == "gpt_oss" and _quant_method(cfg) == "mxfp4",
     }
+
+
+def _quant_method(cfg: dict[str, Any]) -> str | None:
+    qc = cfg.get("quantization_config")
+    return qc.get("quant_method") if isinstance(qc, dict) else None
 
 
 def _sliding_window(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

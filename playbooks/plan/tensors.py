@@ -19,8 +19,9 @@ class Cat(Enum):
     llama.cpp files a tensor by a substring of its name, so the stacked experts
     (ffn_{gate,up,down}_exps) and the shared expert (ffn_*_shexp) are FFN_GATE / FFN_UP /
     FFN_DOWN like a dense FFN; `Tensor.experts` tells them apart. ROUTER is ours: the
-    router (ffn_gate_inp, ffn_gate_inp_shexp) is written F32 by the converter and never
-    quantized (llama-quant.cpp skips `ffn_gate_inp.weight`).
+    routers (ffn_gate_inp, ffn_gate_inp_shexp) are written F32 by the converter and never
+    quantized (llama-quant.cpp skips `ffn_gate_inp.weight` by name; the shared-expert gate is
+    (h, 1), 1-D to ggml, and only 2-D/3-D tensors are quantized).
     """
 
     TOKEN_EMBD = "token_embd"

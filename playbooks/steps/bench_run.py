@@ -204,9 +204,7 @@ def measure(
             tprobe = _push_probe(host, prefix, telem.TELEMETRY_PROBE_PATH)
             # in the background, into a file: the sweep's own requests are never waiting on it
             tel_pid = host.run(
-                f"setsid {telem.telemetry_command(python, tprobe, 0.5, 3600)} > {shlex.quote(tel_out)} 2>&1 "
-                "< /dev/null & echo $!",  # stdin /dev/null: the probe runs until killed
-                stream=False,
+                telem.background_telemetry_command(python, tprobe, tel_out, 0.5, 3600), stream=False
             ).stdout.strip()
         t0 = time.monotonic()
         samples_all = []

@@ -332,6 +332,10 @@ class BuildFacts:
     current: str | None = None
     cached: tuple[str, ...] = ()  # build ids in the controller's fleet cache
     disk_free: int | None = None  # bytes an unprivileged user can write where builds go
+    # absolute paths of the build tools on the host's PATH (facts/builds.py BUILD_TOOLS)
+    cmake: str | None = "/usr/bin/cmake"
+    make: str | None = "/usr/bin/make"
+    ninja: str | None = None
 
 
 def arch_list(gpus: gpu.GpuFacts, fallback: str) -> str:
@@ -343,10 +347,14 @@ def arch_list(gpus: gpu.GpuFacts, fallback: str) -> str:
 
 def read_compile_facts(host: Host, *, cuda_build: bool) -> BuildFacts:
     """What any compile on this host depends on: compilers, toolkits, GPUs, cores, ccache."""
+    tools = builds.parse_build_tools(read_fact(host, builds.BUILD_TOOLS_COMMAND))
     facts = BuildFacts(
         gcc=cuda.parse_gcc_version(read_fact(host, cuda.GCC_VERSION_COMMAND)),
         nproc=system.parse_nproc(read_fact(host, system.NPROC_COMMAND)),
         ccache=builds.parse_ccache(read_fact(host, builds.CCACHE_COMMAND)),
+        cmake=tools["cmake"],
+        make=tools["make"],
+        ninja=tools["ninja"],
     )
     if not cuda_build:
         return facts
@@ -424,6 +432,25 @@ def llamacpp_compile_env(
     return ce
 
 
+def require_cmake(facts: BuildFacts) -> str:
+    if not facts.cmake:
+        raise OperationError(
+            "cmake is not installed on the host: the toolchain step installs it (`invoke toolchain`), "
+            "or put one on the PATH of the login shell"
+        )
+    return facts.cmake
+
+
+def generator_flags(facts: BuildFacts) -> tuple[str, ...]:
+    """cmake's default generator (Unix Makefiles) runs `make` from the compile's PATH, which
+    holds the system directories only; where the system has no make but a ninja is found
+    (a CUDA image with pip's cmake and ninja), generate for that ninja by its path."""
+    system_make = facts.make and os.path.dirname(facts.make) in SYSTEM_PATH
+    if system_make or not facts.ninja:
+        return ()
+    return ("-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={facts.ninja}")
+
+
 def cmake_flags(cuda_arch: str | None, host_compiler: str | None = None) -> tuple[str, ...]:
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
@@ -487,7 +514,7 @@ class EnsureLlamacppBuild(Operation):
     def plan(self, facts: BuildFacts) -> tuple[BuildInputs, dict[str, str], str | None]:
         """(inputs, build environment, cuobjdump path) for this host. Pure."""
         ce = llamacpp_compile_env(facts, self.cuda_release, self.recipe_arch, self.source.ref)
-        flags = cmake_flags(ce.arch, ce.host_compiler) + self.extra_flags
+        flags = generator_flags(facts) + cmake_flags(ce.arch, ce.host_compiler) + self.extra_flags
         inputs = BuildInputs(
             self.layout.prefix,
             self.source.ref,
@@ -545,12 +572,13 @@ class EnsureLlamacppBuild(Operation):
         # one compile per build directory at a time: after a dropped connection the old compile
         # may still be finishing on the host; a re-run waits for it instead of racing it
         lock = shlex.quote(f"{target}/.voltaforge-build.lock")  # goes with the build directory
+        cmake = shlex.quote(require_cmake(facts))
         configure = Shell(
-            f"mkdir -p -- {q} && {run} flock -w 900 {lock} cmake -S {src} -B {q} "
+            f"mkdir -p -- {q} && {run} flock -w 900 {lock} {cmake} -S {src} -B {q} "
             f"{' '.join(shlex.quote(f) for f in inputs.flags)}"
         )
         build = Shell(
-            f"{run} flock -w 900 {lock} cmake --build {q} --config Release -j {jobs} --target "
+            f"{run} flock -w 900 {lock} {cmake} --build {q} --config Release -j {jobs} --target "
             f"{' '.join(shlex.quote(t) for t in inputs.targets)}"
         )
         why = (
