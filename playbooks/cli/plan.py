@@ -13,6 +13,7 @@ from playbooks.config.planning import host_from_recipe, plan_recipe
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
+from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.model_config import ModelShape, load_config_file
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory
@@ -92,14 +93,19 @@ def run_plan(
                 f"--ctx {context} is above the model's maximum "
                 f"(max_position_embeddings {shape.max_position_embeddings})"
             )
+        given = quant is not None
         quant = _normalize_quant(quant or "Q4_K_M")
         if quant not in quant_names() and not quant.startswith("EXL2-"):
             raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
+        if not quant.startswith("EXL2-") and (why := quant_refusal(shape, quant)):
+            if given:
+                raise VoltaforgeError(f"--quant {quant}: {why}")
+            quant = "MXFP4_MOE" if shape.mxfp4_experts else None  # the default cannot be made: plan what can
         _check_n_cpu_moe(n_cpu_moe, shape, str(model_config))
         if n_cpu_moe is None:
             n_cpu_moe = "auto" if shape.is_moe else 0
         serving = serving_for(
-            quant,
+            quant or "Q4_K_M",
             Serving(context=context, parallel=parallel or 1, n_cpu_moe=n_cpu_moe),  # type: ignore[arg-type]
         )
         host = HostMemory(

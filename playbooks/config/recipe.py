@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from playbooks.config.yamlfile import Lines, explain_validation, line_of, load_yaml
 from playbooks.errors import RecipeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
-from playbooks.plan.gguf_size import FILE_TYPES
+from playbooks.plan.gguf_size import FILE_TYPES, quant_refusal
 from playbooks.plan.gpus import get_gpu, gpu_names
 from playbooks.plan.kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file, shape_from_config
@@ -444,6 +444,8 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
             f"(max_position_embeddings {shape.max_position_embeddings})"
         )
     _check_n_cpu_moe(recipe, shape, path, lines)
+    if recipe.backend == "llamacpp" and (why := quant_refusal(shape, recipe.quant_name)):
+        raise RecipeError(f"{path}:{line_of(lines, ('quant',))}: quant: {why}")
     draft_shape = None
     if recipe.draft is not None:
         draft_shape = _load_shape(recipe.draft.model, path, lines, ("draft", "model"))

@@ -26,7 +26,7 @@ from playbooks.plan.exl2_size import (
     exl2_quant_name,
     exl2_scratch_bytes,
 )
-from playbooks.plan.gguf_size import FILE_TYPES, estimate_gguf
+from playbooks.plan.gguf_size import FILE_TYPES, estimate_gguf, quant_refusal
 from playbooks.plan.gpus import MIB, Gpu
 from playbooks.plan.kv_cache import (
     exl2_cache_scratch_bytes,
@@ -584,9 +584,13 @@ def make_plan(
     fastest that fits at the quality floor.
     """
     host = host or HostMemory()
-    options = [evaluate(shape, q, gpu, serving_for(q, serving), draft, host) for q in quant_names()]
+    # GGUF types llama.cpp cannot make for this model (gpt-oss's MXFP4 experts: MXFP4_MOE only)
+    refused = {q: why for q in quant_names("llamacpp") if (why := quant_refusal(shape, q))}
+    options = [evaluate(shape, q, gpu, serving_for(q, serving), draft, host) for q in quant_names() if q not in refused]
     chosen = evaluate(shape, quant, gpu, serving, draft, host) if quant else None
     plan = Plan(shape, gpu, serving, chosen, options, min_bpw, host=host)
+    if refused:
+        plan.notes.append(f"left out of the fit table: {', '.join(refused)} ({next(iter(refused.values()))})")
     fitting = [o for o in options if o.fits]  # an option that cannot run here does not fit
     if gpu.is_cpu:
         plan.notes.append(
