@@ -25,7 +25,7 @@ from playbooks.config.planning import host_from_recipe, plan_recipe, resolve_n_c
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import RecipeError, VoltaforgeError
 from playbooks.plan.compute_buffer import replay, worst_case_graph
-from playbooks.plan.gguf_size import assign_types, estimate_gguf, tensor_bytes
+from playbooks.plan.gguf_size import assign_types, estimate_gguf, quant_refusal, tensor_bytes
 from playbooks.plan.gpus import GIB, MIB, get_gpu
 from playbooks.plan.model_config import load_config_file, shape_from_config
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, expert_layout, two_sided_tok_s
@@ -173,7 +173,7 @@ def test_exl2_rows_of_a_moe():
 # ------------------------------------------------------------------------------------------
 
 # Two layers at the real widths (what the buffer depends on), written by weights/shaped_gguf.py
-# (Q4_0) and loaded by the pinned CPU llama-server (0c1e570, `--fit off -t 1`), 2026-12-01:
+# (Q4_0; gpt-oss MXFP4_MOE) and loaded by the pinned CPU llama-server (0c1e570, `--fit off -t 1`), 2026-12-01:
 # "CPU compute buffer size" in MiB. test_pinned_llama_server_reserves_what_the_moe_walk_says
 # measures them again.
 MOE_SHAPES = {
@@ -307,8 +307,9 @@ def test_pinned_llama_server_reserves_what_the_moe_walk_says(tmp_path):
     for key in list(MOE_CPU_LOADS)[::2]:
         name, c, ub, fa, np_, cache = key
         model = tmp_path / f"{name}.gguf"
-        if not model.exists():
-            write_shaped_gguf(model, shape_from_config(MOE_SHAPES[name]), "Q4_0")
+        if not model.exists():  # the buffer holds activations only: any type the rules can make
+            shape = shape_from_config(MOE_SHAPES[name])
+            write_shaped_gguf(model, shape, "MXFP4_MOE" if quant_refusal(shape, "Q4_0") else "Q4_0")
         cmd = [str(server), "-m", str(model), "-c", str(c), "-ub", str(ub), "-fa", fa, "-np", str(np_)]
         cmd += ["-ctk", cache, "-ctv", cache, "--fit", "off", "-t", "1", "--host", "127.0.0.1"]
         cmd += ["--port", str(30000 + random.randrange(20000)), "-lv", "4"]
@@ -547,3 +548,36 @@ def test_preflight_checks_the_offloaded_experts_against_the_hosts_ram():
     big = facts(memory=system.MemInfo(available=True, mem_total_bytes=64 * GIB))
     fit = {c.name: c for c in judge(big, loaded, "/opt/voltaforge/models", "/opt/voltaforge").checks}["fit"]
     assert fit.status == "pass" and "fits with" in fit.detail
+
+
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b-instruct-v0.1"])
+def test_the_offload_layout_agrees_with_the_size_models_expert_bytes(config):
+    """moe.expert_layout and gguf_size.GgufEstimate count the same tensors two ways."""
+    shape = load_config_file(ROOT / f"recipes/models/{config}.config.json")
+    for ftype in ("MXFP4_MOE", "Q4_K_M", "Q8_0", "F16"):
+        if quant_refusal(shape, ftype):
+            continue
+        est, lay = estimate_gguf(shape, ftype), expert_layout(shape, ftype)
+        assert lay.expert_bytes == est.expert_bytes_per_layer
+        assert sum(lay.per_token(0)) == est.active_bytes_per_token
+        assert lay.host_expert_bytes(5) == est.host_expert_bytes(5)
+
+
+def test_gguf_types_llama_cpp_cannot_make_are_left_out_and_said_so():
+    gpt_oss = load_config_file(ROOT / "recipes/models/gpt-oss-20b.config.json")
+    plan = make_plan(gpt_oss, V100_16, Serving(context=4096, n_cpu_moe="auto"))
+    gguf = [o.quant for o in plan.options if o.backend == "llamacpp"]
+    assert gguf == ["F16", "BF16", "MXFP4_MOE"]
+    assert any(n.startswith("left out of the fit table: Q8_0, Q6_K") and "use MXFP4_MOE" in n for n in plan.notes)
+    out = io.StringIO()  # no --quant: the default Q4_K_M cannot be made, gpt-oss's own type is planned
+    assert run_plan(model_config="recipes/models/gpt-oss-20b.config.json", as_json=True, out=out) == 0
+    assert json.loads(out.getvalue())["chosen"]["quant"] == "MXFP4_MOE"
+    r = invoke("--model-config", "recipes/models/gpt-oss-20b.config.json", "--quant", "Q4_K_M")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--quant Q4_K_M: Q4_K_M for gpt_oss: its experts are MXFP4 in the checkpoint" in r.stderr
+
+
+def test_a_recipe_whose_quant_llama_cpp_cannot_make_is_refused(tmp_path):
+    cfg = json.loads((ROOT / "recipes/models/gpt-oss-20b.config.json").read_text())
+    msg = _recipe_error(tmp_path, "", cfg)
+    assert "r.yaml:7: quant: Q4_K_M for gpt_oss: its experts are MXFP4" in msg and "use MXFP4_MOE" in msg
