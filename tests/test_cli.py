@@ -17,6 +17,7 @@ from playbooks.cli.tasks import ns
 from tests.helpers import ROOT
 
 QWEN7 = "recipes/models/qwen2.5-7b-instruct.config.json"
+QWEN3_MOE = "recipes/models/qwen3-30b-a3b.config.json"
 
 
 def invoke(*args, env=None, cwd=ROOT):
@@ -52,6 +53,13 @@ BAD = {
         ("EXL2-9.5", "between 2.0 and 8.0"),
         ("EXL2-x", "EXL2 needs a number"),
     ],
+    ("plan", "n-cpu-moe"): [
+        ("abc", "want a number of layers or auto"),
+        ("-1", "from 0 to 10000 or auto"),
+        ("49", "more than the model's 48 layers"),
+    ],
+    ("plan", "host-membw"): [("x", "is not a number of GB/s"), ("0", "must be a positive number of GB/s")],
+    ("plan", "host-ram"): [("abc", "is not a number of GiB")],
     ("preflight", "host"): [
         ("nosuch..host", "is not a valid host name"),
         ("a,b", "takes one host"),
@@ -101,6 +109,9 @@ CONTEXT = {
     ("plan", "ctx"): ["--model-config", QWEN7],
     ("plan", "parallel"): ["--model-config", QWEN7],
     ("plan", "quant"): ["--model-config", QWEN7],
+    ("plan", "n-cpu-moe"): ["--model-config", QWEN3_MOE],
+    ("plan", "host-membw"): ["--model-config", QWEN3_MOE],
+    ("plan", "host-ram"): ["--model-config", QWEN3_MOE],
     ("preflight", "recipe"): ["--host", "local"],
     ("preflight", "inventory"): ["--host", "some-host"],
     ("toolchain", "recipe"): ["--host", "local"],
