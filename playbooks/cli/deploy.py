@@ -9,7 +9,7 @@ from playbooks.cli.converge import converge
 from playbooks.cli.quantize import recipe_weights
 from playbooks.cli.render import render_report
 from playbooks.cli.settings import Settings
-from playbooks.config.planning import plan_recipe
+from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
@@ -51,7 +51,7 @@ def choose_manager(host: Host, wanted: str) -> str:
 
 def single_service(loaded: LoadedRecipe, prefix: str) -> tuple[RenderedFile, str, DeployLayout]:
     """The recipe's one server (GPU 0 or the CPU): its rendered unit, unit name and state."""
-    unit = render_service_files(loaded.recipe, ServerLayout(prefix=prefix))[0]
+    unit = render_service_files(loaded.recipe, ServerLayout(prefix=prefix), n_cpu_moe=resolve_n_cpu_moe(loaded))[0]
     unit_name = unit.path.rsplit("/", 1)[1]
     return unit, unit_name, DeployLayout(prefix, unit_name.removesuffix(".service"))
 
@@ -82,7 +82,8 @@ def deploy_ops(
     r = loaded.recipe
     kind = choose_manager(host, manager_choice)
     server = ServerLayout(prefix=prefix)
-    rendered = render_service_files(r, server, gpus)
+    n_cpu_moe = resolve_n_cpu_moe(loaded)
+    rendered = render_service_files(r, server, gpus, n_cpu_moe)
     why = systemd_only(r, gpus)
     if why and kind != "systemd":
         raise VoltaforgeError(f"{host.name}: {why}, and this host runs no systemd")
@@ -121,6 +122,8 @@ def deploy_ops(
         layers=loaded.shape.num_hidden_layers + 1 if gpu else None,
         kv_mib=option.kv_bytes / 2**20 if option and llama else None,
         compute_mib=option.compute_bytes / 2**20 if option and llama else None,
+        # a MoE: the experts in host RAM are exactly the planned ones (the layer count cannot tell)
+        device_model_mib=option.gpu_weights_bytes / 2**20 if option and llama and gpu and loaded.shape.is_moe else None,
     )
     managers = [make_manager(kind, state, name, unit.text) for name, state, _ in instances]
     ports = [port for _, _, port in instances]

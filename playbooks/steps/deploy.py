@@ -114,6 +114,9 @@ class Expectations:
     kv_mib: float | None
     compute_mib: float | None
     margin: float = 0.10
+    # a MoE on a GPU: the weights the plan puts there (all but token_embd and the experts of
+    # the --n-cpu-moe layers), so a load that keeps more or fewer experts in host RAM fails
+    device_model_mib: float | None = None
 
 
 def health_timeout(model_bytes: int) -> float:
@@ -437,6 +440,7 @@ class EnsureServing(Operation):
             planned_kv_mib=e.kv_mib,
             planned_compute_mib=e.compute_mib,
             margin=e.margin,
+            planned_device_model_mib=e.device_model_mib,
         )
         if problems:
             raise HostError(f"the load log disagrees with the plan: {'; '.join(problems)}")

@@ -194,7 +194,7 @@ DEFAULT_BATCH = 2048  # llama.cpp's own -b default at the pinned ref; the planne
 
 
 def llama_server_argv(
-    recipe: Recipe, layout: ServerLayout, port: str | None = None
+    recipe: Recipe, layout: ServerLayout, port: str | None = None, n_cpu_moe: int = 0
 ) -> tuple[list[str], frozenset[int]]:
     """The llama-server command line for a recipe, and which arguments are systemd specifiers
     or variables (written raw).
@@ -208,6 +208,9 @@ def llama_server_argv(
     model gets the same KV cache types as the target (the planner sizes its cache so) and runs
     at the target's context (the pinned ref has no separate draft context flag).
     ``port``: a raw value (``${VOLTAFORGE_PORT}`` in an instance template) instead of the recipe's.
+    ``n_cpu_moe``: the experts of the first N layers stay in host RAM (the recipe's n_cpu_moe,
+    `auto` resolved by the planner: config/planning.py resolve_n_cpu_moe); written only when
+    N > 0, and with --fit off llama-server moves nothing else.
     """
     if recipe.backend != "llamacpp":
         raise VoltaforgeError(f"recipe {recipe.name}: llama-server serves llamacpp recipes, not {recipe.backend}")
@@ -247,6 +250,8 @@ def llama_server_argv(
             "--cache-type-v-draft",
             recipe.cache.v,
         ]
+    if n_cpu_moe:
+        argv += ["--n-cpu-moe", str(n_cpu_moe)]
     argv += ["--host", recipe.service.bind, "--port", port or str(recipe.service.port)]
     raw: set[int] = {len(argv) - 1} if port else set()
     # -lv 4: at the pinned ref the load lines deploy checks (offloaded N/M layers, the KV and
@@ -314,13 +319,13 @@ def _cuda_environment(gpu_indexes: tuple[int, ...]) -> list[tuple[str, str]]:
 
 
 def render_llama_server_unit(
-    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,)
+    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,), n_cpu_moe: int = 0
 ) -> RenderedUnit:
     """The plain unit: one llama-server over the given GPUs (all of them in one process)."""
     if not _UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
         raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
     _check_gpu_indexes(gpu_indexes)
-    argv, raw = llama_server_argv(recipe, layout)
+    argv, raw = llama_server_argv(recipe, layout, n_cpu_moe=n_cpu_moe)
     gpu = not get_gpu(recipe.gpu).is_cpu
     environment = _cuda_environment(gpu_indexes) if gpu else []
     _check_environment(environment)
@@ -342,14 +347,16 @@ def render_llama_server_unit(
     return RenderedUnit(layout.unit_name, text, argv)
 
 
-def render_llama_server_template(recipe: Recipe, layout: ServerLayout = ServerLayout()) -> RenderedUnit:
+def render_llama_server_template(
+    recipe: Recipe, layout: ServerLayout = ServerLayout(), n_cpu_moe: int = 0
+) -> RenderedUnit:
     """The instance template ``<service>@.service``: instance %i serves GPU %i on the port its
     environment file names (recipe port + i); every instance loads the same model link."""
     if not _UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
         raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
     if get_gpu(recipe.gpu).is_cpu:
         raise VoltaforgeError(f"recipe {recipe.name}: one instance per GPU needs a GPU recipe, not {recipe.gpu}")
-    argv, raw = llama_server_argv(recipe, layout, port="${VOLTAFORGE_PORT}")
+    argv, raw = llama_server_argv(recipe, layout, port="${VOLTAFORGE_PORT}", n_cpu_moe=n_cpu_moe)
     name = layout.template_unit_name
     text = (
         _env()
@@ -461,9 +468,10 @@ UNIT_DIR = "/etc/systemd/system"
 
 
 def render_service_files(
-    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,)
+    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,), n_cpu_moe: int = 0
 ) -> list[RenderedFile]:
     """Every file deploy installs for a recipe (not the secrets, nor the links in serve_dir).
+    ``n_cpu_moe``: the resolved --n-cpu-moe of a MoE recipe (llama_server_argv).
 
     llamacpp, one GPU index: the plain unit. Several: the instance template and one environment
     file per instance (GPU i on recipe port + i). exllamav2: TabbyAPI's unit and config.yml.
@@ -478,9 +486,9 @@ def render_service_files(
     if len(gpu_indexes) == 1 or get_gpu(recipe.gpu).is_cpu:
         if len(gpu_indexes) > 1:
             raise VoltaforgeError(f"recipe {recipe.name}: a CPU recipe runs one server, not one per GPU")
-        unit = render_llama_server_unit(recipe, layout, gpu_indexes)
+        unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
         return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
-    template = render_llama_server_template(recipe, layout)
+    template = render_llama_server_template(recipe, layout, n_cpu_moe)
     return [RenderedFile(f"{UNIT_DIR}/{template.name}", template.text, 0o644, "unit")] + [
         RenderedFile(layout.instance_env_file(i), instance_environment(recipe, i), 0o644, "env") for i in gpu_indexes
     ]
