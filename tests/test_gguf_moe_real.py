@@ -14,14 +14,11 @@ import re
 import subprocess
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as T
 
-from playbooks.plan.gguf_size import CONVERTER_TYPES, FILE_TYPES, assign_types, quant_refusal, tensor_bytes
+from playbooks.plan.gguf_size import CONVERTER_TYPES, FILE_TYPES, assign_types, quant_refusal
 from playbooks.plan.model_config import ModelShape, shape_from_config
+from playbooks.weights.shaped_gguf import write_shaped_gguf
 from tests import llamacpp_tools
 
 pytestmark = pytest.mark.slow
@@ -70,45 +67,12 @@ def _shape(key: str) -> ModelShape:
     return shape_from_config({**BASE, **SHAPES[key]})
 
 
-def _write_f16(shape: ModelShape, path: Path) -> Path:
-    w = gguf.GGUFWriter(str(path), shape.arch)
-    w.add_block_count(shape.num_hidden_layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(shape.hidden_size)
-    w.add_feed_forward_length(shape.intermediate_size)
-    w.add_head_count(shape.num_attention_heads)
-    w.add_head_count_kv(shape.num_key_value_heads)
-    w.add_key_length(shape.head_dim)
-    w.add_value_length(shape.head_dim)
-    w.add_rope_dimension_count(shape.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(shape.num_experts)
-    w.add_expert_used_count(shape.num_experts_per_tok)
-    w.add_expert_feed_forward_length(shape.expert_intermediate_size)
-    if shape.shared_expert_intermediate_size:
-        w.add_expert_shared_feed_forward_length(shape.shared_expert_intermediate_size)
-    if shape.arch == "gpt-oss":
-        w.add_sliding_window(128)
-    w.add_vocab_size(shape.vocab_size)
-    for t, ty in assign_types(shape, "F16"):
-        if ty in (T.F16, T.F32):
-            data = np.zeros(tuple(reversed(t.ne)), dtype=np.float16 if ty is T.F16 else np.float32)
-        else:  # MXFP4 experts: raw blocks, the last dimension in bytes
-            block, size = GGML_QUANT_SIZES[ty]
-            data = np.zeros((*reversed(t.ne[1:]), t.ne[0] // block * size), dtype=np.uint8)
-            assert data.size == tensor_bytes(t.ne, ty)
-        w.add_tensor(t.name, data, raw_dtype=ty)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def f16_files(tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("moe")
-    return {key: _write_f16(_shape(key), work / f"{key}-f16.gguf") for key in SHAPES}
+    # the converter's file as the plan predicts it (weights/shaped_gguf.py: every tensor at its
+    # predicted type, MXFP4 experts raw; zero data, which llama-quantize's dry run never reads)
+    return {key: write_shaped_gguf(work / f"{key}-f16.gguf", _shape(key), "F16") for key in SHAPES}
 
 
 def _dry_run(src: Path, ftype: str) -> dict[str, str]:
