@@ -17,6 +17,7 @@ import httpx
 import pytest
 from gguf import GGUFReader
 
+from playbooks.config.planning import resolve_n_cpu_moe
 from playbooks.config.recipe import load_recipe
 from playbooks.facts.server_log import parse_load_log
 from playbooks.plan.gguf_size import assign_types, estimate_gguf
@@ -85,17 +86,15 @@ def _serve(argv: list[str], log: Path, port: int) -> subprocess.Popen:
 
 def test_served_with_experts_in_host_memory_answers_and_its_log_names_them(moe_f16, tmp_path):
     q4 = llamacpp_tools.quantize(moe_f16, tmp_path / "moe-Q4_K_M.gguf", "Q4_K_M")
-    n_cpu_moe = 2
+    n_cpu_moe = resolve_n_cpu_moe(LOADED)  # the recipe's n_cpu_moe: 2
     port = free_port()
-    argv, _ = llama_server_argv(LOADED.recipe, ServerLayout(str(tmp_path)))
+    argv, _ = llama_server_argv(LOADED.recipe, ServerLayout(str(tmp_path)), n_cpu_moe=n_cpu_moe)
     argv[0] = str(llamacpp_tools.llama_server())
     argv[argv.index("--model") + 1] = str(q4)
     argv[argv.index("--port") + 1] = str(port)
     # debug verbosity: llama.cpp names each overridden tensor only there
     argv[argv.index("--log-verbosity") + 1] = "5"
-    if "--n-cpu-moe" not in argv:
-        argv += ["--n-cpu-moe", str(n_cpu_moe)]
-    assert argv[argv.index("--n-cpu-moe") + 1] == str(n_cpu_moe)
+    assert n_cpu_moe == 2 and argv[argv.index("--n-cpu-moe") + 1] == "2"
     log = tmp_path / "llama-server.log"
     server = _serve(argv, log, port)
     try:
