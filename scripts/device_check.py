@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from playbooks.config.planning import plan_recipe  # noqa: E402
 from playbooks.config.recipe import load_recipe  # noqa: E402
-from playbooks.facts import cuda, gpu, membw, read_fact  # noqa: E402
+from playbooks.facts import builds, cuda, gpu, membw, read_fact  # noqa: E402
 from playbooks.facts.server_log import judge_load, parse_load_log  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.host.ops import run_ops  # noqa: E402
@@ -124,7 +124,7 @@ def phase_build(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         if any(c.status == "failed" for c in changes):
             result[run]["detail"] = next((getattr(c, "detail", "") for c in changes if c.status == "failed"), "")
             break
-    stamp = Path(layout.current) / "voltaforge-build.json"
+    stamp = Path(layout.current) / builds.STAMP_NAME
     if stamp.exists():
         result["stamp"] = json.loads(stamp.read_text())
     if not (Path(layout.current) / "bin" / "llama-server").exists():
