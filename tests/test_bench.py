@@ -17,6 +17,7 @@ import pytest
 
 from playbooks.steps import bench, bench_client
 from playbooks.steps.bench_client import Sample
+from tests.helpers import ROOT
 from tests.testhosts import free_port
 
 
@@ -205,3 +206,32 @@ def test_a_cross_check_beyond_5_percent_fails_a_gpu_gate_and_is_only_reported_fo
         "at concurrency 4 the client's decode 36.8 tok/s and the server's own 40.0 differ by 8% (over 5%)"
     ]
     assert bench.judge(off, {"crosscheck_gates": 0}, {})["passed"]
+
+
+def test_llama_bench_measures_the_served_configuration():
+    from playbooks.config.recipe import load_recipe
+    from playbooks.steps.bench_run import llama_bench_args
+
+    moe = load_recipe("qwen3-30b-a3b-v100-16gb")
+    args = llama_bench_args(moe, 7)
+    assert args == ["-fa", "1", "-ctk", "q8_0", "-ctv", "q8_0", "-ngl", "999", "-ncmoe", "7"]
+    assert llama_bench_args(load_recipe("tiny-cpu"), 0) == ["-fa", "1", "-ctk", "f16", "-ctv", "f16"]
+
+
+def test_llama_bench_is_not_run_where_a_second_copy_cannot_fit_beside_the_server(tmp_path):
+    from playbooks.config.recipe import load_recipe
+    from playbooks.steps.bench_run import second_copy_fits
+
+    # a 16 GB V100 holds the served 14B (10.3 GiB) and not another 8 GiB of its weights
+    assert "not run: its own copy of the model beside the server's needs 19.0 GiB of the 16 GiB card" == (
+        second_copy_fits(load_recipe("qwen2.5-14b-v100-16gb"))
+    )
+    assert second_copy_fits(load_recipe("tiny-cpu")) is None  # host memory: the plan's budget is not the RAM
+    # the same recipe on an H200 (where it ran beside the server: README, "On a real GPU")
+    text = (ROOT / "recipes/qwen2.5-14b-v100-16gb.yaml").read_text().replace("gpu: v100-16gb", "gpu: h200")
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes/defaults.yaml").read_text())
+    (tmp_path / "models").mkdir()
+    cfg = "qwen2.5-14b-instruct.config.json"
+    (tmp_path / "models" / cfg).write_text((ROOT / "recipes/models" / cfg).read_text())
+    (tmp_path / "h200.yaml").write_text(text)
+    assert second_copy_fits(load_recipe(tmp_path / "h200.yaml")) is None

@@ -113,13 +113,49 @@ def _offloads(loaded: LoadedRecipe) -> bool:
         return False
 
 
-def _llama_bench(host: Host, prefix: str, model: str, prompt_tokens: int, max_tokens: int) -> dict[str, Any] | None:
+def llama_bench_args(loaded: LoadedRecipe, n_cpu_moe: int) -> list[str]:
+    """llama-bench with the served configuration: its defaults (an f16 cache, every layer's
+    experts on the GPU) would measure another model than the one the gate judged."""
+    r = loaded.recipe
+    args = ["-fa", "1" if r.flash_attn else "0", "-ctk", r.cache.k, "-ctv", r.cache.v]
+    if not get_gpu(r.gpu).is_cpu:
+        args += ["-ngl", "999"]
+    if n_cpu_moe:
+        args += ["-ncmoe", str(n_cpu_moe)]
+    return args
+
+
+def second_copy_fits(loaded: LoadedRecipe) -> str | None:
+    """Why llama-bench cannot run beside the serving model on this GPU (None: it can): it loads
+    its own copy, and on a 16 GB V100 the server already holds most of the card."""
+    gpu = get_gpu(loaded.recipe.gpu)
+    if gpu.is_cpu:
+        return None
+    plan = plan_recipe(loaded)
+    option = next((o for o in plan.options if o.quant == loaded.recipe.quant_name), None)
+    if option is None:
+        return None
+    # beside the server's whole budget: the weights again, a compute buffer, a CUDA context (its
+    # KV cache is a few hundred tokens: left out)
+    need = option.vram_bytes + option.gpu_weights_bytes + option.compute_bytes + option.overhead_bytes
+    if need <= option.gpu_bytes:
+        return None
+    return (
+        f"not run: its own copy of the model beside the server's needs {need / 2**30:.1f} GiB "
+        f"of the {option.gpu_bytes / 2**30:.0f} GiB card"
+    )
+
+
+def _llama_bench(
+    host: Host, prefix: str, model: str, prompt_tokens: int, max_tokens: int, extra: list[str] | None = None
+) -> dict[str, Any] | None:
     """llama.cpp's own figure on the same model, when the build has llama-bench (the server
     keeps running: on a CPU host the two compete, and the report says it ran after the sweep)."""
     binary = f"{prefix}/llama.cpp/current/bin/llama-bench"
     if not host.exists(binary):
         return None
-    cmd = f"{shlex.quote(binary)} -m {shlex.quote(model)} -p {prompt_tokens} -n {max_tokens} -r 2 -o json"
+    flags = " ".join(shlex.quote(a) for a in extra or [])
+    cmd = f"{shlex.quote(binary)} -m {shlex.quote(model)} -p {prompt_tokens} -n {max_tokens} {flags} -r 2 -o json"
     out = host.run(f"{cmd} 2>/dev/null", check=False, stream=False, timeout=600)
     try:
         rows = json.loads(out.stdout)
@@ -234,7 +270,16 @@ def measure(
     roof = result.get("roofline_tok_s")
     result["mbu"] = round(single / roof, 4) if single and roof else None
     if r.backend == "llamacpp" and model and "error" not in result:
-        result["llama_bench"] = _llama_bench(host, prefix, model, g.prompt_tokens, g.max_tokens)
+        crowded = second_copy_fits(loaded)
+        if crowded:
+            result["llama_bench"] = {"error": crowded}
+        else:
+            try:
+                n_cpu_moe = resolve_n_cpu_moe(loaded)
+            except VoltaforgeError:
+                n_cpu_moe = 0
+            extra = llama_bench_args(loaded, n_cpu_moe)
+            result["llama_bench"] = _llama_bench(host, prefix, model, g.prompt_tokens, g.max_tokens, extra)
     result["complete"] = "error" not in result
     return result, seen
 
