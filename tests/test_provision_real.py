@@ -207,7 +207,10 @@ def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn
     assert answers(host)["choices"]
 
     # 5. Ctrl-C during the gate of a new deployment: exit 130, lock released; a re-run resumes
-    four = recipe(tmp_path, host, "four", parallel=4)
+    # a sweep of several seconds, so the interrupt lands inside it however fast this machine is
+    # (the recipe's own gate can end within a second on an idle machine: CI caught that)
+    long_gate = {"levels": [1, 2], "max_tokens": 1024, "requests_per_level": 4}
+    four = recipe(tmp_path, host, "four", parallel=4, context=1536, gate=long_gate)
     inv = inventory(tmp_path, {"box": (host, four)})
     proc = start(inv, "box")
     wait_for_line(proc, "== gate ==")
