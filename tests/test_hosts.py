@@ -9,6 +9,7 @@ it was.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -261,6 +262,25 @@ def test_ssh_timeout_kills_the_remote_command(ssh, sshd_host):
     assert time.monotonic() - start < 5
     assert ssh.run("pgrep -u $(id -u) -fx 'sleep 30' || true", stream=False).stdout == ""
     assert not marker.exists()
+
+
+def test_ctrl_c_during_a_remote_command_is_not_swallowed(ssh, sshd_host):
+    # the host layer runs commands on its own channels, not through Invoke's runner (which
+    # answers a KeyboardInterrupt by writing \x03 to the command's stdin and waiting on): a
+    # Ctrl-C during a remote command must reach the caller, and soon (provision's exit 130)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    # Python's own handler, as in a terminal (a suite run in the background starts with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ssh.run("sleep 30", stream=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert time.monotonic() - start < 5
+    # the connection is still usable (a run stops on the interrupt; nothing is left broken)
+    assert ssh.run("echo after", stream=False).stdout.strip() == "after"
 
 
 @slow
