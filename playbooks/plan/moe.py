@@ -39,7 +39,7 @@ from typing import Literal
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from playbooks.plan.gguf_size import assign_types, tensor_bytes
+from playbooks.plan.gguf_size import assign_types, estimate_gguf, tensor_bytes
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.tensors import Cat
 
@@ -137,36 +137,27 @@ class ExpertLayout:
 
 @lru_cache(maxsize=128)
 def expert_layout(shape: ModelShape, ftype: str, imatrix: bool = False) -> ExpertLayout:
-    """The bytes of a GGUF quant of a MoE shape, per layer, from the same tensor types the size
-    model assigns (gguf_size.assign_types): nothing here is a second size model."""
+    """The bytes of a GGUF quant of a MoE shape, per layer: the size model's own sums
+    (gguf_size.estimate_gguf: the expert bytes of each layer, token_embd, what a token streams),
+    plus what CUDA allocates to copy each expert weight for prefill. Nothing here is a second
+    size model."""
     if not shape.is_moe:
         raise ValueError(f"{shape.model_type} is a dense model: it has no experts to lay out")
-    n_layer = shape.num_hidden_layers
-    experts = [0] * n_layer
-    copies = [[0, 0, 0] for _ in range(n_layer)]
-    resident = 0
-    embd = 0
+    est = estimate_gguf(shape, ftype, imatrix=imatrix)
+    copies = [[0, 0, 0] for _ in range(shape.num_hidden_layers)]
     for t, ttype in assign_types(shape, ftype, imatrix=imatrix):
-        size = tensor_bytes(t.ne, ttype)
-        if t.experts:
-            experts[t.layer] += size
-            if len(t.ne) == 3:  # the weights (biases are copied too, but are small)
-                slot = {Cat.FFN_UP: 0, Cat.FFN_GATE: 1, Cat.FFN_DOWN: 2}[t.cat]
-                copies[t.layer][slot] = cuda_alloc_bytes(t.ne, ttype)
-        elif t.cat is Cat.TOKEN_EMBD:
-            embd = size
-        else:
-            resident += size
-    if shape.tie_word_embeddings:
-        resident += embd
+        if t.experts and len(t.ne) == 3:  # the weights (biases are copied too, but are small)
+            slot = {Cat.FFN_UP: 0, Cat.FFN_GATE: 1, Cat.FFN_DOWN: 2}[t.cat]
+            copies[t.layer][slot] = cuda_alloc_bytes(t.ne, ttype)
     return ExpertLayout(
-        n_expert=shape.num_experts,
-        n_expert_used=shape.num_experts_per_tok,
-        resident_read_bytes=resident,
-        expert_bytes=tuple(experts),
+        n_expert=est.n_expert,
+        n_expert_used=est.n_expert_used,
+        # what a token streams (token_embd only when tied) less the experts, which it reads in part
+        resident_read_bytes=est.streamed_bytes_per_token - est.expert_bytes,
+        expert_bytes=est.expert_bytes_per_layer,
         copy_bytes=tuple((c[0], c[1], c[2]) for c in copies),
-        token_embd_bytes=embd,
-        tied=shape.tie_word_embeddings,
+        token_embd_bytes=est.token_embd_bytes,
+        tied=est.tied_output,
     )
 
 
