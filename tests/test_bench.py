@@ -220,13 +220,13 @@ def test_llama_bench_measures_the_served_configuration():
 
 def test_llama_bench_is_not_run_where_a_second_copy_cannot_fit_beside_the_server(tmp_path):
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.bench_run import second_copy_fits
+    from playbooks.steps.bench_run import no_room_for_llama_bench
 
     # a 16 GB V100 holds the served 14B (10.3 GiB) and not another 8 GiB of its weights
     assert "not run: its own copy of the model beside the server's needs 19.0 GiB of the 16 GiB card" == (
-        second_copy_fits(load_recipe("qwen2.5-14b-v100-16gb"))
+        no_room_for_llama_bench(load_recipe("qwen2.5-14b-v100-16gb"))
     )
-    assert second_copy_fits(load_recipe("tiny-cpu")) is None  # host memory: the plan's budget is not the RAM
+    assert no_room_for_llama_bench(load_recipe("tiny-cpu")) is None  # host memory: the plan's budget is not the RAM
     # the same recipe on an H200 (where it ran beside the server: README, "On a real GPU")
     text = (ROOT / "recipes/qwen2.5-14b-v100-16gb.yaml").read_text().replace("gpu: v100-16gb", "gpu: h200")
     (tmp_path / "defaults.yaml").write_text((ROOT / "recipes/defaults.yaml").read_text())
@@ -234,4 +234,4 @@ def test_llama_bench_is_not_run_where_a_second_copy_cannot_fit_beside_the_server
     cfg = "qwen2.5-14b-instruct.config.json"
     (tmp_path / "models" / cfg).write_text((ROOT / "recipes/models" / cfg).read_text())
     (tmp_path / "h200.yaml").write_text(text)
-    assert second_copy_fits(load_recipe(tmp_path / "h200.yaml")) is None
+    assert no_room_for_llama_bench(load_recipe(tmp_path / "h200.yaml")) is None

@@ -125,7 +125,7 @@ def llama_bench_args(loaded: LoadedRecipe, n_cpu_moe: int) -> list[str]:
     return args
 
 
-def second_copy_fits(loaded: LoadedRecipe) -> str | None:
+def no_room_for_llama_bench(loaded: LoadedRecipe) -> str | None:
     """Why llama-bench cannot run beside the serving model on this GPU (None: it can): it loads
     its own copy, and on a 16 GB V100 the server already holds most of the card."""
     gpu = get_gpu(loaded.recipe.gpu)
@@ -270,7 +270,7 @@ def measure(
     roof = result.get("roofline_tok_s")
     result["mbu"] = round(single / roof, 4) if single and roof else None
     if r.backend == "llamacpp" and model and "error" not in result:
-        crowded = second_copy_fits(loaded)
+        crowded = no_room_for_llama_bench(loaded)
         if crowded:
             result["llama_bench"] = {"error": crowded}
         else:
