@@ -196,3 +196,10 @@ def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f16") -> Path:
 def quantize(src: Path, out: Path, ftype: str) -> Path:
     _run([str(llama_quantize()), str(src), str(out), ftype], out.with_suffix(".quantize.log"))
     return out
+
+
+def gguf_tensors(path: Path) -> dict[str, tuple[str, int]]:
+    """A GGUF file's tensors as written: name -> (type, bytes)."""
+    from gguf import GGUFReader
+
+    return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in GGUFReader(str(path)).tensors}

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gguf import GGUFReader
 
 from playbooks.plan.gguf_size import assign_types, estimate_gguf
 from playbooks.plan.model_config import shape_from_config
@@ -45,13 +44,9 @@ def tiny_f16(tmp_path_factory) -> Path:
     return llamacpp_tools.convert_to_gguf(hf, work / "tiny-f16.gguf", "f16")
 
 
-def _tensors(path: Path) -> dict[str, tuple[str, int]]:
-    return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in GGUFReader(str(path)).tensors}
-
-
 def test_converted_f16_matches_prediction(tiny_f16):
     shape = shape_from_config(TINY)
-    real = _tensors(tiny_f16)
+    real = llamacpp_tools.gguf_tensors(tiny_f16)
     assert {n: ty for n, (ty, _) in real.items()} == {t.name: ty.name for t, ty in assign_types(shape, "F16")}
     assert real["token_embd.weight"][0] == "F16" and real["blk.0.attn_norm.weight"][0] == "F32"
     assert sum(b for _, b in real.values()) == estimate_gguf(shape, "F16").tensor_bytes
@@ -61,7 +56,7 @@ def test_converted_f16_matches_prediction(tiny_f16):
 def test_llama_quantize_types_and_bytes_match_prediction(tiny_f16, ftype):
     out = llamacpp_tools.quantize(tiny_f16, tiny_f16.with_name(f"tiny-{ftype}.gguf"), ftype)
     shape = shape_from_config(TINY)
-    real = _tensors(out)
+    real = llamacpp_tools.gguf_tensors(out)
     predicted = {t.name: ty.name for t, ty in assign_types(shape, ftype, imatrix=False)}
     assert {n: ty for n, (ty, _) in real.items()} == predicted
     assert sum(b for _, b in real.values()) == estimate_gguf(shape, ftype, imatrix=False).tensor_bytes

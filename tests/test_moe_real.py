@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gguf import GGUFReader
 
 from playbooks.config.planning import resolve_n_cpu_moe
 from playbooks.config.recipe import load_recipe
@@ -40,17 +39,13 @@ def moe_f16(tmp_path_factory) -> Path:
     return llamacpp_tools.convert_to_gguf(hf, work / "moe-f16.gguf", "f16")
 
 
-def _tensors(path: Path) -> dict[str, tuple[str, int]]:
-    return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in GGUFReader(str(path)).tensors}
-
-
 def test_the_tiny_model_is_a_mixture_of_experts():
     assert SHAPE.is_moe and SHAPE.arch == "llama"
     assert (SHAPE.num_experts, SHAPE.num_experts_per_tok, SHAPE.expert_intermediate_size) == (4, 2, 704)
 
 
 def test_converted_moe_matches_prediction_tensor_by_tensor(moe_f16):
-    real = _tensors(moe_f16)
+    real = llamacpp_tools.gguf_tensors(moe_f16)
     predicted = {t.name: ty.name for t, ty in assign_types(SHAPE, "F16")}
     assert {n: ty for n, (ty, _) in real.items()} == predicted
     # the stacked experts and the router, as llama.cpp names and types them
@@ -62,7 +57,7 @@ def test_converted_moe_matches_prediction_tensor_by_tensor(moe_f16):
 @pytest.mark.parametrize("ftype", FTYPES)
 def test_llama_quantize_moe_types_and_bytes_match_prediction(moe_f16, ftype):
     out = llamacpp_tools.quantize(moe_f16, moe_f16.with_name(f"moe-{ftype}.gguf"), ftype)
-    real = _tensors(out)
+    real = llamacpp_tools.gguf_tensors(out)
     predicted = {t.name: ty.name for t, ty in assign_types(SHAPE, ftype, imatrix=False)}
     assert {n: ty for n, (ty, _) in real.items()} == predicted
     assert sum(b for _, b in real.values()) == estimate_gguf(SHAPE, ftype, imatrix=False).tensor_bytes
