@@ -20,6 +20,8 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from playbooks.weights.shaped_gguf import add_byte_fallback_vocab
+
 NAME = re.compile(
     r"(?P<arch>[a-z0-9]+)-E(?P<E>\d+)-F(?P<F>\d+)-L(?P<L>\d+)-H(?P<H>\d+)-K(?P<K>\d+)-D(?P<D>\d+)"
     r"-V(?P<V>\d+)(-W(?P<W>\d+))?\.gguf"
@@ -111,14 +113,7 @@ def write(directory: Path, s: Shape, ctx_train: int = 131072, q4: bool = False, 
         ):
             add(i)
     else:
-        w.add_tokenizer_model("llama")
-        tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-        w.add_token_list(tokens + [f"\u2581t{i}" for i in range(V - len(tokens))])
-        w.add_token_scores([0.0] * V)
-        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (V - 259))
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
+        add_byte_fallback_vocab(w, V)
     sizes: list[int] = []
 
     def t(name: str, *ne: int, matrix: bool = True) -> None:  # numpy order: (rows, columns)

@@ -54,7 +54,12 @@ def _metadata(w: gguf.GGUFWriter, shape: ModelShape, ctx_train: int) -> None:
         w.add_expert_feed_forward_length(shape.expert_intermediate_size)
         if shape.shared_expert_intermediate_size:
             w.add_expert_shared_feed_forward_length(shape.shared_expert_intermediate_size)
-    v = shape.vocab_size
+    add_byte_fallback_vocab(w, shape.vocab_size)
+
+
+def add_byte_fallback_vocab(w: gguf.GGUFWriter, v: int) -> None:
+    """A SentencePiece-style vocabulary of `v` tokens: <unk> <s> </s>, the 256 byte tokens (so
+    any text tokenizes), then filler pieces up to the model's real vocabulary size."""
     w.add_tokenizer_model("llama")
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
     w.add_token_list(tokens + [f"\u2581t{i}" for i in range(v - len(tokens))])
