@@ -106,11 +106,12 @@ def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
     return {"roofline_tok_s": round(roof, 2), "roofline_basis": basis, **prefill}
 
 
-def _offloads(loaded: LoadedRecipe) -> bool:
+def _n_cpu_moe(loaded: LoadedRecipe) -> int:
+    """The layers whose experts the served model keeps in host RAM (0: none)."""
     try:
-        return resolve_n_cpu_moe(loaded) > 0
+        return resolve_n_cpu_moe(loaded)
     except VoltaforgeError:  # a recipe that does not fit is the gate's to report, not the probe's
-        return False
+        return 0
 
 
 def llama_bench_args(loaded: LoadedRecipe, n_cpu_moe: int) -> list[str]:
@@ -214,8 +215,9 @@ def measure(
     }
     python = _python(host, prefix)
     membw = None
+    n_cpu_moe = _n_cpu_moe(loaded)
     # the host's copy rate: the roofline of a CPU, and the host side of a MoE with experts in host RAM
-    if gpu.is_cpu or _offloads(loaded):
+    if gpu.is_cpu or n_cpu_moe:
         probe = _push_probe(host, prefix, membw_facts.MEMBW_PROBE_PATH)
         membw = membw_facts.parse_membw(read_fact(host, membw_facts.membw_command(python, probe)))
     result |= ceilings(loaded, membw)
@@ -274,10 +276,6 @@ def measure(
         if crowded:
             result["llama_bench"] = {"error": crowded}
         else:
-            try:
-                n_cpu_moe = resolve_n_cpu_moe(loaded)
-            except VoltaforgeError:
-                n_cpu_moe = 0
             extra = llama_bench_args(loaded, n_cpu_moe)
             result["llama_bench"] = _llama_bench(host, prefix, model, g.prompt_tokens, g.max_tokens, extra)
     result["complete"] = "error" not in result
