@@ -122,7 +122,7 @@ def phase_build(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "changes": [{"step": c.step, "status": c.status, "why": c.why} for c in changes],
         }
         if any(c.status == "failed" for c in changes):
-            result[run]["detail"] = next((getattr(c, "detail", "") for c in changes if c.status == "failed"), "")
+            result[run]["detail"] = next((c.detail for c in changes if c.status == "failed"), "")
             break
     stamp = Path(layout.current) / builds.STAMP_NAME
     if stamp.exists():
@@ -238,7 +238,7 @@ def phase_gate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         }
         result["judge_load"] = judge_load(
             loadlog,
-            expect_layers=None if option.quant and args.gpu == "cpu" else loaded.shape.num_hidden_layers + 1,
+            expect_layers=None if args.gpu == "cpu" else loaded.shape.num_hidden_layers + 1,
             planned_kv_mib=option.kv_bytes / 2**20,
             planned_compute_mib=option.compute_bytes / 2**20,
         )
