@@ -12,6 +12,10 @@ embed_cpu=True), so it does not count against VRAM, and a decoded token does not
 Besides weights and cache ExLlamaV2 holds a scratch tensor from load on (exl2_scratch_bytes;
 the head's 1 GiB dequant buffer for most models) and allocates attention's working set per
 forward (exl2_attention_bytes); planner.exl2_compute_bytes adds them up.
+
+What checks the whole budget: one model card's VRAM table (bartowski/gemma-2-9b-it-exl2, made
+with ExLlamaV2 v0.1.7, older than the 0.3.2 read here). tests/test_exl2_size.py allows the plan
+0.6 GiB over it (OVER_BOUND), a bound set after observing +0.03..+0.50 GiB on that same card.
 """
 
 from __future__ import annotations
