@@ -3,7 +3,17 @@ deploy's load check holds a real GPU load to exactly the planned experts in host
 
 The loads are real: llama-server of the pinned llama.cpp built for sm_90 by the build step on
 a lent H200 (scripts/device_check.py), serving shaped GGUFs (the planner's tensors and types,
-zero data) of Qwen3-30B-A3B with --n-cpu-moe 24 and of the dense Qwen2.5-14B."""
+zero data) of Qwen3-30B-A3B with --n-cpu-moe 24 and of the dense Qwen2.5-14B.
+
+What the "GPU weights = plan" comparisons prove, and what they do not. The GGUFs were written
+from the planner's own tensor list (playbooks/weights/shaped_gguf.py), so every tensor's size in
+them IS the planner's size: that the GPU model buffer equals the planned GPU weights does not
+check the sizes (a wrong size would be in the file and in the plan alike). It checks PLACEMENT:
+which tensors llama.cpp puts on the GPU and which it keeps in host RAM (token_embd, the experts of
+the first N layers under --n-cpu-moe N) is what the planner assumes. The sizes are proven
+elsewhere, against published files (tests/test_gguf_size.py) and the real converter and
+quantizer (tests/test_gguf_real.py, tests/test_gguf_moe_real.py). The KV cache and compute
+buffer are llama.cpp's own arithmetic from the shape, checked against the planner's."""
 
 from dataclasses import replace
 
@@ -60,7 +70,11 @@ def _planned(n: int):
     return evaluate(QWEN3, "Q4_K_M", get_gpu("h200"), replace(AS_RUN, n_cpu_moe=n))
 
 
-def test_a_real_h200_load_with_24_layers_of_experts_in_host_ram_is_the_plan():
+def test_h200_shaped_moe_load_places_the_planned_tensors_with_24_layers_of_experts_in_host_ram():
+    """llama.cpp on the H200 put exactly the tensors the plan puts on the GPU there (its model
+    buffer = the planned GPU weights, to 0.02 MiB) and kept the rest in host RAM; the file's
+    tensors are the planner's own, so this is placement, not size (module docstring). KV cache
+    and compute buffer: llama.cpp's arithmetic equals the planner's."""
     log = parse_load_log(fixture_body(MOE_LOG))
     option = _planned(24)
     assert log.offloaded == (49, 49)  # the layer count cannot tell: every layer is "on the GPU"
@@ -74,7 +88,8 @@ def test_a_real_h200_load_with_24_layers_of_experts_in_host_ram_is_the_plan():
         )
         == []
     )
-    # the weights on the GPU to the MiB, and the KV cache and CUDA compute buffer exactly
+    # placement: the planner's tensors llama.cpp kept on the GPU sum to the planner's GPU share;
+    # the KV cache and CUDA compute buffer exactly
     assert log.model_device_mib == pytest.approx(option.gpu_weights_bytes / 2**20, abs=0.02)
     assert log.kv_mib == {"CUDA0": pytest.approx(option.kv_bytes / 2**20, abs=0.005)}
     assert log.compute_mib["CUDA0"] == pytest.approx(option.compute_bytes / 2**20, abs=0.005)
@@ -85,6 +100,7 @@ def test_a_real_h200_load_with_24_layers_of_experts_in_host_ram_is_the_plan():
     [(23, "more than the planned experts stayed in host memory"), (25, "fewer experts stayed in host memory")],
 )
 def test_one_layer_of_experts_more_or_less_in_host_ram_fails_the_load(planned_n, why):
+    """The placement check can fail: a plan one layer of experts off is caught by the judge."""
     log = parse_load_log(fixture_body(MOE_LOG))
     option = _planned(planned_n)
     reasons = judge_load(
@@ -97,7 +113,10 @@ def test_one_layer_of_experts_more_or_less_in_host_ram_fails_the_load(planned_n,
     assert len(reasons) == 1 and why in reasons[0] and "9154.43 MiB" in reasons[0]
 
 
-def test_a_real_h200_dense_load_is_the_plan_to_the_kib():
+def test_h200_shaped_dense_load_places_every_planned_tensor_on_the_gpu_and_kv_compute_are_the_plan():
+    """Dense Qwen2.5-14B, full offload: the GPU model buffer equals the planned GPU weights (the
+    file is the planner's tensor list, so this proves placement, token_embd kept in host RAM, not
+    sizes); KV cache to the byte and compute buffer to 0.005 MiB are llama.cpp's own arithmetic."""
     loaded = load_recipe("qwen2.5-14b-v100-16gb")
     option = evaluate(loaded.shape, "Q4_K_M", get_gpu("h200"), plan_recipe(loaded).serving)
     log = parse_load_log(fixture_body(DENSE_LOG))
