@@ -1,4 +1,9 @@
-"""GPU facts against real captured nvidia-smi / probe outputs (tests/fixtures, see headers)."""
+"""GPU facts against real captured nvidia-smi / probe outputs (tests/fixtures, see headers).
+
+The GPU probe runs with the REAL nvidia-ml-py package (a test extra; tests/nvml_env.py) for the
+paths this machine can show without a GPU (pynvml absent, no driver, no library), and its result
+must equal the captured fixtures of the same runs. Stand-in pynvml modules remain only where GPU
+VALUES are needed (the NVML branch with a GPU) and for an install that is broken on purpose."""
 
 import json
 import os
@@ -23,6 +28,13 @@ from playbooks.facts.gpu import (
     parse_nvidia_smi_table,
 )
 from tests.helpers import fixture_body as fixture_text
+from tests.nvml_env import (
+    WHICH_ERROR,
+    clean_env,
+    real_pynvml_version,
+    require_nvml_library_without_driver,
+    without_nvml_library,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "playbooks" / "facts" / "probes" / "gpu_probe.py"
@@ -314,12 +326,15 @@ def test_probe_json_garbage_is_absent_not_an_exception():
     assert "not JSON" in parse_gpu_probe_json("{not json").reason
 
 
-def _run_probe(extra_path=None):
+def _run_probe(extra_path=None, no_site=False, wrap=list):
+    """The probe under this python; no_site: without site-packages (-S), so the installed pynvml
+    is not importable; wrap: a function of the argv (tests/nvml_env.without_nvml_library)."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     if extra_path:
         env["PYTHONPATH"] = str(extra_path)
-    return subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=60)
+    python = [sys.executable, "-S"] if no_site else [sys.executable]
+    return subprocess.run(wrap([*python, str(PROBE)]), env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_probe_runs_here_and_prints_one_json_object():
@@ -333,6 +348,43 @@ def test_probe_runs_here_and_prints_one_json_object():
     facts = parse_gpu_probe_json(run.stdout)
     if data["source"] == "none":  # no GPU (or no pynvml) on this test machine
         assert facts.available is False and facts.reason
+
+
+def _none_case(run, fixture):
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    facts = parse_gpu_probe_json(run.stdout)
+    assert facts == parse_gpu_probe_json(fixture_text(fixture))  # the captured run of the same case
+    return facts
+
+
+def test_probe_without_pynvml_here():
+    """pynvml really absent: this python without its site-packages (-S)."""
+    facts = _none_case(_run_probe(no_site=True), "thishost-gpu-probe-no-pynvml.json")
+    assert facts.reason == "pynvml not importable: No module named 'pynvml'"
+
+
+def test_probe_with_the_real_nvml_package_and_no_driver():
+    """The REAL nvidia-ml-py, libnvidia-ml.so.1 installed, no driver loaded (this machine): the
+    package raises NVMLError_DriverNotLoaded (checked first) and the probe reports it. No stand-in."""
+    require_nvml_library_without_driver()
+    real_pynvml_version()
+    which = subprocess.run([sys.executable, "-c", WHICH_ERROR], env=clean_env(), capture_output=True, text=True)
+    assert which.stdout.split() == ["NVMLError_DriverNotLoaded", "9"], (which.stdout, which.stderr)
+    facts = _none_case(_run_probe(), "thishost-gpu-probe-nvml-driver-not-loaded.json")
+    assert facts.reason == "NVML init failed: Driver Not Loaded (NVML_ERROR_DRIVER_NOT_LOADED)"
+
+
+def test_probe_with_the_real_nvml_package_and_no_library():
+    """The REAL nvidia-ml-py with libnvidia-ml.so.1 hidden (tests/nvml_env.py): its own CDLL fails,
+    it raises NVMLError_LibraryNotFound (checked first, in the same namespace), and that is the
+    probe's reason. No stand-in."""
+    real_pynvml_version()
+    which = subprocess.run(
+        without_nvml_library([sys.executable, "-c", WHICH_ERROR]), env=clean_env(), capture_output=True, text=True
+    )
+    assert which.stdout.split() == ["NVMLError_LibraryNotFound", "12"], (which.stdout, which.stderr)
+    facts = _none_case(_run_probe(wrap=without_nvml_library), "thishost-gpu-probe-nvml-library-not-found.json")
+    assert facts.reason == "NVML init failed: NVML Shared Library Not Found (NVML_ERROR_LIBRARY_NOT_FOUND)"
 
 
 _FAKE_PYNVML = '''
@@ -382,6 +434,8 @@ def nvmlDeviceGetCurrentClocksThrottleReasons(h): return 0x4 | 0x1
 
 
 def test_probe_nvml_branch_with_fake_pynvml(tmp_path):
+    """A stand-in pynvml, only because a GPU's VALUES are needed and there is no GPU here (the
+    paths without one run the real package above)."""
     (tmp_path / "pynvml.py").write_text(textwrap.dedent(_FAKE_PYNVML))
     run = _run_probe(tmp_path)
     assert run.returncode == 0 and "Traceback" not in run.stderr
@@ -519,6 +573,7 @@ def test_probe_newer_nvml_clocks_event_reasons_branch(tmp_path, variant):
 
 
 def test_probe_with_broken_pynvml_import_still_prints_json(tmp_path):
+    """A module broken on purpose (it raises on import), which the real package cannot show."""
     (tmp_path / "pynvml.py").write_text("raise RuntimeError('broken install')\n")
     run = _run_probe(tmp_path)
     assert run.returncode == 0 and "Traceback" not in run.stderr

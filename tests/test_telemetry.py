@@ -1,12 +1,20 @@
 """Telemetry and membw probes: run for real here (no GPU), run against stand-in pynvml modules
 and a stand-in nvidia-smi that answer with REAL captured values (tests/fixtures, see headers),
-and their parsers fed garbage."""
+and their parsers fed garbage.
+
+NVML: the probe runs with the REAL nvidia-ml-py package (a test extra; tests/nvml_env.py) for
+every path this machine can show without a GPU: pynvml absent (the interpreter without its
+site-packages), the library installed but no driver (NVMLError_DriverNotLoaded), and no library
+(NVMLError_LibraryNotFound, libnvidia-ml.so.1 hidden in a private mount namespace). Stand-in
+pynvml modules are used ONLY where GPU values are needed (samples, reasons, a thermal slowdown):
+there is no GPU here to give them."""
 
 import importlib.util
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +34,12 @@ from playbooks.facts.telemetry import (
     throttle_summary,
 )
 from tests.helpers import fixture_body
+from tests.nvml_env import (
+    WHICH_ERROR,
+    real_pynvml_version,
+    require_nvml_library_without_driver,
+    without_nvml_library,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PROBES = REPO / "playbooks" / "facts" / "probes"
@@ -50,9 +64,12 @@ def _env(pythonpath=None, path_prefix=None):
     return env
 
 
-def _run_telemetry(*args, pythonpath=None, path_prefix=None, timeout=60):
+def _run_telemetry(*args, pythonpath=None, path_prefix=None, timeout=60, no_site=False, wrap=list):
+    """The probe under this python; no_site: without site-packages (-S), so the installed
+    pynvml is not importable; wrap: a function of the argv (without_nvml_library)."""
+    python = [sys.executable, "-S"] if no_site else [sys.executable]
     return subprocess.run(
-        [sys.executable, str(TELEMETRY_PROBE), *args],
+        wrap([*python, str(TELEMETRY_PROBE), *args]),
         env=_env(pythonpath, path_prefix),
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -68,17 +85,49 @@ def _json_lines(stdout):
 # --------------------------------------------------------------------------- the probe, for real
 
 
-def test_telemetry_probe_runs_here_and_says_why_it_cannot_sample():
-    run = _run_telemetry("--interval", "0.5", "--duration", "1")
-    assert run.returncode == 0 and "Traceback" not in run.stderr
+def _one_error_line(run, kind, error):
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
     (line,) = _json_lines(run.stdout)  # one error line, not a sample per tick
-    assert line["probe"] == "voltaforge-telemetry"
-    # this machine: no GPU, no pynvml in the test python, no nvidia-smi
-    assert line["kind"] == "no-pynvml", line
-    assert "pynvml not importable" in line["error"] and "no nvidia-smi" in line["error"]
+    assert line == {"probe": "voltaforge-telemetry", "kind": kind, "error": error}
     parsed = parse_telemetry(run.stdout)
-    assert parsed == Telemetry(samples=(), error=line["error"], source="none", kind="no-pynvml")
+    assert parsed == Telemetry(samples=(), error=error, source="none", kind=kind)
     assert throttle_summary(parsed)["throttled"] is False
+
+
+def test_telemetry_probe_without_pynvml_says_so():
+    """pynvml really absent: this python without its site-packages (-S), where the test extra
+    nvidia-ml-py is installed; and no nvidia-smi on this machine."""
+    assert shutil.which("nvidia-smi") is None
+    absent = subprocess.run([sys.executable, "-S", "-c", "import pynvml"], capture_output=True, text=True)
+    assert "No module named 'pynvml'" in absent.stderr
+    run = _run_telemetry("--interval", "0.5", "--duration", "1", no_site=True)
+    _one_error_line(run, "no-pynvml", "pynvml not importable (No module named 'pynvml') and no nvidia-smi on PATH")
+
+
+def test_telemetry_probe_with_the_real_nvml_package_and_no_driver():
+    """The REAL nvidia-ml-py here, where libnvidia-ml.so.1 is installed and no nvidia driver is
+    loaded: the package raises NVMLError_DriverNotLoaded (checked first), and that is the
+    probe's one error line, kind no-driver. No stand-in."""
+    require_nvml_library_without_driver()
+    real_pynvml_version()
+    which = subprocess.run([sys.executable, "-c", WHICH_ERROR], env=_env(), capture_output=True, text=True)
+    assert which.stdout.split() == ["NVMLError_DriverNotLoaded", "9"], (which.stdout, which.stderr)
+    run = _run_telemetry("--interval", "0.5", "--duration", "1")
+    _one_error_line(run, "no-driver", "NVML init failed: Driver Not Loaded (NVML_ERROR_DRIVER_NOT_LOADED)")
+
+
+def test_telemetry_probe_with_the_real_nvml_package_and_no_library():
+    """The REAL nvidia-ml-py with libnvidia-ml.so.1 hidden (tests/nvml_env.py): the package's own
+    CDLL fails and it raises NVMLError_LibraryNotFound (checked first, in the same namespace);
+    that is the probe's one error line, kind no-nvml-library. No stand-in."""
+    real_pynvml_version()
+    which = subprocess.run(
+        without_nvml_library([sys.executable, "-c", WHICH_ERROR]), env=_env(), capture_output=True, text=True
+    )
+    assert which.stdout.split() == ["NVMLError_LibraryNotFound", "12"], (which.stdout, which.stderr)
+    run = _run_telemetry("--interval", "0.5", "--duration", "1", wrap=without_nvml_library)
+    error = "NVML init failed: NVML Shared Library Not Found (NVML_ERROR_LIBRARY_NOT_FOUND)"
+    _one_error_line(run, "no-nvml-library", error)
 
 
 @pytest.mark.parametrize("args", [["--interval", "0", "--duration", "1"], ["--duration", "nan"], []])
@@ -100,6 +149,8 @@ def test_probe_tables_agree_with_gpu_facts():
 
 
 # --------------------------------------------------------------------------- stand-in pynvml
+# Only for GPU VALUES (there is no GPU here): every value below is a real capture's. The paths
+# without a GPU run the real nvidia-ml-py above.
 
 # nvml.h's nvmlClocksEventReason* bits by nvidia-smi -q label (written out independently).
 NVML_EVENT_REASON_BITS = {
@@ -372,41 +423,24 @@ def test_probe_stops_when_stdin_closes(tmp_path):
     assert parse_telemetry(first + rest).error is None
 
 
-def test_probe_nvml_init_failure_kinds(tmp_path):
-    (tmp_path / "pynvml.py").write_text(
-        "NVML_ERROR_DRIVER_NOT_LOADED = 9\n"
-        "class NVMLError(Exception):\n"
-        "    value = 9\n"
-        "    def __str__(self): return 'Driver Not Loaded'\n"
-        "def nvmlInit(): raise NVMLError()\n"
-    )
-    run = _run_telemetry("--duration", "1", pythonpath=tmp_path)
-    assert run.returncode == 0
-    parsed = parse_telemetry(run.stdout)
-    assert parsed.kind == "no-driver"
-    assert parsed.error == "NVML init failed: Driver Not Loaded (NVML_ERROR_DRIVER_NOT_LOADED)"
-
-
 # --------------------------------------------------------------------------- nvidia-smi fallback
 
 
 def _fake_nvidia_smi(tmp_path, fixture, rc=0):
-    """A stand-in nvidia-smi printing a captured output verbatim, logging its arguments."""
+    """A stand-in nvidia-smi printing a captured output verbatim, logging its arguments. The
+    probe runs without site-packages (no_site=True), so pynvml is really not importable."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (tmp_path / "capture.txt").write_text(fixture_body(fixture))
     script = bin_dir / "nvidia-smi"
     script.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/args\ncat {tmp_path}/capture.txt\nexit {rc}\n')
     script.chmod(0o755)
-    no_pynvml = tmp_path / "site"
-    no_pynvml.mkdir()
-    (no_pynvml / "pynvml.py").write_text("raise ImportError('stand-in: no pynvml here')\n")
-    return bin_dir, no_pynvml
+    return bin_dir
 
 
 def test_nvidia_smi_fallback_from_captured_csv(tmp_path):
-    bin_dir, no_pynvml = _fake_nvidia_smi(tmp_path, "nvidia-smi-csv-compute-cap-titanv-volta-driver570.txt")
-    run = _run_telemetry("--interval", "0.05", "--duration", "0.2", pythonpath=no_pynvml, path_prefix=bin_dir)
+    bin_dir = _fake_nvidia_smi(tmp_path, "nvidia-smi-csv-compute-cap-titanv-volta-driver570.txt")
+    run = _run_telemetry("--interval", "0.05", "--duration", "0.2", no_site=True, path_prefix=bin_dir)
     assert run.returncode == 0 and "Traceback" not in run.stderr
     raw = _json_lines(run.stdout)
     assert len(raw) >= 3 and all(r["source"] == "nvidia-smi" and "csv" in r for r in raw)
@@ -424,8 +458,8 @@ def test_nvidia_smi_fallback_from_captured_csv(tmp_path):
 
 @pytest.mark.parametrize("rc", [0, 6])
 def test_nvidia_smi_fallback_driver470_field_error(tmp_path, rc):
-    bin_dir, no_pynvml = _fake_nvidia_smi(tmp_path, "nvidia-smi-csv-compute-cap-invalid-field-driver470.txt", rc)
-    run = _run_telemetry("--interval", "0.05", "--duration", "0.1", pythonpath=no_pynvml, path_prefix=bin_dir)
+    bin_dir = _fake_nvidia_smi(tmp_path, "nvidia-smi-csv-compute-cap-invalid-field-driver470.txt", rc)
+    run = _run_telemetry("--interval", "0.05", "--duration", "0.1", no_site=True, path_prefix=bin_dir)
     assert run.returncode == 0
     parsed = parse_telemetry(run.stdout)
     assert parsed.samples == () and parsed.kind == "nvidia-smi-failed"
@@ -511,10 +545,11 @@ def test_clock_drop_ignores_idle_ramp_and_needs_more_than_ten_percent():
 
 
 def test_telemetry_command_runs_the_probe_and_reports_a_missing_python():
+    require_nvml_library_without_driver()  # what the probe meets here, with the real pynvml
     cmd = telemetry_command(sys.executable, str(TELEMETRY_PROBE), 0.5, 1)
     assert "--interval 0.5 --duration 1.0" in cmd
     run = subprocess.run(["/bin/sh", "-c", cmd], env=_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    assert run.returncode == 0 and parse_telemetry(run.stdout).kind == "no-pynvml"
+    assert run.returncode == 0 and parse_telemetry(run.stdout).kind == "no-driver"
     missing = telemetry_command("/nonexistent/py thon", "/tmp/p.py", 0.5, 10)
     run = subprocess.run(["/bin/sh", "-c", missing], capture_output=True, text=True)
     assert run.returncode == 0
