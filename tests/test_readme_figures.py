@@ -1,0 +1,373 @@
+"""Every measured figure in README.md comes from a result file under reports/ (playbooks/results.py),
+and the README shows what the file holds.
+
+The marker, an HTML comment (invisible on GitHub) right after the figure and its unit:
+
+    single stream **131.5 tok/s**<!-- result: reports/h200/gate.json single_stream_tok_s -->
+    198 / 200 / 199 tok/s<!-- result: reports/h200/gate.json aggregate_2_tok_s aggregate_4_tok_s aggregate_8_tok_s -->
+
+A marker with k names reads the last k figures before it on its own line, in order; each must equal
+the file's figure rounded as the README shows it (half up: 578.5 shows as 578.5 or 579, never 578).
+A duration written `13 min 56 s` is read as 836 s and needs the unit "s"; a unit written between
+the figure and the marker (`131.5 tok/s**`, `23.4%`) must be the file's. A sample output shown
+whole is marked on the line before its fence and must equal the file's `extra["output"]`:
+
+    <!-- result-block: reports/local/provision-noop.json -->
+    ```text
+    ...
+
+The rule that catches a figure added without a file: outside fenced blocks, every number in bold
+(`**...**`) followed by a unit of time, speed, size, clock, power, temperature, a percentage or a
+ratio must be covered by a marker. Computed figures (plans, rooflines from datasheets, published
+sizes) are not bold-with-a-unit and carry no marker; they are tested where they are computed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+
+from playbooks.facts.server_log import parse_load_log
+from playbooks.results import Result, ResultError, load_result, parse_result
+from tests.helpers import ROOT
+
+README = ROOT / "README.md"
+REPORTS = ROOT / "reports"
+
+MARK = re.compile(r"<!-- result: (?P<file>reports/[\w./-]+\.json)(?P<keys>(?: [a-z][a-z0-9_]*)+) -->")
+BLOCK_MARK = re.compile(r"<!-- result-block: (?P<file>reports/[\w./-]+\.json) -->")
+ANY_MARK = re.compile(r"<!--\s*result")
+FENCE = re.compile(r"^```[^\n]*\n.*?^```[ \t]*$", re.M | re.S)
+CODE = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)  # an inline code span: a marker shown, not used
+# a figure as the README writes it: `13 min 56 s`, `1,745`, `131.5`; not the digits of `sm_90`, `tg64`, `v1.2`
+FIGURE = re.compile(
+    r"(?<![\w.,/-])(?:(?P<min>\d+) min (?P<sec>\d+(?:\.\d+)?) s(?![\w/])"
+    r"|(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?))"
+)
+BOLD = re.compile(r"\*\*([^*]+)\*\*")
+SERIES = re.compile(r"\s*/\s*")
+UNIT_AFTER = re.compile(r"\s?(?:tok/s|GB/s|MB/s|ms|min|s|h|MiB|GiB|GB|MB|MHz|W|°C|%|x)(?![\w/])")
+
+# Places another change is rewriting with new measurements; exempt from the bold rule only while
+# they carry no marker at all (the first marker put there puts the whole place under the rule).
+PENDING = [
+    ("the bench section", re.compile(r"^## What `invoke bench` prints$", re.M), re.compile(r"^## ", re.M)),
+    ("the Tests section's CI time paragraph", re.compile(r"^Measured: CI's own run", re.M), re.compile(r"^$", re.M)),
+]
+
+
+@dataclass(frozen=True)
+class Token:
+    start: int
+    end: int
+    text: str
+    value: Decimal  # seconds for a duration
+    decimals: int
+    duration: bool
+
+
+def _tokens(text: str, start: int = 0, end: int | None = None) -> list[Token]:
+    out = []
+    for m in FIGURE.finditer(text, start, len(text) if end is None else end):
+        if m["min"]:
+            sec = m["sec"]
+            value = Decimal(m["min"]) * 60 + Decimal(sec)
+            out.append(Token(m.start(), m.end(), m[0], value, len(sec.partition(".")[2]), True))
+        else:
+            num = m["num"].replace(",", "")
+            out.append(Token(m.start(), m.end(), m[0], Decimal(num), len(num.partition(".")[2]), False))
+    return out
+
+
+def shown(value: float, decimals: int) -> Decimal:
+    """The file's figure rounded as the README shows it (half up)."""
+    return Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP)
+
+
+def _fences(text: str) -> list[tuple[int, int]]:
+    """Fenced blocks and inline code spans: what is in them is shown, not marked up."""
+    fences = [(m.start(), m.end()) for m in FENCE.finditer(text)]
+    spans = [(m.start(), m.end()) for m in CODE.finditer(text) if not _inside(m.start(), fences)]
+    return fences + spans
+
+
+def _inside(pos: int, spans: list[tuple[int, int]]) -> bool:
+    return any(a <= pos < b for a, b in spans)
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def _blank_markers(text: str) -> str:
+    """The text with every marker replaced by spaces: offsets stay, figures inside a marker vanish."""
+    return MARK.sub(lambda m: " " * len(m[0]), BLOCK_MARK.sub(lambda m: " " * len(m[0]), text))
+
+
+def _load(rel: str, cache: dict[str, Result | str], root: Path) -> Result | str:
+    if rel not in cache:
+        try:
+            cache[rel] = load_result(root / rel)
+        except ResultError as exc:
+            cache[rel] = str(exc)
+    return cache[rel]
+
+
+def check(text: str, root: Path = ROOT) -> tuple[list[str], set[int]]:
+    """(problems, offsets of the figures the markers cover) for a README's text."""
+    problems: list[str] = []
+    covered: set[int] = set()
+    cache: dict[str, Result | str] = {}
+    fences = _fences(text)
+    blank = _blank_markers(text)
+    marks = [m for m in MARK.finditer(text) if not _inside(m.start(), fences)]
+    known = {m.start() for m in marks}
+    for m in ANY_MARK.finditer(text):
+        if m.start() not in known and not BLOCK_MARK.match(text, m.start()) and not _inside(m.start(), fences):
+            bad = text[m.start() :][:80]
+            problems.append(f"README.md:{_line(text, m.start())}: a result marker that cannot be read: {bad!r}")
+    previous_end = 0
+    for m in marks:
+        where = f"README.md:{_line(text, m.start())}"
+        if text[m.start() - 1 : m.start()] in ("", "\n"):
+            problems.append(f"{where}: a marker must not start a line (there it starts an HTML block)")
+        keys = m["keys"].split()
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        found = _tokens(blank, max(line_start, previous_end), m.start())
+        previous_end = m.end()
+        result = _load(m["file"], cache, root)
+        if isinstance(result, str):
+            problems.append(f"{where}: {result}")
+            continue
+        if len(found) < len(keys):
+            problems.append(f"{where}: {len(keys)} figure(s) named, {len(found)} on the line before the marker")
+            continue
+        tokens = found[-len(keys) :]
+        suffix = blank[tokens[-1].end : m.start()].strip(" *")
+        for key, tok in zip(keys, tokens, strict=True):
+            covered.add(tok.start)
+            if key not in result.figures:
+                problems.append(f"{where}: {m['file']} has no figure {key!r} (it has {sorted(result.figures)})")
+                continue
+            value, unit = result.figures[key], result.units[key]
+            if tok.duration and unit != "s":
+                problems.append(f"{where}: {tok.text!r} is a duration but {m['file']} {key} is in {unit}")
+            elif shown(value, tok.decimals) != tok.value:
+                problems.append(
+                    f"{where}: README shows {tok.text!r}, {m['file']} {key} = {value} {unit} "
+                    f"(shown as {shown(value, tok.decimals)})"
+                )
+        unit = result.units.get(keys[-1])
+        if suffix and unit and suffix != unit:
+            problems.append(
+                f"{where}: the README writes {suffix!r} before the marker, {m['file']} {keys[-1]} is in {unit}"
+            )
+    for m in BLOCK_MARK.finditer(text):
+        if _inside(m.start(), fences):
+            continue
+        where = f"README.md:{_line(text, m.start())}"
+        fence = FENCE.match(text, m.end() + 1)
+        if text[m.end() : m.end() + 1] != "\n" or fence is None:
+            problems.append(f"{where}: a result-block marker must be the line right before a fenced block")
+            continue
+        result = _load(m["file"], cache, root)
+        if isinstance(result, str):
+            problems.append(f"{where}: {result}")
+            continue
+        body = fence[0].split("\n", 1)[1].rsplit("\n", 1)[0]
+        output = result.extra.get("output")
+        if not isinstance(output, str):
+            problems.append(f"{where}: {m['file']} has no extra.output to compare the block with")
+        elif [ln.rstrip() for ln in body.splitlines()] != [ln.rstrip() for ln in output.splitlines()]:
+            problems.append(f"{where}: the block differs from {m['file']}'s extra.output")
+        else:
+            covered.update(t.start for t in _tokens(blank, fence.start(), fence.end()))
+    return problems, covered
+
+
+def _pending(text: str) -> list[tuple[int, int]]:
+    spans = []
+    for _, start_re, end_re in PENDING:
+        start = start_re.search(text)
+        if start is None:
+            continue
+        end = end_re.search(text, start.end() + 1)
+        span = (start.start(), end.start() if end else len(text))
+        if not ANY_MARK.search(text, *span):
+            spans.append(span)
+    return spans
+
+
+def unmarked(text: str, covered: set[int]) -> list[str]:
+    """Bold figures with a unit that no marker covers (outside fenced blocks and pending places)."""
+    blank = _blank_markers(text)
+    fences, pending = _fences(text), _pending(text)
+    found = []
+    for b in BOLD.finditer(blank):
+        if _inside(b.start(), fences) or _inside(b.start(), pending):
+            continue
+        tokens = _tokens(blank, b.start(1), b.end(1))
+        needs = [False] * len(tokens)
+        for i in reversed(range(len(tokens))):  # `32.1 / 36.9 GB/s`: the unit is every figure's
+            tok = tokens[i]
+            series = i + 1 < len(tokens) and needs[i + 1] and SERIES.fullmatch(blank, tok.end, tokens[i + 1].start)
+            needs[i] = bool(tok.duration or UNIT_AFTER.match(blank, tok.end, b.end(1)) or series)
+        for tok, need in zip(tokens, needs, strict=True):
+            if need and tok.start not in covered:
+                found.append(f"README.md:{_line(text, tok.start)}: {b[0]!r}: {tok.text} has no result marker")
+    return found
+
+
+# -- the README as it is ------------------------------------------------------------------------
+
+
+def test_every_marked_figure_is_the_result_files():
+    problems, covered = check(README.read_text())
+    assert problems == []
+    assert len(covered) >= 40  # the markers were read (a broken pattern would find none)
+
+
+def test_no_bold_figure_goes_without_a_result_file():
+    text = README.read_text()
+    assert unmarked(text, check(text)[1]) == []
+
+
+def result_files() -> list[Path]:
+    return sorted(REPORTS.glob("*/*.json"))
+
+
+@pytest.mark.parametrize("path", result_files(), ids=lambda p: str(p.relative_to(REPORTS)))
+def test_every_result_file_validates(path):
+    load_result(path)
+
+
+def test_every_result_file_of_ours_is_cited_by_the_readme():
+    """A result file nobody reads is a figure that was dropped from the README: drop the file."""
+    text = README.read_text()
+    cited = {m["file"] for m in MARK.finditer(text)} | {m["file"] for m in BLOCK_MARK.finditer(text)}
+    ours = [p for p in result_files() if p.parent.name in ("h200", "local")]
+    assert [str(p.relative_to(ROOT)) for p in ours if str(p.relative_to(ROOT)) not in cited] == []
+
+
+def test_load_figures_are_their_committed_fixtures():
+    """Where a result names the load log it came from, the log says the same."""
+    from tests.helpers import fixture_body
+
+    with_fixture = [r for r in map(load_result, result_files()) if "fixture" in r.extra]
+    assert len(with_fixture) == 2
+    for r in with_fixture:
+        log = parse_load_log(fixture_body(Path(r.extra["fixture"]).name))
+        assert r.extra["fixture"] in r.source
+        assert r.figures["kv_mib"] == log.kv_mib["CUDA0"]
+        assert r.figures["compute_mib"] == log.compute_mib["CUDA0"]
+        assert r.figures["gpu_weights_mib"] == log.model_device_mib
+        assert log.offloaded == (r.figures["offloaded_layers"],) * 2
+
+
+def test_the_moe_sweeps_derived_figures_follow_from_its_measured_ones():
+    """The host's read rate at each N and the GPU's share at N=0 are arithmetic on the measured
+    tok/s and the plan's bytes per token: they hold for some tok/s inside its rounding."""
+    from playbooks.plan.model_config import load_config_file
+    from playbooks.plan.moe import expert_layout
+
+    r = load_result(REPORTS / "h200" / "moe-sweep.json")
+    layout = expert_layout(load_config_file(ROOT / "recipes/models/qwen3-30b-a3b.config.json"), "Q4_K_M")
+    gpu_gb_s = 4800  # the H200's datasheet bandwidth, as the README takes it
+
+    def host_gb_s(tok_s: float, n: int) -> float:
+        gpu, host = layout.per_token(n)
+        return host / (1 / tok_s - gpu / (gpu_gb_s * 1e9)) / 1e9
+
+    for n in (12, 24, 36, 48):
+        tok_s = r.figures[f"tg_tok_s_n{n}"]
+        low, high = host_gb_s(tok_s - 0.05, n), host_gb_s(tok_s + 0.05, n)
+        assert low - 0.05 <= r.figures[f"host_gb_s_n{n}"] <= high + 0.05, n
+    gpu0, _ = layout.per_token(0)
+    share = r.figures["tg_tok_s_n0"] / (gpu_gb_s * 1e9 / gpu0) * 100
+    assert round(share) == r.figures["gpu_roofline_pct_n0"]
+
+
+def test_the_h200_results_say_they_are_transcribed():
+    for path in sorted((REPORTS / "h200").glob("*.json")):
+        r = load_result(path)
+        assert r.transcribed and r.date == "2026-11-30" and "H200" in r.machine, path
+
+
+# -- the checker catches what it is for -----------------------------------------------------------
+
+
+def test_a_changed_figure_is_caught():
+    text = README.read_text()
+    marked = "**131.5 tok/s**<!-- result: reports/h200/gate.json single_stream_tok_s -->"
+    assert marked in text
+    problems, _ = check(text.replace(marked, marked.replace("131.5", "135.1")))
+    assert len(problems) == 1
+    assert "README shows '135.1', reports/h200/gate.json single_stream_tok_s = 131.5" in problems[0]
+
+
+def test_a_figure_in_another_unit_a_missing_key_or_file_is_caught():
+    text = README.read_text()
+    marked = "**131.5 tok/s**<!-- result: reports/h200/gate.json single_stream_tok_s -->"
+    for wrong, message in [
+        (marked.replace("tok/s", "GB/s"), "writes 'GB/s' before the marker"),
+        (marked.replace("single_stream_tok_s", "single_stream"), "has no figure 'single_stream'"),
+        (marked.replace("gate.json", "gates.json"), "no such result file"),
+        (marked.replace("<!-- result: ", "<!-- result "), "a result marker that cannot be read"),
+    ]:
+        problems, _ = check(text.replace(marked, wrong))
+        assert len(problems) == 1 and message in problems[0], (wrong, problems)
+
+
+def test_rounding_is_read_as_shown():
+    assert shown(578.5, 1) == Decimal("578.5") and shown(578.5, 0) == Decimal("579")
+    assert shown(836, 0) == Decimal("836") and shown(0.25, 1) == Decimal("0.3")
+    (duration,) = _tokens("took 9 min 39 s here")
+    assert (duration.value, duration.decimals, duration.duration) == (Decimal(579), 0, True)
+    assert [t.text for t in _tokens("sm_90 tg64 1,745 s, 1.29x and 23.4%")] == ["1,745", "1.29", "23.4"]
+
+
+def test_a_changed_sample_block_is_caught():
+    text = README.read_text()
+    assert "<!-- result-block: reports/local/provision-noop.json -->" in text
+    problems, _ = check(text.replace("\n2.88 s wall\n```", "\n2.91 s wall\n```"))
+    assert len(problems) == 1 and "the block differs from reports/local/provision-noop.json" in problems[0]
+
+
+def test_a_new_bold_figure_without_a_marker_is_caught():
+    text = README.read_text()
+    anchor = "## Where things are\n"
+    new = "\nA new run took **12.3 s** and **2 min 5 s** at **1 / 2 MB/s**; the plan says **64** (no unit).\n"
+    added = text.replace(anchor, anchor + new)
+    problems, covered = check(added)
+    assert problems == []
+    found = [f.split(": ", 2)[2] for f in unmarked(added, covered)]
+    assert found == [f"{x} has no result marker" for x in ("12.3", "2 min 5 s", "1", "2")]
+
+
+def test_pending_places_are_exempt_only_until_their_first_marker():
+    text = README.read_text()
+    para = "Measured: CI's own run"
+    assert para in text and "**passed in 1,745 s (29 min 5 s)**" in text
+    assert unmarked(text, check(text)[1]) == []
+    # one marker in the paragraph puts the whole paragraph under the rule
+    marked = text.replace(para, "Measured<!-- result: reports/h200/gate.json single_stream_tok_s -->: CI's own run")
+    assert any("1,745 has no result marker" in p for p in unmarked(marked, check(marked)[1]))
+
+
+def test_a_result_file_without_its_provenance_fails_validation(tmp_path):
+    good = load_result(REPORTS / "h200" / "gate.json").model_dump(by_alias=True)
+    parse_result(good)
+    for missing in ("command", "commit", "date"):
+        with pytest.raises(ResultError, match=rf"{missing}: Field required"):
+            parse_result({k: v for k, v in good.items() if k != missing}, "gate.json")
+        with pytest.raises(ResultError, match=missing):
+            parse_result({**good, missing: ""}, "gate.json")
+    # and a README marker naming such a file is a problem, not a pass
+    (tmp_path / "reports" / "h200").mkdir(parents=True)
+    (tmp_path / "reports" / "h200" / "gate.json").write_text('{"schema": 1, "title": "t"}')
+    problems, _ = check("**131.5 tok/s**<!-- result: reports/h200/gate.json single_stream_tok_s -->\n", tmp_path)
+    assert len(problems) == 1 and "Field required" in problems[0]
