@@ -103,7 +103,7 @@ def test_write_reports_writes_three_readable_files_and_nothing_else(result, tmp_
     assert text == json.dumps(result, indent=2, sort_keys=True) + "\n"
 
     md = paths["markdown"].read_text()
-    assert "| concurrency | aggregate tok/s | per-stream decode tok/s (MBU) | server predicted tok/s |" in md
+    assert "| concurrency | aggregate tok/s | per-stream decode tok/s ± 95% (MBU) | server predicted tok/s |" in md
     assert "| 1 | 60.1 (50%) | 60.3 (50%) | 61.0 (51%) | 0.99 | 150/200/210 | 16.0/20.0 | 0/8 |" in md
     assert "| 2 | 96.4 (80%) | 48.5 (40%) | 49.2 (41%) | 0.99 | 220/310/330 | 20.0/26.0 | 0/8 |" in md
     assert "| 4 | 131.8 (109%) | 33.4 (28%) | 34.0 (28%) | 0.98 | 410/620/660 | 29.0/41.0 | 0/8 |" in md
@@ -118,6 +118,32 @@ def test_write_reports_writes_three_readable_files_and_nothing_else(result, tmp_
     image = matplotlib.image.imread(paths["png"])
     assert image.shape == (600, 1000, 4)  # CHART_FIGSIZE_IN x CHART_DPI, RGBA
     assert (paths["png"].stat().st_mode & 0o777) == 0o644
+
+
+def test_the_markdown_shows_each_decode_with_its_interval_and_leaves_no_field_unfilled(result, tmp_path):
+    """A result with the repeats' statistics (the example predates them): ``163.2 ± 3.1``, the
+    server's own figure starred where the client could not time the tokens, the workload's
+    repeats, where the client ran and what CPU it took; no ``None`` anywhere."""
+    result["levels"][0]["decode"] = {"mean": 60.3, "stdev": 1.2, "n": 8, "halfwidth": 1.0, "source": "client"}
+    result["levels"][1]["decode"] = {"mean": 49.2, "stdev": 0.4, "n": 8, "halfwidth": 0.3, "source": "server"}
+    result["levels"][1]["crosscheck"] = "not resolvable: 40% of the tokens arrived in bursts within one read"
+    result["workload"] |= {"requests_per_level": {"1": [4, 16], "2": [4, 16]}, "ci_target": 0.02}
+    result["client"] = "this machine"
+    result["client_cpu"] = {"on_served_host": True, "cpu_s": 3.1, "cores": 0.42, "host_cpus": 2}
+    result["membw"] = {
+        "gb_s": 11.2,
+        "source": "stored, measured 2026-11-30T17:00:00Z",
+        "probe": {"trials": [9.0, 11.2]},
+    }
+    md = write_reports(result, tmp_path)["markdown"].read_text()
+    assert "| 1 | 60.1 (50%) | 60.3 ± 1.0 (50%) | 61.0 (51%) | 0.99 |" in md
+    assert "| 2 | 96.4 (80%) | 49.2 ± 0.3 (41%)* | 49.2 (41%) | not timeable |" in md
+    assert "requests per level (concurrency: fewest-most) 1: 4-16, 2: 4-16 until the 95% half-width is within 2%" in md
+    assert "- client: this machine, on the served host (it competes with the server for CPU: it took 0.42 of" in md
+    assert "- host memory bandwidth: 11.2 GB/s (best of 2, trials 9.0-11.2 GB/s; stored, measured 2026-11-30" in md
+    assert "None" not in md
+    del result["server"]["build"]
+    assert "build not recorded" in write_reports(result, tmp_path)["markdown"].read_text()
 
 
 def test_write_reports_replaces_an_earlier_report(result, tmp_path):
@@ -332,6 +358,30 @@ def test_compare_per_level_best_and_a_level_never_measured(result):
     assert [(r["concurrency"], r["last"], r["best"]) for r in empty] == [(c, None, None) for c in (1, 2, 4, 8)]
     assert empty[3]["now"] == {"aggregate_tok_s": 135.7, "per_stream_decode_tok_s": 17.2, "ttft_p95_s": 1.48}
     assert "no earlier run" in rich_text(render_compare, compare(result, []))
+
+
+def test_compare_says_whether_a_decode_change_is_outside_the_noise(result):
+    """Two runs with intervals: 60.3 ± 1.0 then 61.0 ± 1.0 is within the noise (+1.2%); 66.0 ±
+    1.0 is outside it. A run from before the repeats (no interval) gets the plain % change."""
+
+    def with_decode(run: dict, mean: float, source: str = "client") -> dict:
+        run = copy.deepcopy(run)
+        run["levels"][0]["decode"] = {"mean": mean, "halfwidth": 1.0, "n": 8, "stdev": 1.4, "source": source}
+        run["levels"][0]["per_stream_decode_tok_s"] = mean
+        return run
+
+    then = br.history_summary(with_decode(run_at(result, "2026-11-01T10:00:00Z", 1.0), 60.3))
+    near, far = with_decode(result, 61.0), with_decode(result, 66.0)
+    assert compare(near, [then])[0]["last"]["decode_outside_noise"] is False
+    assert compare(far, [then])[0]["last"]["decode_outside_noise"] is True
+    out = rich_text(render_compare, compare(near, [then]))
+    assert "concurrency 1: per-stream decode +1.2% against the last run, within the noise: no change shown" in out
+    out = rich_text(render_compare, compare(far, [then]))
+    assert "concurrency 1: per-stream decode +9.5% against the last run, outside the noise: a real change" in out
+    # the client's figure against the server's own: not the same measurement, no verdict
+    assert compare(with_decode(result, 66.0, "server"), [then])[0]["last"]["decode_outside_noise"] is None
+    old = br.history_summary(run_at(result, "2026-11-01T10:00:00Z", 1.0))
+    assert compare(far, [old])[0]["last"]["decode_outside_noise"] is None
 
 
 def test_a_corrupt_history_line_names_the_file_and_line(result, tmp_path):

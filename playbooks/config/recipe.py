@@ -222,7 +222,18 @@ class Gate(_Strict):
     levels: list[int] = Field([1, 2, 4, 8], min_length=1, description="concurrency levels, rising")
     prompt_tokens: int = Field(128, ge=8, le=32768, description="tokens of each prompt")
     max_tokens: int = Field(64, ge=8, le=8192, description="tokens generated per request (EOS ignored)")
-    requests_per_level: int = Field(0, ge=0, description="0: twice the concurrency, at least 4")
+    # each level repeats rounds (one request per stream) after a warm-up round, until the 95%
+    # confidence half-width of its per-stream decode is within ci_target of the mean, between
+    # these two counts
+    requests_per_level: int = Field(
+        0, ge=0, description="fewest requests per level; 0: twice the concurrency, at least 4"
+    )
+    max_requests_per_level: int = Field(
+        0, ge=0, le=4096, description="most requests per level; 0: 8 x the concurrency, at least 16"
+    )
+    ci_target: float = Field(
+        0.02, gt=0, le=1, description="stop repeating at this 95% half-width, as a share of the mean decode"
+    )
 
     @field_validator("levels")
     @classmethod

@@ -17,18 +17,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from playbooks.steps.bench_client import Sample
+from playbooks.steps.bench_stats import arrivals, estimate
 
 #: the client's decode rate must agree with the server's own this closely
 CROSSCHECK_TOLERANCE = 0.05
 #: aggregate tok/s rising less than this from one level to the next: the knee
 KNEE_GAIN = 0.10
-#: below this many seconds per token the client cannot time tokens over HTTP: they arrive in
-#: bursts of several per read (measured: the tiny model at 2,800 tok/s reads 63 tokens in
-#: 1.5 ms), and the client's own per-token cost is a visible share of each token (measured:
-#: the tiny model at 251 tok/s per stream, client and server sharing two busy cores, read 11%
-#: fast). So the client/server cross-check is reported as not resolvable instead of failed.
-#: 10 ms still checks every real model on a V100 (a 14B Q4_K_M decodes a token in ~25 ms).
-MIN_RESOLVABLE_S_PER_TOKEN = 0.010
 #: TTFT p95 growing more than this factor from one level to the next: latency exploded
 KNEE_TTFT_FACTOR = 3.0
 
@@ -80,40 +74,61 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
-def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float) -> dict[str, Any]:
-    """One concurrency level's figures: aggregate over its wall time, per-stream medians,
-    latency percentiles, the server's own rates, errors (a few quoted)."""
+def judged_values(samples: Sequence[Sample]) -> tuple[list[float], str]:
+    """The per-request decode rates a level is judged by, and whose they are: the client's
+    (tokens after the first over the time after the first token, so the first token's delay is
+    left out) where its tokens could be timed (:func:`bench_stats.arrivals`), else the server's
+    own ``predicted_per_second``; the client's when the server reports none (TabbyAPI)."""
+    ok = [s for s in samples if s.error is None]
+    client = [d for d in (s.decode_tok_s for s in ok) if d]
+    server = [s.timings["predicted_per_second"] for s in ok if "predicted_per_second" in s.timings]
+    if server and not arrivals(ok)["timeable"]:
+        return server, "server"
+    return client, "client"
+
+
+def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float, warmup: int = 0) -> dict[str, Any]:
+    """One concurrency level's figures: aggregate over its wall time, the per-stream decode as a
+    mean with its spread (:class:`bench_stats.Estimate`), the client's rate cross-checked against
+    the server's own where the arrival times allow it, latency percentiles, errors (a few
+    quoted). ``warmup``: requests run before these, left out of every figure."""
     ok = [s for s in samples if s.error is None]
     errors = [s.error for s in samples if s.error is not None]
     out_tokens = sum(s.completion_tokens or 0 for s in ok)
-    decode = [d for d in (s.decode_tok_s for s in ok) if d]
-    server = [s.timings["predicted_per_second"] for s in ok if "predicted_per_second" in s.timings]
+    client = estimate([d for d in (s.decode_tok_s for s in ok) if d])
+    server = estimate([s.timings["predicted_per_second"] for s in ok if "predicted_per_second" in s.timings])
+    timing = arrivals(ok)
+    values, source = judged_values(ok)
+    judged = estimate(values)
     prefill_server = [s.timings["prompt_per_second"] for s in ok if "prompt_per_second" in s.timings]
     ttft = [t for t in (s.ttft for s in ok) if t is not None]
     itl = [x for s in ok for x in s.itls]
     e2e = [t for t in (s.e2e for s in ok) if t is not None]
     prompt = [s.prompt_tokens for s in ok if s.prompt_tokens]
-    per_stream = statistics.median(decode) if decode else None
-    server_rate = statistics.median(server) if server else None
-    resolvable = not server_rate or 1 / server_rate >= MIN_RESOLVABLE_S_PER_TOKEN
+    checked = bool(timing["timeable"] and client and server)
     prefill = (
         statistics.median(prefill_server)
         if prefill_server
         else (statistics.median(p / t for p, t in zip(prompt, ttft, strict=False) if t) if prompt and ttft else None)
     )
+    short = [s for s in ok if s.completion_tokens is not None and s.requested and s.completion_tokens < s.requested]
     return {
         "concurrency": concurrency,
         "requests": len(samples),
+        "warmup_requests": warmup,
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
+        "short_completions": len(short),
         "aggregate_tok_s": _r(out_tokens / wall_s if wall_s > 0 and ok else 0.0, 3),
-        "per_stream_decode_tok_s": _r(per_stream, 3),
-        "server_predicted_per_second": _r(server_rate, 3),
-        "crosscheck_ratio": _r(per_stream / server_rate if per_stream and server_rate and resolvable else None),
+        "decode": None if judged is None else {**judged.as_dict(), "source": source},
+        "per_stream_decode_tok_s": _r(client.mean if client else None, 3),
+        "server_predicted_per_second": _r(server.mean if server else None, 3),
+        "server_decode": None if server is None else server.as_dict(),
+        "timing": timing,
+        "crosscheck_ratio": _r(client.mean / server.mean if checked and client and server else None),
         "crosscheck": None
-        if resolvable or not server_rate
-        else f"not resolvable: the server decodes a token every {1000 / server_rate:.2f} ms, faster than the "
-        "client can time tokens over HTTP",
+        if timing["timeable"] or not server
+        else f"not resolvable: {timing['why_not']}; judged by the server's own rate",
         "prefill_tok_s": _r(prefill, 3),
         "prompt_tokens": statistics.median(prompt) if prompt else None,
         "output_tokens": out_tokens,
@@ -130,8 +145,12 @@ def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float) ->
 
 
 def decode_figure(level: dict[str, Any]) -> float:
-    """The single figure a level's decode is judged by: the client's, or the server's own where
-    the client could not time tokens (``crosscheck`` says why)."""
+    """The single figure a level's decode is judged by: the mean of the client's per-stream
+    rates, or of the server's own where the client could not time the tokens (``crosscheck``
+    says why)."""
+    decode = level.get("decode") or {}
+    if decode.get("mean") is not None:
+        return float(decode["mean"])
     if level.get("crosscheck"):
         return level.get("server_predicted_per_second") or 0.0
     return level.get("per_stream_decode_tok_s") or 0.0

@@ -39,6 +39,7 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)  # llama-server's own
     finish_reason: str | None = None
     error: str | None = None
+    requested: int = 0  # max_tokens asked for: with EOS ignored, exactly what should come back
 
     @property
     def ttft(self) -> float | None:
@@ -89,7 +90,7 @@ def _chunk_text(data: dict[str, Any]) -> str:
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> Sample:
     """One streamed completion; whatever happens, a Sample (with ``error`` when it failed)."""
-    s = Sample(sent=time.monotonic())
+    s = Sample(sent=time.monotonic(), requested=int(body.get("max_tokens") or 0))
     try:
         async with client.stream("POST", url, json=body, timeout=timeout) as r:
             if r.status_code != 200:

@@ -33,6 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from playbooks.errors import VoltaforgeError
+from playbooks.steps.bench_stats import distinct
 
 REPORT_FILES = {"json": "bench.json", "markdown": "bench.md", "png": "bench.png"}
 
@@ -108,6 +109,21 @@ def _of_roofline(v: Any, roofline: Any) -> str:
     return f"{n:.1f} ({n / r:.0%})" if r else f"{n:.1f}"
 
 
+def decode_text(level: dict[str, Any], roofline: Any) -> str:
+    """``163.2 ± 3.1 (53%)``: the level's per-stream decode (the figure it is judged by) with its
+    95% half-width and its share of the roofline; a ``*`` marks the server's own figure, used
+    where the client could not time the tokens."""
+    decode = level.get("decode") or {}
+    mean = _num(decode.get("mean"))
+    if mean is None:
+        return _of_roofline(level.get("per_stream_decode_tok_s"), roofline)
+    hw = _num(decode.get("halfwidth"))
+    r = _num(roofline)
+    text = f"{mean:.1f}" + (f" ± {hw:.1f}" if hw is not None else " (n=1)")
+    text += f" ({mean / r:.0%})" if r else ""
+    return text + ("*" if decode.get("source") == "server" else "")
+
+
 def crosscheck_ratio(level: dict[str, Any]) -> float | None:
     """Client-measured per-stream decode over the server's own ``predicted_per_second``.
 
@@ -128,7 +144,7 @@ def sweep_columns(result: dict[str, Any]) -> list[str]:
     return [
         "concurrency",
         "aggregate tok/s",
-        "per-stream decode tok/s (MBU)",
+        "per-stream decode tok/s ± 95% (MBU)",
         "server predicted tok/s",
         "client/server",
         "TTFT p50/p95/p99 ms",
@@ -141,7 +157,10 @@ def roofline_note(result: dict[str, Any]) -> str:
     roof = _num(result.get("roofline_tok_s"))
     if not roof:
         return "no roofline in this result: rates are shown without a share"
-    return f"(%) = share of the single-stream roofline, {roof:.1f} tok/s ({result.get('roofline_basis')})"
+    return (
+        f"(%) = share of the single-stream roofline, {roof:.1f} tok/s ({result.get('roofline_basis')}); "
+        "± = 95% confidence half-width of the mean; * = the server's own rate (the client could not time the tokens)"
+    )
 
 
 def sweep_rows(result: dict[str, Any]) -> list[list[str]]:
@@ -154,9 +173,9 @@ def sweep_rows(result: dict[str, Any]) -> list[list[str]]:
             [
                 str(lv.get("concurrency")),
                 _of_roofline(lv.get("aggregate_tok_s"), roof),
-                _of_roofline(lv.get("per_stream_decode_tok_s"), roof),
+                decode_text(lv, roof),
                 _of_roofline(lv.get("server_predicted_per_second"), roof),
-                "too fast to time" if lv.get("crosscheck") else _fmt(crosscheck_ratio(lv), ".2f"),
+                "not timeable" if lv.get("crosscheck") else _fmt(crosscheck_ratio(lv), ".2f"),
                 "/".join(_fmt(lv.get(f"ttft_{p}_s"), ".0f", 1000) for p in ("p50", "p95", "p99")),
                 "/".join(_fmt(lv.get(f"itl_{p}_s"), ".1f", 1000) for p in ("p50", "p95")),
                 f"{errors}/{requests}" if requests is not None else str(errors),
@@ -241,6 +260,38 @@ def _llama_bench_rows(result: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def _requests_text(workload: dict[str, Any]) -> str:
+    bounds = workload.get("requests_per_level")
+    if isinstance(bounds, dict) and bounds:
+        spans = ", ".join(f"{c}: {lo}-{hi}" for c, (lo, hi) in bounds.items())
+        target = _num(workload.get("ci_target"))
+        until = f" until the 95% half-width is within {target:.0%} of the mean" if target else ""
+        return f"after a warm-up round, requests per level (concurrency: fewest-most) {spans}{until}"
+    if bounds is not None:
+        return f"{bounds} requests per level"
+    return "requests per level not recorded"
+
+
+def _client_text(result: dict[str, Any]) -> str:
+    where = str(result.get("client") or "not recorded")
+    cpu = result.get("client_cpu") or {}
+    cores = _num(cpu.get("cores"))
+    if cpu.get("on_served_host"):
+        share = f": it took {cores:.2f} of the host's {cpu.get('host_cpus')} CPUs" if cores is not None else ""
+        return f"{where}, on the served host (it competes with the server for CPU{share})"
+    took = f", {cores:.2f} CPUs of its own" if cores is not None else ""
+    return f"{where}, not on the served host{took}"
+
+
+def _membw_text(membw: dict[str, Any]) -> str:
+    gb = _num(membw.get("gb_s"))
+    probe = membw.get("probe") or {}
+    trials = [t for t in probe.get("trials") or [] if _num(t) is not None]
+    spread = f", trials {min(trials):.1f}-{max(trials):.1f} GB/s" if trials else ""
+    figure = f"{gb:.1f} GB/s" if gb is not None else "not measured"
+    return f"{figure} (best of {len(trials) or '?'}{spread}; {membw.get('source')})"
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     """The report people read: gate first, then the sweep, then what explains it."""
     server = result.get("server") or {}
@@ -250,12 +301,18 @@ def render_markdown(result: dict[str, Any]) -> str:
     if result.get("complete") is False:
         out += ["**INCOMPLETE RUN**: not every level finished; not kept in the history.", ""]
     out += [
-        f"- server: {_md(server.get('kind'))} build {_md(server.get('build'))} at {_md(server.get('url'))}",
+        f"- server: {_md(server.get('kind'))}, build {_md(server.get('build') or 'not recorded')}, "
+        f"at {_md(server.get('url') or 'port ' + str(server.get('port')))}",
         f"- model: `{_md(server.get('model'))}`",
         f"- recipe sha256: `{_md(result.get('recipe_sha256'))}`",
-        f"- workload: {workload.get('prompt_tokens')} prompt tokens, {workload.get('max_tokens')} max tokens, "
-        f"{workload.get('requests_per_level')} requests per level, seed {workload.get('seed')}",
+        f"- workload: {workload.get('prompt_tokens')} prompt tokens, {workload.get('max_tokens')} tokens out per "
+        f"request (EOS ignored), seed {workload.get('seed')}; {_md(_requests_text(workload))}",
+        f"- client: {_md(_client_text(result))}",
         f"- roofline: {_fmt(result.get('roofline_tok_s'))} tok/s per stream ({_md(result.get('roofline_basis'))})",
+    ]
+    if result.get("membw"):
+        out.append(f"- host memory bandwidth: {_md(_membw_text(result['membw']))}")
+    out += [
         f"- prefill ceiling: {_fmt(result.get('prefill_ceiling_tok_s'))} tok/s ({_md(result.get('prefill_basis'))})",
         f"- MBU: {_fmt(result.get('mbu'), '.0%') if _num(result.get('mbu')) is not None else '-'}",
         "",
@@ -441,7 +498,12 @@ def history_summary(result: dict[str, Any]) -> dict[str, Any]:
         "roofline_tok_s": result.get("roofline_tok_s"),
         "mbu": result.get("mbu"),
         "levels": [
-            {"concurrency": lv.get("concurrency"), **{k: lv.get(k) for k in TRACKED}}
+            {
+                "concurrency": lv.get("concurrency"),
+                **{k: lv.get(k) for k in TRACKED},
+                # the interval compare judges a change by (runs before the repeats have none)
+                **({"decode": lv["decode"]} if lv.get("decode") else {}),
+            }
             for lv in result.get("levels") or []
         ],
     }
@@ -500,6 +562,11 @@ def _ref(run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: A
         "recipe_changed": run.get("recipe_sha256") != sha,
         "values": {k: level.get(k) for k in TRACKED},
         "change_pct": {k: _pct(now.get(k), level.get(k)) for k in TRACKED},
+        # the per-stream decode's change against both runs' 95% intervals: True outside the
+        # noise, False within it, None where a run has no interval (runs before the repeats)
+        "decode_outside_noise": distinct(now.get("decode"), level.get("decode"))
+        if (now.get("decode") or {}).get("source") == (level.get("decode") or {}).get("source")
+        else None,
     }
 
 
@@ -519,7 +586,7 @@ def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[d
     rows = []
     for lv in result.get("levels") or []:
         c = lv.get("concurrency")
-        now = {k: lv.get(k) for k in TRACKED}
+        now = {k: lv.get(k) for k in TRACKED} | ({"decode": lv["decode"]} if lv.get("decode") else {})
         measured = [(run, pl) for run in past for pl in run.get("levels") or [] if pl.get("concurrency") == c]
         sha = result.get("recipe_sha256")
         last = _ref(*measured[-1], now, sha) if measured else None
@@ -534,7 +601,12 @@ def _change_text(ref: dict[str, Any] | None, key: str, spec: str) -> Text:
         return Text("-")
     then, pct = ref["values"].get(key), ref["change_pct"].get(key)
     text = Text(_fmt(then, spec))
-    if pct is not None:
+    noise = ref.get("decode_outside_noise") if key == "per_stream_decode_tok_s" else None
+    if pct is not None and noise is not None:
+        # both runs have intervals: the change is judged by them, not by a fixed share
+        style = ("green" if pct > 0 else "red") if noise else ""
+        text.append(f" ({pct:+.1f}%, {'outside' if noise else 'within'} the noise)", style=style)
+    elif pct is not None:
         # a throughput drop or a TTFT rise of more than 5% is worth a colour
         worse = pct < -5 if key != "ttft_p95_s" else pct > 5
         better = pct > 5 if key != "ttft_p95_s" else pct < -5
@@ -556,6 +628,18 @@ def render_compare(rows: Sequence[dict[str, Any]], console: Console) -> Table:
             cells.append(_change_text(r["best"], key, spec))
         table.add_row(*cells)
     console.print(table)
+    for r in rows:
+        for label in ("last", "best"):
+            ref = r[label]
+            noise = (ref or {}).get("decode_outside_noise")
+            pct = ((ref or {}).get("change_pct") or {}).get("per_stream_decode_tok_s")
+            if noise is not None and pct is not None:
+                verdict = "outside the noise: a real change" if noise else "within the noise: no change shown"
+                console.print(
+                    Text(
+                        f"concurrency {r['concurrency']}: per-stream decode {pct:+.1f}% against the {label} run, {verdict}"
+                    )
+                )
     refs = [r[k] for r in rows for k in ("last", "best") if r[k]]
     if not refs:
         console.print(Text("no earlier run of this host and recipe to compare with"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import json
 import shlex
 import time
@@ -20,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from playbooks.config.planning import host_from_recipe, plan_recipe, resolve_n_cpu_moe
-from playbooks.config.recipe import LoadedRecipe
+from playbooks.config.recipe import Gate, LoadedRecipe
 from playbooks.errors import VoltaforgeError
+from playbooks.facts import builds as build_facts
 from playbooks.facts import membw as membw_facts
 from playbooks.facts import read_fact, system
 from playbooks.facts import telemetry as telem
@@ -34,6 +36,7 @@ from playbooks.plan.tensors import parameter_count
 from playbooks.resources import resource_dir
 from playbooks.steps import bench, bench_client
 from playbooks.steps.bench_report import append_history, read_history, write_reports
+from playbooks.steps.bench_stats import estimate, settled
 from playbooks.steps.build import source_cache_dir
 from playbooks.steps.deploy import DeployLayout, read_record
 
@@ -171,8 +174,91 @@ def _llama_bench(
     return found
 
 
+def host_membw(host: Host, prefix: str, python: str, remeasure: bool = False) -> dict[str, Any]:
+    """The host's copy bandwidth as a host fact: the stored figure when it was measured on this
+    same memory system (and ``remeasure`` is off), else a fresh STREAM-style measurement, stored
+    for the next run. Returns the figure with its basis (``source``: stored or measured)."""
+    ident, stored = membw_facts.parse_identity(read_fact(host, membw_facts.identity_command(prefix)))
+    found, why = (None, "--remeasure") if remeasure else membw_facts.reusable(stored, ident)
+    if found is not None:
+        return {"gb_s": found.copy_gb_s, "source": why, "probe": _membw_dict(found)}
+    probe = _push_probe(host, prefix, membw_facts.MEMBW_PROBE_PATH)
+    fresh = membw_facts.read_membw(read_fact(host, membw_facts.membw_command(python, probe)))
+    if fresh.copy_gb_s is None:
+        return {"gb_s": None, "source": f"not measured: {fresh.error}", "probe": _membw_dict(fresh)}
+    at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    record = membw_facts.stored_record(ident, fresh, at)
+    host.run(membw_facts.store_command(prefix, record), stream=False)
+    return {
+        "gb_s": fresh.copy_gb_s,
+        "source": f"measured {at} ({why}), stored for the next runs",
+        "probe": _membw_dict(fresh),
+    }
+
+
+def _membw_dict(m: membw_facts.Membw) -> dict[str, Any]:
+    return {k: v for k, v in m.__dict__.items() if v is not None}
+
+
+def request_bounds(g: Gate, concurrency: int) -> tuple[int, int]:
+    """The fewest and the most requests a level runs (rounds of one request per stream)."""
+    least = g.requests_per_level or max(2 * concurrency, 4)
+    most = max(least, g.max_requests_per_level or max(8 * concurrency, 16))
+    return least, most
+
+
+def sweep_level(url: str, text: str, words: int, c: int, g: Gate, kind: str) -> tuple[dict[str, Any], list[Any]]:
+    """One concurrency level: a warm-up round (every stream once, left out), then rounds of one
+    request per stream until the per-stream decode's 95% half-width is within the gate's
+    ``ci_target`` of its mean, or the cap (:func:`request_bounds`). Returns the level's summary
+    (with the client's own CPU time: on the served host it competes with the server) and its
+    samples."""
+    least, most = request_bounds(g, c)
+    warm = bench.prompts_for(text, words, c, seed=100_000 + c)
+    asyncio.run(bench_client.run_level(url, warm, c, g.max_tokens, 100_000, kind, REQUEST_TIMEOUT_S))
+    samples: list[bench_client.Sample] = []
+    wall, rounds = 0.0, 0
+    cpu0 = time.process_time()
+    while True:
+        prompts = bench.prompts_for(text, words, c, seed=1000 * c + rounds)
+        got, took = asyncio.run(
+            bench_client.run_level(url, prompts, c, g.max_tokens, 1 + rounds * c, kind, REQUEST_TIMEOUT_S)
+        )
+        samples += got
+        wall += took
+        rounds += 1
+        if all(s.error for s in got):
+            break
+        values, _ = bench.judged_values(samples)
+        if len(samples) >= most or settled(estimate(values), least, most, g.ci_target):
+            break
+    summary = bench.level_summary(c, samples, wall, warmup=len(warm))
+    summary["rounds"] = rounds
+    summary["client_cpu_s"] = round(time.process_time() - cpu0, 3)
+    return summary, samples
+
+
+def client_on_served_host(host: Host) -> bool:
+    """Whether the client shares the served host's CPUs: this machine, or an SSH host reached
+    over loopback."""
+    if isinstance(host, LocalHost):
+        return True
+    address = str(getattr(getattr(host, "spec", None), "host", "") or "")
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def measure(
-    loaded: LoadedRecipe, host: Host, prefix: str, layout: DeployLayout, levels: list[int] | None = None
+    loaded: LoadedRecipe,
+    host: Host,
+    prefix: str,
+    layout: DeployLayout,
+    levels: list[int] | None = None,
+    remeasure: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole run on one host: the result dict (the report's schema) and what was seen."""
     r = loaded.recipe
@@ -187,7 +273,16 @@ def measure(
         "recipe": r.name,
         "recipe_sha256": hashlib.sha256(loaded.path.read_bytes()).hexdigest(),
         "client": "this machine" if isinstance(host, LocalHost) else "the controller, through an SSH port forward",
-        "workload": {"prompt_tokens": g.prompt_tokens, "max_tokens": g.max_tokens, "seed": 1, "levels": levels},
+        "client_on_served_host": client_on_served_host(host),
+        "workload": {
+            "prompt_tokens": g.prompt_tokens,
+            "max_tokens": g.max_tokens,
+            "seed": 1,
+            "levels": levels,
+            "requests_per_level": {str(c): list(request_bounds(g, c)) for c in levels},
+            "ci_target": g.ci_target,
+            "warmup": "one round per level (a request per stream), left out",
+        },
         "levels": [],
         "telemetry": None,
         "llama_bench": None,
@@ -207,19 +302,28 @@ def measure(
         return result, seen
     port = int(record.get("port") or r.service.port)
     model = str((record.get("artifact") or {}).get("path") or "")
+    build = None
+    if r.backend == "llamacpp":
+        current = build_facts.parse_readlink(
+            read_fact(host, build_facts.readlink_command(f"{prefix}/llama.cpp/current"))
+        )
+        build = current.rstrip("/").rsplit("/", 1)[-1] if current else None
     result["server"] = {
         "port": port,
         "kind": "llama-server" if r.backend == "llamacpp" else "tabbyapi",
         "model": model,
         "deployed_at": record.get("at"),
+        "build": build or ("not recorded" if r.backend == "llamacpp" else "TabbyAPI (no llama.cpp build)"),
+        "url": f"http://127.0.0.1:{port}/v1 on {host.name}",
     }
     python = _python(host, prefix)
     membw = None
     n_cpu_moe = _n_cpu_moe(loaded)
-    # the host's copy rate: the roofline of a CPU, and the host side of a MoE with experts in host RAM
+    # the host's copy rate, kept as a host fact: the roofline of a CPU, and the host side of a
+    # MoE with experts in host RAM
     if gpu.is_cpu or n_cpu_moe:
-        probe = _push_probe(host, prefix, membw_facts.MEMBW_PROBE_PATH)
-        membw = membw_facts.parse_membw(read_fact(host, membw_facts.membw_command(python, probe)))
+        result["membw"] = host_membw(host, prefix, python, remeasure)
+        membw = result["membw"]["gb_s"]
     result |= ceilings(loaded, membw)
     result["membw_gb_s"] = membw
     text = (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
@@ -248,13 +352,9 @@ def measure(
         samples_all = []
         try:
             for c in levels:
-                n = g.requests_per_level or max(2 * c, 4)
-                prompts = bench.prompts_for(text, words, n, seed=c)
-                samples, wall = asyncio.run(
-                    bench_client.run_level(url, prompts, c, g.max_tokens, 1, kind, REQUEST_TIMEOUT_S)
-                )
+                summary, samples = sweep_level(url, text, words, c, g, kind)
                 samples_all += samples
-                result["levels"].append(bench.level_summary(c, samples, wall))
+                result["levels"].append(summary)
                 if all(s.error for s in samples):
                     result["error"] = f"every request failed at concurrency {c}: {samples[0].error}"
                     break
@@ -264,6 +364,15 @@ def measure(
                 t = telem.parse_telemetry(read_fact(host, f"cat -- {shlex.quote(tel_out)} 2>/dev/null || true"))
                 result["telemetry"] = {"source": t.source, "error": t.error, "summary": telem.throttle_summary(t)}
         result["sweep_s"] = round(time.monotonic() - t0, 2)
+    cpu_s = sum(lv.get("client_cpu_s") or 0 for lv in result["levels"])
+    walls = sum(lv.get("wall_s") or 0 for lv in result["levels"])
+    result["client_cpu"] = {
+        "on_served_host": result["client_on_served_host"],
+        "cpu_s": round(cpu_s, 2),
+        # CPU seconds per second of measured wall time (warm-ups aside: a slight over-estimate)
+        "cores": round(cpu_s / walls, 3) if walls else None,
+        "host_cpus": nproc,
+    }
     random_weights = bool(r.model.generate)
     result["sanity"] = bench.sanity(samples_all, random_weights)
     result["knee"] = bench.find_knee(result["levels"])
@@ -298,12 +407,18 @@ def thresholds(loaded: LoadedRecipe) -> dict[str, float]:
 
 
 def gate_run(
-    loaded: LoadedRecipe, host: Host, prefix: str, layout: DeployLayout, out_dir: Path | None = None
+    loaded: LoadedRecipe,
+    host: Host,
+    prefix: str,
+    layout: DeployLayout,
+    out_dir: Path | None = None,
+    remeasure: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Path], list[dict[str, Any]]]:
     """Measure, judge, write the reports (``out_dir``, else under bench_dir()) and add a
     complete run to the history. Returns the result, the report files and the earlier runs
-    of this host and recipe (for a comparison)."""
-    result, seen = measure(loaded, host, prefix, layout)
+    of this host and recipe (for a comparison). ``remeasure``: the host's memory bandwidth
+    afresh instead of its stored figure."""
+    result, seen = measure(loaded, host, prefix, layout, remeasure=remeasure)
     result["gate"] = bench.judge(result, thresholds(loaded), seen)
     where = out_dir or bench_dir() / host.name / loaded.recipe.name / result["at"].replace(":", "")
     files = write_reports(result, where)

@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """voltaforge memory-bandwidth probe: a STREAM-like copy on the host's CPU memory.
 
-    python3 membw_probe.py --mib 256 [--repeats 5] [--method auto|numpy|python] [--threads N]
+    python3 membw_probe.py [--mib N] [--repeats 10] [--method auto|numpy|python] [--threads N]
 
 Why: a CPU roofline (and the seed's 4 tok/s with 17 GB of weights read from DDR4) needs this
 host's copy bandwidth, measured in the same run as the figure it is compared with: on a
 shared 2-core machine it moved between 16 and 24 GB/s from one run to the next.
 
-Method: copy a --mib MiB buffer into another, --repeats times, and keep the fastest; a copy
-reads and writes the buffer, so bytes moved = 2 x buffer. With numpy this is np.copyto (a
-memcpy, close to STREAM's Copy), split over --threads threads (default: every CPU), since
-llama.cpp reads weights with every core: on a lent H200 host one thread copied 20.7 GB/s while
-llama.cpp's decode read experts from host RAM at 41.6 GB/s (numpy releases the GIL while it
-copies, so the threads really run at once). Without numpy it falls back to memoryview slice assignment
-between bytearrays, also a memcpy underneath but with first-touch and interpreter overhead
-nearer the loop: its figure is a lower bound ("lower_bound": true).
+Method, as STREAM reports it: copy a buffer into another, --repeats times (STREAM's NTIMES,
+10), and keep the fastest; a copy reads and writes the buffer, so bytes moved = 2 x buffer.
+The buffer (--mib, default) is four times the sum of the host's last-level caches and at
+least 256 MiB, STREAM's rule for leaving the caches; every trial's figure is reported too.
+With numpy this is np.copyto (a memcpy, close to STREAM's Copy), split over --threads threads
+(default: every CPU), since llama.cpp reads weights with every core: on a lent H200 host one
+thread copied 20.7 GB/s while llama.cpp's decode read experts from host RAM at 41.6 GB/s (numpy
+releases the GIL while it copies, so the threads really run at once). Without numpy it falls
+back to memoryview slice assignment between bytearrays, also a memcpy underneath but with
+first-touch and interpreter overhead nearer the loop: its figure is a lower bound ("lower_bound": true).
 
 One JSON line on stdout, exit 0 always:
     {"probe": "voltaforge-membw", "copy_gb_s": 21.3, "method": "numpy", "bytes": 536870912,
@@ -39,14 +41,76 @@ def _emit(obj):
     sys.stdout.flush()
 
 
-def _best_copy_seconds(copy, repeats):
-    copy()  # warm-up: page faults of first touch are not bandwidth
-    best = float("inf")
+def _copy_seconds(copy, repeats):
+    """Every trial's seconds, after one warm-up copy (page faults of first touch are not
+    bandwidth)."""
+    copy()
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         copy()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _size_bytes(text):
+    text = text.strip().upper()
+    scale = {"K": 1024, "M": 1024 * 1024, "G": 1024 * 1024 * 1024}.get(text[-1:], 1)
+    digits = text.rstrip("KMG")
+    return int(digits) * scale if digits.isdigit() else 0
+
+
+def last_level_cache_bytes(root="/sys/devices/system/cpu"):
+    """The sum of the host's last-level caches (each shared cache counted once), 0 if unknown."""
+    seen = {}
+    try:
+        cpus = [d for d in os.listdir(root) if d.startswith("cpu") and d[3:].isdigit()]
+    except OSError:
+        return 0
+    for cpu in cpus:
+        cache = os.path.join(root, cpu, "cache")
+        try:
+            indexes = [d for d in os.listdir(cache) if d.startswith("index")]
+        except OSError:
+            continue
+        best = None
+        for index in indexes:
+            try:
+                with open(os.path.join(cache, index, "level")) as f:
+                    level = int(f.read().strip())
+                with open(os.path.join(cache, index, "size")) as f:
+                    size = _size_bytes(f.read())
+                with open(os.path.join(cache, index, "shared_cpu_list")) as f:
+                    shared = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            if best is None or level > best[0]:
+                best = (level, size, shared)
+        if best:
+            seen[(best[0], best[2])] = best[1]
+    return sum(seen.values())
+
+
+def _mem_total_bytes():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def default_mib():
+    """4 x the last-level caches, at least 256 MiB (STREAM's rule: the arrays leave the caches),
+    at most 1 GiB and an eighth of the memory (two buffers). The cap matters in VMs that report
+    the host's whole L3 (480 MiB on the development machine): 1 GiB is already twice that."""
+    llc = last_level_cache_bytes()
+    want = max(256, -(-4 * llc // MIB))
+    total = _mem_total_bytes()
+    cap = min(1024, total // (8 * MIB)) if total else 1024
+    return max(1, min(want, cap))
 
 
 def measure_numpy(nbytes, repeats, threads=1):
@@ -55,7 +119,7 @@ def measure_numpy(nbytes, repeats, threads=1):
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)
     if threads <= 1:
-        seconds = _best_copy_seconds(lambda: np.copyto(dst, src), repeats)
+        seconds = _copy_seconds(lambda: np.copyto(dst, src), repeats)
     else:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -66,7 +130,7 @@ def measure_numpy(nbytes, repeats, threads=1):
             def copy():
                 list(pool.map(lambda part: np.copyto(*part), parts))
 
-            seconds = _best_copy_seconds(copy, repeats)
+            seconds = _copy_seconds(copy, repeats)
     if not bool(dst[-1] == 1):  # the copy really happened
         raise RuntimeError("np.copyto left the destination unchanged")
     return seconds
@@ -80,7 +144,7 @@ def measure_python(nbytes, repeats):
     def copy():
         dst_view[:] = src_view
 
-    seconds = _best_copy_seconds(copy, repeats)
+    seconds = _copy_seconds(copy, repeats)
     if dst[-1] != 1:
         raise RuntimeError("memoryview copy left the destination unchanged")
     return seconds
@@ -88,8 +152,8 @@ def measure_python(nbytes, repeats):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="membw_probe.py")
-    parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mib", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--method", choices=("auto", "numpy", "python"), default="auto")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
 
@@ -105,6 +169,8 @@ def main(argv=None):
     except _Bad as exc:
         _emit({"error": str(exc), "kind": "bad-arguments"})
         return 0
+    if args.mib is None:
+        args.mib = default_mib()
     if not 1 <= args.mib <= 65536 or not 1 <= args.repeats <= 1000 or not 1 <= args.threads <= 1024:
         _emit({"error": "--mib must be 1..65536, --repeats 1..1000, --threads 1..1024", "kind": "bad-arguments"})
         return 0
@@ -130,15 +196,17 @@ def main(argv=None):
         _emit({"error": f"numpy not importable: {exc}", "kind": "no-numpy", "method": method})
         return 0
     moved = 2 * nbytes  # read + write
+    best = min(seconds)
     _emit(
         {
-            "copy_gb_s": round(moved / seconds / 1e9, 3),
+            "copy_gb_s": round(moved / best / 1e9, 3),
+            "trials_gb_s": [round(moved / t / 1e9, 3) for t in seconds],
             "method": method,
             "bytes": moved,
             "buffer_bytes": nbytes,
             "repeats": args.repeats,
             "threads": args.threads if method == "numpy" else 1,
-            "best_s": seconds,
+            "best_s": best,
             "lower_bound": method == "python",
         }
     )
