@@ -1,21 +1,40 @@
 """`invoke quantize --on H2`'s copy, for real: a finished artifact streamed from one host (this
 machine, `--host local`'s transport) to another (a real sshd, its unprivileged user), hashed
 on the way; a second run moves no byte; a file that changed after its manifest was written
-fails in one line and leaves the target's previous copy as it was."""
+fails in one line and leaves the target's previous copy as it was.
+
+Those share this machine's filesystem. Between two hosts with two filesystems: a real GGUF
+(the tiny model through the real converter and llama-quantize) from the private sshd to the
+booted nspawn container, through `--on`'s own copy (cli.quantize.copy_artifacts), checked on
+the container's filesystem through the container's own connection, with the proof that no
+same-disk shortcut could pass (test_quantize_on_copies_a_real_gguf_between_two_filesystems)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shlex
+import uuid
 from pathlib import Path
 
+import pytest
+import yaml
+
+from playbooks.cli.quantize import copy_artifacts, recipe_weights, run_artifacts
+from playbooks.cli.settings import Settings
+from playbooks.config.recipe import load_recipe
 from playbooks.host import connect
 from playbooks.host.local import LocalHost
 from playbooks.host.ops import run_ops
 from playbooks.steps.artifact_copy import Artifact, EnsureArtifactCopy, parse_files_with_sha256
 from playbooks.steps.exl2_convert import STAMP_NAME
-from tests.helpers import spec_for
+from playbooks.steps.quantize import ModelLayout, manifest_path
+from playbooks.weights.tinymodel import write_tiny_llama
+from tests import llamacpp_tools
+from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
+
+TINY_RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 
 
 def _gguf(directory: Path, content: bytes) -> Path:
@@ -94,6 +113,89 @@ def test_an_exl2_directory_copies_with_its_stamp(sshd_host, tmp_path):
         assert change.status == "changed" and "this host has id abc123" in change.why
         assert json.loads((dst_root / "3.3bpw-h6" / STAMP_NAME).read_text())["id"] == "def456"
         assert sorted(p.name for p in dst_root.iterdir()) == ["3.3bpw-h6"]
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory) -> Path:
+    """The tiny-cpu recipe's model, generated, converted by the real convert_hf_to_gguf.py and
+    quantized to Q4_K_M by the real llama-quantize (the pinned CPU build)."""
+    work = tmp_path_factory.mktemp("copy")
+    config = yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"]
+    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
+    return llamacpp_tools.quantize(f16, work / "tiny-Q4_K_M.gguf", "Q4_K_M")
+
+
+def _out(host, cmd: str) -> str:
+    return host.run(cmd, stream=False).stdout.strip()
+
+
+@pytest.mark.slow
+def test_quantize_on_copies_a_real_gguf_between_two_filesystems(sshd_host, nspawn_host, tiny_q4, tmp_path, capsys):
+    """`invoke quantize serve --on box`'s copy between two different hosts with two filesystems:
+    cli.quantize.copy_artifacts (what run_quantize runs once `box` has made the quants; the
+    making over SSH is test_quantize_real.py's) streams a real Q4_K_M from the private sshd
+    (`box`: this machine's filesystem, its unprivileged user) to the booted nspawn container
+    (`serve`: its own root filesystem, its own SSH session as `deploy`), hashed on the way.
+
+    Everything about the target is read through the container's connection. A same-disk
+    shortcut could not pass: the source file does not exist in the container, the copy does
+    not exist on the sshd host, the two directories are on different devices, and the two
+    hosts are different systems (machine-id)."""
+    data = tiny_q4.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    src_prefix = str(sshd_host.prefix / "vf")
+    dst_prefix = f"{nspawn_host.prefix}/quantize-on-{uuid.uuid4().hex[:8]}"  # the shared container: its own prefix
+    inv = inventory_for(tmp_path, "box", sshd_host, prefix=src_prefix)
+    (tmp_path / "serve").mkdir()
+    serve = yaml.safe_load(inventory_for(tmp_path / "serve", "serve", nspawn_host, prefix=dst_prefix).read_text())
+    inv.write_text(yaml.safe_dump({"hosts": {**yaml.safe_load(inv.read_text())["hosts"], **serve["hosts"]}}))
+    settings = Settings(inventory=inv)
+    model_id = recipe_weights(load_recipe(str(TINY_RECIPE))).model_id
+    dst = ModelLayout(dst_prefix, model_id).gguf("Q4_K_M")
+
+    with connect(spec_for(sshd_host, "box")) as box, connect(spec_for(nspawn_host, "serve")) as target:
+        try:
+            # what `invoke quantize box` leaves: the file and its manifest under models/<id>/gguf/
+            src = stage_served_model(box, src_prefix, TINY_RECIPE, tiny_q4)
+            assert src == ModelLayout(src_prefix, model_id).gguf("Q4_K_M") and src != dst
+            # two hosts, two filesystems: neither path exists on the other host
+            assert not target.exists(src) and not target.exists(os.path.dirname(src))
+            assert _out(box, "cat /etc/machine-id") != _out(target, "cat /etc/machine-id")
+
+            # dry run: the copy shown, nothing written on the container
+            assert copy_artifacts(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, True) == 0
+            assert "is the copy of box's" in capsys.readouterr().out
+            assert not target.exists(dst_prefix)
+
+            assert copy_artifacts(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, False) == 0
+            out = capsys.readouterr().out
+            assert f"copying {len(data)} bytes" in out, out[-3000:]
+            # on the container's own filesystem, read through its connection
+            assert target.sha256(dst) == digest
+            assert int(_out(target, f"stat -c %s {shlex.quote(dst)}")) == len(data)
+            manifest = json.loads(target.read_bytes(manifest_path(dst)))
+            assert manifest["path"] == dst and manifest["sha256"] == digest and manifest["bytes"] == len(data)
+            assert manifest["copied_from"] == {"host": "box", "path": src}
+            mtime = int(_out(target, f"stat -c %Y {shlex.quote(dst)}"))
+            assert manifest["mtime"] == mtime
+            assert not target.exists(f"{dst}.partial")
+            # the copy is not the source seen twice: absent on the sshd host, another device
+            assert not box.exists(dst) and not box.exists(dst_prefix)
+            src_dev = _out(box, f"stat -c %d {shlex.quote(os.path.dirname(src))}")
+            dst_dev = _out(target, f"stat -c %d {shlex.quote(os.path.dirname(dst))}")
+            assert src_dev != dst_dev, (src_dev, dst_dev)
+
+            # again: the same sha256 on both hosts, nothing moves
+            assert copy_artifacts(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, False) == 0
+            out = capsys.readouterr().out
+            assert "artifact present: the same sha256" in out and "copying" not in out, out[-3000:]
+            assert int(_out(target, f"stat -c %Y {shlex.quote(dst)}")) == mtime
+            # `invoke artifacts serve` lists the copy
+            assert run_artifacts("serve", as_json=True, settings=settings) == 0
+            [listed] = json.loads(capsys.readouterr().out)
+            assert listed["path"] == dst and listed["sha256"] == digest
+        finally:
+            target.run(f"rm -rf -- {shlex.quote(dst_prefix)}", check=False, stream=False)
 
 
 def test_a_missing_source_is_one_line_and_a_pending_dry_run_shows_the_copy(tmp_path):
