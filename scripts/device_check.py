@@ -20,6 +20,13 @@ order from a driver (scripts/device_check.sh) so a failed phase does not stop th
 
 Zero weights make the tokens meaningless and the speed and memory real (shaped_gguf.py says
 where that differs). The recipe's GPU is replaced by the lent one (`--gpu`, default h200).
+
+Each phase also writes its figures as result files (playbooks/results.py: the figures, the
+command, the commit, the machine, the date; "measured here") under --reports, by default
+DIR/../reports/<gpu>: facts -> membw.json, build -> build.json, gate -> gate.json and
+gate-load.json, moe -> moe-sweep.json and moe-load.json. The session copies them into the
+repository (`cp -r $OUT/reports/. reports/`), where tests/test_readme_figures.py holds the
+README's figures to them; the names and keys are the ones the README's markers already use.
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +53,11 @@ from playbooks.facts import builds, cuda, gpu, membw, read_fact  # noqa: E402
 from playbooks.facts.server_log import judge_load, parse_load_log  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.host.ops import run_ops  # noqa: E402
+from playbooks.plan.gpus import get_gpu  # noqa: E402
 from playbooks.plan.model_config import load_config_file  # noqa: E402
+from playbooks.plan.moe import expert_layout  # noqa: E402
+from playbooks.results import checkout_commit, describe_machine, write_result  # noqa: E402
+from playbooks.steps.bench import decode_figure  # noqa: E402
 from playbooks.steps.build import (  # noqa: E402
     BuildLayout,
     Source,
@@ -67,6 +80,18 @@ def _save(out: Path, name: str, data: dict[str, Any]) -> None:
 def _sh(cmd: str, timeout: float = 600) -> tuple[int, str]:
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout)
     return r.returncode, r.stdout + r.stderr
+
+
+def load_log_dict(text: str) -> dict[str, Any]:
+    """What a llama-server load log says about memory (facts/server_log.py), as JSON."""
+    loadlog = parse_load_log(text)
+    return {
+        "offloaded": loadlog.offloaded,
+        "kv_mib": loadlog.kv_mib,
+        "compute_mib": loadlog.compute_mib,
+        "model_mib": loadlog.model_mib,
+        "build": loadlog.build,
+    }
 
 
 def bin_dir(args: argparse.Namespace) -> Path:
@@ -229,13 +254,7 @@ def phase_gate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     try:
         text = log.read_text(errors="replace")
         loadlog = parse_load_log(text)
-        result["load_log"] = {
-            "offloaded": loadlog.offloaded,
-            "kv_mib": loadlog.kv_mib,
-            "compute_mib": loadlog.compute_mib,
-            "model_mib": loadlog.model_mib,
-            "build": loadlog.build,
-        }
+        result["load_log"] = load_log_dict(text)
         result["judge_load"] = judge_load(
             loadlog,
             expect_layers=None if args.gpu == "cpu" else loaded.shape.num_hidden_layers + 1,
@@ -282,11 +301,16 @@ def phase_moe(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     b = bin_dir(args)
     from playbooks.plan.gguf_size import assign_types
 
+    layout = expert_layout(shape, "Q4_K_M")
     result: dict[str, Any] = {
         "file_bytes": gguf.stat().st_size,
         "config": config.name,
         # the file's own layout, so a later planner can be compared on exactly this file
         "types": {t.name: ttype.name for t, ttype in assign_types(shape, "Q4_K_M")},
+        # the plan's bytes per token at each N (GPU, host RAM) and the GPU's datasheet bandwidth:
+        # what the two-sided roofline is made of, for the figures derived from the sweep
+        "per_token_bytes": {n: list(layout.per_token(int(n))) for n in args.sweep.split(",")},
+        "gpu_gb_s": get_gpu(args.gpu).bandwidth_gb_s,
     }
 
     def fit() -> dict[str, Any]:
@@ -335,6 +359,8 @@ def phase_moe(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         port = loaded.recipe.service.port
         proc, code, load_s = _serve(argv, out / "moe-server.log", port)
         found: dict[str, Any] = {"argv": argv, "health": code, "load_s": load_s}
+        found["load_log"] = load_log_dict((out / "moe-server.log").read_text(errors="replace"))
+        found["n_cpu_moe"] = shape.num_hidden_layers // 2
         try:
             if code == 200:
                 _, text = _sh(
@@ -351,6 +377,245 @@ def phase_moe(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return result
 
 
+# -- result files -----------------------------------------------------------------------------
+# Each phase's figures from its own JSON (what the phase returned), written as result files.
+# Pure apart from the writing: tests/test_device_check.py feeds them captured phase output.
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every result file of this run shares."""
+
+    reports: Path  # the folder the files go to (DIR/../reports/<gpu>)
+    commit: str
+    machine: str
+    command: str  # this phase's command line
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _write(
+    run: Run, name: str, title: str, figures: dict[str, Any], units: dict[str, str], command: str = "", **kw: Any
+) -> Path | None:
+    """One result file of the figures that were measured (a missing or failed one is left out);
+    none at all: no file."""
+    kept = {k: v for k, v in figures.items() if _number(v)}
+    if not kept:
+        return None
+    path = run.reports / f"{name}.json"
+    write_result(
+        path,
+        title,
+        kept,
+        {k: units[k] for k in kept},
+        command or run.command,
+        machine=run.machine,
+        commit=run.commit,
+        **kw,
+    )
+    return path
+
+
+def _on_gpu(mib: dict[str, float] | None) -> float | None:
+    """A load log's MiB on the GPUs (CUDA0, CUDA1, ...; not CUDA_Host)."""
+    found = [v for k, v in (mib or {}).items() if re.fullmatch(r"CUDA\d+", k)]
+    return round(sum(found), 2) if found else None
+
+
+def _load_figures(load_log: dict[str, Any] | None) -> dict[str, Any]:
+    log = load_log or {}
+    offloaded = log.get("offloaded")
+    return {
+        "offloaded_layers": offloaded[0] if offloaded else None,
+        "kv_mib": _on_gpu(log.get("kv_mib")),
+        "compute_mib": _on_gpu(log.get("compute_mib")),
+        "gpu_weights_mib": _on_gpu(log.get("model_mib")),
+    }
+
+
+LOAD_UNITS = {"offloaded_layers": "layers", "kv_mib": "MiB", "compute_mib": "MiB", "gpu_weights_mib": "MiB"}
+
+
+def facts_results(data: dict[str, Any], run: Run) -> list[Path | None]:
+    bw = data.get("membw") or {}
+    return [
+        _write(
+            run,
+            "membw",
+            "the membw probe on the lent GPU machine's host (facts/membw.py's command)",
+            {"copy_gb_s": bw.get("copy_gb_s"), "threads": bw.get("threads")},
+            {"copy_gb_s": "GB/s", "threads": "threads"},
+            notes="A numpy copy (read + write counted, 1e9 bytes per GB), the best of its trials.",
+            extra={"membw": bw, "gpus": data.get("gpus")},
+        )
+    ]
+
+
+def build_results(data: dict[str, Any], run: Run) -> list[Path | None]:
+    def count(which: str, status: str) -> int | None:
+        changes = (data.get(which) or {}).get("changes")
+        return None if changes is None else sum(c.get("status") == status for c in changes)
+
+    return [
+        _write(
+            run,
+            "build",
+            f"invoke build's operations for sm_{data.get('arch')} on the lent GPU machine, run twice",
+            {
+                "first_run_s": (data.get("first") or {}).get("seconds"),
+                "first_run_changed": count("first", "changed"),
+                "second_run_s": (data.get("again") or {}).get("seconds"),
+                "second_run_ok": count("again", "ok"),
+                "fallback_build_s": (data.get("fallback") or {}).get("seconds"),
+            },
+            {
+                "first_run_s": "s",
+                "first_run_changed": "operations",
+                "second_run_s": "s",
+                "second_run_ok": "operations",
+                "fallback_build_s": "s",
+            },
+            notes=f"CUDA {data.get('release')}; fallback_build_s only when the build step failed (a plain cmake).",
+            extra={k: data.get(k) for k in ("release", "arch", "toolkits", "stamp")},
+        )
+    ]
+
+
+def gate_results(data: dict[str, Any], run: Run) -> list[Path | None]:
+    bench = data.get("gate") or {}
+    levels = bench.get("levels") or []
+    first = levels[0] if levels else {}
+    telemetry = (bench.get("telemetry") or {}).get("summary") or {}
+    work = bench.get("workload") or {}
+    lb = bench.get("llama_bench") or {}
+    mbu = bench.get("mbu")
+    tg, pp = f"llama_bench_tg{work.get('max_tokens')}_tok_s", f"llama_bench_pp{work.get('prompt_tokens')}_tok_s"
+    figures: dict[str, Any] = {
+        "single_stream_tok_s": decode_figure(first) if first else None,
+        "server_tok_s": first.get("server_predicted_per_second"),
+        "roofline_pct": round(mbu * 100, 2) if _number(mbu) else None,
+        "ttft_p50_ms": round(first["ttft_p50_s"] * 1000, 1) if _number(first.get("ttft_p50_s")) else None,
+        tg: lb.get("tg_tok_s"),
+        pp: lb.get("pp_tok_s"),
+        "min_sm_clock_mhz": telemetry.get("min_sm_clock_mhz"),
+        "max_sm_clock_mhz": telemetry.get("max_sm_clock_mhz"),
+        "max_temperature_c": telemetry.get("max_temperature_c"),
+        "mean_power_w": telemetry.get("mean_power_w"),
+    }
+    units = {k: "tok/s" for k in ("single_stream_tok_s", "server_tok_s", tg, pp)}
+    units |= {"roofline_pct": "%", "ttft_p50_ms": "ms", "min_sm_clock_mhz": "MHz", "max_sm_clock_mhz": "MHz"}
+    units |= {"max_temperature_c": "°C", "mean_power_w": "W"}
+    for level in levels:
+        key = f"aggregate_{level.get('concurrency')}_tok_s"
+        figures[key], units[key] = level.get("aggregate_tok_s"), "tok/s"
+    verdict = bench.get("gate") or {}
+    return [
+        _write(
+            run,
+            "gate",
+            f"the gate of {bench.get('recipe')} (a shaped GGUF, the recipe's command line) on the lent GPU",
+            figures,
+            units,
+            notes=(
+                "steps/bench_run.gate_run: single_stream_tok_s is the figure the gate judges "
+                "(steps/bench.decode_figure), roofline_pct the same over the computed roofline (extra.roofline_tok_s)."
+            ),
+            extra={
+                "gate_passed": verdict.get("passed"),
+                "reasons": verdict.get("reasons"),
+                "roofline_tok_s": bench.get("roofline_tok_s"),
+                "workload": work,
+                "llama_bench_command": lb.get("command"),
+                "throttled": telemetry.get("throttled"),
+            },
+        ),
+        _write(
+            run,
+            "gate-load",
+            "llama-server loading the gate recipe's shaped model with the recipe's command line on the lent GPU",
+            _load_figures(data.get("load_log")),
+            LOAD_UNITS,
+            " ".join(data.get("argv") or []),
+            notes="The load log's lines at -lv 4 (facts/server_log.py), the GPU's buffers; the plan's in extra.",
+            extra={"planned": data.get("planned"), "judge_load": data.get("judge_load")},
+        ),
+    ]
+
+
+def moe_results(data: dict[str, Any], run: Run) -> list[Path | None]:
+    sweep = data.get("sweep") or {}
+    per_token = data.get("per_token_bytes") or {}
+    gpu_gb_s = data.get("gpu_gb_s")
+    figures: dict[str, Any] = {}
+    units: dict[str, str] = {}
+    for row in sweep.get("rows") or []:
+        n, tok_s = row.get("n_cpu_moe"), row.get("tg_tok_s")
+        if not _number(n) or not _number(tok_s) or tok_s <= 0:
+            continue
+        figures[f"tg_tok_s_n{n}"], units[f"tg_tok_s_n{n}"] = round(tok_s, 2), "tok/s"
+        gpu, host = per_token.get(str(n)) or per_token.get(n) or (None, None)
+        if not _number(gpu_gb_s) or gpu is None:
+            continue
+        figures[f"gpu_roofline_pct_n{n}"] = round(tok_s / (gpu_gb_s * 1e9 / gpu) * 100, 2)
+        units[f"gpu_roofline_pct_n{n}"] = "%"
+        rest = 1 / tok_s - gpu / (gpu_gb_s * 1e9)  # the seconds per token the GPU's bytes do not explain
+        if host and rest > 0:
+            figures[f"host_gb_s_n{n}"], units[f"host_gb_s_n{n}"] = round(host / rest / 1e9, 2), "GB/s"
+    server = data.get("server") or {}
+    return [
+        _write(
+            run,
+            "moe-sweep",
+            f"llama-bench decode of the shaped {data.get('config')} Q4_K_M against --n-cpu-moe N",
+            figures,
+            units,
+            sweep.get("command") or "",
+            notes=(
+                "tg_tok_s_nN is measured. Derived with the plan's bytes per token (extra.per_token_bytes: GPU, host) "
+                f"and the GPU's datasheet {gpu_gb_s} GB/s: host_gb_s_nN = host bytes / (1 / tok/s - GPU bytes / GPU "
+                "bandwidth), gpu_roofline_pct_nN = tok/s over GPU bandwidth / GPU bytes."
+            ),
+            extra={"per_token_bytes": per_token, "gpu_gb_s": gpu_gb_s, "rows": sweep.get("rows")},
+        ),
+        _write(
+            run,
+            "moe-load",
+            f"llama-server loading the shaped {data.get('config')} Q4_K_M with --n-cpu-moe {server.get('n_cpu_moe')}",
+            _load_figures(server.get("load_log")),
+            LOAD_UNITS,
+            " ".join(server.get("argv") or []),
+            notes="The load log's lines at -lv 4 (facts/server_log.py), the GPU's buffers.",
+        ),
+    ]
+
+
+RESULTS = {"facts": facts_results, "build": build_results, "gate": gate_results, "moe": moe_results}
+
+
+def run_commit() -> str:
+    """This checkout's commit, else the one the session wrote into .device/commit (the copy on a
+    lent machine has no .git)."""
+    found = checkout_commit(ROOT)
+    if found:
+        return found
+    stamp = ROOT / ".device" / "commit"
+    sha = stamp.read_text().strip().lower()[:12] if stamp.exists() else ""
+    if not re.fullmatch(r"[0-9a-f]{7,12}", sha):
+        raise RuntimeError("no commit: not a git checkout and no .device/commit")
+    return sha
+
+
+def machine_line() -> str:
+    """The GPUs (nvidia-smi) and the host (results.describe_machine)."""
+    rc, text = _sh("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader", timeout=30)
+    gpus = [" ".join(x.strip() for x in ln.split(",")[:2]) for ln in text.splitlines() if ln.count(",") >= 2]
+    driver = text.splitlines()[0].split(",")[-1].strip() if gpus else ""
+    what = f"{', '.join(gpus)} (driver {driver}); " if rc == 0 and gpus else "no GPU seen by nvidia-smi; "
+    return what + describe_machine()
+
+
 PHASES = {"facts": phase_facts, "build": phase_build, "gate": phase_gate, "moe": phase_moe}
 
 
@@ -358,6 +623,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("phase", choices=sorted(PHASES))
     p.add_argument("--out", required=True)
+    p.add_argument("--reports", help="where the result files go (default: OUT/../reports/GPU)")
     p.add_argument("--src", default=str(ROOT / ".device" / "llama_cpp_python-0.3.36.tar.gz"))
     p.add_argument("--prefix", default="/opt/voltaforge")
     p.add_argument("--gpu", default="h200")
@@ -378,6 +644,16 @@ def main() -> int:
         rc = 1
     data["phase_seconds"] = round(time.monotonic() - t0, 1)
     data["commit"] = _sh(f"git -C {ROOT} rev-parse HEAD 2>/dev/null || cat {ROOT}/.device/commit")[1].strip()
+    try:  # the figures as result files; a failure here is recorded, the phase's JSON still saved
+        run = Run(
+            Path(args.reports) if args.reports else out.parent / "reports" / args.gpu,
+            run_commit(),
+            machine_line(),
+            shlex.join(["python3", "scripts/device_check.py", *sys.argv[1:]]),
+        )
+        data["result_files"] = [str(p) for p in RESULTS[args.phase](data, run) if p is not None]
+    except Exception as exc:
+        data["result_files_error"] = f"{type(exc).__name__}: {exc}"
     _save(out, args.phase, data)
     print(f"{args.phase}: {'ok' if rc == 0 else data['error']} ({data['phase_seconds']} s)", flush=True)
     os.sync()

@@ -6,6 +6,9 @@
 # .device/llama_cpp_python-0.3.36.tar.gz (the sdist's vendor/llama.cpp without models, docs,
 # tests and benches). Each phase has its own time limit so one slow phase never eats the
 # others'; everything lands in OUT/results.tgz. scripts/device_check.py says what each does.
+# Each phase's figures are also result files (playbooks/results.py) in OUT/reports/<gpu>/:
+# copy them into the repository with `cp -r OUT/reports/. reports/` and update the README's
+# marked figures (tests/test_readme_figures.py says which differ).
 set -u
 OUT=${1:?usage: device_check.sh OUT}
 R="$OUT/r"
@@ -22,7 +25,8 @@ phase() { # phase SECONDS NAME [ARGS...]
   shift 2
   echo "== $name (limit ${limit}s, at $(($(date +%s) - T0))s)"
   timeout -k 10 "$limit" python3 scripts/device_check.py "$name" --out "$R" "$@" 2>&1 | tail -n 40
-  tar -czf "$OUT/results.tgz" -C "$OUT" r # after every phase: a call cut short still returns what was done
+  # after every phase: a call cut short still returns what was done
+  tar -czf "$OUT/results.tgz" -C "$OUT" r $(cd "$OUT" && ls -d reports 2>/dev/null)
 }
 # VF_PHASES: the phases to run (all by default), e.g. "facts build gate" for a second call
 want() { case " ${VF_PHASES:-facts build gate moe} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
