@@ -51,7 +51,9 @@ FIGURE = re.compile(
 )
 BOLD = re.compile(r"\*\*([^*]+)\*\*")
 SERIES = re.compile(r"\s*/\s*")
-UNIT_AFTER = re.compile(r"\s?(?:tok/s|GB/s|MB/s|ms|min|s|h|MiB|GiB|GB|MB|MHz|W|°C|%|x)(?![\w/])")
+UNIT_AFTER = re.compile(
+    r"(?:\s?(?:tok/s|GB/s|MB/s|ms|min|s|h|MiB|GiB|GB|MB|MHz|W|°C)|%|x)(?![\w/])"
+)  # `8192 x 2`: no unit
 
 # Places another change is rewriting with new measurements; exempt from the bold rule only while
 # they carry no marker at all (the first marker put there puts the whole place under the rule).
@@ -365,7 +367,7 @@ def test_a_changed_sample_block_is_caught():
 def test_a_new_bold_figure_without_a_marker_is_caught():
     text = README.read_text()
     anchor = "## Where things are\n"
-    new = "\nA new run took **12.3 s** and **2 min 5 s** at **1 / 2 MB/s**; the plan says **64** (no unit).\n"
+    new = "\nA new run took **12.3 s** and **2 min 5 s** at **1 / 2 MB/s**; the plan says **64**, **8192 x 2**.\n"
     added = text.replace(anchor, anchor + new)
     problems, covered = check(added)
     assert problems == []
