@@ -20,6 +20,7 @@ import pytest
 from playbooks.facts import membw
 from playbooks.host.local import LocalHost
 from playbooks.steps.bench_run import host_membw
+from tests import llamacpp_tools
 
 PROBES = Path(membw.__file__).resolve().parent / "probes"
 
@@ -109,3 +110,24 @@ def test_the_bench_measures_once_then_reuses_until_told(tmp_path):
         moved = host_membw(host, prefix, sys.executable)
         assert moved["source"].startswith("measured ") and "kernel: '5.10.0-old' -> " in moved["source"]
     print(f"membw here: {first['gb_s']} then {fresh['gb_s']} then {moved['gb_s']} GB/s (best of 10)")
+
+
+def test_the_device_copy_runs_real_torch_and_says_why_there_is_no_gpu():
+    """The GPU's own copy rate (``--device cuda``, reported beside the datasheet figure on a lent
+    GPU) through the real torch of the converter's venv (a CPU build): no CUDA device here, one
+    error line; without torch, another."""
+    torch_python = llamacpp_tools.convert_python()
+    run = subprocess.run(
+        [str(torch_python), str(PROBES / "membw_probe.py"), "--device", "cuda", "--mib", "8"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    got = membw.read_membw(run.stdout)
+    assert (
+        run.returncode == 0
+        and got.copy_gb_s is None
+        and (got.kind, got.error) == ("no-cuda", "torch sees no CUDA device")
+    )
+    bare = subprocess.run(
+        [sys.executable, "-S", str(PROBES / "membw_probe.py"), "--device", "cuda"], capture_output=True, text=True
+    )
+    assert membw.read_membw(bare.stdout).kind == "no-torch"

@@ -32,7 +32,7 @@ class Membw:
     """One measurement, or why there is none (copy_gb_s None, error set)."""
 
     copy_gb_s: float | None
-    method: Literal["numpy", "python"] | None = None
+    method: Literal["numpy", "python", "torch-cuda"] | None = None
     bytes: int | None = None  # bytes moved by the best copy (read + write)
     repeats: int | None = None
     # The pure-python copy pays interpreter overhead: its figure is a floor, not the bandwidth.
@@ -78,7 +78,7 @@ def read_membw(output: str) -> Membw:
     threads, buffer = data.get("threads"), data.get("buffer_bytes")
     return Membw(
         copy_gb_s=float(value),
-        method=method if method in ("numpy", "python") else None,
+        method=method if method in ("numpy", "python", "torch-cuda") else None,
         bytes=moved if isinstance(moved, int) else None,
         repeats=repeats if isinstance(repeats, int) else None,
         lower_bound=bool(data.get("lower_bound", method == "python")),

@@ -635,11 +635,8 @@ def render_compare(rows: Sequence[dict[str, Any]], console: Console) -> Table:
             pct = ((ref or {}).get("change_pct") or {}).get("per_stream_decode_tok_s")
             if noise is not None and pct is not None:
                 verdict = "outside the noise: a real change" if noise else "within the noise: no change shown"
-                console.print(
-                    Text(
-                        f"concurrency {r['concurrency']}: per-stream decode {pct:+.1f}% against the {label} run, {verdict}"
-                    )
-                )
+                what = f"concurrency {r['concurrency']}: per-stream decode {pct:+.1f}% against the {label} run"
+                console.print(Text(f"{what}, {verdict}"))
     refs = [r[k] for r in rows for k in ("last", "best") if r[k]]
     if not refs:
         console.print(Text("no earlier run of this host and recipe to compare with"))

@@ -150,12 +150,37 @@ def measure_python(nbytes, repeats):
     return seconds
 
 
+def measure_cuda(nbytes, repeats):
+    """A device-to-device copy on GPU 0 with torch, timed with CUDA events: the GPU's own copy
+    rate, reported beside its datasheet figure (which stays the roofline's ceiling)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise LookupError("torch sees no CUDA device")
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    dst.copy_(src)  # warm-up
+    torch.cuda.synchronize()
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    if int(dst[-1].item()) != 1:
+        raise RuntimeError("the device copy left the destination unchanged")
+    return times
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="membw_probe.py")
     parser.add_argument("--mib", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--method", choices=("auto", "numpy", "python"), default="auto")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
     class _Bad(Exception):
         pass
@@ -170,13 +195,15 @@ def main(argv=None):
         _emit({"error": str(exc), "kind": "bad-arguments"})
         return 0
     if args.mib is None:
-        args.mib = default_mib()
+        args.mib = 1024 if args.device == "cuda" else default_mib()
     if not 1 <= args.mib <= 65536 or not 1 <= args.repeats <= 1000 or not 1 <= args.threads <= 1024:
         _emit({"error": "--mib must be 1..65536, --repeats 1..1000, --threads 1..1024", "kind": "bad-arguments"})
         return 0
 
     method = args.method
-    if method == "auto":
+    if args.device == "cuda":
+        method = "torch-cuda"
+    elif method == "auto":
         try:
             import numpy  # noqa: F401
 
@@ -185,7 +212,9 @@ def main(argv=None):
             method = "python"
     nbytes = args.mib * MIB
     try:
-        if method == "numpy":
+        if method == "torch-cuda":
+            seconds = measure_cuda(nbytes, args.repeats)
+        elif method == "numpy":
             seconds = measure_numpy(nbytes, args.repeats, args.threads)
         else:
             seconds = measure_python(nbytes, args.repeats)
@@ -193,7 +222,11 @@ def main(argv=None):
         _emit({"error": f"cannot allocate 2 x {args.mib} MiB", "kind": "no-memory", "method": method})
         return 0
     except ImportError as exc:
-        _emit({"error": f"numpy not importable: {exc}", "kind": "no-numpy", "method": method})
+        what, kind = ("torch", "no-torch") if method == "torch-cuda" else ("numpy", "no-numpy")
+        _emit({"error": f"{what} not importable: {exc}", "kind": kind, "method": method})
+        return 0
+    except LookupError as exc:
+        _emit({"error": str(exc), "kind": "no-cuda", "method": method})
         return 0
     moved = 2 * nbytes  # read + write
     best = min(seconds)
@@ -206,6 +239,7 @@ def main(argv=None):
             "buffer_bytes": nbytes,
             "repeats": args.repeats,
             "threads": args.threads if method == "numpy" else 1,
+            "device": args.device,
             "best_s": best,
             "lower_bound": method == "python",
         }
