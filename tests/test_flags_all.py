@@ -65,6 +65,8 @@ ACCEPTED = {
     ("provision", "json"): {"abc", "-1", "5", "../../etc/x", "a b;rm", "1e999", "{file}"},
     # well-formed host names: provision reports the one it cannot reach in its summary, exit 1
     ("provision", "host"): {"abc", "1e999"},
+    # the same for status: the host it cannot reach is a row of its table, exit 1
+    ("status", "host"): {"abc", "1e999"},
 }
 # what a flag needs beside it for its own value to be the one judged (default: see context())
 CONTEXT = {

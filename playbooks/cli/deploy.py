@@ -11,6 +11,7 @@ from playbooks.cli.render import render_report
 from playbooks.cli.settings import Settings
 from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
 from playbooks.config.recipe import LoadedRecipe
+from playbooks.config.recorded import recipe_record
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.files import cat_command, parse_json_object
@@ -143,8 +144,9 @@ def deploy_ops(
     ops += [EnsureServiceFile(f) for f in files]
     sha = str(facts.get("sha256") or facts.get("id") or "")
     size = int(facts.get("bytes") or 0)
+    recorded = recipe_record(loaded)
     ops += [
-        EnsureServing(m, state, files, link, artifact, sha, size, port, expect, gated)
+        EnsureServing(m, state, files, link, artifact, sha, size, port, expect, gated, recorded)
         for m, (_, state, port) in zip(managers, instances, strict=True)
     ]
     return ops
@@ -165,11 +167,15 @@ def run_deploy(
 
 
 def run_stop(host_name: str, recipe: str | None = None, settings: Settings | None = None) -> int:
-    """Stop the recipe's server (the unit, or the managed process); its files stay."""
+    """Stop the recipe's server (the unit, or the managed process); its files stay. Without a
+    recipe named anywhere: the one the host's deployment record says it serves."""
     settings = settings or Settings()
     spec = settings.host_spec(host_name)
-    loaded = settings.load_recipe(settings.recipe_for(host_name, recipe))
+    named = recipe or spec.recipe
+    loaded = settings.load_recipe(named) if named else None  # a bad name: one line before connecting
     with settings.connect(spec) as host:
+        if loaded is None:
+            loaded = settings.load_recipe(settings.recipe_for(host_name, recipe, host))
         kind = choose_manager(host, "auto")
         unit, unit_name, state = single_service(loaded, spec.prefix)
         mgr = make_manager(kind, state, unit_name, unit.text)

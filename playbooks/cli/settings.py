@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from playbooks.cli.deployed import deployed_recipe
 from playbooks.config.inventory import HostSpec, resolve_host
 from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError
@@ -27,12 +28,16 @@ class Settings:
             spec = HostSpec.model_validate({**spec.model_dump(), "prefix": self.prefix})
         return spec
 
-    def recipe_for(self, host_name: str, recipe: str | None) -> str:
-        """The flag's recipe, else the inventory's for that host; one line when neither names one."""
-        name = recipe or self.host_spec(host_name).recipe
-        if not name:
+    def recipe_for(self, host_name: str, recipe: str | None, host: Host | None = None) -> str:
+        """The flag's recipe, else the inventory's for that host, else (given the connected
+        host) the one its deployment record says it serves; one line when none names one."""
+        spec = self.host_spec(host_name)
+        name = recipe or spec.recipe
+        if name:
+            return name
+        if host is None:
             raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
-        return name
+        return deployed_recipe(host, spec.prefix)
 
     def load_recipe(self, name: str) -> LoadedRecipe:
         return load_recipe(name, self.recipes_dir or RECIPES_DIR)

@@ -351,7 +351,8 @@ def deploy(
 
 @task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "inventory": INVENTORY_HELP})
 def stop(c: Context, host: str | None = None, recipe: str | None = None, inventory: str | None = None) -> None:
-    """Stop the recipe's server on a host (the unit, or the managed process); its files stay."""
+    """Stop the recipe's server on a host (the unit, or the managed process); its files stay.
+    Without a recipe: the one the host's deployment record says it serves."""
 
     def go() -> int:
         from playbooks.cli.deploy import run_stop
@@ -372,6 +373,7 @@ def stop(c: Context, host: str | None = None, recipe: str | None = None, invento
         "recipe": RECIPE_HELP,
         "json": "print the whole result as JSON instead of the table",
         "compare": "show the change against the last and the best run of this host and recipe",
+        "remeasure": "measure the host's memory bandwidth again instead of reusing the stored figure",
         "inventory": INVENTORY_HELP,
     },
 )
@@ -381,10 +383,12 @@ def bench(
     recipe: str | None = None,
     json: bool = False,
     compare: bool = False,
+    remeasure: bool = False,
     inventory: str | None = None,
 ) -> None:
     """Measure the deployed server: a concurrency sweep against the roofline, telemetry, the
-    gate (exit 1 when it fails), JSON/Markdown/PNG reports and a history on this machine."""
+    gate (exit 1 when it fails), JSON/Markdown/PNG reports and a history on this machine.
+    Without a recipe: the one the host's deployment record says it serves."""
 
     def go() -> int:
         from playbooks.cli.bench import run_bench
@@ -395,6 +399,29 @@ def bench(
             as_json=json,
             show_compare=compare,
             settings=_settings(c, inventory),
+            remeasure=remeasure,
+        )
+
+    run_command(go)
+
+
+@task(
+    auto_shortflags=False,
+    help={
+        "host": "one host or several, comma-separated, read at once (default: voltaforge.host, else local)",
+        "json": "print JSON instead of a table",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def status(c: Context, host: str | None = None, json: bool = False, inventory: str | None = None) -> None:
+    """What each host serves, from its deployment records: recipe, model, port, /health, the
+    unit or process and its uptime, the last gate's figures; exit 1 when a host cannot be read."""
+
+    def go() -> int:
+        from playbooks.cli.status import run_status
+
+        return run_status(
+            flags.host_names("--host", _cfg(c, "host", host)), as_json=json, settings=_settings(c, inventory)
         )
 
     run_command(go)
@@ -499,6 +526,19 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
 
 
 ns = Collection(
-    plan, preflight, toolchain, build, quantize, artifacts, render, deploy, stop, bench, provision, verify_recipe, test
+    plan,
+    preflight,
+    toolchain,
+    build,
+    quantize,
+    artifacts,
+    render,
+    deploy,
+    stop,
+    bench,
+    status,
+    provision,
+    verify_recipe,
+    test,
 )
 ns.configure(DEFAULTS)

@@ -18,8 +18,11 @@ The operations, in order (each reads facts, decides, and is ``ok`` when already 
    model's size, then read this run's load log and fail on layers left on the CPU, KV or
    compute buffers beyond the plan's margin, PTX JIT or "no kernel image". Passed: the files
    and the link are copied to ``good/`` and the record written, with the real buffer sizes
-   beside the planner's. Failed: ``good/`` is put back, the service restarted on it, and the
-   run fails saying why (and that the previous deployment answers again).
+   beside the planner's and the recipe it serves (name, path, sha256 and its merged text:
+   bare `invoke bench`, `stop` and `status` read it). The same service from another recipe
+   text (a gate threshold, or a record older than that) only has its record updated.
+   Failed: ``good/`` is put back, the service restarted on it, and the run fails saying why
+   (and that the previous deployment answers again).
 
 Rollback restores the last deployment that passed, not merely the previous files: a chain
 of broken deploys always falls back to one that served.
@@ -53,8 +56,9 @@ from playbooks.steps.service_manager import Manager, ProcessRunner, Running
 
 #: the fingerprint's format: bump when what it covers changes
 FINGERPRINT_VERSION = 1
-#: the record's format (2: the rollback target is described whole, and the gate's verdict kept)
-RECORD_VERSION = 2
+#: the record's format (2: the rollback target is described whole, and the gate's verdict kept;
+#: 3: the recipe it serves, its text included, so bare `invoke bench`/`stop` can load it again)
+RECORD_VERSION = 3
 #: /health polls: how often, and the least time a load may take
 HEALTH_POLL_S = 0.5
 MIN_HEALTH_TIMEOUT_S = 60
@@ -355,10 +359,13 @@ class EnsureServing(Operation):
         port: int,
         expect: Expectations,
         gated: bool = False,
+        recipe: dict[str, str] | None = None,
     ):
         self.manager, self.layout, self.files, self.link = manager, layout, tuple(files), link
         self.artifact, self.artifact_sha256, self.artifact_bytes = artifact, artifact_sha256, artifact_bytes
         self.port, self.expect, self.gated = port, expect, gated
+        #: the recipe it serves, as the record keeps it (config/recorded.py: name, path, sha256, yaml)
+        self.recipe = recipe
         self.sudo = not isinstance(manager, ProcessRunner)
         self.want = fingerprint(self.files, artifact_sha256, artifact)
         self.name = f"Ensure {manager.describe()} serves on 127.0.0.1:{port}"
@@ -378,7 +385,17 @@ class EnsureServing(Operation):
         rec = facts.record or {}
         same_run = rec.get("run") == facts.running.ident
         if facts.running.up and rec.get("fingerprint") == self.want and same_run:
-            return Decision.ok(f"running, unchanged ({facts.running.detail}, deployed {rec.get('at', '?')})")
+            unchanged = f"running, unchanged ({facts.running.detail}, deployed {rec.get('at', '?')})"
+            if self.recipe and (rec.get("recipe") or {}).get("sha256") != self.recipe["sha256"]:
+                # the same service from another recipe text (a gate threshold, a description, or a
+                # record older than recipes in records): the record learns it, nothing restarts
+                return Decision.act(
+                    f"{unchanged}; the record names another recipe text"
+                    if rec.get("recipe")
+                    else f"{unchanged}; the record does not name its recipe yet",
+                    Record(self.layout.record, f"the recipe it serves ({self.recipe['name']}), without a restart"),
+                )
+            return Decision.ok(unchanged)
         if not facts.running.up:
             why = "not running"
         elif rec.get("fingerprint") != self.want:
@@ -407,6 +424,9 @@ class EnsureServing(Operation):
 
     def apply(self, host: Host, decision: Decision) -> None:
         before = read_record(host, self.layout) or {}
+        if self.recipe and not any(isinstance(c, Shell) for c in decision.commands):
+            self._record_recipe(host, before)
+            return
         try:
             served = self._start(host)
         except HostError as exc:
@@ -461,6 +481,15 @@ class EnsureServing(Operation):
         tail = [line.strip() for line in out.splitlines() if line.strip()]
         return f"its log ends: {tail[-1][:300]}" if tail else "it logged nothing"
 
+    def _record_recipe(self, host: Host, record: dict[str, Any]) -> None:
+        """What runs is unchanged: only the recipe it serves is written into its record (and
+        into its rollback target's, when that is this same deployment)."""
+        record["recipe"] = self.recipe
+        good = record.get("good")
+        if isinstance(good, dict) and "copies" in good and good.get("fingerprint") == record.get("fingerprint"):
+            good["recipe"] = self.recipe
+        write_record(host, self.layout, record)
+
     def _remember(self, host: Host, served: Served, before: dict[str, Any]) -> None:
         """Record what now runs. Ungated, it becomes the rollback target at once; gated, the
         rollback target stays the one before until the gate passes (``promote``)."""
@@ -479,6 +508,8 @@ class EnsureServing(Operation):
             "gate": {"status": "pending" if self.gated else "not run"},
             "good": good_of(before),
         }
+        if self.recipe:
+            record["recipe"] = self.recipe
         if self.gated:
             write_record(host, self.layout, record)
         else:
@@ -541,7 +572,7 @@ class EnsureServing(Operation):
 
 
 #: what a rollback target keeps of its deployment's record (with ``copies``: where good/'s files go)
-SNAPSHOT_KEYS = ("fingerprint", "at", "files", "artifact", "port", "ready_s", "buffers", "gate")
+SNAPSHOT_KEYS = ("fingerprint", "at", "files", "artifact", "port", "ready_s", "buffers", "gate", "recipe")
 
 
 def good_of(record: dict[str, Any]) -> dict[str, Any] | None:
