@@ -145,6 +145,12 @@ def test_prompts_are_seeded_and_sized_by_the_servers_own_count():
     a, b = bench.prompts_for(text, 50, 3, seed=7), bench.prompts_for(text, 50, 3, seed=7)
     assert a == b and len({*a}) == 3 and all(len(p.split()) == 50 for p in a)
     assert bench.words_for(128, probe_words=64, probe_tokens=256) == 32
+    # cut from the shipped text, no prompt lands on a paragraph without spaces (a Chinese one
+    # is hundreds of tokens in one "word"): 2,000 prompts of 8 words stay short
+    shipped = (ROOT / "recipes" / "calibration" / "general.txt").read_text(encoding="utf-8")
+    assert max(len(w) for w in shipped.split()) > 100  # the text does hold such runs
+    prompts = bench.prompts_for(shipped, 8, 2000, seed=3)
+    assert max(len(p) for p in prompts) <= 8 * 25
 
 
 # ------------------------------------------------------------------------------------------

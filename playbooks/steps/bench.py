@@ -23,6 +23,8 @@ from playbooks.steps.bench_stats import arrivals, estimate
 CROSSCHECK_TOLERANCE = 0.05
 #: aggregate tok/s rising less than this from one level to the next: the knee
 KNEE_GAIN = 0.10
+#: the longest whitespace-separated word a prompt is cut from (see prompts_for)
+MAX_WORD_CHARS = 24
 #: TTFT p95 growing more than this factor from one level to the next: latency exploded
 KNEE_TTFT_FACTOR = 3.0
 
@@ -36,7 +38,10 @@ def prompts_for(text: str, words: int, count: int, seed: int) -> list[str]:
     """``count`` prompts of ``words`` words each, cut from ``text`` at seeded offsets (real text:
     a real model's tokenizer sees real words; every request differs, so no prompt cache
     makes a level look faster than it is)."""
-    pool = text.split()
+    # a "word" of over MAX_WORD_CHARS is a run of text without spaces (a Chinese paragraph in
+    # the shipped text): it is hundreds of tokens, not one or two, and a prompt landing on it
+    # came out at 735 tokens where 16 were asked for, past the slot's context
+    pool = [w for w in text.split() if len(w) <= MAX_WORD_CHARS]
     if not pool:
         raise ValueError("the prompt text is empty")
     while len(pool) < words + 1:
