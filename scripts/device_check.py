@@ -23,7 +23,7 @@ where that differs). The recipe's GPU is replaced by the lent one (`--gpu`, defa
 
 Each phase also writes its figures as result files (playbooks/results.py: the figures, the
 command, the commit, the machine, the date; "measured here") under --reports, by default
-DIR/../reports/<gpu>: facts -> membw.json, build -> build.json, gate -> gate.json and
+DIR/../reports/<gpu>: facts -> membw.json and gpu-copy.json, build -> build.json, gate -> gate.json and
 gate-load.json, moe -> moe-sweep.json and moe-load.json. The session copies them into the
 repository (`cp -r $OUT/reports/. reports/`), where tests/test_readme_figures.py holds the
 README's figures to them; the names and keys are the ones the README's markers already use.
@@ -53,7 +53,7 @@ from playbooks.facts import builds, cuda, gpu, membw, read_fact  # noqa: E402
 from playbooks.facts.server_log import judge_load, parse_load_log  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.host.ops import run_ops  # noqa: E402
-from playbooks.plan.gpus import get_gpu  # noqa: E402
+from playbooks.plan.gpus import get_gpu, gpu_from_nvidia_name  # noqa: E402
 from playbooks.plan.model_config import load_config_file  # noqa: E402
 from playbooks.plan.moe import expert_layout  # noqa: E402
 from playbooks.results import checkout_commit, describe_machine, write_result  # noqa: E402
@@ -111,9 +111,21 @@ def phase_facts(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     toolkits = cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))
     _, smi = _sh("nvidia-smi; nproc; free -g; cat /proc/cpuinfo | grep -m1 'model name'")
     (out / "nvidia-smi.txt").write_text(smi)
+    # the GPU's own device-to-device copy, reported beside its datasheet figure (which stays the
+    # roofline's ceiling): the probe with the first python that has torch
+    d2d = membw.Membw(copy_gb_s=None, error="no python with torch", kind="no-torch")
+    for python in (sys.executable, "/opt/torch/.venv/bin/python", "python3"):
+        cmd = f"{shlex.quote(python)} {shlex.quote(str(membw.MEMBW_PROBE_PATH))} --mib 1024 --device cuda"
+        d2d = membw.read_membw(read_fact(host, f"{cmd} 2>&1 || true"))
+        if d2d.kind not in ("no-torch", "no-output"):  # no-output: that python is not there
+            break
+    known = gpu_from_nvidia_name(g.gpus[0].name or "", g.gpus[0].memory_total_mib) if g.available and g.gpus else None
+    datasheet = known.bandwidth_gb_s if known else None  # a GPU the catalog does not know: no datasheet figure
     return {
         "gpus": [x.model_dump() for x in g.gpus] if g.available else g.reason,
         "membw": bw.__dict__,
+        "device_copy": d2d.__dict__,
+        "datasheet_gb_s": datasheet,
         "toolkits": [t.model_dump() for t in toolkits],
     }
 
@@ -440,6 +452,7 @@ LOAD_UNITS = {"offloaded_layers": "layers", "kv_mib": "MiB", "compute_mib": "MiB
 
 def facts_results(data: dict[str, Any], run: Run) -> list[Path | None]:
     bw = data.get("membw") or {}
+    d2d = data.get("device_copy") or {}
     return [
         _write(
             run,
@@ -449,7 +462,17 @@ def facts_results(data: dict[str, Any], run: Run) -> list[Path | None]:
             {"copy_gb_s": "GB/s", "threads": "threads"},
             notes="A numpy copy (read + write counted, 1e9 bytes per GB), the best of its trials.",
             extra={"membw": bw, "gpus": data.get("gpus")},
-        )
+        ),
+        _write(
+            run,
+            "gpu-copy",
+            "the GPU's own device-to-device copy beside its datasheet bandwidth (the roofline keeps the datasheet)",
+            {"d2d_copy_gb_s": d2d.get("copy_gb_s"), "datasheet_gb_s": data.get("datasheet_gb_s")},
+            {"d2d_copy_gb_s": "GB/s", "datasheet_gb_s": "GB/s"},
+            notes="torch on GPU 0, a 1 GiB buffer copied, timed with CUDA events, the best of 10 (read + write "
+            "counted); the datasheet figure from playbooks/plan/gpus.py.",
+            extra={"device_copy": d2d},
+        ),
     ]
 
 

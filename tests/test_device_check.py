@@ -42,7 +42,16 @@ def _facts():
     line = json.dumps(
         {"probe": "voltaforge-membw", "copy_gb_s": 41.3, "method": "numpy", "bytes": 2 * 2**30, "threads": 16}
     )
-    return {"gpus": [], "membw": membw.read_membw(line).__dict__, "toolkits": []}
+    # no H200 device copy was ever captured: the probe's line is written here in its real shape
+    # with a figure of its own (what it proves: the writer's keys and units, not a speed)
+    d2d = json.dumps({"probe": "voltaforge-membw", "copy_gb_s": 3900.0, "method": "torch-cuda", "device": "cuda"})
+    return {
+        "gpus": [],
+        "membw": membw.read_membw(line).__dict__,
+        "device_copy": membw.read_membw(d2d).__dict__,
+        "datasheet_gb_s": 4800.0,
+        "toolkits": [],
+    }
 
 
 def _build():
@@ -99,7 +108,7 @@ def _moe():
 
 CAPTURED = {"facts": _facts, "build": _build, "gate": _gate, "moe": _moe}
 WRITES = {
-    "facts": ["membw"],
+    "facts": ["membw", "gpu-copy"],
     "build": ["build"],
     "gate": ["gate", "gate-load"],
     "moe": ["moe-sweep", "moe-load"],
@@ -142,6 +151,8 @@ def test_the_figures_are_the_phases_own(run):
         assert sweep[f"host_gb_s_n{n}"] == pytest.approx(readme[f"host_gb_s_n{n}"], abs=0.15)
     assert round(sweep["gpu_roofline_pct_n0"]) == readme["gpu_roofline_pct_n0"]
     assert load_result(device_check.facts_results(_facts(), run)[0]).figures == {"copy_gb_s": 41.3, "threads": 16}
+    copy_file = load_result(device_check.facts_results(_facts(), run)[1])
+    assert copy_file.figures == {"d2d_copy_gb_s": 3900.0, "datasheet_gb_s": 4800.0}
 
 
 def test_the_readmes_h200_markers_name_figures_a_new_run_writes(run):
@@ -155,6 +166,19 @@ def test_the_readmes_h200_markers_name_figures_a_new_run_writes(run):
     for m in MARK.finditer(readme):
         if m["file"].startswith("reports/h200/") and m["file"] != "reports/h200/membw.json":
             assert set(m["keys"].split()) <= written[m["file"]], m[0]
+
+
+def test_the_facts_phase_here_says_why_there_is_no_device_copy(tmp_path):
+    """Run for real on this machine (no GPU, no torch in the venv): the device copy is an error
+    line, and no gpu-copy file is written, the host's membw file is."""
+    import argparse
+
+    data = device_check.phase_facts(argparse.Namespace(), tmp_path)
+    assert data["device_copy"]["copy_gb_s"] is None and data["device_copy"]["kind"] in ("no-torch", "no-cuda")
+    assert data["datasheet_gb_s"] is None
+    run = device_check.Run(tmp_path / "reports", "e5dfcb1", "this machine", "cmd")
+    membw_file, copy_file = device_check.facts_results(data, run)
+    assert membw_file is not None and copy_file is None
 
 
 def test_a_failed_phase_writes_no_file(run):
