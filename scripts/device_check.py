@@ -517,6 +517,9 @@ def gate_results(data: dict[str, Any], run: Run) -> list[Path | None]:
     tg, pp = f"llama_bench_tg{work.get('max_tokens')}_tok_s", f"llama_bench_pp{work.get('prompt_tokens')}_tok_s"
     figures: dict[str, Any] = {
         "single_stream_tok_s": decode_figure(first) if first else None,
+        # the bench's repeats: the 95% half-width of that mean, and how many requests made it
+        "single_stream_halfwidth_tok_s": (first.get("decode") or {}).get("halfwidth"),
+        "single_stream_n": (first.get("decode") or {}).get("n"),
         "server_tok_s": first.get("server_predicted_per_second"),
         "roofline_pct": round(mbu * 100, 2) if _number(mbu) else None,
         "ttft_p50_ms": round(first["ttft_p50_s"] * 1000, 1) if _number(first.get("ttft_p50_s")) else None,
@@ -527,7 +530,8 @@ def gate_results(data: dict[str, Any], run: Run) -> list[Path | None]:
         "max_temperature_c": telemetry.get("max_temperature_c"),
         "mean_power_w": telemetry.get("mean_power_w"),
     }
-    units = {k: "tok/s" for k in ("single_stream_tok_s", "server_tok_s", tg, pp)}
+    units = {k: "tok/s" for k in ("single_stream_tok_s", "single_stream_halfwidth_tok_s", "server_tok_s", tg, pp)}
+    units["single_stream_n"] = "count"
     units |= {"roofline_pct": "%", "ttft_p50_ms": "ms", "min_sm_clock_mhz": "MHz", "max_sm_clock_mhz": "MHz"}
     units |= {"max_temperature_c": "°C", "mean_power_w": "W"}
     for level in levels:
