@@ -14,11 +14,15 @@ a second run reuses it; a half-done build is redone, never trusted.
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 from pathlib import Path
 
 SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp 0c1e570 (recipes/defaults.yaml)
@@ -101,6 +105,74 @@ def llama_quantize() -> Path:
 
 def llama_server() -> Path:
     return build_tools() / "llama-server"
+
+
+RESERVE_LINE = re.compile(r"compute buffer size|graph: nodes|error loading model|failed")
+_LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ [A-Z] ")  # -lv 4's time and level
+
+
+def reserve_compute_buffer(model: Path, args: list[str], timeout: float = 300) -> list[str]:
+    """The pinned llama-server, CPU only, on ``model`` with a load's ``args`` (-c -ub -fa -np
+    -ctk -ctv), run the way tests/fixtures' compute-buffer loads were made (``--fit off -t 1
+    --host 127.0.0.1 --port P -lv 4``) and stopped once llama_context's reserve is logged
+    (its graph's node count) or something failed. Returns the log's compute-buffer, graph and
+    failure lines, without their time and level prefix."""
+    cmd = [str(llama_server()), "-m", str(model), *args, "--fit", "off", "-t", "1", "--host", "127.0.0.1"]
+    cmd += ["--port", str(30000 + random.randrange(20000)), "-lv", "4"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
+    timer.start()
+    kept = []
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if RESERVE_LINE.search(line):
+                kept.append(_LOG_PREFIX.sub("", line.rstrip("\n")))
+            if "graph: nodes" in line or "failed" in line:
+                break
+    finally:
+        timer.cancel()
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=30)
+    return kept
+
+
+CBUF_DIR = Path(__file__).parent / "tools" / "cbuf"
+
+
+def build_cbuf(out: Path) -> Path:
+    """tests/tools/cbuf (build.sh) against the pinned tree and static CPU build: a loader that
+    prints what llama_context reserves, with an in-process RPC device for a full-offload
+    split, and the graph allocator's own byte totals (CBUF_TRACE). Seconds; returns it."""
+    env = {**os.environ, "SRC": str(llamacpp_tree()), "B": str(build_tools().parent), "OUT": str(out)}
+    out.mkdir(parents=True, exist_ok=True)
+    _run(["sh", str(CBUF_DIR / "build.sh")], out / "build.log", env=env)
+    return out / "cbuf"
+
+
+def cbuf_reserve(cbuf: Path, model: Path, args: list[str], timeout: float = 300) -> list[str]:
+    """``cbuf -m MODEL ARGS`` with CBUF_TRACE, the way the cbuf fixtures were made: its
+    compute-buffer, graph and failure lines, then ``CBUF_TRACE last reserve: S|...`` for each
+    buffer of the last reserve in the trace (the allocator's total in bytes, its alignment)."""
+    trace = model.parent / "trace.txt"
+    trace.unlink(missing_ok=True)
+    run = subprocess.run(
+        [str(cbuf), "-m", model.name, *args],
+        cwd=model.parent,
+        env={**os.environ, "CBUF_TRACE": trace.name},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    kept = [line for line in run.stderr.splitlines() if RESERVE_LINE.search(line)]
+    if run.returncode != 0:
+        kept.append(f"exit {run.returncode}: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ''}")
+    events = trace.read_text().splitlines() if trace.exists() else []
+    last = max((i for i, e in enumerate(events) if e.startswith("G|")), default=len(events))
+    return kept + [f"CBUF_TRACE last reserve: {e}" for e in events[last:] if e.startswith("S|")]
 
 
 def cpu_torch_wheel() -> Path:

@@ -8,16 +8,21 @@ every real number below must come out to the 0.01 MiB llama.cpp prints.
 - older builds' real CUDA logs: reproduced exactly by a llama.cpp of their era with the same
   RPC split (so the split is a faithful stand-in), and for the llama-family ones by the replay
   with the settings those front-ends used.
+
+The replay's sequence was transcribed from allocator traces of the pinned shapes above, so
+equality on them is not a held-out result. HELD-OUT: 12 shapes drawn by a fixed seed
+(tests/tools/held_out_shapes.py), committed before any was loaded, then loaded the same ways
+(llama-server CPU-only: tests/llamacpp_tools.reserve_compute_buffer; cbuf's byte totals, CPU
+only and as a full-offload RPC split: tests/llamacpp_tools.cbuf_reserve); the replay's error on
+them is reported apart (test_replay_on_the_held_out_shapes*), with the shapes llama.cpp refused
+to load named.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import random
 import re
-import signal
-import subprocess
+import statistics
 
 import pytest
 import yaml
@@ -28,6 +33,7 @@ from playbooks.plan.model_config import shape_from_config
 from playbooks.plan.planner import llamacpp_compute_buffer_bytes
 from tests import llamacpp_tools, sparse_gguf
 from tests.helpers import ROOT, fixture_body
+from tests.tools import held_out_shapes
 
 DATA = yaml.safe_load((ROOT / "tests/data/compute_buffers.yaml").read_text())
 RUN = re.compile(r"^\$ (?P<tool>\S+) (?P<args>.*)$", re.MULTILINE)
@@ -248,38 +254,168 @@ def test_what_the_planner_gets_for_the_shipped_recipe_shapes():
 SLOW_RUNS = CPU_RUNS[::2]
 
 
+def _load_args(args: dict) -> list[str]:
+    """A fixture run's arguments without `-m NAME` (the model is written anew) and, in a cbuf
+    fixture (`$ CBUF_TRACE=trace.txt cbuf ARGS`), without the program's name."""
+    words = args["flags"][1:] if args["flags"][:1] == ["cbuf"] else args["flags"]
+    i = words.index("-m")
+    return words[:i] + words[i + 2 :]
+
+
 @pytest.mark.slow
 def test_pinned_llama_server_reserves_what_the_replay_says(tmp_path):
     """Every other run of the CPU fixture again, with the pinned llama-server and freshly
     written models (sparse files: no disk, no download)."""
-    server = llamacpp_tools.llama_server()
     for args, sizes in SLOW_RUNS:
         model = sparse_gguf.write(tmp_path, sparse_gguf.shape_of(args["-m"]))
-        cmd = [
-            str(server),
-            *args["flags"],
-            "--fit",
-            "off",
-            "-t",
-            "1",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(30000 + random.randrange(20000)),
-            "-lv",
-            "4",
-        ]
-        cmd[cmd.index("-m") + 1] = str(model)
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        real = None
-        try:
-            for line in p.stdout:
-                if m := BUFFER.search(line):
-                    real = float(m["mib"])
-                if "graph: nodes" in line or "failed" in line:
-                    break
-        finally:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout=30)
-        assert real == sizes["CPU"], (args["flags"], real)
+        lines = llamacpp_tools.reserve_compute_buffer(model, _load_args(args))
+        real = next((float(m["mib"]) for line in lines if (m := BUFFER.search(line))), None)
+        assert real == sizes["CPU"], (args["flags"], lines)
         assert mib(replay(graph_for(args, device=False))) == f"{real:.2f}"
+
+
+# --- held-out shapes: drawn by a seed, committed, then loaded ----------------------------
+
+HELD_OUT_YAML = ROOT / "tests/data/compute_buffers_held_out.yaml"
+HELD_OUT = yaml.safe_load(HELD_OUT_YAML.read_text())["shapes"]
+HELD_OUT_RUNS = runs(held_out_shapes.HELD_OUT_FIXTURE)
+HELD_OUT_CBUF_RUNS = runs(held_out_shapes.HELD_OUT_CBUF_FIXTURE)
+# Drawn shapes the pinned llama.cpp refuses to load (no real number, so no error to count).
+# The generator's rule "hidden != heads x head_dim a third of the time" holds for llama,
+# qwen3 and gemma, not for llama.cpp's qwen2, whose loader wants attn_q to be n_embd x n_embd
+# (real Qwen2 models always have hidden = heads x head_dim). The planner gives it 149.00 MiB.
+UNLOADABLE = {
+    "qwen2-E4096-F17088-L3-H44-K4-D256-V49152.gguf": "tensor 'blk.0.attn_q.weight' has wrong shape",
+}
+# The replay's misses on the held-out loads (not equal to the 0.01 MiB llama.cpp prints), with
+# why. None was observed: the list is kept so that a miss is named here, not hidden in a bound.
+MISSES: dict[str, str] = {}
+# The bounds observed on the held-out loads: every llama-server number equal to the print (the
+# replay within its rounding, half of 0.01 MiB: llama.cpp prints %8.2f MiB), and every
+# allocator total, CPU-only and the device buffer of a split, equal to the byte.
+HELD_OUT_BOUND_MIB = 0.005
+HELD_OUT_BOUND_BYTES = 0
+
+
+def test_the_held_out_list_is_what_its_seed_draws():
+    """Not edited by hand since it was drawn (and committed before any load)."""
+    assert HELD_OUT_YAML.read_text() == held_out_shapes.render()
+    assert len(HELD_OUT) == held_out_shapes.N == 12
+
+
+def test_the_held_out_fixture_loaded_exactly_the_drawn_shapes():
+    loaded = [(args["-m"], " ".join(_load_args(args))) for args, _ in HELD_OUT_RUNS]
+    assert loaded == [(s["model"], s["args"]) for s in HELD_OUT]
+    cbuf = [(args["-m"], _load_args(args)) for args, _ in HELD_OUT_CBUF_RUNS]
+    ports = [int(a[a.index("--rpc") + 1].rsplit(":", 1)[1]) for _, a in cbuf[::2]]
+    assert cbuf == [
+        (s["model"], held_out_shapes.cbuf_args(s, port))
+        for s, p in zip(HELD_OUT, ports, strict=True)
+        for port in (p, None)
+    ]
+    for fixture, held in (
+        (held_out_shapes.HELD_OUT_FIXTURE, HELD_OUT_RUNS),
+        (held_out_shapes.HELD_OUT_CBUF_FIXTURE, HELD_OUT_CBUF_RUNS),
+    ):
+        refused = {args["-m"] for args, sizes in held if "CPU" not in sizes}
+        assert refused == set(UNLOADABLE) and all(why in fixture_body(fixture) for why in UNLOADABLE.values())
+
+
+def held_out_errors() -> list[tuple[str, float, float]]:
+    """(run, planned MiB, real MiB) for every held-out shape llama.cpp loaded."""
+    out = []
+    for args, sizes in HELD_OUT_RUNS:
+        if "CPU" not in sizes:
+            continue
+        shape = shape_from_config(sparse_gguf.shape_of(args["-m"]).hf_config())
+        est = llamacpp_compute_buffer_bytes(
+            shape,
+            int(args["-c"]),
+            int(args["-ub"]),
+            args["-fa"] == "on",
+            n_seq=int(args["-np"]),
+            cache_k=args["-ctk"],
+            cache_v=args["-ctv"],
+            device=False,
+        )
+        out.append((run_id((args, sizes)), est / MIB, sizes["CPU"]))
+    return out
+
+
+def test_replay_on_the_held_out_shapes():
+    """The planner's compute buffer against the held-out loads, reported apart from the pinned
+    ones it was transcribed on: max and median |planned - real| printed (pytest -s), the
+    misses named in MISSES, the rest within HELD_OUT_BOUND_MIB."""
+    errors = held_out_errors()
+    assert len(errors) == len(HELD_OUT) - len(UNLOADABLE) == 11
+    abs_err = [abs(plan - real) for _, plan, real in errors]
+    rel_err = [abs(plan - real) / real for _, plan, real in errors]
+    print(
+        f"held-out compute buffer, {len(errors)} loads: |planned - real| max {max(abs_err):.4f} MiB "
+        f"({100 * max(rel_err):.3f}%), median {statistics.median(abs_err):.4f} MiB "
+        f"({100 * statistics.median(rel_err):.3f}%); misses {len(MISSES)}; unloadable {len(UNLOADABLE)}"
+    )
+    missed = {run.split()[1] for run, plan, real in errors if f"{plan:.2f}" != f"{real:.2f}"}
+    assert missed == set(MISSES), sorted(missed)
+    kept = [e for (run, _, _), e in zip(errors, abs_err, strict=True) if run.split()[1] not in MISSES]
+    assert max(kept) <= HELD_OUT_BOUND_MIB
+
+
+def test_replay_on_the_held_out_shapes_to_the_byte():
+    """The replay against the allocator's own totals of the held-out loads (cbuf): the CPU
+    buffer of a CPU-only run and the device buffer (RPC0) of a full offload, which is what a
+    GPU plan uses; max and median |planned - real| in bytes printed (pytest -s)."""
+    errors = []
+    for args, sizes in HELD_OUT_CBUF_RUNS:
+        if "CPU" not in sizes:
+            continue
+        split = "--rpc" in args
+        g = graph_for(args, device=split)
+        if split:
+            g = dataclasses.replace(g, alignment=32, fa_extra=0)
+        errors.append(
+            (args["-m"], "RPC0" if split else "CPU", replay(g) - sizes["RPC0 bytes" if split else "CPU bytes"])
+        )
+    assert len(errors) == 2 * (len(HELD_OUT) - len(UNLOADABLE)) == 22
+    abs_err = [abs(e) for *_, e in errors]
+    print(
+        f"held-out allocator totals, {len(errors)} buffers (11 CPU-only, 11 device splits): |planned - real| "
+        f"max {max(abs_err)} B, median {statistics.median(abs_err)} B"
+    )
+    assert {m for m, _, e in errors if e} == set(MISSES)
+    assert max(abs(e) for m, _, e in errors if m not in MISSES) <= HELD_OUT_BOUND_BYTES
+
+
+@pytest.mark.slow
+def test_the_held_out_fixture_is_what_the_pinned_llama_server_reserves(tmp_path):
+    """Every held-out load again, from freshly written models: the same lines (numbers,
+    graph sizes, the loader's refusal) as the committed fixture."""
+    body = fixture_body(held_out_shapes.HELD_OUT_FIXTURE)
+    starts = list(RUN.finditer(body))
+    for i, shape in enumerate(HELD_OUT):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(body)
+        kept = body[starts[i].end() : end].strip("\n").splitlines()
+        model = sparse_gguf.write(tmp_path, sparse_gguf.shape_of(shape["model"]))
+        assert llamacpp_tools.reserve_compute_buffer(model, shape["args"].split()) == kept, shape
+        model.unlink()
+
+
+@pytest.mark.slow
+def test_the_held_out_byte_fixture_is_what_cbuf_reserves(tmp_path):
+    """Every held-out cbuf load again (the tool built from tests/tools/cbuf against the pinned
+    build, seconds): the same lines and byte totals as the committed fixture, the RPC port aside."""
+    from tests.testhosts import free_port
+
+    cbuf = llamacpp_tools.build_cbuf(tmp_path / "cbuf-tool")
+    body = fixture_body(held_out_shapes.HELD_OUT_CBUF_FIXTURE)
+    starts = list(RUN.finditer(body))
+    port = re.compile(r"127\.0\.0\.1:\d+")
+    for i, (args, _) in enumerate(HELD_OUT_CBUF_RUNS):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(body)
+        kept = body[starts[i].end() : end].strip("\n").splitlines()
+        model = sparse_gguf.write(tmp_path, sparse_gguf.shape_of(args["-m"]))
+        load = _load_args(args)
+        if "--rpc" in load:
+            load[load.index("--rpc") + 1] = f"127.0.0.1:{free_port()}"
+        got = llamacpp_tools.cbuf_reserve(cbuf, model, load)
+        assert [port.sub("P", x) for x in got] == [port.sub("P", x) for x in kept], load
