@@ -13,6 +13,8 @@ a second run reuses it; a half-done build is redone, never trusted.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import re
@@ -35,6 +37,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VOLTAFORGE_CACHE") or Path.home() / ".cache" / "voltaforge")
 
 
+@contextlib.contextmanager
+def _cache_lock(name: str):
+    """One builder at a time per cached thing: tests, helpers and a CI run in another checkout
+    share the cache, and two cmake runs in one build directory truncate each other's objects
+    (seen: "file truncated"). The waiter then finds the thing built and returns it."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _run(cmd: list[str], log: Path, **kw) -> None:
     with open(log, "w") as out:
         r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, **kw)
@@ -53,11 +66,13 @@ def llamacpp_tree() -> Path:
     done = root / ".unpacked"
     if done.exists():
         return tree
-    root.mkdir(parents=True, exist_ok=True)
-    sdist = fetch_sdist(SDIST, "0c1e570").archive
-    with tarfile.open(sdist) as tar:
-        tar.extractall(root / "src", filter="data")
-    done.touch()
+    with _cache_lock("llama-cpp-python-0.3.36"):
+        if not done.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            sdist = fetch_sdist(SDIST, "0c1e570").archive
+            with tarfile.open(sdist) as tar:
+                tar.extractall(root / "src", filter="data")
+            done.touch()
     return tree
 
 
@@ -75,6 +90,13 @@ def build_tools() -> Path:
     done = build / ".built"
     if done.exists() and all((build / "bin" / t).exists() for t in TARGETS):
         return build / "bin"
+    with _cache_lock("llama-cpp-0c1e570-cpu-static"):
+        if done.exists() and all((build / "bin" / t).exists() for t in TARGETS):
+            return build / "bin"
+        return _build_tools(tree, build, done)
+
+
+def _build_tools(tree: Path, build: Path, done: Path) -> Path:
     build.mkdir(parents=True, exist_ok=True)
     _run(
         [
@@ -240,11 +262,14 @@ def convert_python() -> Path:
     done = venv / ".installed"
     if done.exists():
         return python
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "venv", "--clear", str(venv)], cache_dir() / "convert-venv.log")
-    torch = [f"torch=={TORCH_CPU}", "--find-links", str(cpu_torch_wheel().parent)]
-    _run([str(python), "-m", "pip", "install", "-q", *torch, *CONVERT_REQUIREMENTS], cache_dir() / "convert-venv.log")
-    done.touch()
+    with _cache_lock("convert-venv"):
+        if done.exists():
+            return python
+        _run([sys.executable, "-m", "venv", "--clear", str(venv)], cache_dir() / "convert-venv.log")
+        torch = [f"torch=={TORCH_CPU}", "--find-links", str(cpu_torch_wheel().parent)]
+        log = cache_dir() / "convert-venv.log"
+        _run([str(python), "-m", "pip", "install", "-q", *torch, *CONVERT_REQUIREMENTS], log)
+        done.touch()
     return python
 
 
