@@ -48,6 +48,16 @@ def test_percentiles_match_numpy_and_levels_add_up():
     assert est["stdev"] == pytest.approx(sd, rel=1e-3) and est["halfwidth"] == pytest.approx(3.182 * sd / 2, rel=1e-3)
 
 
+def test_a_level_reports_speculations_acceptance_from_the_servers_own_counts():
+    plain = [_sample(16, 0.01, server=100.0) for _ in range(2)]
+    assert bench.level_summary(1, plain, wall_s=0.4)["speculation"] is None
+    drafted = [_sample(16, 0.01, server=100.0) for _ in range(2)]
+    drafted[0].timings |= {"draft_n": 30.0, "draft_n_accepted": 27.0}
+    drafted[1].timings |= {"draft_n": 10.0, "draft_n_accepted": 1.0}
+    spec = bench.level_summary(1, drafted, wall_s=0.4)["speculation"]
+    assert spec == {"drafted": 40, "accepted": 28, "acceptance": 0.7}
+
+
 def _bursty(tokens: int, per_read: int, read_every: float, server: float) -> Sample:
     """Tokens that arrive ``per_read`` at a time: within one read microseconds apart."""
     chunks = [0.1 + (i // per_read) * read_every + (i % per_read) * 2e-6 for i in range(tokens)]

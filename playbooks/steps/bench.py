@@ -117,6 +117,10 @@ def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float, wa
         else (statistics.median(p / t for p, t in zip(prompt, ttft, strict=False) if t) if prompt and ttft else None)
     )
     short = [s for s in ok if s.completion_tokens is not None and s.requested and s.completion_tokens < s.requested]
+    # speculative decoding: the server's own counts of drafted and accepted tokens
+    drafted = sum(int(s.timings.get("draft_n", 0)) for s in ok)
+    accepted = sum(int(s.timings.get("draft_n_accepted", 0)) for s in ok)
+    drafting = any("draft_n" in s.timings for s in ok)
     return {
         "concurrency": concurrency,
         "requests": len(samples),
@@ -124,6 +128,13 @@ def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float, wa
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
         "short_completions": len(short),
+        "speculation": {
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": _r(accepted / drafted if drafted else None),
+        }
+        if drafting
+        else None,
         "aggregate_tok_s": _r(out_tokens / wall_s if wall_s > 0 and ok else 0.0, 3),
         "decode": None if judged is None else {**judged.as_dict(), "source": source},
         "per_stream_decode_tok_s": _r(client.mean if client else None, 3),
