@@ -1,0 +1,132 @@
+"""`invoke tune`'s space and search, pure: the planner prunes what cannot fit or breaks a rule
+(and says how many each rule removed), the rest is ordered by predicted speed, successive
+halving measures the promising ones longer, and a tie goes to the simpler configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from playbooks.config.recipe import load_recipe
+from playbooks.steps import tune_search, tune_space
+from playbooks.steps.tune_space import Candidate
+
+
+@pytest.fixture(scope="module")
+def v100_14b():
+    return load_recipe("qwen2.5-14b-v100-16gb")
+
+
+def test_the_space_is_every_combination_with_the_recipe_first(v100_14b):
+    base = tune_space.base_candidate(v100_14b)
+    assert (base.quant, base.cache_k, base.cache_v, base.parallel) == ("Q4_K_M", "q8_0", "q8_0", 2)
+    space = tune_space.enumerate_space(base, quants=["Q4_K_M", "Q8_0"], slots=[1, 2], ubatches=[64, 512])
+    assert space[0] == base and len(space) == len(set(space)) == 8
+    assert {c.quant for c in space} == {"Q4_K_M", "Q8_0"} and {c.ubatch for c in space} == {64, 512}
+
+
+def test_the_planner_prunes_and_says_why(v100_14b):
+    base = tune_space.base_candidate(v100_14b)
+    cands = tune_space.enumerate_space(
+        base,
+        quants=["Q4_K_M", "Q8_0", "Q2_K"],
+        caches=[("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q8_0"), ("bf16", "bf16")],
+        flash_attn=[True, False],
+    )
+    space = tune_space.prune(v100_14b, [*cands, cands[1]], min_bpw=3.3)
+    pruned = space.pruned
+    # Q8_0 of a 14B (15.7 GB) cannot fit a 16 GB card; Q2_K is below the floor; q4_0/q8_0 has
+    # no FA kernel in a default build; bf16 is not Volta's; quantized V without FA is refused
+    assert pruned["does not fit Tesla V100-SXM2-16GB"] > 0
+    assert pruned["below the quality floor of 3.3 bits per weight"] > 0
+    assert pruned["no flash-attention kernel for this K/V pair in a default CUDA build"] > 0
+    assert pruned["Tesla V100-SXM2-16GB has no BF16"] > 0
+    assert pruned["a quantized V cache needs flash attention"] > 0
+    assert pruned["a duplicate"] == 1
+    assert space.total == len(cands) + 1 == sum(pruned.values()) + len(space.survivors)
+    left = {
+        (p.candidate.quant, p.candidate.cache_k, p.candidate.cache_v, p.candidate.flash_attn) for p in space.survivors
+    }
+    assert left == {("Q4_K_M", "f16", "f16", True), ("Q4_K_M", "q8_0", "q8_0", True), ("Q4_K_M", "f16", "f16", False)}
+    # ordered by predicted speed, then the simpler first (the same weights: the f16 cache first)
+    speeds = [p.predicted_tok_s for p in space.survivors]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_a_space_pruned_to_nothing_names_the_constraint(v100_14b):
+    base = tune_space.base_candidate(v100_14b)
+    space = tune_space.prune(v100_14b, tune_space.enumerate_space(base, quants=["Q8_0", "F16"]), min_ctx=65536)
+    assert space.survivors == []
+    assert space.why_empty().startswith("nothing left to measure: all 3 candidates were pruned (")
+    assert "by does not fit Tesla V100-SXM2-16GB" in space.why_empty()
+
+
+def test_the_aggregate_objective_orders_by_slots_times_the_roofline(v100_14b):
+    base = tune_space.base_candidate(v100_14b)
+    space = tune_space.prune(v100_14b, tune_space.enumerate_space(base, slots=[1, 2]), objective="aggregate")
+    assert [p.candidate.parallel for p in space.survivors] == [2, 1]
+    one, two = sorted(space.survivors, key=lambda p: p.candidate.parallel)
+    assert two.predicted_tok_s == pytest.approx(2 * one.predicted_tok_s, rel=0.01)
+
+
+def _measured(c: Candidate, rung: int, mean: float, hw: float = 1.0) -> tune_search.Measured:
+    return tune_search.Measured(c, rung, mean, hw)
+
+
+def test_successive_halving_measures_the_better_half_longer(v100_14b):
+    base = tune_space.base_candidate(v100_14b)
+    cands = tune_space.enumerate_space(base, ubatches=[64, 128, 256, 512], slots=[1, 2])
+    planned = tune_space.prune(v100_14b, cands).survivors
+    truth = {p.candidate: 40.0 + i for i, p in enumerate(planned)}  # the last planned is the fastest
+    calls: list[tuple[Candidate, int]] = []
+
+    def measure(c: Candidate, rung: int) -> tune_search.Measured:
+        calls.append((c, rung))
+        return _measured(c, rung, truth[c], hw=0.2)
+
+    done, ran_out = tune_search.successive_halving(planned, measure, rungs=3)
+    assert not ran_out and len(planned) == 8
+    assert [sum(r == k for _, r in calls) for k in range(3)] == [8, 4, 2]
+    verdict = tune_search.choose(done, planned)
+    assert verdict.winner is not None and verdict.winner.candidate == max(truth, key=truth.__getitem__)
+    assert verdict.winner.rung == 2 and verdict.why == "the best measured figure"
+
+
+def test_a_tie_goes_to_the_simpler_configuration(v100_14b):
+    base = tune_space.base_candidate(v100_14b)
+    f16 = Candidate("Q4_K_M", "f16", "f16", True, 2, 512)
+    q8 = Candidate("Q4_K_M", "q8_0", "q8_0", True, 2, 512)
+    planned = tune_space.prune(v100_14b, [base, f16, q8]).survivors
+    # q8_0 measured 1% faster, inside the noise: f16 wins (TurboLLM #62 picked on one noisy run)
+    verdict = tune_search.choose([_measured(f16, 0, 100.0, 2.0), _measured(q8, 0, 101.0, 2.0)], planned)
+    assert verdict.winner is not None and verdict.winner.candidate == f16
+    assert verdict.why.startswith("tied with the best measured") and [m.candidate for m in verdict.tied_with] == [q8]
+    # 10% faster, outside the noise: q8_0 wins
+    verdict = tune_search.choose([_measured(f16, 0, 100.0, 2.0), _measured(q8, 0, 110.0, 2.0)], planned)
+    assert verdict.winner is not None and verdict.winner.candidate == q8 and verdict.tied_with == []
+
+
+def test_failures_leave_the_race_and_the_budget_stops_it(v100_14b):
+    base = tune_space.base_candidate(v100_14b)
+    planned = tune_space.prune(v100_14b, tune_space.enumerate_space(base, ubatches=[64, 512])).survivors
+    crash = tune_search.Measured(planned[0].candidate, 0, error="the server exited while loading")
+    done, _ = tune_search.successive_halving(
+        planned, lambda c, r: crash if c == crash.candidate else _measured(c, r, 50.0)
+    )
+    assert tune_search.choose(done, planned).winner.candidate == planned[1].candidate
+    assert tune_search.choose([crash], planned).winner is None
+    ticks = iter([False, True])
+    done, ran_out = tune_search.successive_halving(
+        planned, lambda c, r: _measured(c, r, 50.0), out_of_time=lambda: next(ticks)
+    )
+    assert ran_out and len(done) == 1
+
+
+def test_objective_figures():
+    level = {
+        "decode": {"mean": 50.0, "halfwidth": 1.0, "rel_halfwidth": 0.02},
+        "aggregate_tok_s": 180.0,
+        "ttft_p95_s": 0.3,
+    }
+    assert tune_search.objective_figure(level, "single") == (50.0, 1.0)
+    assert tune_search.objective_figure(level, "aggregate") == (180.0, pytest.approx(3.6))
+    assert tune_search.objective_figure(level, "latency") == (-0.3, None)
