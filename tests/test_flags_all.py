@@ -55,6 +55,7 @@ ACCEPTED = {
     ("plan", "parallel"): {"5"},  # 5 slots
     ("plan", "host-membw"): {"5"},  # 5 GB/s of host memory bandwidth
     ("plan", "host-ram"): {"5"},  # 5 GiB of host RAM
+    ("plan", "min-tok-s"): {"5"},  # a speed floor of 5 tok/s
     ("quantize", "bpw"): {"5"},  # EXL2 at 5.0 bits per weight
     ("render", "gpus"): {"5"},  # GPU 5
     ("deploy", "gpus"): {"5"},

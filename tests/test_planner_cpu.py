@@ -14,6 +14,7 @@ from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import load_recipe
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.model_config import load_config_file
+from playbooks.plan.objective import Objective
 from playbooks.plan.planner import EXL2_NEEDS_CUDA, Serving, evaluate, make_plan
 from tests.helpers import ROOT
 
@@ -38,7 +39,11 @@ def test_every_exl2_row_on_a_cpu_says_it_needs_a_cuda_gpu(tiny_plan):
 
 def test_a_cpu_plan_never_recommends_exl2_and_says_why(tiny_plan):
     assert tiny_plan.recommendation is not None and tiny_plan.recommendation.backend == "llamacpp"
-    assert tiny_plan.best_quality is not None and tiny_plan.best_quality.backend == "llamacpp"
+    # nor without a speed floor, where the fastest fitting quant wins (EXL2's would be fastest)
+    shape = load_recipe("tiny-cpu").shape
+    fastest = make_plan(shape, get_gpu("cpu"), Serving(context=512), objective=Objective(min_tok_s=None))
+    assert fastest.recommendation is not None and fastest.recommendation.backend == "llamacpp"
+    assert fastest.recommendation_kind == "fastest"
     assert any("EXL2 is left out: ExLlamaV2 needs a CUDA GPU" in n for n in tiny_plan.notes)
     # the V100 batching note is not the reason on a CPU
     assert not any("Ampere" in n for n in tiny_plan.notes)
@@ -47,7 +52,7 @@ def test_a_cpu_plan_never_recommends_exl2_and_says_why(tiny_plan):
 def test_even_one_slot_and_every_bpw_on_a_cpu_is_refused():
     """No slot count or bit rate makes EXL2 run on a CPU (the old filter only caught parallel > 1)."""
     shape = load_recipe("tiny-cpu").shape
-    plan = make_plan(shape, get_gpu("cpu"), Serving(context=512, parallel=1), min_bpw=2.0)
+    plan = make_plan(shape, get_gpu("cpu"), Serving(context=512, parallel=1), objective=Objective(min_bpw=2.0))
     assert plan.recommendation is not None and plan.recommendation.backend == "llamacpp"
     chosen = make_plan(shape, get_gpu("cpu"), Serving(backend="exllamav2", cache_k="FP16"), quant="EXL2-4.0").chosen
     assert chosen is not None and not chosen.fits and chosen.unfit_reason == EXL2_NEEDS_CUDA
@@ -70,7 +75,7 @@ def test_invoke_plan_tiny_cpu_table_and_json():
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("│ EXL2-")]
     assert rows and all("no, needs a CUDA GPU" in line for line in rows), r.stdout
-    assert "(recommended)" not in "".join(rows) and "(best quality)" not in "".join(rows)
+    assert "(recommended)" not in "".join(rows)
     data = json.loads(_invoke("plan", "--recipe", "tiny-cpu", "--json").stdout)
     for q in data["quants"]:
         if q["backend"] == "exllamav2":

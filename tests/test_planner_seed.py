@@ -98,10 +98,13 @@ def test_gemma2_sliding_window_layers_hold_only_the_window():
     assert llamacpp_kv_bytes(g, 2048) == per_layer_token * 46 * 2048
 
 
-def test_a_draft_model_costs_its_weights_and_its_own_cache(seed):
+def test_a_draft_model_costs_its_weights_its_own_cache_and_its_own_compute_buffer(seed):
     """Qwen2.5-0.5B as a Q8_0 draft, by hand (Q8_0: 34 bytes per 32 weights; F32 norms and
     biases; tied embeddings, so llama.cpp loads token_embd a second time as the output layer
-    on the GPU - llama-model-loader.cpp buft_for_tensor, TENSOR_DUPLICATED)."""
+    on the GPU - llama-model-loader.cpp buft_for_tensor, TENSOR_DUPLICATED). llama-server gives
+    the draft a context of its own (common/speculative.cpp at 0c1e570): the target's n_ctx, the
+    same -ub, -fa and slots, so it reserves the compute buffer the draft model would reserve
+    served alone at that context."""
     from playbooks.plan.model_config import shape_from_config
     from playbooks.plan.planner import DraftPlan
 
@@ -125,7 +128,12 @@ def test_a_draft_model_costs_its_weights_and_its_own_cache(seed):
     gpu, s = get_gpu("v100-16gb"), Serving(context=4096)
     alone = evaluate(seed, "Q4_K_M", gpu, s)
     paired = evaluate(seed, "Q4_K_M", gpu, s, DraftPlan(draft, "Q8_0"))
-    assert paired.draft_bytes == linear + small + tied_output + kv == 575_573_504
+    served_alone = evaluate(draft, "Q8_0", gpu, s)
+    assert paired.draft_kv_bytes == kv == served_alone.kv_bytes
+    assert paired.draft_compute_bytes == served_alone.compute_bytes > 0
+    weights = linear + small + tied_output
+    assert weights == served_alone.gpu_weights_bytes == 525_241_856
+    assert paired.draft_bytes == weights + kv + paired.draft_compute_bytes
     assert paired.vram_bytes - alone.vram_bytes == paired.draft_bytes
     assert paired.max_ctx <= alone.max_ctx  # both may reach the model maximum (32768)
 

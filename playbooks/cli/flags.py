@@ -180,6 +180,26 @@ def n_cpu_moe(flag: str, value: object) -> int | str | None:
     return number
 
 
+#: --min-tok-s: more tok/s than any roofline reaches is no floor but a typo
+MAX_TOK_S = 1e9
+
+
+def speed_floor(flag: str, value: object) -> float | str | None:
+    """``--min-tok-s 30`` -> 30.0, ``none`` -> "none" (no speed floor); None stays None."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text == "none":
+        return text
+    try:
+        number = float(text)
+    except ValueError:
+        raise UsageError(f"{flag} {_short(text)!r}: want a decode speed in tok/s, or none") from None
+    if not (number > 0 and math.isfinite(number) and number <= MAX_TOK_S):
+        raise UsageError(f"{flag} must be a positive number of tok/s up to {MAX_TOK_S:g}, or none; got {_short(text)}")
+    return number
+
+
 def choice(flag: str, value: object, allowed: tuple[str, ...]) -> str:
     text = str(value).strip()
     if text not in allowed:

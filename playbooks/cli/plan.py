@@ -9,12 +9,13 @@ from typing import TextIO
 
 from playbooks.cli.flags import UsageError, name_or_path, word
 from playbooks.cli.render import console, plan_json, render_plan
-from playbooks.config.planning import host_from_recipe, plan_recipe
+from playbooks.config.planning import SpeedFloor, host_from_recipe, objective_for, plan_recipe, planner_defaults
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
 from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import GIB, get_gpu
+from playbooks.plan.kv_cache import LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory
 from playbooks.plan.planner import Serving, make_plan, quant_names, serving_for
@@ -51,11 +52,17 @@ def run_plan(
     n_cpu_moe: int | str | None = None,
     host_membw_gb_s: float | None = None,
     host_ram_gib: float | None = None,
+    cache_type_k: str | None = None,
+    cache_type_v: str | None = None,
+    min_tok_s: SpeedFloor = None,
 ) -> int:
     """Returns the exit code: 0 when the planned configuration fits, 1 when it does not.
 
     n_cpu_moe (a MoE model's experts in host RAM: a number of layers or "auto"), host_membw_gb_s
-    and host_ram_gib override the recipe's; with --model-config a MoE model plans "auto"."""
+    and host_ram_gib override the recipe's; with --model-config a MoE model plans "auto".
+    cache_type_k/_v: llama-server's -ctk/-ctv for a --model-config plan (f16 unless given; EXL2
+    rows get the matching ExLlamaV2 cache mode). min_tok_s: the recommendation's speed floor
+    instead of planner.min_tok_s ("none": no floor)."""
     out = out or sys.stdout
     # given but empty is a mistake, not "use the default"
     model_config = name_or_path("--model-config", model_config)
@@ -71,6 +78,13 @@ def run_plan(
         raise UsageError("--quant goes with --model-config; a recipe names its own quant")
     if recipe and parallel:
         raise UsageError("--parallel goes with --model-config; a recipe names its own slots")
+    for flag, value in (("--cache-type-k", cache_type_k), ("--cache-type-v", cache_type_v)):
+        if value is not None and value not in LLAMACPP_CACHE_TYPES:
+            raise UsageError(f"{flag} {value!r}: want one of {', '.join(LLAMACPP_CACHE_TYPES)} (llama-server's types)")
+        if value is not None and recipe:
+            raise UsageError(
+                f"{flag} goes with --model-config; a recipe names its own cache (cache: {{k: ..., v: ...}})"
+            )
     if recipe:
         loaded = load_recipe(recipe, recipes_dir or RECIPES_DIR)
         if ctx and ctx > loaded.shape.max_position_embeddings:
@@ -83,7 +97,7 @@ def run_plan(
             raise UsageError(f"--n-cpu-moe is llama-server's; {loaded.recipe.name} is an ExLlamaV2 recipe")
         ram = int(host_ram_gib * GIB) if host_ram_gib is not None else None
         host = host_from_recipe(loaded, host_membw_gb_s, ram)
-        plan = plan_recipe(loaded, gpu, ctx, n_cpu_moe=n_cpu_moe, host=host)  # type: ignore[arg-type]
+        plan = plan_recipe(loaded, gpu, ctx, n_cpu_moe=n_cpu_moe, host=host, min_tok_s=min_tok_s)  # type: ignore[arg-type]
         label = loaded.recipe.name
     else:
         shape = load_config_file(Path(str(model_config)))
@@ -104,9 +118,25 @@ def run_plan(
         _check_n_cpu_moe(n_cpu_moe, shape, str(model_config))
         if n_cpu_moe is None:
             n_cpu_moe = "auto" if shape.is_moe else 0
+        # planned as a shipped recipe is: defaults.yaml's planner settings and objective
+        settings = planner_defaults(recipes_dir or RECIPES_DIR)
         serving = serving_for(
             quant or "Q4_K_M",
-            Serving(context=context, parallel=parallel or 1, n_cpu_moe=n_cpu_moe),  # type: ignore[arg-type]
+            Serving(
+                context=context,
+                parallel=parallel or 1,
+                # llama-server's own default for either side not given
+                cache_k=cache_type_k or "f16",
+                cache_v=cache_type_v or "f16",
+                # model-config plans run llama.cpp's flash attention (on sm_70 too), which a
+                # quantized V cache needs
+                flash_attn=True,
+                n_ubatch=settings.n_ubatch,
+                cuda_context_mib=settings.cuda_context_mib,
+                margin_mib=settings.margin_mib,
+                imatrix=settings.imatrix,
+                n_cpu_moe=n_cpu_moe,  # type: ignore[arg-type]
+            ),
         )
         host = HostMemory(
             membw_gb_s=host_membw_gb_s or HOST_MEMBW_DEFAULT_GB_S,
@@ -114,13 +144,20 @@ def run_plan(
             ram_bytes=int(host_ram_gib * GIB) if host_ram_gib is not None else None,
             ram_source="given" if host_ram_gib is not None else "unknown",
         )
-        plan = make_plan(shape, get_gpu(gpu or "v100-16gb"), serving, quant=quant, host=host)
+        plan = make_plan(
+            shape,
+            get_gpu(gpu or "v100-16gb"),
+            serving,
+            quant=quant,
+            objective=objective_for(settings, shape, min_tok_s),
+            host=host,
+        )
         label = str(model_config)
     if as_json:
         out.write(json.dumps(plan_json(plan, label), indent=2) + "\n")
     else:
         render_plan(plan, console(out), label)
-    fits = plan.chosen.fits if plan.chosen else plan.recommendation is not None or plan.best_quality is not None
+    fits = plan.chosen.fits if plan.chosen else any(o.fits for o in plan.options)
     return 0 if fits else 1
 
 

@@ -42,7 +42,9 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def option_json(o: Option) -> dict[str, Any]:
+def option_json(o: Option, plan: Plan | None = None) -> dict[str, Any]:
+    """One option; with its plan, also the quality figure the recommendation ranks it by."""
+    quality = plan.objective.quality(o.quant, o.bpw) if plan is not None else None
     return {
         "quant": o.quant,
         "backend": o.backend,
@@ -71,7 +73,12 @@ def option_json(o: Option) -> dict[str, Any]:
         "host_resident_bytes": o.host_resident_bytes,
         "host_membw_gb_s": o.host_membw_gb_s,
         "host_membw_source": o.host_membw_source,
-    }
+        # a draft model beside the target (llama-server --model-draft): its weights, KV cache
+        # and compute buffer together, and the last two alone (overhead_bytes includes all)
+        "draft_bytes": o.draft_bytes,
+        "draft_kv_bytes": o.draft_kv_bytes,
+        "draft_compute_bytes": o.draft_compute_bytes,
+    } | ({"kld": quality.kld, "kld_source": quality.source} if quality is not None else {})
 
 
 def offload_step_json(st: OffloadStep) -> dict[str, Any]:
@@ -139,16 +146,22 @@ def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
             "ram_source": h.ram_source,
         },
         "kv_bytes_per_token": kv,
-        "chosen": option_json(plan.chosen) if plan.chosen else None,
-        "quants": [option_json(o) for o in plan.options],
+        "chosen": option_json(plan.chosen, plan) if plan.chosen else None,
+        "quants": [option_json(o, plan) for o in plan.options],
+        # what the recommendation optimizes (playbooks/plan/objective.py)
+        "objective": {
+            "min_bpw": plan.objective.min_bpw,
+            "min_tok_s": plan.objective.min_tok_s,
+            "measured_kld": dict(plan.objective.measured_kld),
+        },
         "recommendation": plan.recommendation.quant if plan.recommendation else None,
-        "recommended": option_json(plan.recommendation) if plan.recommendation else None,
+        "recommendation_kind": plan.recommendation_kind,
+        "recommended": option_json(plan.recommendation, plan) if plan.recommendation else None,
         "offload": (
             {"quant": plan.offload_quant, "steps": [offload_step_json(st) for st in plan.offload]}
             if plan.offload
             else None
         ),
-        "best_quality": plan.best_quality.quant if plan.best_quality else None,
         "reason": plan.reason,
         "notes": plan.notes,
     }
@@ -202,7 +215,13 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             f"+ KV {_gib(c.kv_bytes)} "
             f"({c.kv_bytes_per_token:,} B/token) + compute {_gib(c.compute_bytes)}"
             f"{' (estimate)' if shape.is_moe and c.backend == 'llamacpp' and not plan.gpu.is_cpu else ''} + "
-            f"context/margin {_gib(c.overhead_bytes)} = {_gib(c.vram_bytes)} of "
+            + (
+                f"draft model {_gib(c.draft_bytes)} (weights, KV {_gib(c.draft_kv_bytes)}, compute "
+                f"{_gib(c.draft_compute_bytes)}) + "
+                if c.draft_bytes
+                else ""
+            )
+            + f"context/margin {_gib(c.overhead_bytes - c.draft_bytes)} = {_gib(c.vram_bytes)} of "
             f"{_gib(c.gpu_bytes)}: {verdict}"
         )
         console.print(_roofline_text(plan, c))
@@ -220,6 +239,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
         ("backend", "left"),
         ("file", "right"),
         ("bits/w", "right"),
+        ("KLD", "right"),
         ("VRAM", "right"),
         ("fits?", "left"),
         ("max ctx/slot", "right"),
@@ -228,39 +248,32 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
     # the experts of the first N layers in host RAM (llama-server --n-cpu-moe; not on a CPU)
     moe_column = shape.is_moe and not plan.gpu.is_cpu
     if moe_column:
-        columns.insert(5, ("n-cpu-moe", "right"))
+        columns.insert(6, ("n-cpu-moe", "right"))
     for col, just in columns:
-        table.add_column(col, justify=just)
+        # one line per quant where the width allows: the headers of the numbers wrap instead
+        keep = col in ("quant", "backend", "file", "VRAM", "n-cpu-moe") or (col == "fits?" and not moe_column)
+        table.add_column(col, justify=just, no_wrap=keep)
     for o in plan.options:
-        mark = ""
-        if plan.recommendation is o:
-            mark = " (recommended)"
-        elif plan.best_quality is o:
-            mark = " (best quality)"
+        mark = " (recommended)" if plan.recommendation is o else ""
+        quality = plan.objective.quality(o.quant, o.bpw)
         cells = [
             o.quant + mark,
             o.backend,
             _gb(o.weights_bytes),
             f"{o.bpw:.2f}",
+            f"{quality.kld:.4f}" + ("*" if quality.source == "measured" else ""),
             _gib(o.vram_bytes),
             _fits_cell(o),
             f"{o.max_ctx:,}" if o.max_ctx else "-",
             f"{o.roofline_tok_s:.0f}",
         ]
         if moe_column:
-            cells.insert(5, str(o.n_cpu_moe) if o.backend == "llamacpp" else "-")
+            cells.insert(6, str(o.n_cpu_moe) if o.backend == "llamacpp" else "-")
         table.add_row(*cells)
     console.print(table)
     if plan.offload:
         _render_offload(plan, console)
     console.print(f"[bold]Recommendation:[/] {escape(plan.reason)}")
-    if plan.best_quality and plan.best_quality is not plan.recommendation:
-        b = plan.best_quality
-        console.print(
-            f"Best quality that fits: {b.quant} ({b.bpw:.2f} bits/weight, roofline {b.roofline_tok_s:.0f} tok/s"
-            + (f", --n-cpu-moe {b.n_cpu_moe}" if b.n_cpu_moe else "")
-            + ")"
-        )
     for note in plan.notes:
         console.print(f"[yellow]Note:[/] {escape(note)}")
 

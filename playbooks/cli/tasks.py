@@ -90,6 +90,12 @@ INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.
         "host-membw": "host memory bandwidth in GB/s for the experts kept in host RAM (default: the recipe's "
         "planner.host_membw_gb_s, else 50)",
         "host-ram": "host RAM in GiB that the offloaded experts must fit (default: the recipe's, else unchecked)",
+        "cache-type-k": "with --model-config: the KV cache type of K, as llama-server's -ctk (f16, q8_0, q4_0, ...; "
+        "default f16)",
+        "cache-type-v": "with --model-config: the KV cache type of V, as llama-server's -ctv (default f16; a "
+        "quantized V needs flash attention, which the plan assumes on)",
+        "min-tok-s": "the recommendation's speed floor: the best quality whose decode roofline reaches this many "
+        "tok/s; none: the fastest (default: planner.min_tok_s, 30)",
         "json": "print JSON instead of tables",
     },
 )
@@ -104,6 +110,9 @@ def plan(
     n_cpu_moe: str | None = None,
     host_membw: str | None = None,
     host_ram: str | None = None,
+    cache_type_k: str | None = None,
+    cache_type_v: str | None = None,
+    min_tok_s: str | None = None,
     json: bool = False,
 ) -> None:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
@@ -127,6 +136,9 @@ def plan(
             host_ram_gib=None
             if host_ram is None
             else flags.positive_float("--host-ram", host_ram, "GiB", maximum=1048576),
+            cache_type_k=flags.word("--cache-type-k", cache_type_k, "a cache type, e.g. q8_0"),
+            cache_type_v=flags.word("--cache-type-v", cache_type_v, "a cache type, e.g. q8_0"),
+            min_tok_s=flags.speed_floor("--min-tok-s", min_tok_s),
             as_json=json,
             recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
         )

@@ -2,11 +2,64 @@
 
 from __future__ import annotations
 
-from playbooks.config.recipe import LoadedRecipe
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from playbooks.config.recipe import DEFAULTS_FILE, RECIPES_DIR, LoadedRecipe, PlannerSettings
+from playbooks.config.yamlfile import explain_validation, load_yaml
 from playbooks.errors import VoltaforgeError
-from playbooks.plan.gpus import GIB, get_gpu
+from playbooks.plan.gpus import GIB, Gpu, get_gpu
+from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, NCpuMoe, RamSource
+from playbooks.plan.objective import Objective
 from playbooks.plan.planner import DraftPlan, Plan, Serving, make_plan
+
+#: a speed floor given as "none": no floor, the fastest quant of at least min_bpw
+NO_SPEED_FLOOR = "none"
+#: a speed floor as a flag gives it: tok/s, NO_SPEED_FLOOR, or None (the recipe's or the default)
+SpeedFloor = float | str | None
+
+
+def planner_defaults(recipes_dir: Path = RECIPES_DIR) -> PlannerSettings:
+    """The `planner:` section of the recipes' defaults.yaml: what a plan without a recipe
+    (`invoke plan --model-config`) plans with, so that it is planned as a shipped recipe is.
+    No such file: the settings' own defaults, which are the shipped file's values."""
+    path = recipes_dir / DEFAULTS_FILE
+    if not path.is_file():
+        return PlannerSettings()
+    data, lines = load_yaml(path)
+    section = (data or {}).get("planner") if isinstance(data, dict) else None
+    try:
+        return PlannerSettings.model_validate(section or {})
+    except ValidationError as exc:
+        raise explain_validation(exc, path, lines, PlannerSettings, prefix=("planner",)) from None
+
+
+def objective_for(
+    planner: PlannerSettings,
+    shape: ModelShape,
+    min_tok_s: SpeedFloor = None,
+    measured_kld: Mapping[str, float] | None = None,
+) -> Objective:
+    """The recommendation's objective from a recipe's (or defaults.yaml's) planner settings;
+    `min_tok_s` (a flag) instead of planner.min_tok_s; `measured_kld`: quant -> mean KLD measured
+    on this model (the artifacts' manifests on a host)."""
+    floor = planner.min_tok_s if min_tok_s is None else None if min_tok_s == NO_SPEED_FLOOR else float(min_tok_s)
+    return Objective(
+        min_bpw=planner.min_bpw,
+        min_tok_s=floor,
+        measured_kld=dict(measured_kld or {}),
+        imatrix=planner.imatrix,
+        mxfp4_experts=shape.mxfp4_experts,
+    )
+
+
+def draft_from_recipe(loaded: LoadedRecipe) -> DraftPlan | None:
+    """The recipe's speculative decoding draft model, as the planner counts it."""
+    r = loaded.recipe
+    return DraftPlan(loaded.draft_shape, r.draft.quant) if r.draft and loaded.draft_shape else None
 
 
 def serving_from_recipe(loaded: LoadedRecipe, context: int | None = None, n_cpu_moe: NCpuMoe | None = None) -> Serving:
@@ -59,20 +112,24 @@ def host_from_recipe(
 
 def plan_recipe(
     loaded: LoadedRecipe,
-    gpu: str | None = None,
+    gpu: str | Gpu | None = None,
     context: int | None = None,
     n_cpu_moe: NCpuMoe | None = None,
     host: HostMemory | None = None,
+    min_tok_s: SpeedFloor = None,
+    measured_kld: Mapping[str, float] | None = None,
 ) -> Plan:
+    """The recipe planned: on `gpu` (a name or the GPU a host reports) instead of the recipe's,
+    with its draft model, its planner settings' objective (`min_tok_s` and `measured_kld`: see
+    objective_for)."""
     r = loaded.recipe
-    draft = DraftPlan(loaded.draft_shape, r.draft.quant) if r.draft and loaded.draft_shape else None
     plan = make_plan(
         loaded.shape,
-        get_gpu(gpu or r.gpu),
+        gpu if isinstance(gpu, Gpu) else get_gpu(gpu or r.gpu),
         serving_from_recipe(loaded, context, n_cpu_moe),
         quant=r.quant_name,
-        draft=draft,
-        min_bpw=r.planner.min_bpw,
+        draft=draft_from_recipe(loaded),
+        objective=objective_for(r.planner, loaded.shape, min_tok_s, measured_kld),
         host=host or host_from_recipe(loaded),
     )
     if r.model.repo and not r.model.pinned:

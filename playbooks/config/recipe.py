@@ -21,6 +21,7 @@ from playbooks.plan.gguf_size import FILE_TYPES, quant_refusal
 from playbooks.plan.gpus import get_gpu, gpu_names
 from playbooks.plan.kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file, shape_from_config
+from playbooks.plan.objective import MIN_BPW, MIN_TOK_S
 from playbooks.resources import resource_dir
 
 RECIPES_DIR = resource_dir("recipes")
@@ -247,7 +248,14 @@ class PlannerSettings(_Strict):
     cuda_context_mib: int = Field(400, ge=0)
     margin_mib: int = Field(256, ge=0)
     n_ubatch: int = Field(512, gt=0)
-    min_bpw: float = Field(3.3, gt=0)
+    min_bpw: float = Field(MIN_BPW, gt=0, description="the recommendation's quality floor in bits per weight")
+    min_tok_s: float | None = Field(
+        MIN_TOK_S,
+        gt=0,
+        le=1e9,
+        description="the recommendation's speed floor: the best quality whose single-stream decode roofline "
+        "reaches this many tok/s; null: no floor, the fastest quant of at least min_bpw",
+    )
     imatrix: bool = True
     max_kld: float | None = Field(
         None, gt=0, description="refuse a GGUF quant whose mean KL divergence against its F16 file is above this"

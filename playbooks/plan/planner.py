@@ -43,6 +43,7 @@ from playbooks.plan.moe import (
     ladder_points,
     two_sided_tok_s,
 )
+from playbooks.plan.objective import Objective
 from playbooks.plan.tensors import model_tensors, parameter_count
 
 CTX_STEP = 256  # llama.cpp pads its KV cache to 256 cells; contexts are planned in these steps
@@ -174,7 +175,12 @@ class Option:
     max_ctx: int  # largest per-slot context that fits (0: not even CTX_STEP)
     roofline_tok_s: float
     roofline_full_ctx_tok_s: float
+    # a speculative decoding draft model beside the target (llama-server --model-draft): its
+    # weights on the GPU, its own KV cache and its own compute buffer; draft_bytes is their sum
+    # and is part of overhead_bytes
     draft_bytes: int = 0
+    draft_kv_bytes: int = 0
+    draft_compute_bytes: int = 0
     # why it cannot run on this target whatever the memory says ("": nothing but memory counts)
     unfit_reason: str = ""
     # Mixture of experts (all 0 / None for a dense model or a MoE kept whole on the GPU):
@@ -244,6 +250,32 @@ def _weights(shape: ModelShape, quant: str, s: Serving) -> tuple[int, int, int]:
     return g.file_bytes, g.gpu_weight_bytes, g.streamed_bytes_per_token
 
 
+def draft_vram(draft: DraftPlan, s: Serving, ctx: int, gpu: Gpu) -> tuple[int, int, int]:
+    """(weights on the GPU, KV cache, compute buffer) of a draft model beside a llama.cpp target
+    at `ctx` tokens per slot.
+
+    At the pinned ref (common/speculative.cpp, common_base_params_to_speculative and
+    common_speculative_init_result) llama-server gives the draft its own context with the
+    target's parameters except: n_ctx = llama_n_ctx(ctx_tgt), the target's whole context (all
+    slots); the KV cache types of -ctkd/-ctvd (f16 unless given: voltaforge renders the recipe's
+    cache types there, steps/units.py); one output row per slot. The same -ub, -fa and slots, so
+    its compute buffer is the same worst-case graph walked for the draft's shape."""
+    tokens = ctx * s.parallel
+    weights = _weights(draft.shape, draft.quant, s)[1]
+    kv = llamacpp_kv_bytes(draft.shape, tokens, s.cache_k, s.cache_v, s.n_ubatch)
+    compute = llamacpp_compute_buffer_bytes(
+        draft.shape,
+        tokens,
+        s.n_ubatch,
+        s.flash_attn,
+        n_seq=s.parallel,
+        cache_k=s.cache_k,
+        cache_v=s.cache_v,
+        device=not gpu.is_cpu,
+    )
+    return weights, kv, compute
+
+
 def _vram_at(
     shape: ModelShape,
     s: Serving,
@@ -253,7 +285,8 @@ def _vram_at(
     expert_copy: tuple[int, int, int] = (0, 0, 0),
 ) -> tuple[int, int, int, int]:
     """(KV, compute, CUDA context + margin, draft model) bytes at `ctx` tokens per slot.
-    `expert_copy`: see llamacpp_compute_buffer_bytes (--n-cpu-moe)."""
+    `expert_copy`: see llamacpp_compute_buffer_bytes (--n-cpu-moe). A draft is llama-server's:
+    an ExLlamaV2 serving counts none (evaluate marks such an option unfit instead)."""
     tokens = ctx * s.parallel
     if s.backend == "exllamav2":
         kv = _kv_per_token(shape, s) * tokens  # ExLlamaV2 caches every layer for max_seq_len x batch
@@ -273,12 +306,7 @@ def _vram_at(
             device=not gpu.is_cpu,
             expert_copy=expert_copy,
         )
-    draft_b = 0
-    if draft is not None:
-        # the draft model sits beside the target with its own KV cache for the same context
-        draft_b = _weights(draft.shape, draft.quant, s)[1] + llamacpp_kv_bytes(
-            draft.shape, tokens, s.cache_k, s.cache_v, s.n_ubatch
-        )
+    draft_b = sum(draft_vram(draft, s, ctx, gpu)) if draft is not None and s.backend == "llamacpp" else 0
     overhead = (0 if gpu.is_cpu else s.cuda_context_mib * MIB) + s.margin_mib * MIB
     return kv, compute, overhead, draft_b
 
@@ -293,13 +321,41 @@ EXL2_NEEDS_CUDA = "needs a CUDA GPU"
 EXL2_MISSING_ARCHS = {"qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
-def unfit_reason(backend: str, gpu: Gpu, shape: ModelShape | None = None) -> str:
+#: K/V cache type pairs a default CUDA build of the pinned llama.cpp compiles flash-attention
+#: kernels for (ggml/CMakeLists.txt GGML_CUDA_FA_QUANTS "q4_0-q4_0;q8_0-q8_0;f16-f16;bf16-bf16";
+#: fattn.cu takes an f32 side as f16); other pairs are converted to f16 with a warning (fattn.cu)
+FA_COMPILED_PAIRS = frozenset({("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("bf16", "bf16")})
+
+
+def fa_pair_compiled(cache_k: str, cache_v: str) -> bool:
+    def as_f16(t: str) -> str:
+        return "f16" if t == "f32" else t
+
+    return (as_f16(cache_k), as_f16(cache_v)) in FA_COMPILED_PAIRS
+
+
+#: Why an EXL2 quant is no alternative to a recipe with a draft model: the draft is
+#: llama-server's --model-draft (a recipe refuses `draft:` with backend exllamav2).
+EXL2_NO_DRAFT = "a draft is llama-server's"
+
+
+def unfit_reason(backend: str, gpu: Gpu, shape: ModelShape | None = None, draft: DraftPlan | None = None) -> str:
     """Why this backend cannot run on this target at all, memory aside ("": it can)."""
     if backend == "exllamav2" and gpu.is_cpu:
         return EXL2_NEEDS_CUDA
     if backend == "exllamav2" and shape is not None and shape.model_type in EXL2_MISSING_ARCHS:
         return f"ExLlamaV2 0.3.2 has no {EXL2_MISSING_ARCHS[shape.model_type]}"
+    if backend == "exllamav2" and draft is not None:
+        return EXL2_NO_DRAFT
     return ""
+
+
+def _draft_parts(draft: DraftPlan | None, s: Serving, gpu: Gpu) -> tuple[int, int]:
+    """A draft's (KV cache, compute buffer) at the serving's context, for Option's fields."""
+    if draft is None or s.backend != "llamacpp":
+        return 0, 0
+    _, kv, compute = draft_vram(draft, s, s.context, gpu)
+    return kv, compute
 
 
 def evaluate(
@@ -317,7 +373,8 @@ def evaluate(
     kv_tok = _kv_per_token(shape, s)
     kv, compute, overhead, draft_b = _vram_at(shape, s, s.context, gpu, draft)
     backend = "exllamav2" if quant.startswith("EXL2-") else "llamacpp"
-    unfit = unfit_reason(backend, gpu, shape)
+    unfit = unfit_reason(backend, gpu, shape, draft)
+    draft_kv, draft_compute = _draft_parts(draft, s, gpu)
     return Option(
         quant=quant,
         backend=backend,
@@ -336,6 +393,8 @@ def evaluate(
         # one slot reading its full context of KV on every token
         roofline_full_ctx_tok_s=roofline_tok_s(gpu.bandwidth_gb_s, streamed + kv_tok * s.context),
         draft_bytes=draft_b,
+        draft_kv_bytes=draft_kv,
+        draft_compute_bytes=draft_compute,
         unfit_reason=unfit,
     )
 
@@ -451,6 +510,7 @@ def _evaluate_moe(
         at.gpu_bytes_per_token + kv_tok * s.context, gpu.bandwidth_gb_s, at.host_bytes_per_token, membw
     )
     file_b = estimate_gguf(shape, quant, imatrix=s.imatrix).file_bytes
+    draft_kv, draft_compute = _draft_parts(draft, s, gpu)
     return Option(
         quant=quant,
         backend="llamacpp",
@@ -468,6 +528,8 @@ def _evaluate_moe(
         roofline_tok_s=roof,
         roofline_full_ctx_tok_s=roof_full,
         draft_bytes=at.draft,
+        draft_kv_bytes=draft_kv,
+        draft_compute_bytes=draft_compute,
         unfit_reason=unfit,
         n_cpu_moe=n,
         host_bytes_per_token=at.host_bytes_per_token,
@@ -546,9 +608,10 @@ class Plan:
     serving: Serving
     chosen: Option | None
     options: list[Option]
-    min_bpw: float
+    objective: Objective = field(default_factory=Objective)
     recommendation: Option | None = None
-    best_quality: Option | None = None
+    # how the objective picked it: quality | fastest | below_speed_floor (objective.Pick.kind)
+    recommendation_kind: str | None = None
     reason: str = ""
     notes: list[str] = field(default_factory=list)
     host: HostMemory = field(default_factory=HostMemory)
@@ -567,28 +630,32 @@ def make_plan(
     serving: Serving,
     quant: str | None = None,
     draft: DraftPlan | None = None,
-    min_bpw: float = 3.0,
+    objective: Objective | None = None,
     host: HostMemory | None = None,
 ) -> Plan:
-    """Evaluate every quant on this GPU and pick one.
+    """Evaluate every quant on this GPU and recommend one.
 
-    The recommendation is the fastest configuration (highest roofline) that fits the planned
-    context and slots among quants of at least `min_bpw` bits per weight: below about 3 bpw
-    14-32B models lose quality quickly, and the fastest quant overall would always be the
-    smallest. `best_quality` is the largest quant that fits, for users who prefer quality.
+    The recommendation is the objective's pick (playbooks/plan/objective.py) among the quants
+    that fit the planned context and slots: the best quality of at least `min_bpw` bits per
+    weight whose decode roofline reaches `min_tok_s`, or the fastest without a speed floor.
+    MXFP4_MOE is for mixture-of-experts models and left out of a dense model's table.
 
     A MoE model's GGUF quants may keep experts in host RAM when the serving allows it
     (`n_cpu_moe` "auto": each quant gets the smallest N that fits; an integer pins N; 0 keeps
-    everything on the GPU). Their roofline is two-sided (moe.two_sided_tok_s), so a quant
-    with offload ranks below one that fits whole, and is recommended only when it is the
-    fastest that fits at the quality floor.
+    everything on the GPU). Their roofline is two-sided (moe.two_sided_tok_s): an offloaded
+    quant below the speed floor is not picked for its quality.
+
+    With a draft model (llama-server --model-draft) every llama.cpp quant carries the draft's
+    weights, KV cache and compute buffer (draft_vram); EXL2 quants cannot serve it.
     """
     host = host or HostMemory()
+    objective = objective or Objective(imatrix=serving.imatrix, mxfp4_experts=shape.mxfp4_experts)
     # GGUF types llama.cpp cannot make for this model (gpt-oss's MXFP4 experts: MXFP4_MOE only)
     refused = {q: why for q in quant_names("llamacpp") if (why := quant_refusal(shape, q))}
-    options = [evaluate(shape, q, gpu, serving_for(q, serving), draft, host) for q in quant_names() if q not in refused]
+    names = [q for q in quant_names() if q not in refused and (shape.is_moe or q != "MXFP4_MOE")]
+    options = [evaluate(shape, q, gpu, serving_for(q, serving), draft, host) for q in names]
     chosen = evaluate(shape, quant, gpu, serving, draft, host) if quant else None
-    plan = Plan(shape, gpu, serving, chosen, options, min_bpw, host=host)
+    plan = Plan(shape, gpu, serving, chosen, options, objective, host=host)
     if refused:
         plan.notes.append(f"left out of the fit table: {', '.join(refused)} ({next(iter(refused.values()))})")
     fitting = [o for o in options if o.fits]  # an option that cannot run here does not fit
@@ -596,6 +663,8 @@ def make_plan(
         plan.notes.append(
             f"EXL2 is left out: ExLlamaV2 {EXL2_NEEDS_CUDA} (it has no CPU path); a CPU serves GGUF through llama.cpp"
         )
+    elif draft is not None:
+        plan.notes.append(f"EXL2 is left out: {EXL2_NO_DRAFT} (--model-draft)")
     elif serving.parallel > 1 and gpu.compute_capability < (8, 0):
         # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one
         # sequence at a time before Ampere, so it cannot serve parallel slots here.
@@ -604,27 +673,44 @@ def make_plan(
             f"EXL2 is left out of the recommendation: {serving.parallel} slots need batching, "
             "which ExLlamaV2 cannot do before Ampere (no flash-attn for sm_70)"
         )
-    good = [o for o in fitting if o.bpw >= min_bpw]
-    if good:
-        plan.recommendation = max(good, key=lambda o: o.roofline_tok_s)
-        plan.best_quality = max(good, key=lambda o: o.bpw)
-        r = plan.recommendation
-        plan.reason = (
-            f"{r.quant} ({r.backend}) is the fastest quant of at least {min_bpw:g} bits/weight that fits "
-            f"{serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}{_offload_text(r)}: "
-            f"{r.headroom_bytes / MIB:,.0f} MiB left, roofline {r.roofline_tok_s:.0f} tok/s"
-        )
+    where = f"{serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}"
+    floor = f"at least {objective.min_bpw:g} bits/weight"
+    pick = objective.pick(fitting)
+    if pick is not None:
+        r = plan.recommendation = pick.candidate
+        plan.recommendation_kind = pick.kind
+        left = f"{r.headroom_bytes / MIB:,.0f} MiB left"
+        if pick.kind == "quality":
+            plan.reason = (
+                f"{r.quant} ({r.backend}){_offload_text(r)} is the best quality ({pick.quality.text()}) of the quants "
+                f"of {floor} that fit {where} with a decode roofline of at least {objective.min_tok_s:g} tok/s: "
+                f"roofline {r.roofline_tok_s:.0f} tok/s, {left}"
+            )
+        elif pick.kind == "fastest":
+            plan.reason = (
+                f"{r.quant} ({r.backend}){_offload_text(r)} is the fastest quant of {floor} that fits {where} "
+                f"(no speed floor): roofline {r.roofline_tok_s:.0f} tok/s, {left}"
+            )
+        else:
+            plan.reason = (
+                f"no quant of {floor} that fits {where} reaches a decode roofline of {objective.min_tok_s:g} tok/s; "
+                f"the fastest is {r.quant} ({r.backend}){_offload_text(r)}: roofline {r.roofline_tok_s:.0f} tok/s, "
+                f"{left}"
+            )
     elif fitting:
-        plan.best_quality = max(fitting, key=lambda o: o.bpw)
+        best = min(fitting, key=lambda o: objective.quality(o.quant, o.bpw).kld)
         plan.reason = (
-            f"no quant of at least {min_bpw:g} bits/weight fits {serving.context} tokens x "
-            f"{serving.parallel} slot(s) on {gpu.name}; the largest that fits is "
-            f"{plan.best_quality.quant} ({plan.best_quality.bpw:.2f} bits/weight)"
+            f"no quant of {floor} fits {where}; the best quality that fits is {best.quant} ({best.bpw:.2f} bits/weight)"
         )
     else:
-        plan.reason = (
-            f"no quant fits {serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}: "
-            "use a smaller model, a shorter context, fewer slots or a larger GPU"
+        plan.reason = f"no quant fits {where}: use a smaller model, a shorter context, fewer slots or a larger GPU"
+    plan.notes.append(f"KLD: the quality the recommendation ranks by: {_quality_basis(objective, options)}")
+    compiled = fa_pair_compiled(serving.cache_k, serving.cache_v)
+    if serving.backend == "llamacpp" and serving.flash_attn and not gpu.is_cpu and not compiled:
+        plan.notes.append(
+            f"cache K={serving.cache_k} V={serving.cache_v}: a default CUDA build of llama.cpp 0c1e570 compiles "
+            "flash attention for the K/V pairs f16/f16, q8_0/q8_0, q4_0/q4_0 and bf16/bf16 only "
+            "(GGML_CUDA_FA_QUANTS); other pairs run slower (K and V converted to f16 on every step)"
         )
     if gpu.is_cpu:
         plan.notes.append(
@@ -636,6 +722,23 @@ def make_plan(
     if shape.is_moe:
         _moe_notes(plan, draft)
     return plan
+
+
+def _quality_basis(objective: Objective, options: list[Option]) -> str:
+    """Where the KLD column's figures come from, in a few words."""
+    sources = {objective.quality(o.quant, o.bpw).source for o in options}
+    parts = []
+    if "measured" in sources:
+        parts.append("the mean KL divergence from F16 measured on this model (marked *, the artifacts' manifests)")
+    parts.append(
+        ("else " if parts else "")
+        + "llama.cpp's published mean KL divergence from F16 for Llama-3-8B (tools/perplexity/README.md at 0c1e570)"
+    )
+    if "interpolated" in sources:
+        parts.append("EXL2 placed on that curve by bits/weight")
+    if "assumed" in sources:
+        parts.append("MXFP4_MOE as " + ("Q8_0 (the checkpoint's own experts)" if objective.mxfp4_experts else "Q4_0"))
+    return "; ".join(parts)
 
 
 def _moe_notes(plan: Plan, draft: DraftPlan | None) -> None:
@@ -661,7 +764,7 @@ def _moe_notes(plan: Plan, draft: DraftPlan | None) -> None:
         )
     )
     # what the plan proposes to run with experts in host RAM
-    offloaded = [o for o in (c, plan.recommendation, plan.best_quality) if o is not None and o.n_cpu_moe]
+    offloaded = [o for o in (c, plan.recommendation) if o is not None and o.n_cpu_moe]
     if offloaded:
         plan.notes.append(
             f"host memory bandwidth {host.membw_gb_s:g} GB/s ({host.membw_source}"

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from playbooks.config.planning import host_from_recipe, serving_from_recipe
+from playbooks.config.planning import host_from_recipe, plan_recipe
 from playbooks.config.recipe import LoadedRecipe, Recipe
 from playbooks.facts import cuda, read_fact, system
 from playbooks.facts import gpu as gpufacts
 from playbooks.host.base import Host
 from playbooks.plan.gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name, size_text
-from playbooks.plan.planner import Plan, make_plan
+from playbooks.plan.planner import Plan
 from playbooks.plan.tensors import parameter_count
 from playbooks.steps.deploy import systemd_only
 
@@ -431,12 +431,10 @@ def plan_for_host(cx: Context) -> Plan | None:
     gpu = host_gpu(cx.facts) or get_gpu(cx.inventory_gpu or r.gpu)
     # the host's RAM, measured: what a MoE's experts in host RAM (n_cpu_moe) must fit
     ram = cx.facts.memory.mem_total_bytes
-    return make_plan(
-        cx.loaded.shape,
+    # plan_recipe: the recipe's draft model and objective as `invoke plan` counts them
+    return plan_recipe(
+        cx.loaded,
         gpu,
-        serving_from_recipe(cx.loaded),
-        quant=r.quant_name,
-        min_bpw=r.planner.min_bpw,
         host=host_from_recipe(cx.loaded, ram_bytes=ram, ram_source="measured") if ram else host_from_recipe(cx.loaded),
     )
 
@@ -493,7 +491,9 @@ def fit_summary(cx: Context, plan: Plan) -> tuple[str, Check]:
         verdict += (
             f" at {plan.serving.context} tokens x {plan.serving.parallel}: needs {chosen.vram_bytes / gib:.2f} GiB "
             f"of {chosen.gpu_bytes / gib:.2f} GiB (weights {chosen.gpu_weights_bytes / gib:.2f}, "
-            f"KV {chosen.kv_bytes / gib:.2f}, compute {chosen.compute_bytes / gib:.2f})"
+            f"KV {chosen.kv_bytes / gib:.2f}, compute {chosen.compute_bytes / gib:.2f}"
+            + (f", draft model {chosen.draft_bytes / gib:.2f}" if chosen.draft_bytes else "")
+            + ")"
         )
     source = "the inventory's" if cx.inventory_gpu else "the recipe's"
     target = plan.gpu.name + (
