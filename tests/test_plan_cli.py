@@ -216,3 +216,14 @@ def test_model_config_plans_take_llama_servers_cache_types():
 def test_bad_cache_types_and_speed_floors_are_one_line_and_exit_2(args, message):
     r = invoke("plan", *args)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_readmes_plan_output_is_the_real_one():
+    """README, "What `invoke plan` prints": the whole output of the command it names, as it prints now."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"A real run \(`invoke plan --recipe (\S+)`\), whole:\n\n```text\n(.*?)```\n", readme, re.S)
+    assert m, "the README shows a whole plan"
+    shown = [line.rstrip() for line in m.group(2).splitlines()]
+    real = invoke("plan", "--recipe", m.group(1))
+    assert real.returncode == 0, real.stderr
+    assert shown == [line.rstrip() for line in real.stdout.splitlines()]
