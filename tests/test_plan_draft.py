@@ -97,3 +97,34 @@ def test_render_resolves_n_cpu_moe_with_the_draft_beside_the_target(tmp_path):
         out[name] = int(unit.split("--n-cpu-moe ")[1].split()[0])
     assert out["alone"] == plan_json("qwen3-30b-a3b-v100-16gb")["chosen"]["n_cpu_moe"] == 7
     assert out["paired"] == plan_json(path)["chosen"]["n_cpu_moe"] > out["alone"]
+
+
+def test_deploy_expects_the_drafts_buffers_in_the_load_log(tmp_path):
+    """llama-server prints the draft context's KV and compute buffers under the same device
+    name as the target's, and the load log check adds them up (facts/server_log.LoadLog): the
+    plan's expectation carries both, else a correct load with a draft reads as over the plan."""
+    from types import SimpleNamespace
+
+    from playbooks.cli.deploy import deploy_ops
+    from playbooks.config.planning import plan_recipe
+
+    class Box:
+        """A host without systemd and without the model yet: facts only, never a change."""
+
+        name = "box"
+
+        def run(self, command, check=True, stream=True, **kw):
+            assert "/run/systemd/system" in command or command.startswith("cat -- "), command
+            out = "booted=no\nstate=offline\n" if "/run/systemd/system" in command else ""
+            return SimpleNamespace(stdout=out, stderr="", exited=0)
+
+    for base, cfg in (("qwen2.5-14b-v100-16gb", QWEN25_05B), ("qwen3-30b-a3b-v100-16gb", QWEN3_06B)):
+        loaded = load_recipe(recipe_with(tmp_path, base, draft(cfg), name=base))
+        option = plan_recipe(loaded).chosen
+        assert option is not None and option.draft_bytes > 0
+        expect = next(op.expect for op in deploy_ops(loaded, Box(), "/opt/vf", "auto") if hasattr(op, "expect"))
+        assert expect.kv_mib == (option.kv_bytes + option.draft_kv_bytes) / 2**20
+        assert expect.compute_mib == (option.compute_bytes + option.draft_compute_bytes) / 2**20
+        if loaded.shape.is_moe:
+            weights = option.draft_bytes - option.draft_kv_bytes - option.draft_compute_bytes
+            assert weights > 0 and expect.device_model_mib == (option.gpu_weights_bytes + weights) / 2**20

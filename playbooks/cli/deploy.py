@@ -121,10 +121,13 @@ def deploy_ops(
     llama = r.backend == "llamacpp"
     expect = Expectations(
         layers=loaded.shape.num_hidden_layers + 1 if gpu else None,
-        kv_mib=option.kv_bytes / 2**20 if option and llama else None,
-        compute_mib=option.compute_bytes / 2**20 if option and llama else None,
+        # a draft model's KV cache and compute buffer are printed beside the target's (summed)
+        kv_mib=option.loaded_kv_bytes / 2**20 if option and llama else None,
+        compute_mib=option.loaded_compute_bytes / 2**20 if option and llama else None,
         # a MoE: the experts in host RAM are exactly the planned ones (the layer count cannot tell)
-        device_model_mib=option.gpu_weights_bytes / 2**20 if option and llama and gpu and loaded.shape.is_moe else None,
+        device_model_mib=(option.gpu_weights_bytes + option.draft_weights_bytes) / 2**20
+        if option and llama and gpu and loaded.shape.is_moe
+        else None,
     )
     managers = [make_manager(kind, state, name, unit.text) for name, state, _ in instances]
     ports = [port for _, _, port in instances]

@@ -192,6 +192,20 @@ class Option:
     host_membw_source: str | None = None  # measured | given | default
 
     @property
+    def draft_weights_bytes(self) -> int:
+        return self.draft_bytes - self.draft_kv_bytes - self.draft_compute_bytes
+
+    @property
+    def loaded_kv_bytes(self) -> int:
+        """The KV cache llama-server's load log adds up: the target's and the draft's (both
+        contexts print their buffers under the device's name, summed by facts/server_log.LoadLog)."""
+        return self.kv_bytes + self.draft_kv_bytes
+
+    @property
+    def loaded_compute_bytes(self) -> int:
+        return self.compute_bytes + self.draft_compute_bytes
+
+    @property
     def active_bytes_per_token(self) -> int:
         """Weight bytes one decoded token reads, wherever they are (a MoE's active experts)."""
         return self.streamed_bytes
