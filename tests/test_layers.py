@@ -7,6 +7,7 @@
     host/     transports, operations, lock               -> config (HostSpec), facts
     weights/  model files                                 -> plan
     steps/    what runs against a host                    -> host, facts, config, plan
+    conduct/  the conductors: steps run in order per host -> steps and below
     cli/      the Invoke tasks and rendering              -> everything
 
 Also: no module imports another module's private (_underscored) names, and there is no
@@ -30,7 +31,8 @@ ALLOWED = {
     "host": {"host", "config", "facts"},
     "weights": {"weights", "plan"},
     "steps": {"steps", "host", "facts", "config", "plan", "weights"},
-    "cli": {"cli", "steps", "host", "facts", "config", "plan", "weights"},
+    "conduct": {"conduct", "steps", "host", "facts", "config", "plan", "weights"},
+    "cli": {"cli", "conduct", "steps", "host", "facts", "config", "plan", "weights"},
 }
 ANYONE = {"errors", "resources", "results", "__init__"}
 

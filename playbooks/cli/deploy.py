@@ -76,13 +76,16 @@ def deploy_ops(
     manager_choice: str,
     gpus: tuple[int, ...] = (0,),
     gated: bool = False,
+    server: ServerLayout | None = None,
 ) -> list[Operation]:
     """The operations of one deployment. Several GPU indexes (llama.cpp): the instance template,
     one env file per GPU, and one instance each (port + i), each checked and rolled back alone.
-    ``gated``: a started service becomes the rollback target only once the gate passes it."""
+    ``gated``: a started service becomes the rollback target only once the gate passes it.
+    ``server``: another unit name and serve directory than the recipe's own (tune's scratch
+    server beside the live one)."""
     r = loaded.recipe
     kind = choose_manager(host, manager_choice)
-    server = ServerLayout(prefix=prefix)
+    server = server or ServerLayout(prefix=prefix)
     n_cpu_moe = resolve_n_cpu_moe(loaded)
     rendered = render_service_files(r, server, gpus, n_cpu_moe)
     why = systemd_only(r, gpus)

@@ -383,6 +383,81 @@ def stop(c: Context, host: str | None = None, recipe: str | None = None, invento
     help={
         "host": HOST_HELP,
         "recipe": RECIPE_HELP,
+        "objective": "single (one stream's decode, default), aggregate (every slot busy) or latency (TTFT p95)",
+        "quants": "GGUF types to try, comma-separated (default: the recipe's); missing ones are made",
+        "cache": "KV cache types to try: f16,q8_0 or K/V pairs like q8_0/q4_0 (default: the recipe's and f16)",
+        "flash-attn": "on, off or on,off (default: the recipe's)",
+        "slots": "try 1..N slots (--parallel; default: the recipe's)",
+        "ubatch": "physical batch sizes (-ub) to try (default: the recipe's and 64)",
+        "spec": "speculative decoding types to try: none, ngram-mod, ngram-simple, ngram-map-k",
+        "min-ctx": "tokens every slot must hold (default: the recipe's context)",
+        "min-bpw": "the quality floor in bits per weight (default: none)",
+        "budget": "wall-clock budget, e.g. 45m, 90s, 1h30m (default 45m); the best so far when it runs out",
+        "rungs": "successive-halving rounds (default 3): each measures the better half twice as long",
+        "take-over": "stop the live service for the search when a candidate cannot fit beside it; restored after",
+        "port": "the scratch server's port (default: the recipe's + 100)",
+        "json": "print the whole result as JSON instead of the table",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def tune(
+    c: Context,
+    host: str | None = None,
+    recipe: str | None = None,
+    objective: str = "single",
+    quants: str | None = None,
+    cache: str | None = None,
+    flash_attn: str | None = None,
+    slots: str | None = None,
+    ubatch: str | None = None,
+    spec: str | None = None,
+    min_ctx: str | None = None,
+    min_bpw: str | None = None,
+    budget: str = "45m",
+    rungs: str | None = None,
+    take_over: bool = False,
+    port: str | None = None,
+    json: bool = False,
+    inventory: str | None = None,
+) -> None:
+    """Search the served configuration on the host, guided by the roofline: every candidate
+    planned (what cannot fit is pruned), served on a scratch port, benched with confidence;
+    the winner (ties to the simpler) written as a recipe."""
+
+    def go() -> int:
+        from playbooks.cli.tune import options, run_tune
+
+        opts = options(
+            objective=str(objective).strip(),
+            quants=quants,
+            cache=cache,
+            flash_attn=flash_attn,
+            slots=flags.positive_int("--slots", slots, "slots", 64),
+            ubatch=ubatch,
+            spec=spec,
+            min_ctx=flags.positive_int("--min-ctx", min_ctx, "tokens", 1 << 20),
+            min_bpw=flags.positive_float("--min-bpw", min_bpw, "bits per weight", 32) if min_bpw is not None else None,
+            budget=budget,
+            rungs=flags.positive_int("--rungs", rungs, "rungs", 8),
+            take_over=take_over,
+            port=flags.positive_int("--port", port, "a port", 65535),
+        )
+        return run_tune(
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            opts=opts,
+            as_json=json,
+            settings=_settings(c, inventory),
+        )
+
+    run_command(go)
+
+
+@task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
         "json": "print the whole result as JSON instead of the table",
         "compare": "show the change against the last and the best run of this host and recipe",
         "remeasure": "measure the host's memory bandwidth again instead of reusing the stored figure",
@@ -549,6 +624,7 @@ ns = Collection(
     stop,
     bench,
     status,
+    tune,
     provision,
     verify_recipe,
     test,

@@ -238,6 +238,38 @@ def sweep_level(url: str, text: str, words: int, c: int, g: Gate, kind: str) -> 
     return summary, samples
 
 
+def workload_text() -> str:
+    """The text prompts are cut from (the shipped calibration text: prose, dialogue, code, data)."""
+    return (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
+
+
+def prompt_words(url: str, text: str, kind: str, prompt_tokens: int) -> tuple[int, str | None]:
+    """Words per prompt for about ``prompt_tokens`` tokens, from one probe request's own token
+    count; or why the server does not serve completions."""
+    probe_words = 64
+    first = bench_client.probe_prompt_tokens(url, " ".join(text.split()[:probe_words]), kind, 60)
+    if first.error:
+        return 0, first.error
+    return bench.words_for(prompt_tokens, probe_words, first.prompt_tokens or probe_words), None
+
+
+def measure_level(host: Host, port: int, kind: str, concurrency: int, g: Gate) -> dict[str, Any]:
+    """One concurrency level against a server on ``host``'s loopback ``port`` (tune's scratch
+    server): the level's summary (:func:`sweep_level`), or ``{"error": ...}``."""
+    if bench_health(host, port) == 0:
+        return {"error": f"the server on {host.name}:{port} does not answer: nothing listens there"}
+    text = workload_text()
+    with host.forward(port) as local_port:
+        url = f"http://127.0.0.1:{local_port}"
+        words, why = prompt_words(url, text, kind, g.prompt_tokens)
+        if why:
+            return {"error": f"the server on {host.name}:{port} does not serve completions: {why}"}
+        summary, samples = sweep_level(url, text, words, concurrency, g, kind)
+    if all(s.error for s in samples):
+        summary["error"] = f"every request failed at concurrency {concurrency}: {samples[0].error}"
+    return summary
+
+
 def client_on_served_host(host: Host) -> bool:
     """Whether the client shares the served host's CPUs: this machine, or an SSH host reached
     over loopback."""
@@ -326,7 +358,7 @@ def measure(
         membw = result["membw"]["gb_s"]
     result |= ceilings(loaded, membw)
     result["membw_gb_s"] = membw
-    text = (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
+    text = workload_text()
     kind = result["server"]["kind"]
     # is anything there? (through the forward a refused port only looks like a broken read)
     if bench_health(host, port) == 0:
@@ -334,12 +366,10 @@ def measure(
         return result, seen
     with host.forward(port) as local_port:
         url = f"http://127.0.0.1:{local_port}"
-        probe_words = 64
-        first = bench_client.probe_prompt_tokens(url, " ".join(text.split()[:probe_words]), kind, 60)
-        if first.error:
-            result["error"] = f"the server on {host.name}:{port} does not serve completions: {first.error}"
+        words, why = prompt_words(url, text, kind, g.prompt_tokens)
+        if why:
+            result["error"] = f"the server on {host.name}:{port} does not serve completions: {why}"
             return result, seen
-        words = bench.words_for(g.prompt_tokens, probe_words, first.prompt_tokens or probe_words)
         tel_pid = None
         tel_out = f"{prefix}/bench/telemetry.jsonl"
         if not gpu.is_cpu:

@@ -1,0 +1,257 @@
+"""`invoke tune`: the flags, the operations the conductor runs (conduct/tune.py), the table.
+
+The levers' defaults, when no flag names them: the recipe's quant, its cache and an f16 one,
+flash attention as the recipe has it, the recipe's slots (1..N with ``--slots N``), the
+physical batch at the recipe's and at 64 (sm_70's MMQ kernels run only below 64-token
+batches: -ub around 64 switches kernels), no speculation (``--spec ngram-mod`` adds it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from playbooks.cli.deploy import choose_manager, deploy_ops, make_manager
+from playbooks.cli.deployed import read_deployments, recipe_file
+from playbooks.cli.flags import UsageError
+from playbooks.cli.quantize import quantize_step, recipe_weights
+from playbooks.cli.render import console
+from playbooks.cli.settings import Settings
+from playbooks.conduct.tune import SCRATCH_SERVICE, Levers, Ops, TuneOptions, Tuner
+from playbooks.config.planning import resolve_n_cpu_moe
+from playbooks.config.recipe import LoadedRecipe, load_recipe
+from playbooks.facts.files import parse_writable, writable_command
+from playbooks.host import Host
+from playbooks.host.lock import host_lock
+from playbooks.host.ops import Command, run_command, run_ops
+from playbooks.host.output import Printer
+from playbooks.plan.gguf_size import FILE_TYPES
+from playbooks.steps import tune_report
+from playbooks.steps.deploy import DeployLayout
+from playbooks.steps.tune_space import OBJECTIVES, Objective
+from playbooks.steps.units import ServerLayout, render_service_files
+
+CACHE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+#: the pinned llama.cpp's draft-free speculation types (common/speculative.cpp)
+SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k")
+
+
+# -- flags ------------------------------------------------------------------------------------
+
+
+def _list(flag: str, value: str | None) -> list[str]:
+    if value is None:
+        return []
+    items = [v.strip() for v in str(value).split(",")]
+    if not items or any(not v for v in items) or len(set(items)) != len(items):
+        raise UsageError(f"{flag} {str(value)!r}: give distinct values separated by commas")
+    return items
+
+
+def parse_quants(value: str | None) -> tuple[str, ...]:
+    allowed = [t for t in FILE_TYPES if t != "BF16"]
+    items = _list("--quants", value)
+    bad = [q for q in items if q not in allowed]
+    if bad:
+        raise UsageError(f"--quants {bad[0]!r}: not a GGUF type; allowed: {', '.join(allowed)}")
+    return tuple(items)
+
+
+def parse_ints(flag: str, value: str | None, lo: int, hi: int) -> tuple[int, ...]:
+    out = []
+    for item in _list(flag, value):
+        if not item.isdigit() or not lo <= int(item) <= hi:
+            raise UsageError(f"{flag} {item[:40]!r}: want whole numbers {lo}-{hi}, separated by commas")
+        out.append(int(item))
+    return tuple(out)
+
+
+def parse_caches(value: str | None) -> tuple[tuple[str, str], ...]:
+    """``--cache f16,q8_0`` (K and V the same) or ``q8_0/q4_0`` (K/V)."""
+    pairs = []
+    for item in _list("--cache", value):
+        k, _, v = item.partition("/")
+        v = v or k
+        if k not in CACHE_TYPES or v not in CACHE_TYPES:
+            raise UsageError(f"--cache {item[:40]!r}: want cache types ({', '.join(CACHE_TYPES)}), or K/V pairs")
+        pairs.append((k, v))
+    return tuple(pairs)
+
+
+def parse_flash_attn(value: str | None) -> tuple[bool, ...]:
+    out = []
+    for item in _list("--flash-attn", value):
+        if item not in ("on", "off"):
+            raise UsageError(f"--flash-attn {item[:40]!r}: want on, off or on,off")
+        out.append(item == "on")
+    return tuple(out)
+
+
+def parse_specs(value: str | None) -> tuple[str | None, ...]:
+    out: list[str | None] = []
+    for item in _list("--spec", value):
+        if item != "none" and item not in SPEC_TYPES:
+            raise UsageError(f"--spec {item[:40]!r}: want none or {', '.join(SPEC_TYPES)}")
+        out.append(None if item == "none" else item)
+    return tuple(out)
+
+
+def parse_budget(value: str) -> float:
+    """``45m``, ``90s``, ``1h30m`` -> seconds."""
+    text = str(value).strip()
+    m = re.fullmatch(r"(?:(\d{1,3})h)?(?:(\d{1,4})m)?(?:(\d{1,6})s)?", text)
+    if not text or not m or not any(m.groups()):
+        raise UsageError(f"--budget {text[:40]!r}: a duration such as 45m, 90s or 1h30m")
+    h, mi, s = (int(g or 0) for g in m.groups())
+    seconds = h * 3600 + mi * 60 + s
+    if seconds <= 0:
+        raise UsageError(f"--budget {text!r}: must be longer than nothing")
+    return float(seconds)
+
+
+# -- the operations the conductor runs ---------------------------------------------------------
+
+
+def _stop(loaded: LoadedRecipe, host: Host, prefix: str, server: ServerLayout | None) -> Command:
+    layout = server or ServerLayout(prefix=prefix)
+    unit = render_service_files(loaded.recipe, layout, n_cpu_moe=resolve_n_cpu_moe(loaded))[0]
+    unit_name = unit.path.rsplit("/", 1)[1]
+    state = DeployLayout(prefix, unit_name.removesuffix(".service"))
+    return make_manager(choose_manager(host, "auto"), state, unit_name, unit.text).stop()
+
+
+def tune_ops() -> Ops:
+    return Ops(
+        deploy=lambda loaded, host, prefix, server: deploy_ops(loaded, host, prefix, "auto", server=server),
+        stop=_stop,
+        quantize=lambda loaded, prefix, quant: quantize_step(loaded, prefix, quant),
+        model_id=lambda loaded: recipe_weights(loaded).model_id,
+    )
+
+
+def _live_recipes(host: Host, prefix: str) -> list[LoadedRecipe]:
+    found = []
+    for d in read_deployments(host, prefix):
+        if d.service != SCRATCH_SERVICE and d.recipe is not None:
+            found.append(load_recipe(recipe_file(d.recipe, f"{host.name}:{d.service}")))
+    return found
+
+
+def run_tune(
+    host_name: str,
+    recipe: str | None = None,
+    opts: TuneOptions | None = None,
+    as_json: bool = False,
+    settings: Settings | None = None,
+) -> int:
+    settings = settings or Settings()
+    opts = opts or TuneOptions()
+    if opts.recipes_dir is None and settings.recipes_dir is not None:
+        opts = TuneOptions(**{**opts.__dict__, "recipes_dir": settings.recipes_dir})
+    spec = settings.host_spec(host_name)
+    # with --json stdout holds the JSON alone: the progress and the commands go to stderr
+    out = console(sys.stderr) if as_json else console()
+    printer = Printer(out=sys.stderr) if as_json else None
+    with settings.connect(spec, printer) as host:
+        loaded = settings.load_recipe(settings.recipe_for(host_name, recipe, host))
+        sudo = not parse_writable(host.run(writable_command(spec.prefix), check=False, stream=False).stdout)
+        live = _live_recipes(host, spec.prefix)
+
+        def take_over() -> None:
+            for lr in live:
+                run_command(host, _stop(lr, host, spec.prefix, None))
+
+        def restore() -> None:
+            for lr in live:
+                run_ops(host, deploy_ops(lr, host, spec.prefix, "auto"))
+
+        tuner = Tuner(host, spec.prefix, loaded, opts, tune_ops(), say=lambda line: out.print(f"[{host.name}] {line}"))
+        with host_lock(host, spec.prefix, sudo=sudo):
+            outcome = tuner.run(take_over, restore)
+    res = outcome.result
+    if as_json:
+        print(json.dumps(res, indent=2, sort_keys=True))
+        return 0 if res.get("winner") else 1
+    render_tune(res, outcome.report_dir)
+    return 0 if res.get("winner") else 1
+
+
+def render_tune(res: dict, report_dir: Path | None) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    out = console()
+    table = Table(title=Text(f"voltaforge tune: {res['recipe']} on {res['host']} ({res['objective']})"))
+    for i, col in enumerate(tune_report.COLUMNS):
+        table.add_column(col, justify="right" if 0 < i < 7 else "left", overflow="fold")
+    for r in res["candidates"]:
+        table.add_row(*(Text(c) for c in tune_report.table_cells(r)))
+    out.print(table)
+    sp = res["space"]
+    pruned = "; ".join(f"{n} {why}" for why, n in sorted(sp["pruned"].items(), key=lambda kv: -kv[1]))
+    out.print(
+        Text(
+            f"space: {sp['total']} candidates, {sp['measured']} planned to fit"
+            + (f" (pruned: {pruned})" if pruned else "")
+        )
+    )
+    live = res.get("live") or {}
+    checks = live.get("checks") or []
+    if live.get("services"):
+        ok = sum(1 for _, code in checks if code == 200)
+        state = (
+            "stopped for the search and deployed again"
+            if live.get("taken_over")
+            else f"answered {ok} of {len(checks)} checks"
+        )
+        out.print(Text(f"live service ({', '.join(live['services'])}): {state}"))
+    if res.get("budget_ran_out"):
+        out.print(Text("the budget ran out: the best so far is reported", style="yellow"))
+    w = res.get("winner")
+    if w:
+        out.print(Text(f"winner: {w['label']}: {w['why']}", style="green"))
+        out.print(Text(f"recipe: {w['recipe']} (invoke provision --recipe {w['recipe']})"))
+    else:
+        out.print(Text("no winner: no candidate was measured without an error", style="bold red"))
+    if report_dir:
+        out.print(Text(f"reports: {report_dir}/tune.json, tune.md, tune.png"))
+
+
+def options(
+    objective: str,
+    quants: str | None,
+    cache: str | None,
+    flash_attn: str | None,
+    slots: int | None,
+    ubatch: str | None,
+    spec: str | None,
+    min_ctx: int | None,
+    min_bpw: float | None,
+    budget: str,
+    rungs: int | None,
+    take_over: bool,
+    port: int | None,
+) -> TuneOptions:
+    """The flags, each checked (one line, exit 2, for a bad one)."""
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective {objective[:40]!r}: want one of {', '.join(OBJECTIVES)}")
+    obj: Objective = objective
+    levers = Levers(
+        quants=parse_quants(quants),
+        caches=parse_caches(cache),
+        flash_attn=parse_flash_attn(flash_attn),
+        slots=tuple(range(1, slots + 1)) if slots else (),
+        ubatches=parse_ints("--ubatch", ubatch, 1, 8192),
+        spec_types=parse_specs(spec),
+    )
+    return TuneOptions(
+        objective=obj,
+        levers=levers,
+        min_ctx=min_ctx,
+        min_bpw=min_bpw,
+        budget_s=parse_budget(budget),
+        rungs=rungs or 3,
+        take_over=take_over,
+        port=port,
+    )

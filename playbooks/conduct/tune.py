@@ -1,0 +1,425 @@
+"""`invoke tune`: search the served configuration on the real host, guided by the roofline, and
+keep what measurably wins.
+
+The loop, per host (compute first, act second):
+
+1. The space (steps/tune_space.py): the recipe's levers, each candidate planned; what cannot
+   fit or breaks a rule is pruned with a count per reason; the rest is ordered by predicted
+   speed.
+2. The live service: when the plan says a candidate fits beside it (its memory and the
+   candidate's within the card, or the host's RAM for a CPU server), it keeps serving
+   untouched and is checked between candidates. When not, tune refuses unless
+   ``--take-over``: then the live service is stopped for the search and deployed again at
+   the end, after a failure and after Ctrl-C.
+3. Each candidate: its artifact reused (made by the quantize step only when missing), served
+   by the deploy step's own operations under a scratch unit (``voltaforge-tune``) on a
+   scratch port, benched with the bench's repeats (steps/bench_run.measure_level), stopped.
+   Successive halving (steps/tune_search.py) measures the promising ones longer, within the
+   budget. A measurement is kept by its inputs (the build, the artifact's sha256, the unit's
+   command line, the workload), so a re-run measures nothing it already has.
+4. The winner (ties to the simpler configuration) is written as a recipe with a comment saying
+   how it was found, into the user's recipes directory, never the installed package; the
+   table, a chart and the JSON go under ``~/.cache/voltaforge/tune/<host>/<recipe>/<time>/``.
+
+Not searched here: llama.cpp's threads on a CPU host (the recipe has no such lever yet),
+EXL2 bit rates (the EXL2 path has not run on a GPU), `--n-cpu-moe` (the planner picks the
+smallest that fits; more only loses speed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
+from playbooks.config.recipe import Cache, Gate, LoadedRecipe, load_recipe
+from playbooks.config.recorded import merged_text
+from playbooks.errors import VoltaforgeError
+from playbooks.facts import builds as build_facts
+from playbooks.facts import read_fact
+from playbooks.facts.deployments import Deployment, deployments_command, parse_deployments
+from playbooks.facts.files import cat_command, parse_json_object
+from playbooks.host import Host
+from playbooks.host.ops import Change, run_command, run_ops
+from playbooks.plan.gpus import get_gpu
+from playbooks.steps import tune_report
+from playbooks.steps.bench_run import bench_dir, bench_health, host_membw, measure_level
+from playbooks.steps.deploy import DeployLayout
+from playbooks.steps.quantize import ModelLayout, manifest_path
+from playbooks.steps.tune_search import Measured, Verdict, choose, objective_figure, successive_halving
+from playbooks.steps.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
+from playbooks.steps.units import ServerLayout, render_service_files
+
+SCRATCH_UNIT = "voltaforge-tune.service"
+SCRATCH_SERVICE = SCRATCH_UNIT.removesuffix(".service")
+
+#: what the conductor needs from the layers above it (cli/deploy.py and cli/quantize.py build
+#: the operations; tune runs them): kept as functions so this floor imports no task module
+DeployOps = Callable[[LoadedRecipe, Host, str, "ServerLayout | None"], list[Any]]
+StopCommand = Callable[[LoadedRecipe, Host, str, "ServerLayout | None"], Any]
+QuantizeOps = Callable[[LoadedRecipe, str, str], list[Any]]
+ModelId = Callable[[LoadedRecipe], str]
+
+
+@dataclass(frozen=True)
+class Levers:
+    """What tune may move (empty: the recipe's value only)."""
+
+    quants: tuple[str, ...] = ()
+    caches: tuple[tuple[str, str], ...] = ()
+    flash_attn: tuple[bool, ...] = ()
+    slots: tuple[int, ...] = ()
+    ubatches: tuple[int, ...] = ()
+    spec_types: tuple[str | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    objective: Objective = "single"
+    levers: Levers = Levers()
+    min_ctx: int | None = None
+    min_bpw: float | None = None
+    budget_s: float = 45 * 60
+    rungs: int = 3
+    take_over: bool = False
+    port: int | None = None  # the scratch port (default: the recipe's + 100)
+    recipes_dir: Path | None = None  # where the winner is written (default ./recipes)
+
+
+@dataclass
+class Ops:
+    """The operations tune runs, built by the task layer."""
+
+    deploy: DeployOps
+    stop: StopCommand
+    quantize: QuantizeOps
+    model_id: ModelId
+
+
+@dataclass
+class Outcome:
+    space: Space
+    measured: list[Measured] = field(default_factory=list)
+    verdict: Verdict | None = None
+    ran_out: bool = False
+    live: dict[str, Any] = field(default_factory=dict)
+    winner_recipe: Path | None = None
+    report_dir: Path | None = None
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int) -> LoadedRecipe:
+    """The recipe with the candidate's settings (a scratch port, ``context`` per slot)."""
+    r = loaded.recipe
+    new = r.model_copy(
+        update={
+            "quant": c.quant,
+            "cache": Cache(k=c.cache_k, v=c.cache_v),
+            "flash_attn": c.flash_attn,
+            "parallel": c.parallel,
+            "context": context,
+            "planner": r.planner.model_copy(update={"n_ubatch": c.ubatch}),
+            "service": r.service.model_copy(update={"port": port}),
+            **({"spec_type": c.spec_type} if "spec_type" in type(r).model_fields else {}),
+        }
+    )
+    return loaded.model_copy(update={"recipe": new})
+
+
+def concurrency_for(objective: Objective, c: Candidate) -> int:
+    """One stream for the single-stream objective; every slot busy for the others."""
+    return 1 if objective == "single" else c.parallel
+
+
+def rung_gate(g: Gate, rung: int, concurrency: int) -> Gate:
+    """The bench's repeats at a rung: rung 0 the fewest requests, each rung twice the last."""
+    least = max(2 * concurrency, 4) * 2**rung
+    return g.model_copy(update={"requests_per_level": least, "max_requests_per_level": 4 * least})
+
+
+def measurement_key(build: str, artifact_sha: str, argv: Sequence[str], workload: dict[str, Any]) -> str:
+    """What makes two measurements comparable: the same build, artifact, command line, workload."""
+    blob = json.dumps(
+        {"build": build, "artifact": artifact_sha, "argv": list(argv), "workload": workload}, sort_keys=True
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class Tuner:
+    """One tune run on one connected host."""
+
+    def __init__(
+        self,
+        host: Host,
+        prefix: str,
+        loaded: LoadedRecipe,
+        opts: TuneOptions,
+        ops: Ops,
+        say: Callable[[str], None] = lambda _: None,
+        cache_root: Path | None = None,
+    ):
+        self.host, self.prefix, self.loaded, self.opts, self.ops, self.say = host, prefix, loaded, opts, ops, say
+        r = loaded.recipe
+        self.context = max(r.context, opts.min_ctx or 0)
+        self.port = opts.port or r.service.port + 100
+        self.scratch = ServerLayout(prefix=prefix, unit_name=SCRATCH_UNIT)
+        self.root = (cache_root or bench_dir().parent / "tune") / host.name / r.name
+        self.store = self.root / "measurements.jsonl"
+        self.deadline = time.monotonic() + opts.budget_s
+        self.live_checks: list[tuple[str, int]] = []
+        self.build = ""
+        self.bandwidth: float | None = None
+
+    # -- facts -------------------------------------------------------------------------------
+
+    def live_services(self) -> list[Deployment]:
+        found = parse_deployments(read_fact(self.host, deployments_command(self.prefix)))
+        return [d for d in found if d.service != SCRATCH_SERVICE and d.record]
+
+    def _port_of(self, d: Deployment) -> int | None:
+        port = (d.record or {}).get("port")
+        return int(port) if isinstance(port, int) else None
+
+    def check_live(self, when: str) -> None:
+        for d in self.live_services():
+            port = self._port_of(d)
+            if port is not None:
+                self.live_checks.append((when, bench_health(self.host, port)))
+
+    def fits_beside(self, space: Space, live: Sequence[Deployment]) -> str | None:
+        """Why the candidates do not fit beside the live service (None: they do)."""
+        if not live:
+            return None
+        r = self.loaded.recipe
+        gpu = get_gpu(r.gpu)
+        biggest = max((p.option.vram_bytes for p in space.survivors), default=0)
+        live_bytes = sum(self._live_bytes(d) for d in live)
+        # the planner's budget for the card (a CPU target: the planner's host budget), both
+        # servers' planned memory within it
+        room = gpu.memory_bytes
+        where = f"the {gpu.name}'s {room / 2**30:.0f} GiB the plan budgets"
+        need = biggest + live_bytes
+        if need <= room:
+            return None
+        names = ", ".join(d.service for d in live)
+        return (
+            f"a candidate ({biggest / 2**30:.2f} GiB planned) does not fit beside the live service ({names}, "
+            f"{live_bytes / 2**30:.2f} GiB) in {where}: pass --take-over to stop it for the search (it is "
+            "deployed again at the end)"
+        )
+
+    def _live_bytes(self, d: Deployment) -> int:
+        recorded = d.recipe
+        try:
+            loaded = load_recipe(recorded.path) if recorded and Path(recorded.path).is_file() else self.loaded
+        except VoltaforgeError:
+            loaded = self.loaded
+        plan = plan_recipe(loaded)
+        option = next((o for o in plan.options if o.quant == loaded.recipe.quant_name), None)
+        return option.vram_bytes if option else 0
+
+    # -- one candidate ------------------------------------------------------------------------
+
+    def artifact(self, c: Candidate, cand: LoadedRecipe) -> tuple[str, str]:
+        """The candidate's GGUF (made by the quantize step when its manifest is missing) and its
+        sha256 from the manifest."""
+        layout = ModelLayout(self.prefix, self.ops.model_id(cand))
+        path = layout.gguf(c.quant)
+        facts = parse_json_object(read_fact(self.host, cat_command(manifest_path(path))))
+        if not facts:
+            self.say(f"making {c.quant}: no verified artifact yet")
+            changes = run_ops(self.host, self.ops.quantize(cand, self.prefix, c.quant))
+            failed = next((ch for ch in changes if ch.status == "failed"), None)
+            if failed:
+                raise VoltaforgeError(f"quantize {c.quant}: {failed.why}")
+            facts = parse_json_object(read_fact(self.host, cat_command(manifest_path(path)))) or {}
+        return path, str(facts.get("sha256") or "")
+
+    def stop_scratch(self, cand: LoadedRecipe) -> None:
+        try:
+            run_command(self.host, self.ops.stop(cand, self.host, self.prefix, self.scratch))
+        except VoltaforgeError:
+            pass  # nothing running there
+        # no rollback target between candidates: a failed start must not bring back the last one
+        state = DeployLayout(self.prefix, SCRATCH_SERVICE).state_dir
+        self.host.run(f"rm -rf -- {state}/good", check=False, stream=False)
+
+    def deploy(self, cand: LoadedRecipe) -> str | None:
+        """Serve the candidate under the scratch unit; the failure's line, or None."""
+        changes: list[Change] = run_ops(self.host, self.ops.deploy(cand, self.host, self.prefix, self.scratch))
+        failed = next((ch for ch in changes if ch.status == "failed"), None)
+        return failed.why if failed else None
+
+    def measure(self, c: Candidate, rung: int) -> Measured:
+        cand = candidate_recipe(self.loaded, c, self.port, self.context)
+        conc = concurrency_for(self.opts.objective, c)
+        g = rung_gate(cand.recipe.gate, rung, conc)
+        workload: dict[str, Any] = {"prompt_tokens": g.prompt_tokens, "max_tokens": g.max_tokens, "concurrency": conc}
+        workload["rung"] = rung
+        workload |= {"least": g.requests_per_level, "most": g.max_requests_per_level, "ci_target": g.ci_target}
+        try:
+            _, sha = self.artifact(c, cand)
+        except VoltaforgeError as exc:
+            return Measured(c, rung, error=str(exc))
+        unit_text = self._unit_text(cand)
+        key = measurement_key(self.build, sha, [unit_text], workload)
+        kept = self._stored(key)
+        if kept is not None:
+            self.say(f"rung {rung}: {c.label()}: measured before with the same inputs")
+            fig, hw = objective_figure(kept, self.opts.objective)
+            return Measured(c, rung, fig, hw, kept, kept.get("error"), reused=True)
+        self.say(f"rung {rung}: {c.label()}: serving on port {self.port}")
+        self.check_live(f"before {c.key()} rung {rung}")
+        try:
+            failed = self.deploy(cand)
+            if failed:
+                level: dict[str, Any] = {"error": f"the server did not come up: {failed}"}
+            else:
+                kind = "llama-server" if cand.recipe.backend == "llamacpp" else "tabbyapi"
+                level = measure_level(self.host, self.port, kind, conc, g)
+        finally:
+            self.stop_scratch(cand)
+        self.check_live(f"after {c.key()} rung {rung}")
+        self._keep(key, c, rung, level)
+        fig, hw = objective_figure(level, self.opts.objective)
+        return Measured(c, rung, fig, hw, level, level.get("error"))
+
+    def _unit_text(self, cand: LoadedRecipe) -> str:
+        """The scratch unit as rendered: its command line is part of what a measurement is of."""
+        files = render_service_files(cand.recipe, self.scratch, n_cpu_moe=resolve_n_cpu_moe(cand))
+        return files[0].text
+
+    def _stored(self, key: str) -> dict[str, Any] | None:
+        if not self.store.exists():
+            return None
+        for line in self.store.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("key") == key and not (row.get("level") or {}).get("error"):
+                return dict(row["level"])
+        return None
+
+    def _keep(self, key: str, c: Candidate, rung: int, level: dict[str, Any]) -> None:
+        self.store.parent.mkdir(parents=True, exist_ok=True)
+        row = {"key": key, "candidate": c.__dict__, "rung": rung, "level": level}
+        with self.store.open("a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self, take_over_stop: Callable[[], None], restore: Callable[[], None]) -> Outcome:
+        r = self.loaded.recipe
+        current = build_facts.parse_readlink(
+            read_fact(self.host, build_facts.readlink_command(f"{self.prefix}/llama.cpp/current"))
+        )
+        self.build = (current or "").rstrip("/").rsplit("/", 1)[-1]
+        if get_gpu(r.gpu).is_cpu:
+            self.bandwidth = host_membw(self.host, self.prefix, "python3")["gb_s"]
+        lv = self.opts.levers
+        base = base_candidate(self.loaded)
+        # levers not named: the recipe's cache and an f16 one, the recipe's -ub and 64 (sm_70's
+        # MMQ kernels run only below 64-token batches, so -ub around 64 switches kernels)
+        caches = lv.caches or tuple(dict.fromkeys([(base.cache_k, base.cache_v), ("f16", "f16")]))
+        ubatches = lv.ubatches or tuple(dict.fromkeys([base.ubatch, 64]))
+        cands = enumerate_space(base, lv.quants, caches, lv.flash_attn, lv.slots, ubatches, lv.spec_types)
+        space = prune(self.loaded, cands, self.opts.objective, self.opts.min_ctx, self.opts.min_bpw, self.bandwidth)
+        out = Outcome(space)
+        if not space.survivors:
+            raise VoltaforgeError(f"{self.host.name}: {space.why_empty()}")
+        live = self.live_services()
+        crowded = self.fits_beside(space, live)
+        out.live = {"services": [d.service for d in live], "taken_over": False}
+        if crowded and not self.opts.take_over:
+            raise VoltaforgeError(f"{self.host.name}: {crowded}")
+        if crowded:
+            self.say(f"taking over: stopping {', '.join(d.service for d in live)} for the search")
+            take_over_stop()
+            out.live["taken_over"] = True
+        try:
+            out.measured, out.ran_out = successive_halving(
+                space.survivors, self.measure, self.opts.rungs, lambda: time.monotonic() > self.deadline
+            )
+        finally:
+            self.host.run(
+                f"rm -rf -- {DeployLayout(self.prefix, SCRATCH_SERVICE).state_dir} {self.scratch.serve_dir}",
+                check=False,
+                stream=False,
+            )
+            if out.live["taken_over"]:
+                self.say("deploying the live service again")
+                restore()
+        out.live["checks"] = self.live_checks
+        out.verdict = choose(out.measured, space.survivors)
+        self.finish(out)
+        return out
+
+    def finish(self, out: Outcome) -> None:
+        """The winner as a recipe, and the reports (JSON, Markdown, chart) of every candidate."""
+        r = self.loaded.recipe
+        at = stamp()
+        verdict = out.verdict
+        if verdict and verdict.winner:
+            o = self.opts
+            how = f"--host {self.host.name} --recipe {r.name} --objective {o.objective}, {at}: {verdict.why}"
+            name = f"{r.name}-tuned"
+            text = winner_recipe_text(self.loaded, verdict.winner, how, name)
+            out.winner_recipe = write_winner(text, name, o.recipes_dir)
+        table = tune_report.rows(out.measured, out.space.survivors, verdict)
+        out.result = tune_report.result(
+            self.host.name,
+            r.name,
+            self.opts.objective,
+            out.space,
+            table,
+            verdict,
+            out.ran_out,
+            out.live,
+            str(out.winner_recipe) if out.winner_recipe else None,
+            at,
+        )
+        out.report_dir = self.root / at.replace(":", "")
+        tune_report.write(out.result, out.report_dir)
+
+
+# ------------------------------------------------------------------------------------------
+# the winner as a recipe
+# ------------------------------------------------------------------------------------------
+
+
+def winner_recipe_text(loaded: LoadedRecipe, winner: Measured, how: str, name: str) -> str:
+    """The tuned recipe, self-contained (merged over its defaults, every reference written
+    out), the recipe's own port, with a comment saying how it was found."""
+    c = winner.candidate
+    r = loaded.recipe
+    tuned = candidate_recipe(loaded, c, r.service.port, r.context)
+    tuned = tuned.model_copy(update={"recipe": tuned.recipe.model_copy(update={"name": name})})
+    body = merged_text(tuned).split("\n", 2)[2]  # without merged_text's own two-line header
+    lines = [f"# {name}: found by `invoke tune` ({how})", f"# winner: {c.label()}"]
+    lines.append(f"# measured: {tune_report.figure_text(winner)}; {winner.level.get('decode', {}).get('n')} requests")
+    return "\n".join(lines) + "\n" + body
+
+
+def write_winner(text: str, name: str, recipes_dir: Path | None) -> Path:
+    """Into the user's recipes directory (the setting, else ./recipes of the working directory)."""
+    where = Path(recipes_dir) if recipes_dir else Path.cwd() / "recipes"
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{name}.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    yaml.safe_load(path.read_text())  # it parses
+    return path
+
+
+def stamp() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

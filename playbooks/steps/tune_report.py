@@ -1,0 +1,227 @@
+"""`invoke tune`'s report (pure but for the files it is asked to write): every candidate
+measured, predicted beside measured with its ±, the Pareto front of quality against speed, the
+winner and why, as rows, Markdown, a chart and JSON.
+
+Quality is bits per weight here (the planner's, the same floor the recommendation uses); where
+`invoke quantize` measured a quant's KL divergence against F16, the JSON carries it beside.
+A candidate far below its roofline share is named with the bench's likely cause.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from playbooks.steps.tune_search import Measured, Verdict, latest
+from playbooks.steps.tune_space import Planned, Space
+
+#: below this share of the single-stream roofline a candidate is named with a likely cause
+FAR_BELOW = 0.3
+
+
+def figure_text(m: Measured, unit: str = "tok/s") -> str:
+    if m.error:
+        return f"failed: {m.error}"
+    if m.figure is None:
+        return "-"
+    if m.figure < 0:  # latency: TTFT p95, negated for ranking
+        return f"TTFT p95 {-m.figure * 1000:.0f} ms"
+    hw = f" ± {m.halfwidth:.1f}" if m.halfwidth is not None else ""
+    return f"{m.figure:.1f}{hw} {unit}"
+
+
+def pareto_keys(rows: Sequence[dict[str, Any]]) -> set[str]:
+    """The candidates no other beats on both quality (bits per weight) and measured speed."""
+    ok = [r for r in rows if r.get("measured") is not None and not r.get("error")]
+    front = set()
+    for r in ok:
+        dominated = any(
+            o is not r
+            and o["bpw"] >= r["bpw"]
+            and o["measured"] >= r["measured"]
+            and (o["bpw"] > r["bpw"] or o["measured"] > r["measured"])
+            for o in ok
+        )
+        if not dominated:
+            front.add(r["key"])
+    return front
+
+
+def rows(measured: Sequence[Measured], planned: Sequence[Planned], verdict: Verdict | None) -> list[dict[str, Any]]:
+    """One row per candidate measured (its last rung), fastest first, failures last."""
+    plans = {p.candidate: p for p in planned}
+    winner = verdict.winner.candidate if verdict and verdict.winner else None
+    out = []
+    for m in latest(measured):
+        p = plans.get(m.candidate)
+        c = m.candidate
+        single_roof = p.option.roofline_tok_s if p else None
+        predicted = p.predicted_tok_s if p else None
+        decode = (m.level.get("decode") or {}).get("mean")
+        share = decode / predicted if decode and predicted and c.parallel == 1 else None
+        row: dict[str, Any] = {
+            "key": c.key(),
+            "label": c.label(),
+            "quant": c.quant,
+            "cache": f"{c.cache_k}/{c.cache_v}",
+            "flash_attn": c.flash_attn,
+            "slots": c.parallel,
+            "ubatch": c.ubatch,
+            "spec_type": c.spec_type,
+            "bpw": round(p.option.bpw, 3) if p else None,
+            "vram_gib": round(p.option.vram_bytes / 2**30, 3) if p else None,
+            "predicted": round(predicted, 2) if predicted else None,
+            "roofline_single": round(single_roof, 2) if single_roof else None,
+            "measured": m.figure,
+            "halfwidth": m.halfwidth,
+            "n": (m.level.get("decode") or {}).get("n"),
+            "roofline_share": round(share, 4) if share else None,
+            "speculation": m.level.get("speculation"),
+            "rung": m.rung,
+            "reused": m.reused,
+            "error": m.error,
+            "winner": c == winner,
+            "note": "",
+        }
+        if share is not None and share < FAR_BELOW and not m.error:
+            row["note"] = (
+                f"at {share:.0%} of its roofline: bound by per-token overhead (kernel launches, sampling, HTTP), "
+                "not by memory"
+            )
+        out.append(row)
+    front = pareto_keys(out)
+    for r in out:
+        r["pareto"] = r["key"] in front
+    out.sort(key=lambda r: (r["error"] is not None, -(r["measured"] or -math.inf)))
+    return out
+
+
+def result(
+    host: str,
+    recipe: str,
+    objective: str,
+    space: Space,
+    table: list[dict[str, Any]],
+    verdict: Verdict | None,
+    ran_out: bool,
+    live: dict[str, Any],
+    winner_recipe: str | None,
+    at: str,
+) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "at": at,
+        "host": host,
+        "recipe": recipe,
+        "objective": objective,
+        "space": {"total": space.total, "measured": len(space.survivors), "pruned": space.pruned},
+        "candidates": table,
+        "winner": None
+        if not verdict or not verdict.winner
+        else {
+            "key": verdict.winner.candidate.key(),
+            "label": verdict.winner.candidate.label(),
+            "why": verdict.why,
+            "figure": verdict.winner.figure,
+            "halfwidth": verdict.winner.halfwidth,
+            "tied_with": [m.candidate.label() for m in verdict.tied_with],
+            "recipe": winner_recipe,
+        },
+        "budget_ran_out": ran_out,
+        "live": live,
+    }
+
+
+COLUMNS = ["candidate", "predicted", "measured ± 95%", "MBU", "bits/w", "VRAM GiB", "rung", "pareto", "note"]
+
+
+def table_cells(r: dict[str, Any]) -> list[str]:
+    measured = (
+        f"failed: {r['error']}"
+        if r["error"]
+        else f"{r['measured']:.1f}" + (f" ± {r['halfwidth']:.1f}" if r["halfwidth"] is not None else "")
+        if r["measured"] is not None and r["measured"] >= 0
+        else f"TTFT {-(r['measured'] or 0) * 1000:.0f} ms"
+    )
+    return [
+        ("* " if r["winner"] else "") + r["label"],
+        "-" if r["predicted"] is None else f"{r['predicted']:.1f}",
+        measured + (" (kept)" if r["reused"] else ""),
+        "-" if r["roofline_share"] is None else f"{r['roofline_share']:.0%}",
+        "-" if r["bpw"] is None else f"{r['bpw']:.2f}",
+        "-" if r["vram_gib"] is None else f"{r['vram_gib']:.2f}",
+        str(r["rung"]),
+        "yes" if r["pareto"] else "",
+        r["note"],
+    ]
+
+
+def markdown(res: dict[str, Any]) -> str:
+    out = [f"# Tune: {res['recipe']} on {res['host']}, {res['at']}", ""]
+    sp = res["space"]
+    pruned = ", ".join(f"{n} {why}" for why, n in sorted(sp["pruned"].items(), key=lambda kv: -kv[1])) or "none"
+    out += [
+        f"- objective: {res['objective']}",
+        f"- space: {sp['total']} candidates, {sp['measured']} left after pruning ({pruned})",
+        f"- budget: {'ran out before the search ended' if res['budget_ran_out'] else 'enough'}",
+    ]
+    w = res.get("winner")
+    out += [f"- winner: {w['label']} ({w['why']}); recipe {w['recipe']}" if w else "- winner: none", ""]
+    out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in res["candidates"]:
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in table_cells(r)) + " |")
+    out += ["", "predicted: the plan's roofline (aggregate: times the slots); MBU: measured over predicted, one slot."]
+    return "\n".join(out) + "\n"
+
+
+def chart_png(res: dict[str, Any]) -> bytes:
+    """Predicted against measured, one point per candidate with its 95% interval, the y = x
+    line; the Pareto front of bits per weight against speed on the right."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ok = [r for r in res["candidates"] if r["measured"] is not None and r["measured"] >= 0 and not r["error"]]
+    fig = Figure(figsize=(12.0, 5.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax, front = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for r in ok:
+        ax.errorbar(
+            r["predicted"],
+            r["measured"],
+            yerr=r["halfwidth"] or 0,
+            fmt="o",
+            color="tab:red" if r["winner"] else "tab:blue",
+        )
+    top = max([r["predicted"] or 0 for r in ok] + [r["measured"] for r in ok] + [1.0])
+    ax.plot([0, top], [0, top], linestyle="--", color="grey", label="measured = predicted")
+    ax.set_xlabel("predicted tok/s (roofline)")
+    ax.set_ylabel("measured tok/s (95% interval)")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize="small")
+    ax.set_title(f"{res['recipe']} on {res['host']}: {len(ok)} candidates")
+    for r in ok:
+        front.scatter(r["bpw"], r["measured"], color="tab:orange" if r["pareto"] else "tab:grey")
+    pts = sorted((r["bpw"], r["measured"]) for r in ok if r["pareto"])
+    if pts:
+        front.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:orange", label="Pareto front")
+        front.legend(loc="upper right", fontsize="small")
+    front.set_xlabel("bits per weight (quality)")
+    front.set_ylabel("measured tok/s")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def write(res: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"json": out_dir / "tune.json", "markdown": out_dir / "tune.md", "png": out_dir / "tune.png"}
+    files["json"].write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+    files["markdown"].write_text(markdown(res))
+    files["png"].write_bytes(chart_png(res))
+    return files

@@ -1,0 +1,170 @@
+"""`invoke tune` for real, on this machine's CPU: the tiny model in two real quants (made by the
+real converter and llama-quantize) on a private sshd host, a live service of the recipe
+answering beside the search. The space (two quants x two -ub x one and two slots) is planned
+and ordered, every candidate is served by the deploy step under the scratch unit on the
+scratch port and benched with the bench's repeats, successive halving measures the better half
+again; the live service answers at every check; the report, the chart and a winning recipe are
+written; a re-run measures nothing new; the winner, deployed as it is, passes its gate.
+`--take-over` on a plan too small for two servers: the live service is stopped for the search
+and is back (the same model, answering) after it, and after a candidate that crashes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from playbooks.cli.bench import run_bench
+from playbooks.cli.deploy import run_deploy, run_stop
+from playbooks.cli.settings import Settings
+from playbooks.cli.tune import options, run_tune
+from playbooks.config.recipe import load_recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.host import connect
+from playbooks.steps.bench_run import bench_health
+from playbooks.weights.tinymodel import write_tiny_llama
+from tests import llamacpp_tools
+from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
+from tests.testhosts import free_port
+
+pytestmark = pytest.mark.slow
+TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_quants(tmp_path_factory) -> dict[str, Path]:
+    work = tmp_path_factory.mktemp("tune")
+    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY["model"]["config"]), work / "f16.gguf")
+    return {q: llamacpp_tools.quantize(f16, work / f"tiny-{q}.gguf", q) for q in ("Q4_K_M", "Q8_0")}
+
+
+def _recipe(where: Path, port: int, **over) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    data = json.loads(json.dumps(TINY))
+    data["service"] = {"port": port}
+    data["parallel"] = 1
+    # the tiny vocabulary makes some passages of the shipped text long in tokens: room for them
+    data["context"] = 1024
+    data["gate"] = {"levels": [1], "prompt_tokens": 16, "max_tokens": 16, "min_tok_s": 1}
+    data |= over
+    (where / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    path = where / "tiny-tune.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _stage(sshd_host, prefix: str, recipe: Path, quants: dict[str, Path]) -> None:
+    with connect(spec_for(sshd_host)) as host:
+        for q, f in quants.items():
+            stage_served_model(host, prefix, recipe, f, q)
+
+
+@pytest.mark.timeout(1500)
+def test_tune_searches_beside_the_live_service_and_writes_a_winner(
+    sshd_host, tiny_quants, tmp_path, monkeypatch, capsys
+):
+    port = free_port()
+    prefix = str(sshd_host.prefix / "vf-tune")
+    settings = Settings(inventory=inventory_for(tmp_path, "box", sshd_host, prefix=prefix))
+    recipe = _recipe(tmp_path / "r", port)
+    _stage(sshd_host, prefix, recipe, tiny_quants)
+    monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
+    assert run_deploy("box", str(recipe), settings=settings) == 0  # the live service
+    capsys.readouterr()
+    out_dir = tmp_path / "my-recipes"
+    opts = options("single", "Q4_K_M,Q8_0", "f16", None, 2, "64,512", None, None, None, "20m", 2, False, None)
+    opts = type(opts)(**{**opts.__dict__, "recipes_dir": out_dir})
+    try:
+        assert run_tune("box", str(recipe), opts, as_json=True, settings=settings) == 0
+        res = json.loads(capsys.readouterr().out)
+        # 2 quants x f16 (the recipe's cache is f16 too) x 1..2 slots x 2 -ub: 8 planned, all fit
+        assert res["space"] == {"total": 8, "measured": 8, "pruned": {}}
+        rows = res["candidates"]
+        assert len(rows) == 8 and all(r["error"] is None for r in rows), rows
+        for r in rows:
+            assert r["measured"] > 0 and r["n"] >= 4 and r["halfwidth"] is not None and r["predicted"] > 0
+        # successive halving: the better half measured again, longer
+        assert sorted(r["rung"] for r in rows) == [0, 0, 0, 0, 1, 1, 1, 1]
+        # the live service answered at every check, before and after each candidate
+        live = res["live"]
+        assert live["services"] == ["voltaforge-llama-server"] and not live["taken_over"]
+        assert len(live["checks"]) == 2 * 12 and all(code == 200 for _, code in live["checks"])
+        w = res["winner"]
+        assert w and w["recipe"] == str(out_dir / "tiny-tune-tuned.yaml") and any(r["winner"] for r in rows)
+        winner = load_recipe(w["recipe"])  # self-contained: no defaults.yaml beside it
+        assert winner.recipe.name == "tiny-tune-tuned" and winner.recipe.service.port == port
+        assert (winner.recipe.quant_name, winner.recipe.parallel) == (
+            next(r for r in rows if r["winner"])["quant"],
+            next(r for r in rows if r["winner"])["slots"],
+        )
+        assert Path(w["recipe"]).read_text().startswith("# tiny-tune-tuned: found by `invoke tune` (--host box")
+        reports = next((tmp_path / "cache" / "tune" / "box" / "tiny-tune").glob("*/tune.json")).parent
+        import matplotlib.image
+
+        assert matplotlib.image.imread(reports / "tune.png").shape[:2] == (500, 1200)
+        assert "| candidate | predicted |" in (reports / "tune.md").read_text()
+        # nothing of the scratch server is left on the host
+        with connect(spec_for(sshd_host)) as host:
+            assert not host.exists(f"{prefix}/deploy/voltaforge-tune") and not host.exists(
+                f"{prefix}/serve/voltaforge-tune"
+            )
+
+        # a re-run measures nothing new: every measurement is kept by its inputs
+        assert run_tune("box", str(recipe), opts, as_json=True, settings=settings) == 0
+        again = json.loads(capsys.readouterr().out)
+        assert all(r["reused"] for r in again["candidates"]) and again["winner"]["label"] == w["label"]
+
+        # the winner, deployed as it is (in place of the live service), passes its gate
+        assert run_stop("box", str(recipe), settings=settings) == 0
+        assert run_deploy("box", w["recipe"], settings=settings) == 0
+        assert run_bench("box", w["recipe"], settings=settings) == 0, capsys.readouterr().out[-2000:]
+    finally:
+        for r in (recipe, out_dir / "tiny-tune-tuned.yaml"):
+            try:
+                run_stop("box", str(r), settings=settings)
+            except VoltaforgeError:
+                pass
+
+
+@pytest.mark.timeout(900)
+def test_take_over_stops_the_live_service_and_brings_it_back(sshd_host, tiny_quants, tmp_path, monkeypatch, capsys):
+    """The plan budgets the CPU target's memory: a margin that takes more than half of it per
+    server leaves no room for a second one. Without --take-over: one line, the live service
+    untouched. With it: stopped for the search, the same model answering after it; a candidate
+    that cannot start (a port nothing unprivileged may bind) is a failed row, and the live
+    service is back all the same."""
+    port = free_port()
+    prefix = str(sshd_host.prefix / "vf-take")
+    settings = Settings(inventory=inventory_for(tmp_path, "box", sshd_host, prefix=prefix))
+    # the planner's CPU target budgets 4 GiB (plan/gpus.py): a margin of 2.2 GiB per server
+    # leaves room for one, not two (nothing of it is allocated: it is the plan's)
+    planner = TINY["planner"] | {"margin_mib": 2200}
+    recipe = _recipe(tmp_path / "r", port, planner=planner)
+    _stage(sshd_host, prefix, recipe, {"Q4_K_M": tiny_quants["Q4_K_M"]})
+    monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
+    assert run_deploy("box", str(recipe), settings=settings) == 0
+    capsys.readouterr()
+    opts = options("single", None, "f16", None, None, "512", None, None, None, "10m", 1, False, None)
+    opts = type(opts)(**{**opts.__dict__, "recipes_dir": tmp_path / "out"})
+    try:
+        with pytest.raises(VoltaforgeError, match="does not fit beside the live service .*pass --take-over"):
+            run_tune("box", str(recipe), opts, as_json=True, settings=settings)
+        with connect(spec_for(sshd_host)) as host:
+            assert bench_health(host, port) == 200  # untouched
+        took = type(opts)(**{**opts.__dict__, "take_over": True, "port": 81})  # port 81: the candidate cannot bind
+        assert run_tune("box", str(recipe), took, as_json=True, settings=settings) == 1
+        res = json.loads(capsys.readouterr().out)
+        assert res["live"]["taken_over"] and res["winner"] is None
+        assert res["candidates"][0]["error"].startswith("the server did not come up")
+        with connect(spec_for(sshd_host)) as host:
+            assert bench_health(host, port) == 200  # back after the failed candidate
+        took = type(opts)(**{**opts.__dict__, "take_over": True})
+        assert run_tune("box", str(recipe), took, as_json=True, settings=settings) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["live"]["taken_over"] and res["winner"] is not None
+        with connect(spec_for(sshd_host)) as host:
+            assert bench_health(host, port) == 200  # back after the search
+    finally:
+        run_stop("box", str(recipe), settings=settings)
