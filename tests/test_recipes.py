@@ -236,3 +236,20 @@ def test_defaults_file_and_schema_defaults_agree():
                 assert field.default == value, f"{where}{key}: schema {field.default!r} vs defaults.yaml {value!r}"
 
     check(Recipe, defaults, "")
+
+
+def test_speculation_types_are_llama_servers_own(tmp_path):
+    """spec_type reaches llama-server's --spec-type: only the pinned ref's names, a draft for
+    draft-simple, and llama.cpp recipes only."""
+    from playbooks.steps.units import ServerLayout, llama_server_argv
+
+    ok = load_recipe(_write(tmp_path, GOOD + "spec_type: ngram-mod\n")).recipe
+    argv = llama_server_argv(ok, ServerLayout(prefix="/opt/vf"))[0]
+    assert argv[argv.index("--spec-type") + 1] == "ngram-mod"
+    assert "--spec-type" not in llama_server_argv(load_recipe(_write(tmp_path, GOOD)).recipe, ServerLayout())[0]
+    msg = _error(tmp_path, GOOD + "spec_type: ngram-magic\n")
+    assert "r.yaml:9" in msg and "spec_type" in msg and "ngram-mod" in msg
+    assert "draft-simple needs a draft model" in _error(tmp_path, GOOD + "spec_type: draft-simple\n")
+    body = GOOD.replace("backend: llamacpp", "backend: exllamav2").replace("quant: Q4_K_M", "quant: {bpw: 4.0}")
+    msg = _error(tmp_path, body + "cache: {k: Q8, v: Q8}\nspec_type: ngram-mod\n")
+    assert "speculative decoding is llama-server's" in msg

@@ -153,8 +153,11 @@ def run_tune(
     # with --json stdout holds the JSON alone: the progress and the commands go to stderr
     out = console(sys.stderr) if as_json else console()
     printer = Printer(out=sys.stderr) if as_json else None
+    named = recipe or spec.recipe
+    # a named recipe is loaded before any host is reached: a bad name is one line, nothing touched
+    preloaded = settings.load_recipe(named) if named else None
     with settings.connect(spec, printer) as host:
-        loaded = settings.load_recipe(settings.recipe_for(host_name, recipe, host))
+        loaded = preloaded or settings.load_recipe(settings.recipe_for(host_name, None, host))
         sudo = not parse_writable(host.run(writable_command(spec.prefix), check=False, stream=False).stdout)
         live = _live_recipes(host, spec.prefix)
 

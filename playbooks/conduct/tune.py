@@ -128,7 +128,7 @@ def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int
             "context": context,
             "planner": r.planner.model_copy(update={"n_ubatch": c.ubatch}),
             "service": r.service.model_copy(update={"port": port}),
-            **({"spec_type": c.spec_type} if "spec_type" in type(r).model_fields else {}),
+            "spec_type": c.spec_type,
         }
     )
     return loaded.model_copy(update={"recipe": new})

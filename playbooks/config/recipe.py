@@ -297,6 +297,13 @@ class Recipe(_Strict):
         "The physical batch (-ub) is planner.n_ubatch: the value the compute buffer was planned with",
     )
     draft: Draft | None = None
+    # llama-server --spec-type (the pinned llama.cpp's common/speculative.cpp names): the
+    # draft-free n-gram types need no weights; draft-simple needs `draft:`; draft-mtp a model
+    # with its own multi-token-prediction layers. Unset: llama-server's own default (draft-simple
+    # when a draft is given, else none).
+    spec_type: (
+        Literal["ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "draft-simple", "draft-mtp"] | None
+    ) = None
     toolchain: Toolchain = Toolchain()
     service: Service = Service()
     gate: Gate = Gate()
@@ -356,7 +363,11 @@ class Recipe(_Strict):
                     )
             if self.cache.v not in ("f16", "bf16", "f32") and not self.flash_attn:
                 raise ValueError("cache.v: a quantized V cache needs flash_attn: true in llama.cpp")
+            if self.spec_type == "draft-simple" and self.draft is None:
+                raise ValueError("spec_type: draft-simple needs a draft model (draft: {model: ..., quant: ...})")
         else:
+            if self.spec_type is not None:
+                raise ValueError("spec_type: speculative decoding is llama-server's (backend llamacpp)")
             if not isinstance(self.quant, Exl2Quant):
                 raise ValueError("quant: backend exllamav2 needs {bpw: 2.0-8.0, head_bits: 6}")
             if self.cache.k not in EXL2_CACHE_MODES or self.cache.v != self.cache.k:

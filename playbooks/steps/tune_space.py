@@ -102,7 +102,7 @@ def base_candidate(loaded: LoadedRecipe) -> Candidate:
         flash_attn=r.flash_attn,
         parallel=r.parallel,
         ubatch=r.planner.n_ubatch,
-        spec_type=getattr(r, "spec_type", None),
+        spec_type=r.spec_type,
     )
 
 

@@ -250,6 +250,8 @@ def llama_server_argv(
             "--cache-type-v-draft",
             recipe.cache.v,
         ]
+    if recipe.spec_type:
+        argv += ["--spec-type", recipe.spec_type]
     if n_cpu_moe:
         argv += ["--n-cpu-moe", str(n_cpu_moe)]
     argv += ["--host", recipe.service.bind, "--port", port or str(recipe.service.port)]
