@@ -106,7 +106,9 @@ def test_llama_server_argv_carries_every_tuned_flag(name):
     assert flag(argv, "--cache-type-k") == r.cache.k and flag(argv, "--cache-type-v") == r.cache.v
     assert flag(argv, "--model") == "/opt/voltaforge/serve/voltaforge-llama-server/model.gguf"
     assert flag(argv, "--port") == str(r.service.port) and "--metrics" in argv
-    assert "--model-draft" not in argv
+    # a draft and a speculation type reach the argv exactly when the recipe has them
+    assert ("--model-draft" in argv) == (r.draft is not None)
+    assert (flag(argv, "--spec-type") if "--spec-type" in argv else None) == r.spec_type
 
 
 def test_draft_batch_and_key_reach_the_argv(tmp_path):
