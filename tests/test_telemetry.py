@@ -15,7 +15,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -674,7 +673,19 @@ def test_background_telemetry_runs_in_its_own_session_until_killed(tmp_path):
     assert started.returncode == 0 and pid.isdigit(), started.stderr
     time.sleep(1.0)
     assert os.getsid(int(pid)) == int(pid)  # its own session: the sweep never waits on it
-    os.kill(int(pid), signal.SIGTERM)
-    time.sleep(0.3)
+    members = [p for p in os.listdir("/proc") if p.isdigit() and _sid(p) == int(pid)]
+    assert len(members) >= 2  # the shell and the probe it runs
+    subprocess.run(["bash", "-c", telemetry.stop_telemetry_command(pid)], check=True, timeout=30)
     parsed = parse_telemetry(out.read_text())
     assert parsed.error is None and parsed.source == "pynvml" and len(parsed.samples) >= 4
+    # nothing of the session is left: killing the shell alone left the probe running an hour
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _sid(p) == int(pid)]
+
+
+def _sid(pid: str) -> int | None:
+    """The session of a live process (None: gone, or a zombie waiting for its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return None if state == "Z" else os.getsid(int(pid))
+    except (OSError, IndexError):
+        return None

@@ -100,11 +100,20 @@ def telemetry_command(python: str, probe_path: str, interval: float, duration: f
 
 def background_telemetry_command(python: str, probe_path: str, out: str, interval: float, duration: float) -> str:
     """telemetry_command in its own session, into `out`, printing its pid: the bench's requests
-    never wait on it, and `kill PID` ends it. The probe's `if` is a compound command, so it runs
+    never wait on it, and stop_telemetry_command(PID) ends it. The probe's `if` is a compound command, so it runs
     under `sh -c` (setsid execs one program); stdin is /dev/null, so the probe runs until killed
     or for `duration`."""
     inner = telemetry_command(python, probe_path, interval, duration)
     return f"setsid sh -c {quote(inner)} > {quote(out)} 2>&1 < /dev/null & echo $!"
+
+
+def stop_telemetry_command(pid: str) -> str:
+    """End the background probe and its shell: the whole session's process group (the pid
+    setsid made leader). Killing the pid alone ended the `sh -c` and left the probe running for
+    its whole duration (seen: probes of an hour outliving the bench)."""
+    if not pid.isdigit():
+        raise ValueError(f"not a pid: {pid!r}")
+    return f"kill -TERM -- -{pid} 2>/dev/null || kill -TERM {pid} 2>/dev/null; sleep 0.2"
 
 
 def _number(value: Any) -> float | None:

@@ -390,7 +390,7 @@ def measure(
                     break
         finally:
             if tel_pid and tel_pid.isdigit():
-                host.run(f"kill {tel_pid} 2>/dev/null; sleep 0.2", check=False, stream=False)
+                host.run(telem.stop_telemetry_command(tel_pid), check=False, stream=False)
                 t = telem.parse_telemetry(read_fact(host, f"cat -- {shlex.quote(tel_out)} 2>/dev/null || true"))
                 result["telemetry"] = {"source": t.source, "error": t.error, "summary": telem.throttle_summary(t)}
         result["sweep_s"] = round(time.monotonic() - t0, 2)
