@@ -1,10 +1,12 @@
 """`invoke tune` for real, on this machine's CPU: the tiny model in two real quants (made by the
 real converter and llama-quantize) on a private sshd host, a live service of the recipe
-answering beside the search. The space (two quants x two -ub x one and two slots) is planned
+answering beside the search. The space (two quants x two -ub x one and two slots x
+speculation on and off) is planned
 and ordered, every candidate is served by the deploy step under the scratch unit on the
 scratch port and benched with the bench's repeats, successive halving measures the better half
 again; the live service answers at every check; the report, the chart and a winning recipe are
 written; a re-run measures nothing new; the winner, deployed as it is, passes its gate.
+Speculation (ngram-mod) is one lever: its rows carry the server's own drafted/accepted counts.
 `--take-over` on a plan too small for two servers: the live service is stopped for the search
 and is back (the same model, answering) after it, and after a candidate that crashes."""
 
@@ -74,31 +76,42 @@ def test_tune_searches_beside_the_live_service_and_writes_a_winner(
     assert run_deploy("box", str(recipe), settings=settings) == 0  # the live service
     capsys.readouterr()
     out_dir = tmp_path / "my-recipes"
-    opts = options("single", "Q4_K_M,Q8_0", "f16", None, 2, "64,512", None, None, None, "20m", 2, False, None)
+    opts = options(
+        "single", "Q4_K_M,Q8_0", "f16", None, 2, "64,512", "none,ngram-mod", None, None, "20m", 2, False, None
+    )
     opts = type(opts)(**{**opts.__dict__, "recipes_dir": out_dir})
     try:
         assert run_tune("box", str(recipe), opts, as_json=True, settings=settings) == 0
         res = json.loads(capsys.readouterr().out)
-        # 2 quants x f16 (the recipe's cache is f16 too) x 1..2 slots x 2 -ub: 8 planned, all fit
-        assert res["space"] == {"total": 8, "measured": 8, "pruned": {}}
+        # 2 quants x f16 (the recipe's cache is f16 too) x 1..2 slots x 2 -ub x speculation off
+        # and ngram-mod: 16 planned, all fit
+        assert res["space"] == {"total": 16, "measured": 16, "pruned": {}}
         rows = res["candidates"]
-        assert len(rows) == 8 and all(r["error"] is None for r in rows), rows
+        assert len(rows) == 16 and all(r["error"] is None for r in rows), rows
+        # speculation: the server's own drafted/accepted counts, and the same configuration without it
+        for r in rows:
+            assert (r["speculation"] is not None) == (r["spec_type"] is not None), r
+        # (whether ngram-mod drafts depends on the text: on 16 tokens of this random model it drafted
+        # nothing; tests/test_speculation_real.py proves the types on a model built to repeat)
         for r in rows:
             assert r["measured"] > 0 and r["n"] >= 4 and r["halfwidth"] is not None and r["predicted"] > 0
         # successive halving: the better half measured again, longer
-        assert sorted(r["rung"] for r in rows) == [0, 0, 0, 0, 1, 1, 1, 1]
+        assert sorted(r["rung"] for r in rows) == [0] * 8 + [1] * 8
         # the live service answered at every check, before and after each candidate
         live = res["live"]
         assert live["services"] == ["voltaforge-llama-server"] and not live["taken_over"]
-        assert len(live["checks"]) == 2 * 12 and all(code == 200 for _, code in live["checks"])
+        assert len(live["checks"]) == 2 * (16 + 8) and all(code == 200 for _, code in live["checks"])
         w = res["winner"]
         assert w and w["recipe"] == str(out_dir / "tiny-tune-tuned.yaml") and any(r["winner"] for r in rows)
         winner = load_recipe(w["recipe"])  # self-contained: no defaults.yaml beside it
         assert winner.recipe.name == "tiny-tune-tuned" and winner.recipe.service.port == port
-        assert (winner.recipe.quant_name, winner.recipe.parallel) == (
-            next(r for r in rows if r["winner"])["quant"],
-            next(r for r in rows if r["winner"])["slots"],
+        won = next(r for r in rows if r["winner"])
+        assert (winner.recipe.quant_name, winner.recipe.parallel, winner.recipe.planner.n_ubatch) == (
+            won["quant"],
+            won["slots"],
+            won["ubatch"],
         )
+        assert winner.recipe.spec_type == won["spec_type"]
         assert Path(w["recipe"]).read_text().startswith("# tiny-tune-tuned: found by `invoke tune` (--host box")
         reports = next((tmp_path / "cache" / "tune" / "box" / "tiny-tune").glob("*/tune.json")).parent
         import matplotlib.image

@@ -80,7 +80,9 @@ def rows(measured: Sequence[Measured], planned: Sequence[Planned], verdict: Verd
             "halfwidth": m.halfwidth,
             "n": (m.level.get("decode") or {}).get("n"),
             "roofline_share": round(share, 4) if share else None,
-            "speculation": m.level.get("speculation"),
+            # a speculating server that drafted nothing reports no counts: zero, not unknown
+            "speculation": m.level.get("speculation")
+            or ({"drafted": 0, "accepted": 0, "acceptance": None} if c.spec_type and not m.error else None),
             "rung": m.rung,
             "reused": m.reused,
             "error": m.error,
@@ -94,8 +96,13 @@ def rows(measured: Sequence[Measured], planned: Sequence[Planned], verdict: Verd
             )
         out.append(row)
     front = pareto_keys(out)
+    same = {(r["quant"], r["cache"], r["flash_attn"], r["slots"], r["ubatch"]): r for r in out if not r["spec_type"]}
     for r in out:
         r["pareto"] = r["key"] in front
+        # speculation against the same configuration without it (the speed-up it is kept for)
+        plain = same.get((r["quant"], r["cache"], r["flash_attn"], r["slots"], r["ubatch"])) if r["spec_type"] else None
+        ok = plain and plain["measured"] and r["measured"] and plain["measured"] > 0 and r["measured"] > 0
+        r["spec_speedup"] = round(r["measured"] / plain["measured"], 3) if ok and plain else None
     out.sort(key=lambda r: (r["error"] is not None, -(r["measured"] or -math.inf)))
     return out
 
@@ -139,6 +146,16 @@ def result(
 COLUMNS = ["candidate", "predicted", "measured ± 95%", "MBU", "bits/w", "VRAM GiB", "rung", "pareto", "note"]
 
 
+def _spec_note(r: dict[str, Any]) -> str:
+    spec = r.get("speculation") or {}
+    if not r.get("spec_type"):
+        return ""
+    rate = spec.get("acceptance")
+    acc = f"accepted {rate:.0%} of {spec.get('drafted')} drafted" if rate is not None else "nothing drafted"
+    up = f", {r['spec_speedup']:.2f}x the same without it" if r.get("spec_speedup") else ""
+    return acc + up
+
+
 def table_cells(r: dict[str, Any]) -> list[str]:
     measured = (
         f"failed: {r['error']}"
@@ -156,7 +173,7 @@ def table_cells(r: dict[str, Any]) -> list[str]:
         "-" if r["vram_gib"] is None else f"{r['vram_gib']:.2f}",
         str(r["rung"]),
         "yes" if r["pareto"] else "",
-        r["note"],
+        "; ".join(n for n in (r["note"], _spec_note(r)) if n),
     ]
 
 
