@@ -207,6 +207,8 @@ def render_tune(res: dict, report_dir: Path | None) -> None:
             "stopped for the search and deployed again"
             if live.get("taken_over")
             else f"answered {ok} of {len(checks)} checks"
+            if checks
+            else "not checked: every measurement was kept from an earlier run"
         )
         out.print(Text(f"live service ({', '.join(live['services'])}): {state}"))
     if res.get("budget_ran_out"):

@@ -59,10 +59,12 @@ def rows(measured: Sequence[Measured], planned: Sequence[Planned], verdict: Verd
     for m in latest(measured):
         p = plans.get(m.candidate)
         c = m.candidate
-        single_roof = p.option.roofline_tok_s if p else None
+        single_roof = p.single_tok_s if p else None
         predicted = p.predicted_tok_s if p else None
         decode = (m.level.get("decode") or {}).get("mean")
-        share = decode / predicted if decode and predicted and c.parallel == 1 else None
+        # the MBU of one stream: measured at concurrency 1 against the single-stream roofline
+        one = m.level.get("concurrency") == 1
+        share = decode / single_roof if decode and single_roof and one else None
         row: dict[str, Any] = {
             "key": c.key(),
             "label": c.label(),
@@ -90,10 +92,8 @@ def rows(measured: Sequence[Measured], planned: Sequence[Planned], verdict: Verd
             "note": "",
         }
         if share is not None and share < FAR_BELOW and not m.error:
-            row["note"] = (
-                f"at {share:.0%} of its roofline: bound by per-token overhead (kernel launches, sampling, HTTP), "
-                "not by memory"
-            )
+            # the bench's diagnosis for a decode far below the bandwidth roofline
+            row["note"] = "per-token overhead, not memory, bounds it"
         out.append(row)
     front = pareto_keys(out)
     same = {(r["quant"], r["cache"], r["flash_attn"], r["slots"], r["ubatch"]): r for r in out if not r["spec_type"]}

@@ -76,6 +76,7 @@ class Planned:
     candidate: Candidate
     option: Option
     predicted_tok_s: float
+    single_tok_s: float = 0.0  # the single-stream roofline (the host's measured bandwidth on a CPU)
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,8 @@ def prune(
         if why or option is None:
             reasons[why or "the planner has no such quant"] += 1
             continue
-        kept.append(Planned(c, option, predicted(option, c, objective, bandwidth_gb_s)))
+        single = predicted(option, c, "single", bandwidth_gb_s)
+        kept.append(Planned(c, option, predicted(option, c, objective, bandwidth_gb_s), single))
     kept.sort(key=lambda p: (-round(p.predicted_tok_s, 6), simplicity(p.candidate, p.option)))
     return Space(kept, dict(reasons), total)
 
