@@ -253,3 +253,16 @@ def test_speculation_types_are_llama_servers_own(tmp_path):
     body = GOOD.replace("backend: llamacpp", "backend: exllamav2").replace("quant: Q4_K_M", "quant: {bpw: 4.0}")
     msg = _error(tmp_path, body + "cache: {k: Q8, v: Q8}\nspec_type: ngram-mod\n")
     assert "speculative decoding is llama-server's" in msg
+
+
+def test_a_draft_with_another_tokenizer_is_refused_before_anything_is_made(tmp_path):
+    """llama.cpp's own rule (common/speculative.cpp: vocabularies within 128 tokens): a Llama
+    draft (vocabulary 32000) for Qwen2.5-14B (152064) is one line at load, before any step;
+    Qwen2.5-0.5B (151936, the same tokenizer, a smaller padded embedding) is accepted."""
+    (tmp_path / "models").mkdir(exist_ok=True)
+    (tmp_path / "models" / "d.json").write_text((RECIPES_DIR / "models/qwen2.5-0.5b-instruct.config.json").read_text())
+    draft = "draft:\n  model:\n    path: /srv/draft\n    config: models/{}\n  quant: Q8_0\nspec_type: draft-simple\n"
+    ok = load_recipe(_write(tmp_path, GOOD + draft.format("d.json")))
+    assert ok.draft_shape is not None and ok.draft_shape.vocab_size == 151936
+    msg = _error(tmp_path, GOOD + draft.format("small.json"))
+    assert "r.yaml:9" in msg and "vocabulary" in msg and "llama.cpp allows at most 128" in msg
