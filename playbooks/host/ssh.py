@@ -169,6 +169,10 @@ class SshHost(Host):
         listener.listen(64)
         listener.settimeout(0.2)
         stop = threading.Event()
+        # every open pair, so a connection found dead can end them all: a lost SSH connection
+        # does not reach a channel's recv (measured: a forwarded stream whose sshd was killed
+        # hung until the client's own read timeout), so the client would wait its whole timeout
+        pairs: list[tuple[Any, Any]] = []
 
         def pump(src: Any, dst: Any) -> None:
             try:
@@ -181,11 +185,41 @@ class SshHost(Host):
                 pass
             finally:
                 for end in (src, dst):
+                    # a socket is shut down before it is closed: the other pump may be blocked
+                    # in recv on it, and a bare close then sends the HTTP client no FIN
+                    if isinstance(end, socket.socket):
+                        with contextlib.suppress(Exception):
+                            end.shutdown(socket.SHUT_RDWR)
+                    with contextlib.suppress(Exception):
+                        end.close()
+
+        def alive() -> bool:
+            """An SSH_MSG_IGNORE to the server: to a dead peer the kernel answers with a reset,
+            and the next send fails (so a lost connection is seen within a second or two)."""
+            try:
+                transport.send_ignore()
+            except (OSError, EOFError, paramiko.SSHException):
+                return False
+            return transport.is_active()
+
+        def end_all() -> None:
+            for client, chan in pairs:
+                # shutdown, not only close: a close does not wake the pump blocked in recv on
+                # it, and the HTTP client would see no end of its stream
+                with contextlib.suppress(Exception):
+                    client.shutdown(socket.SHUT_RDWR)
+                for end in (client, chan):
                     with contextlib.suppress(Exception):
                         end.close()
 
         def accept() -> None:
+            checked = time.monotonic()
             while not stop.is_set():
+                if time.monotonic() - checked >= 1.0:
+                    checked = time.monotonic()
+                    if not alive():
+                        end_all()  # every client sees its connection closed, at once
+                        break
                 try:
                     client, addr = listener.accept()
                 except TimeoutError:
@@ -197,6 +231,7 @@ class SshHost(Host):
                 except (paramiko.SSHException, OSError):
                     client.close()
                     continue
+                pairs.append((client, chan))
                 threading.Thread(target=pump, args=(client, chan), daemon=True).start()
                 threading.Thread(target=pump, args=(chan, client), daemon=True).start()
 

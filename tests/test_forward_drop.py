@@ -1,0 +1,74 @@
+"""The SSH port forward when the connection is lost: the bench streams its requests through
+it, and a lost connection must end them at once, not after the client's own read timeout (300
+s per request in the bench; the provision test's dropped connection during the gate hung its
+whole 300 s). Measured before the fix: a forwarded stream whose sshd was killed hung until the
+client's timeout (the pump's close of a socket another pump was blocked in recv on sent no FIN).
+Real parts: the private sshd, a local HTTP server streaming a line every 0.1 s, httpx."""
+
+from __future__ import annotations
+
+import http.server
+import socketserver
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from playbooks.host import connect
+from tests.helpers import spec_for
+from tests.testhosts import _descendants, free_port
+
+pytestmark = pytest.mark.slow
+
+
+class _Slow(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for _ in range(600):
+                self.wfile.write(b"2\r\nx\n\r\n")
+                self.wfile.flush()
+                time.sleep(0.1)
+        except OSError:
+            pass
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+def test_a_lost_connection_ends_the_forwarded_streams_at_once(sshd_host):
+    port = free_port()
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", port), _Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with connect(spec_for(sshd_host)) as host, host.forward(port) as local:
+
+            def drop() -> None:  # this connection's sshd processes, the listener left alone
+                time.sleep(1.0)
+                for pid in _descendants(sshd_host.pid):
+                    try:
+                        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                    except OSError:
+                        continue
+                    if comm == "sshd":
+                        subprocess.run(["kill", "-9", str(pid)], check=False)
+
+            threading.Thread(target=drop, daemon=True).start()
+            t0 = time.monotonic()
+            lines = 0
+            with pytest.raises(httpx.HTTPError), httpx.stream("GET", f"http://127.0.0.1:{local}/", timeout=60) as r:
+                for _ in r.iter_lines():
+                    lines += 1
+            took = time.monotonic() - t0
+        assert lines >= 3 and took < 10, (lines, took)  # it streamed, then ended with the connection
+    finally:
+        server.shutdown()
