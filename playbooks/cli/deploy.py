@@ -50,9 +50,13 @@ def choose_manager(host: Host, wanted: str) -> str:
     return "systemd" if wanted == "systemd" or (wanted == "auto" and booted) else "process"
 
 
-def single_service(loaded: LoadedRecipe, prefix: str) -> tuple[RenderedFile, str, DeployLayout]:
-    """The recipe's one server (GPU 0 or the CPU): its rendered unit, unit name and state."""
-    unit = render_service_files(loaded.recipe, ServerLayout(prefix=prefix), n_cpu_moe=resolve_n_cpu_moe(loaded))[0]
+def single_service(
+    loaded: LoadedRecipe, prefix: str, server: ServerLayout | None = None
+) -> tuple[RenderedFile, str, DeployLayout]:
+    """The recipe's one server (GPU 0 or the CPU): its rendered unit, unit name and state.
+    ``server``: another unit name than the recipe's own (tune's scratch server)."""
+    layout = server or ServerLayout(prefix=prefix)
+    unit = render_service_files(loaded.recipe, layout, n_cpu_moe=resolve_n_cpu_moe(loaded))[0]
     unit_name = unit.path.rsplit("/", 1)[1]
     return unit, unit_name, DeployLayout(prefix, unit_name.removesuffix(".service"))
 

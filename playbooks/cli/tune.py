@@ -12,14 +12,13 @@ import re
 import sys
 from pathlib import Path
 
-from playbooks.cli.deploy import choose_manager, deploy_ops, make_manager
+from playbooks.cli.deploy import choose_manager, deploy_ops, make_manager, single_service
 from playbooks.cli.deployed import read_deployments, recipe_file
 from playbooks.cli.flags import UsageError
 from playbooks.cli.quantize import quantize_step, recipe_weights
 from playbooks.cli.render import console
 from playbooks.cli.settings import Settings
 from playbooks.conduct.tune import SCRATCH_SERVICE, Levers, Ops, TuneOptions, Tuner
-from playbooks.config.planning import resolve_n_cpu_moe
 from playbooks.config.recipe import LoadedRecipe, load_recipe
 from playbooks.facts.files import parse_writable, writable_command
 from playbooks.host import Host
@@ -28,9 +27,8 @@ from playbooks.host.ops import Command, run_command, run_ops
 from playbooks.host.output import Printer
 from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.steps import tune_report
-from playbooks.steps.deploy import DeployLayout
 from playbooks.steps.tune_space import OBJECTIVES, Objective
-from playbooks.steps.units import ServerLayout, render_service_files
+from playbooks.steps.units import ServerLayout
 
 CACHE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 #: the pinned llama.cpp's draft-free speculation types (common/speculative.cpp)
@@ -114,10 +112,7 @@ def parse_budget(value: str) -> float:
 
 
 def _stop(loaded: LoadedRecipe, host: Host, prefix: str, server: ServerLayout | None) -> Command:
-    layout = server or ServerLayout(prefix=prefix)
-    unit = render_service_files(loaded.recipe, layout, n_cpu_moe=resolve_n_cpu_moe(loaded))[0]
-    unit_name = unit.path.rsplit("/", 1)[1]
-    state = DeployLayout(prefix, unit_name.removesuffix(".service"))
+    unit, unit_name, state = single_service(loaded, prefix, server)
     return make_manager(choose_manager(host, "auto"), state, unit_name, unit.text).stop()
 
 
