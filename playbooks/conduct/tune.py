@@ -51,7 +51,7 @@ from playbooks.host import Host
 from playbooks.host.ops import Change, run_command, run_ops
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps import tune_report
-from playbooks.steps.bench_run import bench_dir, bench_health, host_membw, measure_level
+from playbooks.steps.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
 from playbooks.steps.deploy import DeployLayout
 from playbooks.steps.quantize import ModelLayout, manifest_path
 from playbooks.steps.tune_search import Measured, Verdict, choose, objective_figure, successive_halving
@@ -324,7 +324,8 @@ class Tuner:
         )
         self.build = (current or "").rstrip("/").rsplit("/", 1)[-1]
         if get_gpu(r.gpu).is_cpu:
-            self.bandwidth = host_membw(self.host, self.prefix, "python3")["gb_s"]
+            # the bench's own probe python: the figure is stored and the bench reuses it
+            self.bandwidth = host_membw(self.host, self.prefix, host_python(self.host, self.prefix))["gb_s"]
         lv = self.opts.levers
         base = base_candidate(self.loaded)
         # levers not named: the recipe's cache and an f16 one, the recipe's -ub and 64 (sm_70's

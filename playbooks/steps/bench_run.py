@@ -56,7 +56,8 @@ def _push_probe(host: Host, prefix: str, local: Path) -> str:
     return remote
 
 
-def _python(host: Host, prefix: str) -> str:
+def host_python(host: Host, prefix: str) -> str:
+    """The python the probes run with: the toolchain venv's (it has numpy), else the system's."""
     venv = f"{prefix}/venv/bin/python"
     return venv if host.exists(venv) else "python3"
 
@@ -348,7 +349,7 @@ def measure(
         "build": build or ("not recorded" if r.backend == "llamacpp" else "TabbyAPI (no llama.cpp build)"),
         "url": f"http://127.0.0.1:{port}/v1 on {host.name}",
     }
-    python = _python(host, prefix)
+    python = host_python(host, prefix)
     membw = None
     n_cpu_moe = _n_cpu_moe(loaded)
     # the host's copy rate, kept as a host fact: the roofline of a CPU, and the host side of a
