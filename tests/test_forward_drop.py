@@ -7,6 +7,7 @@ Real parts: the private sshd, a local HTTP server streaming a line every 0.1 s, 
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import socketserver
 import subprocess
@@ -28,6 +29,13 @@ class _Slow(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):  # noqa: N802 (the stdlib's name)
+        if self.path == "/quick":  # one short answer, the connection closed after it
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"ok")
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -72,3 +80,50 @@ def test_a_lost_connection_ends_the_forwarded_streams_at_once(sshd_host):
         assert lines >= 3 and took < 10, (lines, took)  # it streamed, then ended with the connection
     finally:
         server.shutdown()
+
+
+def test_a_connection_opened_as_the_link_dies_ends_every_stream(sshd_host, monkeypatch):
+    """The CI failure of stop 25: the gate's sweep opened a new connection just as the SSH
+    connection died; paramiko's open_channel, waiting for the server's answer, re-raised the
+    transport's saved EOFError, which nobody caught: the accept thread died and the streams
+    already open were never ended (the provision waited out 300 s). Here one stream runs while
+    another thread opens connection after connection, and the connection is killed amid them."""
+    crashed: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
+    port = free_port()
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", port), _Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with connect(spec_for(sshd_host)) as host, host.forward(port) as local:
+            ended: dict[str, float] = {}
+
+            def stream() -> None:
+                with contextlib.suppress(httpx.HTTPError):
+                    with httpx.stream("GET", f"http://127.0.0.1:{local}/", timeout=60) as r:
+                        for _ in r.iter_lines():
+                            pass
+                ended["stream"] = time.monotonic()
+
+            def churn() -> None:  # a new TCP connection, so a new channel, each time
+                with contextlib.suppress(httpx.HTTPError):
+                    while True:
+                        httpx.get(f"http://127.0.0.1:{local}/quick", timeout=60)
+                ended["churn"] = time.monotonic()
+
+            threads = [threading.Thread(target=f, daemon=True) for f in (stream, churn)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            for pid in _descendants(sshd_host.pid):
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{pid}/comm").read_text().strip() == "sshd":
+                        subprocess.run(["kill", "-9", str(pid)], check=False)
+            for t in threads:
+                t.join(20)
+            assert set(ended) == {"stream", "churn"}, f"still waiting: {ended}"
+            assert max(ended.values()) - t0 < 10, ended
+    finally:
+        server.shutdown()
+    assert not crashed, crashed

@@ -213,23 +213,35 @@ class SshHost(Host):
                         end.close()
 
         def accept() -> None:
+            try:
+                serve()
+            finally:
+                # however the loop ends (stopped, connection lost, an error paramiko raises
+                # that nobody listed), no client is left waiting on a pair nobody pumps:
+                # measured in CI, an EOFError from open_channel on a dead transport killed
+                # this thread before end_all, and the gate's client hung for its whole timeout
+                if not stop.is_set() or not transport.is_active():
+                    end_all()
+
+        def serve() -> None:
             checked = time.monotonic()
             while not stop.is_set():
                 if time.monotonic() - checked >= 1.0:
                     checked = time.monotonic()
                     if not alive():
-                        end_all()  # every client sees its connection closed, at once
-                        break
+                        return  # every client sees its connection closed, at once (accept's finally)
                 try:
                     client, addr = listener.accept()
                 except TimeoutError:
                     continue
                 except OSError:
-                    break
+                    return
                 try:
                     chan = transport.open_channel("direct-tcpip", ("127.0.0.1", port), addr)
-                except (paramiko.SSHException, OSError):
+                except (paramiko.SSHException, OSError, EOFError):
                     client.close()
+                    if not transport.is_active():
+                        return
                     continue
                 pairs.append((client, chan))
                 threading.Thread(target=pump, args=(client, chan), daemon=True).start()
