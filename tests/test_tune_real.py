@@ -8,11 +8,16 @@ again; the live service answers at every check; the report, the chart and a winn
 written; a re-run measures nothing new; the winner, deployed as it is, passes its gate.
 Speculation (ngram-mod) is one lever: its rows carry the server's own drafted/accepted counts.
 `--take-over` on a plan too small for two servers: the live service is stopped for the search
-and is back (the same model, answering) after it, and after a candidate that crashes."""
+and is back (the same model, answering) after it, after a candidate that crashes, after a
+budget that ran out (the best so far written) and after Ctrl-C."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,11 +178,48 @@ def test_take_over_stops_the_live_service_and_brings_it_back(sshd_host, tiny_qua
         assert res["candidates"][0]["error"].startswith("the server did not come up")
         with connect(spec_for(sshd_host)) as host:
             assert bench_health(host, port) == 200  # back after the failed candidate
-        took = type(opts)(**{**opts.__dict__, "take_over": True})
+        # a budget shorter than one measurement: the first candidate is measured, the search
+        # stops there and says so, the best so far is the winner, and the live service is back
+        took = type(opts)(**{**opts.__dict__, "take_over": True, "budget_s": 1.0})
+        took = type(took)(
+            **{**took.__dict__, "levers": type(opts.levers)(**{**opts.levers.__dict__, "ubatches": (512, 64)})}
+        )
         assert run_tune("box", str(recipe), took, as_json=True, settings=settings) == 0
         res = json.loads(capsys.readouterr().out)
-        assert res["live"]["taken_over"] and res["winner"] is not None
+        assert res["live"]["taken_over"] and res["budget_ran_out"] and res["space"]["measured"] == 2
+        assert len(res["candidates"]) == 1 and res["winner"]["label"] == res["candidates"][0]["label"]
+        assert Path(res["winner"]["recipe"]).is_file()
         with connect(spec_for(sshd_host)) as host:
             assert bench_health(host, port) == 200  # back after the search
+
+        # Ctrl-C amid a candidate (the command as a user runs it): exit 130 with one line saying
+        # what was left; the scratch server is gone and the live service answers again
+        scratch = port + 100
+        cmd = [sys.executable, "-m", "invoke", "-r", str(ROOT), "tune", "--host", "box", "--recipe", str(recipe)]
+        cmd += ["--inventory", str(settings.inventory), "--cache", "f16", "--ubatch", "256", "--take-over"]
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+        )  # fmt: skip
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if f"serving on port {scratch}" in line:
+                break
+        else:
+            raise AssertionError("".join(seen)[-3000:])
+        time.sleep(1.0)  # inside the deploy or the bench of the candidate
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 130, err[-3000:]
+        assert err.strip().splitlines()[-1] == (
+            "error: interrupted: the scratch server was stopped and removed; the live service: deployed "
+            "again; every measurement finished so far is kept (a re-run resumes)"
+        ), err[-3000:]
+        with connect(spec_for(sshd_host)) as host:
+            assert bench_health(host, port) == 200 and bench_health(host, scratch) == 0
+            assert not host.exists(f"{prefix}/deploy/voltaforge-tune") and not host.exists(
+                f"{prefix}/serve/voltaforge-tune"
+            )
     finally:
         run_stop("box", str(recipe), settings=settings)

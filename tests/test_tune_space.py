@@ -114,11 +114,17 @@ def test_failures_leave_the_race_and_the_budget_stops_it(v100_14b):
     )
     assert tune_search.choose(done, planned).winner.candidate == planned[1].candidate
     assert tune_search.choose([crash], planned).winner is None
-    ticks = iter([False, True])
-    done, ran_out = tune_search.successive_halving(
-        planned, lambda c, r: _measured(c, r, 50.0), out_of_time=lambda: next(ticks)
-    )
-    assert ran_out and len(done) == 1
+    asked: list[int] = []
+
+    def spent() -> bool:  # the budget ran out before the search began
+        asked.append(1)
+        return True
+
+    done, ran_out = tune_search.successive_halving(planned, lambda c, r: _measured(c, r, 50.0), out_of_time=spent)
+    # the first candidate is measured all the same (and the clock not asked before it), only it
+    assert len(planned) == 2 and len(asked) == 1
+    assert ran_out and [m.candidate for m in done] == [planned[0].candidate]
+    assert tune_search.choose(done, planned).winner.candidate == planned[0].candidate
 
 
 def test_objective_figures():

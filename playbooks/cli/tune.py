@@ -166,7 +166,17 @@ def run_tune(
 
         tuner = Tuner(host, spec.prefix, loaded, opts, tune_ops(), say=lambda line: out.print(f"[{host.name}] {line}"))
         with host_lock(host, spec.prefix, sudo=sudo):
-            outcome = tuner.run(take_over, restore)
+            try:
+                outcome = tuner.run(take_over, restore)
+            except KeyboardInterrupt:
+                # the conductor's finally blocks have run: say what they left
+                live_state = "deployed again" if tuner.took_over else "untouched" if live else "none was running"
+                print(
+                    f"error: interrupted: the scratch server was stopped and removed; the live service: "
+                    f"{live_state}; every measurement finished so far is kept (a re-run resumes)",
+                    file=sys.stderr,
+                )
+                return 130
     res = outcome.result
     if as_json:
         print(json.dumps(res, indent=2, sort_keys=True))

@@ -173,10 +173,11 @@ class Tuner:
         self.scratch = ServerLayout(prefix=prefix, unit_name=SCRATCH_UNIT)
         self.root = (cache_root or bench_dir().parent / "tune") / host.name / r.name
         self.store = self.root / "measurements.jsonl"
-        self.deadline = time.monotonic() + opts.budget_s
+        self.deadline = time.monotonic() + opts.budget_s  # set again when the search begins
         self.live_checks: list[tuple[str, int]] = []
         self.build = ""
         self.bandwidth: float | None = None
+        self.took_over = False  # the live service was stopped for the search (and is restored)
 
     # -- facts -------------------------------------------------------------------------------
 
@@ -342,11 +343,14 @@ class Tuner:
         out.live = {"services": [d.service for d in live], "taken_over": False}
         if crowded and not self.opts.take_over:
             raise VoltaforgeError(f"{self.host.name}: {crowded}")
-        if crowded:
-            self.say(f"taking over: stopping {', '.join(d.service for d in live)} for the search")
-            take_over_stop()
-            out.live["taken_over"] = True
         try:
+            if crowded:
+                self.say(f"taking over: stopping {', '.join(d.service for d in live)} for the search")
+                self.took_over = True  # before the stop: a Ctrl-C amid it must still restore
+                out.live["taken_over"] = True
+                take_over_stop()
+            # the budget is the search's: the facts above (a first membw probe) are not in it
+            self.deadline = time.monotonic() + self.opts.budget_s
             out.measured, out.ran_out = successive_halving(
                 space.survivors, self.measure, self.opts.rungs, lambda: time.monotonic() > self.deadline
             )
@@ -356,7 +360,7 @@ class Tuner:
                 check=False,
                 stream=False,
             )
-            if out.live["taken_over"]:
+            if self.took_over:
                 self.say("deploying the live service again")
                 restore()
         out.live["checks"] = self.live_checks

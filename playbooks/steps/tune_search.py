@@ -70,13 +70,16 @@ def successive_halving(
     rungs: int = 3,
     out_of_time: Callable[[], bool] = lambda: False,
 ) -> tuple[list[Measured], bool]:
-    """Every measurement made, in order, and whether the budget ran out first."""
+    """Every measurement made, in order, and whether the budget ran out first (it is asked
+    before every measurement but the first)."""
     alive = [p.candidate for p in planned]
     done: list[Measured] = []
     for rung in range(rungs):
         results: list[Measured] = []
         for c in alive:
-            if out_of_time():
+            # the first candidate is always measured: a budget shorter than one measurement
+            # still reports one figure and a winner, rather than nothing at all
+            if (done or results) and out_of_time():
                 return done + results, True
             results.append(measure(c, rung))
         done += results
