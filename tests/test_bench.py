@@ -11,10 +11,12 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from playbooks.config.recipe import RecipeError, load_recipe
 from playbooks.steps import bench, bench_client
 from playbooks.steps.bench_client import Sample
 from tests.helpers import ROOT
@@ -161,6 +163,42 @@ def test_prompts_are_seeded_and_sized_by_the_servers_own_count():
     assert max(len(w) for w in shipped.split()) > 100  # the text does hold such runs
     prompts = bench.prompts_for(shipped, 8, 2000, seed=3)
     assert max(len(p) for p in prompts) <= 8 * 25
+
+
+def test_workload_kinds_cut_their_own_texts():
+    """gate.workload: chat cuts words of the general text joined by spaces (as the bench always
+    did: the same prompts as before kinds existed); code cuts the shipped source with its line
+    breaks and indentation; long lays the general text out and asks 2048-token prompts unless
+    the recipe names a length, which must fit the slot."""
+    from playbooks.steps.bench_run import workload_text
+
+    shipped = (ROOT / "recipes" / "calibration" / "general.txt").read_text(encoding="utf-8")
+    chat = workload_text("chat")
+    assert bench.prompts_for(chat, 40, 5, seed=9) == bench.prompts_for(shipped, 40, 5, seed=9)
+    assert all("\n" not in p for p in bench.prompts_for(chat, 40, 50, seed=9))
+    code = bench.prompts_for(workload_text("code"), 60, 50, seed=9)
+    assert sum("\n    " in p for p in code) >= 35 and sum("def " in p or "return" in p for p in code) >= 25
+    assert all(len(p.split()) == 60 for p in code)  # the words are the same count; layout kept
+    long = bench.prompts_for(workload_text("long"), 300, 5, seed=9)
+    assert all("\n" in p and len(p.split()) == 300 for p in long)
+    assert load_recipe(_gate_recipe("workload: long", 4096)).recipe.gate.prompt_tokens == 2048
+    assert load_recipe(_gate_recipe("workload: long\n  prompt_tokens: 512", 1024)).recipe.gate.prompt_tokens == 512
+    with pytest.raises(RecipeError, match="a prompt of 2048 tokens and 64 out do not fit a slot of 1024 tokens"):
+        load_recipe(_gate_recipe("workload: long", 1024))
+    with pytest.raises(RecipeError, match="workload"):
+        load_recipe(_gate_recipe("workload: poetry", 1024))
+
+
+def _gate_recipe(gate: str, context: int) -> Path:
+    import tempfile
+
+    where = Path(tempfile.mkdtemp())
+    (where / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    text = (ROOT / "recipes" / "tiny-cpu.yaml").read_text().replace("context: 512", f"context: {context}")
+    text = text.replace("max_position_embeddings: 2048", "max_position_embeddings: 8192")
+    text = text.replace("gate:\n", f"gate:\n  {gate}\n")
+    (where / "r.yaml").write_text(text)
+    return where / "r.yaml"
 
 
 # ------------------------------------------------------------------------------------------

@@ -106,6 +106,7 @@ BAD = {
     ("tune", "slots"): [("x", "is not a number of slots"), ("65", "at most 64")],
     ("tune", "ubatch"): [("0", "want whole numbers 1-8192"), ("64,", "distinct values")],
     ("tune", "spec"): [("magic", "want none or")],
+    ("tune", "threads"): [("0", "want whole numbers 1-1024"), ("two", "want whole numbers 1-1024")],
     ("tune", "min-ctx"): [("x", "is not a number of tokens")],
     ("tune", "min-bpw"): [("x", "is not a number of bits per weight"), ("0", "must be a positive number")],
     ("tune", "budget"): [("soon", "a duration such as 45m"), ("0m", "longer than nothing")],

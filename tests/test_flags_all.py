@@ -59,8 +59,8 @@ ACCEPTED = {
     ("quantize", "bpw"): {"5"},  # EXL2 at 5.0 bits per weight
     ("render", "gpus"): {"5"},  # GPU 5
     ("deploy", "gpus"): {"5"},
-    # tune: 5 slots, a batch of 5, 5 tokens, 5 bits per weight, 5 rungs, port 5
-    **{("tune", f): {"5"} for f in ("slots", "ubatch", "min-ctx", "min-bpw", "rungs", "port")},
+    # tune: 5 slots, a batch of 5, 5 tokens, 5 bits per weight, 5 rungs, port 5, 5 threads
+    **{("tune", f): {"5"} for f in ("slots", "ubatch", "min-ctx", "min-bpw", "rungs", "port", "threads")},
     # a directory to write into (made under the run's directory)
     ("render", "out"): {"abc", "-1", "5", "../../etc/x", "a b;rm", "1e999", "{dir}"},
     ("verify-recipe", "reports"): {"abc", "-1", "5", "../../etc/x", "a b;rm", "1e999", "{dir}"},

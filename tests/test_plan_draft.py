@@ -32,7 +32,11 @@ QWEN3_06B = (
 
 
 def draft(config: str | Path, quant: str = "Q8_0") -> str:
-    return f"draft:\n  model:\n    path: /srv/models/draft\n    config: {config}\n  quant: {quant}\n"
+    # a hub model: deploy names its artifact by repo and revision (a path draft is hashed on the
+    # controller, so it would have to exist here)
+    rev = "a" * 40
+    model = f"    repo: Qwen/Qwen2.5-0.5B-Instruct\n    revision: {rev}\n    config: {config}\n"
+    return f"draft:\n  model:\n{model}  quant: {quant}\n"
 
 
 def invoke(*args: str) -> subprocess.CompletedProcess[str]:
@@ -122,9 +126,31 @@ def test_deploy_expects_the_drafts_buffers_in_the_load_log(tmp_path):
         loaded = load_recipe(recipe_with(tmp_path, base, draft(cfg), name=base))
         option = plan_recipe(loaded).chosen
         assert option is not None and option.draft_bytes > 0
-        expect = next(op.expect for op in deploy_ops(loaded, Box(), "/opt/vf", "auto") if hasattr(op, "expect"))
+        ops = deploy_ops(loaded, Box(), "/opt/vf", "auto")
+        expect = next(op.expect for op in ops if hasattr(op, "expect"))
+        # the unit's --model-draft reads draft.gguf: deploy links it to the draft's own artifact
+        links = {op.link: op.artifact for op in ops if type(op).__name__ == "EnsureModelLink"}
+        draft_link = "/opt/vf/serve/voltaforge-llama-server/draft.gguf"
+        assert links[draft_link].startswith("/opt/vf/models/Qwen--Qwen2.5-0.5B-Instruct-aaaa") and links[
+            draft_link
+        ].endswith("Q8_0.gguf"), links
         assert expect.kv_mib == (option.kv_bytes + option.draft_kv_bytes) / 2**20
         assert expect.compute_mib == (option.compute_bytes + option.draft_compute_bytes) / 2**20
         if loaded.shape.is_moe:
             weights = option.draft_bytes - option.draft_kv_bytes - option.draft_compute_bytes
             assert weights > 0 and expect.device_model_mib == (option.gpu_weights_bytes + weights) / 2**20
+
+
+def test_quantize_makes_the_draft_in_its_own_model_directory(tmp_path):
+    """`invoke quantize` of a recipe with a draft: the target's chain, then the draft's (its
+    weights, F16 and its quant, no importance matrix) under the draft's own model id; the
+    artifacts a copy (--on) carries include the draft."""
+    from playbooks.cli.quantize import made_artifacts, quantize_step
+
+    loaded = load_recipe(recipe_with(tmp_path, "qwen2.5-14b-v100-16gb", draft(QWEN25_05B), name="paired"))
+    names = [op.name for op in quantize_step(loaded, "/opt/vf")]
+    draft_ops = [n for n in names if "qwen--qwen2.5-0.5b-instruct" in n.lower()]
+    assert draft_ops and names.index(draft_ops[0]) > max(i for i, n in enumerate(names) if "Q4_K_M" in n), names
+    assert any("Q8_0" in n for n in draft_ops) and any("F16" in n for n in draft_ops), draft_ops
+    paths = [a.path for a in made_artifacts(loaded, None, None, "/opt/vf")]
+    assert len(paths) == 2 and "qwen--qwen2.5-0.5b-instruct" in paths[1].lower() and paths[1].endswith("Q8_0.gguf")

@@ -253,6 +253,23 @@ def test_speculation_types_are_llama_servers_own(tmp_path):
     body = GOOD.replace("backend: llamacpp", "backend: exllamav2").replace("quant: Q4_K_M", "quant: {bpw: 4.0}")
     msg = _error(tmp_path, body + "cache: {k: Q8, v: Q8}\nspec_type: ngram-mod\n")
     assert "speculative decoding is llama-server's" in msg
+    # a draft beside an n-gram type would be loaded and never used
+    draft = "draft: {model: {repo: a/b, revision: " + "a" * 40 + ", config: {model_type: llama}}}\n"
+    msg = _error(tmp_path, GOOD + draft + "spec_type: ngram-mod\n")
+    assert "a draft model is used by spec_type draft-simple, not ngram-mod" in msg
+
+
+def test_threads_reach_llama_server_and_its_draft(tmp_path):
+    """threads: -t and -tb (and the draft's own pair when there is a draft); llama.cpp only."""
+    from playbooks.steps.units import ServerLayout, llama_server_argv
+
+    argv = llama_server_argv(load_recipe(_write(tmp_path, GOOD + "threads: 3\n")).recipe, ServerLayout())[0]
+    assert argv[argv.index("--threads") + 1] == argv[argv.index("--threads-batch") + 1] == "3"
+    assert "--spec-draft-threads" not in argv
+    assert "--threads" not in llama_server_argv(load_recipe(_write(tmp_path, GOOD)).recipe, ServerLayout())[0]
+    assert "threads: Input should be greater than or equal to 1" in _error(tmp_path, GOOD + "threads: 0\n")
+    body = GOOD.replace("backend: llamacpp", "backend: exllamav2").replace("quant: Q4_K_M", "quant: {bpw: 4.0}")
+    assert "threads: is llama.cpp's -t" in _error(tmp_path, body + "cache: {k: Q8, v: Q8}\nthreads: 2\n")
 
 
 def test_a_draft_with_another_tokenizer_is_refused_before_anything_is_made(tmp_path):

@@ -85,11 +85,12 @@ DRAFT_ONE_THREAD = ["--spec-draft-threads", "1", "--spec-draft-threads-batch", "
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Q8_0 GGUFs of the draft, its zero-layer target, the random draft and the successor."""
+    """Q8_0 GGUFs of the draft, its zero-layer target, the random draft and the successor (and
+    the target's and the random draft's weight directories, "hf:...")."""
     work = tmp_path_factory.mktemp("speculation")
     pair = write_draft_pair(work / "hf", DRAFT, EXTRA_LAYERS)
     successor = write_successor_model(pair.draft, work / "hf" / "successor", SENTENCE)
-    out = {}
+    out = {"hf:target": pair.target, "hf:random": pair.random_draft}
     for name, hf in {
         "draft": pair.draft,
         "target": pair.target,
@@ -266,3 +267,94 @@ def test_ngram_drafts_are_accepted_on_a_repeated_sentence_not_on_prose(models, t
     assert rep["accepted"] >= 40 and rep["rate"] is not None and rep["rate"] >= 0.9, rep
     other = acceptance([prose.timings])
     assert other["accepted"] <= 5 and (other["rate"] is None or other["rate"] <= 0.5), other
+
+
+@pytest.mark.timeout(900)
+def test_tune_measures_a_random_draft_and_keeps_the_target_alone(models, sshd_host, tmp_path, monkeypatch, capsys):
+    """`invoke tune --spec none,draft-simple` on a recipe whose draft is the random one: the
+    draft candidate is planned with the draft's weights and cache, quantize's layout gives the
+    draft its own model directory and deploy links it beside the model, the server drafts
+    (the row carries its counts: near 0% accepted) and the winner speculates not at all."""
+    from playbooks.cli.deploy import run_stop
+    from playbooks.cli.quantize import draft_artifact
+    from playbooks.cli.settings import Settings
+    from playbooks.cli.tune import options, run_tune
+    from playbooks.config.recipe import load_recipe
+    from playbooks.host import connect
+    from playbooks.steps.quantize import manifest_path
+    from tests.helpers import inventory_for, spec_for, stage_served_model
+
+    port = free_port()
+    prefix = str(sshd_host.prefix / "vf-draft")
+    settings = Settings(inventory=inventory_for(tmp_path, "box", sshd_host, prefix=prefix))
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    recipe = tmp_path / "tiny-draft.yaml"
+    target, rand = models["hf:target"], models["hf:random"]
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": str(target), "config": str(target / "config.json")},
+                "gpu": "cpu",
+                "backend": "llamacpp",
+                "quant": "Q8_0",
+                "context": 1024,
+                "threads": 1,  # and the draft's: the module docstring says why one
+                "draft": {"model": {"path": str(rand), "config": str(rand / "config.json")}, "quant": "Q8_0"},
+                "service": {"port": port},
+                "gate": {"levels": [1], "prompt_tokens": 16, "max_tokens": 48, "min_tok_s": 1},
+            }
+        )
+    )
+    loaded = load_recipe(recipe)
+    with connect(spec_for(sshd_host)) as host:
+        stage_served_model(host, prefix, recipe, models["target"], "Q8_0")
+        draft = draft_artifact(loaded, prefix)
+        assert draft and "/models/random-draft-" in draft and draft.endswith("-Q8_0.gguf")  # its own directory
+        import hashlib
+        import json
+
+        data = models["random"].read_bytes()
+        host.run(f"mkdir -p {draft.rsplit('/', 1)[0]}", stream=False)
+        host.put(str(models["random"]), draft, mode=0o644)
+        manifest = {"path": draft, "kind": "gguf", "quant": "Q8_0", "bytes": len(data)}
+        manifest["sha256"] = hashlib.sha256(data).hexdigest()
+        host.put(json.dumps(manifest).encode(), manifest_path(draft), mode=0o644)
+        host.run(f"chmod -R a+rX {prefix}", stream=False)
+    monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
+    opts = options("single", None, "f16", None, None, "512", "none,draft-simple", None, None, "10m", 1, False, None)
+    opts = type(opts)(**{**opts.__dict__, "recipes_dir": tmp_path / "out"})
+    try:
+        assert run_tune("box", str(recipe), opts, as_json=True, settings=settings) == 0
+        res = json.loads(capsys.readouterr().out)
+    finally:
+        run_stop("box", str(recipe), settings=settings)  # nothing live: a no-op, said so
+    rows = {r["spec_type"]: r for r in res["candidates"]}
+    assert set(rows) == {None, "draft-simple"} and all(r["error"] is None for r in rows.values()), rows
+    spec = rows["draft-simple"]["speculation"]
+    assert spec["drafted"] >= 40 and spec["acceptance"] is not None and spec["acceptance"] <= 0.05, spec
+    assert rows[None]["speculation"] is None
+    # the draft's 1 layer of 512 wide, counted in the draft candidate's plan
+    assert rows["draft-simple"]["vram_gib"] > rows[None]["vram_gib"]
+    assert res["winner"]["label"] == rows[None]["label"]
+    winner = load_recipe(res["winner"]["recipe"])
+    assert winner.recipe.spec_type is None and winner.recipe.draft is None
+
+
+@pytest.mark.parametrize("workload", ["chat", "code", "long"])
+def test_each_workload_kind_is_sized_by_the_servers_own_count(models, tmp_path, workload):
+    """The bench's measure_level against the real llama-server, once per gate.workload: the
+    prompts of each shipped text (words, code laid out, prose laid out) come out at about the
+    asked length by the server's own count (one probe calibrates words per token: code costs
+    more tokens a word than prose, so the same word count would miss)."""
+    from playbooks.config.recipe import Gate
+    from playbooks.host.local import LocalHost
+    from playbooks.steps.bench_run import measure_level
+
+    server = Server(models["successor"], [], tmp_path / f"{workload}.log")
+    try:
+        g = Gate(levels=[1], prompt_tokens=96, max_tokens=8, requests_per_level=4, max_requests_per_level=4)
+        level = measure_level(LocalHost(), server.port, "llama-server", 1, g.model_copy(update={"workload": workload}))
+    finally:
+        server.close()
+    assert not level.get("error"), level
+    assert 0.6 * 96 <= level["prompt_tokens"] <= 1.5 * 96, level["prompt_tokens"]

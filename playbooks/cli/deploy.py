@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from playbooks.cli.converge import converge
-from playbooks.cli.quantize import recipe_weights
+from playbooks.cli.quantize import draft_artifact, recipe_weights
 from playbooks.cli.render import render_report
 from playbooks.cli.settings import Settings
 from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
@@ -142,6 +142,9 @@ def deploy_ops(
     ops += [EnsureDirectory(f"{prefix}/serve", 0o755), EnsureDirectory(state_root, 0o755)]
     ops += [EnsureDirectory(state.state_dir, 0o700) for _, state, _ in instances]
     ops.append(EnsureModelLink(link, artifact, manifest, hint))
+    draft = draft_artifact(loaded, prefix) if r.backend == "llamacpp" else None
+    if draft:  # the unit's --model-draft reads it through its own link beside the model's
+        ops.append(EnsureModelLink(server.draft_file(r), draft, manifest_path(draft), hint))
     etc = sorted({f.path.rsplit("/", 1)[0] for f in files if f.path.startswith("/etc/voltaforge/")})
     if kind == "systemd" and etc:
         ops += [EnsureDirectory(d, 0o755, sudo=True) for d in dict.fromkeys(["/etc/voltaforge", *etc])]

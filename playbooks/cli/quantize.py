@@ -14,7 +14,7 @@ from playbooks.cli.flags import UsageError
 from playbooks.cli.render import console, render_artifacts, render_report
 from playbooks.cli.settings import Settings
 from playbooks.config.planning import plan_recipe
-from playbooks.config.recipe import LoadedRecipe
+from playbooks.config.recipe import LoadedRecipe, ModelSource
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.host import Host
@@ -64,18 +64,36 @@ def parse_quants(value: str | None, recipe_quant: str) -> list[str]:
     return quants
 
 
-def recipe_weights(loaded: LoadedRecipe) -> LocalWeights | HubWeights:
-    model = loaded.recipe.model
+def source_weights(model: ModelSource, recipe_path: Path, key: str = "model") -> LocalWeights | HubWeights:
+    """Where a model's weights come from (a path relative to the recipe's directory)."""
     cache = source_cache_dir().parent / "models"
     if model.generate:
         if not isinstance(model.config, dict):
-            raise VoltaforgeError(f"{loaded.path}: model.generate needs model.config inline")
+            raise VoltaforgeError(f"{recipe_path}: {key}.generate needs {key}.config inline")
         return generated_weights(model.config, cache)
     if model.path:
         where = Path(model.path).expanduser()
-        return path_weights(where if where.is_absolute() else loaded.path.parent / where)
+        return path_weights(where if where.is_absolute() else recipe_path.parent / where)
     assert model.repo and model.revision  # the recipe schema: exactly one source, a repo with its revision
     return HubWeights(model.repo, model.revision, model.token_file)
+
+
+def recipe_weights(loaded: LoadedRecipe) -> LocalWeights | HubWeights:
+    return source_weights(loaded.recipe.model, loaded.path)
+
+
+def draft_weights(loaded: LoadedRecipe) -> LocalWeights | HubWeights | None:
+    """The draft model's weights (llama-server --model-draft), or None without one."""
+    draft = loaded.recipe.draft
+    return source_weights(draft.model, loaded.path, "draft.model") if draft is not None else None
+
+
+def draft_artifact(loaded: LoadedRecipe, prefix: str) -> str | None:
+    """Where the draft's GGUF lives on a host (the draft's own model directory), or None."""
+    weights, draft = draft_weights(loaded), loaded.recipe.draft
+    if weights is None or draft is None:
+        return None
+    return ModelLayout(prefix, weights.model_id).gguf(draft.quant)
 
 
 def recipe_calibration(loaded: LoadedRecipe) -> Path | None:
@@ -162,7 +180,7 @@ def quantize_step(
             recipe_sha256=recipe_hash,
         )
 
-    return [
+    ops: list[Operation] = [
         EnsureDirectory(f"{prefix}/models", 0o755),
         EnsureDirectory(layout.root, 0o755),
         # the converter's packages first: huggingface_hub (a download) comes with transformers
@@ -173,6 +191,30 @@ def quantize_step(
         gguf("F16"),
         EnsureReference(layout, build, imatrix),
         *(gguf(q) for q in quants),
+    ]
+    return ops + _draft_ops(loaded, prefix, recipe_hash)
+
+
+def _draft_ops(loaded: LoadedRecipe, prefix: str, recipe_hash: str) -> list[Operation]:
+    """The draft model's GGUF at its quant, made the same way in its own model directory (no
+    importance matrix: a draft's errors cost only acceptance, which the bench measures)."""
+    r, weights = loaded.recipe, draft_weights(loaded)
+    if weights is None or r.draft is None or loaded.draft_shape is None:
+        return []
+    layout = ModelLayout(prefix, weights.model_id)
+    build, venv = BuildLayout(prefix), venv_path(prefix)
+
+    def gguf(q: str) -> EnsureGguf:
+        return EnsureGguf(layout, build, venv, weights, loaded.draft_shape, q, recipe_sha256=recipe_hash)
+
+    return [
+        EnsureDirectory(layout.root, 0o755),
+        weights_op(layout, weights, venv, loaded.draft_shape),
+        EnsureTexts(layout, calibration_text(weights, recipe_calibration(loaded)), TEST_PROMPT),
+        EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.draft.model.fp16_overflow == "clamp"),
+        gguf("F16"),
+        EnsureReference(layout, build, False),
+        *([gguf(r.draft.quant)] if r.draft.quant != "F16" else []),
     ]
 
 
@@ -244,7 +286,9 @@ def made_artifacts(loaded: LoadedRecipe, quant: str | None, bpw: str | None, pre
         head_bits = 6 if isinstance(r.quant, str) else r.quant.head_bits
         out = Exl2Layout(layout.root).output(Exl2Layout.tag(rate, head_bits))
         return [Artifact.exl2(out, EXL2_STAMP)]
-    return [Artifact.gguf(layout.gguf(q)) for q in parse_quants(quant, r.quant_name)]
+    made = [Artifact.gguf(layout.gguf(q)) for q in parse_quants(quant, r.quant_name)]
+    draft = draft_artifact(loaded, prefix)
+    return made + ([Artifact.gguf(draft)] if draft else [])
 
 
 def copy_artifacts(

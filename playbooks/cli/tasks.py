@@ -389,7 +389,9 @@ def stop(c: Context, host: str | None = None, recipe: str | None = None, invento
         "flash-attn": "on, off or on,off (default: the recipe's)",
         "slots": "try 1..N slots (--parallel; default: the recipe's)",
         "ubatch": "physical batch sizes (-ub) to try (default: the recipe's and 64)",
-        "spec": "speculative decoding types to try: none, ngram-mod, ngram-simple, ngram-map-k",
+        "spec": "speculative decoding types to try: none, ngram-mod, ngram-simple, ngram-map-k, draft-simple "
+        "(the recipe's draft model)",
+        "threads": "llama.cpp CPU thread counts to try (-t/-tb), e.g. 1,2 (default: the recipe's)",
         "min-ctx": "tokens every slot must hold (default: the recipe's context)",
         "min-bpw": "the quality floor in bits per weight (default: none)",
         "budget": "wall-clock budget, e.g. 45m, 90s, 1h30m (default 45m); the best so far when it runs out",
@@ -411,6 +413,7 @@ def tune(
     slots: str | None = None,
     ubatch: str | None = None,
     spec: str | None = None,
+    threads: str | None = None,
     min_ctx: str | None = None,
     min_bpw: str | None = None,
     budget: str = "45m",
@@ -441,6 +444,7 @@ def tune(
             rungs=flags.positive_int("--rungs", rungs, "rungs", 8),
             take_over=take_over,
             port=flags.positive_int("--port", port, "a port", 65535),
+            threads=threads,
         )
         return run_tune(
             flags.one_host("--host", _cfg(c, "host", host)),

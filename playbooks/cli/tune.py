@@ -3,7 +3,10 @@
 The levers' defaults, when no flag names them: the recipe's quant, its cache and an f16 one,
 flash attention as the recipe has it, the recipe's slots (1..N with ``--slots N``), the
 physical batch at the recipe's and at 64 (sm_70's MMQ kernels run only below 64-token
-batches: -ub around 64 switches kernels), no speculation (``--spec ngram-mod`` adds it)."""
+batches: -ub around 64 switches kernels), the recipe's speculation (``--spec
+none,ngram-mod,draft-simple`` compares them; draft-simple needs the recipe's ``draft:``), the
+recipe's threads (``--threads 1,2`` compares: on a small or shared CPU host, every core can
+be slower than fewer)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 from playbooks.cli.deploy import choose_manager, deploy_ops, make_manager, single_service
 from playbooks.cli.deployed import read_deployments, recipe_file
 from playbooks.cli.flags import UsageError
-from playbooks.cli.quantize import quantize_step, recipe_weights
+from playbooks.cli.quantize import draft_artifact, quantize_step, recipe_weights
 from playbooks.cli.render import console
 from playbooks.cli.settings import Settings
 from playbooks.conduct.tune import SCRATCH_SERVICE, Levers, Ops, TuneOptions, Tuner
@@ -31,8 +34,9 @@ from playbooks.steps.tune_space import OBJECTIVES, Objective
 from playbooks.steps.units import ServerLayout
 
 CACHE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-#: the pinned llama.cpp's draft-free speculation types (common/speculative.cpp)
-SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k")
+#: the pinned llama.cpp's speculation types (common/speculative.cpp) tune can move: the
+#: draft-free n-gram ones, and draft-simple with the recipe's draft model
+SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "draft-simple")
 
 
 # -- flags ------------------------------------------------------------------------------------
@@ -122,6 +126,7 @@ def tune_ops() -> Ops:
         stop=_stop,
         quantize=lambda loaded, prefix, quant: quantize_step(loaded, prefix, quant),
         model_id=lambda loaded: recipe_weights(loaded).model_id,
+        draft_artifact=draft_artifact,
     )
 
 
@@ -242,6 +247,7 @@ def options(
     rungs: int | None,
     take_over: bool,
     port: int | None,
+    threads: str | None = None,
 ) -> TuneOptions:
     """The flags, each checked (one line, exit 2, for a bad one)."""
     if objective not in OBJECTIVES:
@@ -254,6 +260,7 @@ def options(
         slots=tuple(range(1, slots + 1)) if slots else (),
         ubatches=parse_ints("--ubatch", ubatch, 1, 8192),
         spec_types=parse_specs(spec),
+        threads=parse_ints("--threads", threads, 1, 1024),
     )
     return TuneOptions(
         objective=obj,

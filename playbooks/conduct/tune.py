@@ -21,8 +21,7 @@ The loop, per host (compute first, act second):
    how it was found, into the user's recipes directory, never the installed package; the
    table, a chart and the JSON go under ``~/.cache/voltaforge/tune/<host>/<recipe>/<time>/``.
 
-Not searched here: llama.cpp's threads on a CPU host (the recipe has no such lever yet),
-EXL2 bit rates (the EXL2 path has not run on a GPU), `--n-cpu-moe` (the planner picks the
+Not searched here: EXL2 bit rates (the EXL2 path has not run on a GPU), `--n-cpu-moe` (the planner picks the
 smallest that fits; more only loses speed).
 """
 
@@ -79,6 +78,7 @@ class Levers:
     slots: tuple[int, ...] = ()
     ubatches: tuple[int, ...] = ()
     spec_types: tuple[str | None, ...] = ()
+    threads: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,7 @@ class Ops:
     stop: StopCommand
     quantize: QuantizeOps
     model_id: ModelId
+    draft_artifact: Callable[[LoadedRecipe, str], str | None] = lambda _loaded, _prefix: None
 
 
 @dataclass
@@ -129,6 +130,9 @@ def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int
             "planner": r.planner.model_copy(update={"n_ubatch": c.ubatch}),
             "service": r.service.model_copy(update={"port": port}),
             "spec_type": c.spec_type,
+            # the draft is loaded by draft-simple alone (the recipe schema refuses it beside others)
+            "draft": r.draft if c.spec_type == "draft-simple" else None,
+            "threads": c.threads,
         }
     )
     return loaded.model_copy(update={"recipe": new})
@@ -235,6 +239,9 @@ class Tuner:
         layout = ModelLayout(self.prefix, self.ops.model_id(cand))
         path = layout.gguf(c.quant)
         facts = parse_json_object(read_fact(self.host, cat_command(manifest_path(path))))
+        draft = self.ops.draft_artifact(cand, self.prefix)
+        if draft and not parse_json_object(read_fact(self.host, cat_command(manifest_path(draft)))):
+            facts = None  # the quantize step makes the draft's GGUF beside the model's
         if not facts:
             self.say(f"making {c.quant}: no verified artifact yet")
             changes = run_ops(self.host, self.ops.quantize(cand, self.prefix, c.quant))
@@ -264,6 +271,8 @@ class Tuner:
         conc = concurrency_for(self.opts.objective, c)
         g = rung_gate(cand.recipe.gate, rung, conc)
         workload: dict[str, Any] = {"prompt_tokens": g.prompt_tokens, "max_tokens": g.max_tokens, "concurrency": conc}
+        if g.workload != "chat":  # (chat: the key measurements were kept under before kinds existed)
+            workload["kind"] = g.workload
         workload["rung"] = rung
         workload |= {"least": g.requests_per_level, "most": g.max_requests_per_level, "ci_target": g.ci_target}
         try:
@@ -333,7 +342,7 @@ class Tuner:
         # MMQ kernels run only below 64-token batches, so -ub around 64 switches kernels)
         caches = lv.caches or tuple(dict.fromkeys([(base.cache_k, base.cache_v), ("f16", "f16")]))
         ubatches = lv.ubatches or tuple(dict.fromkeys([base.ubatch, 64]))
-        cands = enumerate_space(base, lv.quants, caches, lv.flash_attn, lv.slots, ubatches, lv.spec_types)
+        cands = enumerate_space(base, lv.quants, caches, lv.flash_attn, lv.slots, ubatches, lv.spec_types, lv.threads)
         space = prune(self.loaded, cands, self.opts.objective, self.opts.min_ctx, self.opts.min_bpw, self.bandwidth)
         out = Outcome(space)
         if not space.survivors:

@@ -29,6 +29,8 @@ DEFAULTS_FILE = "defaults.yaml"
 # llama.cpp (common/speculative.cpp): a draft's vocabulary may differ from the target's by at
 # most this many tokens before speculative decoding refuses it.
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
+#: the prompt length of gate.workload: long when the recipe names none
+LONG_PROMPT_TOKENS = 2048
 _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REV_RE = re.compile(r"^[0-9a-f]{40}$")
 _REF_RE = re.compile(r"^[A-Za-z0-9._/+-]{1,100}$")
@@ -235,6 +237,20 @@ class Gate(_Strict):
     ci_target: float = Field(
         0.02, gt=0, le=1, description="stop repeating at this 95% half-width, as a share of the mean decode"
     )
+    workload: Literal["chat", "code", "long"] = Field(
+        "chat",
+        description="what the prompts are cut from: chat (prose, dialogue and questions, words), code "
+        "(source files, laid out), long (the prose laid out, prompts of 2048 tokens unless prompt_tokens "
+        "says otherwise); speculation pays most on code and repeated text",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _long_prompts(cls, data):
+        # a long-context workload: long prompts unless the recipe named a length
+        if isinstance(data, dict) and data.get("workload") == "long" and "prompt_tokens" not in data:
+            data = {**data, "prompt_tokens": LONG_PROMPT_TOKENS}
+        return data
 
     @field_validator("levels")
     @classmethod
@@ -295,6 +311,13 @@ class Recipe(_Strict):
         gt=0,
         description="llama.cpp's logical batch (-b); unset: 2048, llama.cpp's default, which the planner assumes. "
         "The physical batch (-ub) is planner.n_ubatch: the value the compute buffer was planned with",
+    )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="llama.cpp's CPU threads for generation and for batches (-t and -tb; a draft model's too); "
+        "unset: llama.cpp's default (every core, which on a busy or small host can wait on a descheduled one)",
     )
     draft: Draft | None = None
     # llama-server --spec-type (the pinned llama.cpp's common/speculative.cpp names): the
@@ -365,6 +388,12 @@ class Recipe(_Strict):
                 raise ValueError("cache.v: a quantized V cache needs flash_attn: true in llama.cpp")
             if self.spec_type == "draft-simple" and self.draft is None:
                 raise ValueError("spec_type: draft-simple needs a draft model (draft: {model: ..., quant: ...})")
+            if self.draft is not None and self.spec_type not in (None, "draft-simple"):
+                # the server would load the draft's weights and cache and never draft with them
+                raise ValueError(
+                    f"draft: a draft model is used by spec_type draft-simple, not {self.spec_type} "
+                    "(remove draft:, or spec_type:)"
+                )
         else:
             if self.spec_type is not None:
                 raise ValueError("spec_type: speculative decoding is llama-server's (backend llamacpp)")
@@ -376,11 +405,20 @@ class Recipe(_Strict):
                 )
             if self.draft is not None:
                 raise ValueError("draft: draft models are planned for llamacpp recipes only")
+            if self.threads is not None:
+                raise ValueError("threads: is llama.cpp's -t; ExLlamaV2 runs on the GPU (remove it)")
             if self.n_cpu_moe is not None:
                 raise ValueError(
                     "n_cpu_moe: is llama-server's --n-cpu-moe; ExLlamaV2 keeps every expert on the GPU "
                     "(remove it, or use backend llamacpp)"
                 )
+        g = self.gate
+        if g.prompt_tokens + g.max_tokens > self.context:
+            long = " (workload long: 2048 unless gate.prompt_tokens says)" if g.workload == "long" else ""
+            raise ValueError(
+                f"gate: a prompt of {g.prompt_tokens} tokens and {g.max_tokens} out do not fit a slot of "
+                f"{self.context} tokens (context){long}"
+            )
         if self.batch is not None and self.batch < self.planner.n_ubatch:
             raise ValueError(
                 f"batch: {self.batch} is below planner.n_ubatch {self.planner.n_ubatch}; llama.cpp needs -ub <= -b"

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from playbooks.steps.bench_client import Sample
@@ -34,24 +36,49 @@ KNEE_TTFT_FACTOR = 3.0
 # ------------------------------------------------------------------------------------------
 
 
-def prompts_for(text: str, words: int, count: int, seed: int) -> list[str]:
+#: the workload kinds (recipe gate.workload): the shipped text each cuts its prompts from, and
+#: whether a prompt keeps the text's line breaks and indentation (code and long documents are
+#: read as laid out; chat prompts are words joined by single spaces, as the bench always cut them)
+WORKLOADS: dict[str, tuple[str, bool]] = {
+    "chat": ("general.txt", False),
+    "code": ("code.txt", True),
+    "long": ("general.txt", True),
+}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The pieces prompts are cut from: words, or words with the whitespace after each."""
+
+    pieces: tuple[str, ...]
+    joiner: str
+
+    @classmethod
+    def of(cls, text: str, layout: bool = False) -> Corpus:
+        # a "word" of over MAX_WORD_CHARS is a run of text without spaces (a Chinese paragraph in
+        # the shipped text): it is hundreds of tokens, not one or two, and a prompt landing on it
+        # came out at 735 tokens where 16 were asked for, past the slot's context
+        found = re.findall(r"\S+\s*", text) if layout else text.split()
+        pieces = tuple(p for p in found if len(p.strip()) <= MAX_WORD_CHARS)
+        return cls(pieces, "" if layout else " ")
+
+    def cut(self, start: int, words: int) -> str:
+        return self.joiner.join(self.pieces[start : start + words]).rstrip()
+
+
+def prompts_for(text: str | Corpus, words: int, count: int, seed: int) -> list[str]:
     """``count`` prompts of ``words`` words each, cut from ``text`` at seeded offsets (real text:
     a real model's tokenizer sees real words; every request differs, so no prompt cache
     makes a level look faster than it is)."""
-    # a "word" of over MAX_WORD_CHARS is a run of text without spaces (a Chinese paragraph in
-    # the shipped text): it is hundreds of tokens, not one or two, and a prompt landing on it
-    # came out at 735 tokens where 16 were asked for, past the slot's context
-    pool = [w for w in text.split() if len(w) <= MAX_WORD_CHARS]
+    corpus = text if isinstance(text, Corpus) else Corpus.of(text)
+    pool = list(corpus.pieces)
     if not pool:
         raise ValueError("the prompt text is empty")
     while len(pool) < words + 1:
         pool = pool + pool
+    grown = Corpus(tuple(pool), corpus.joiner)
     rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        start = rng.randrange(0, len(pool) - words)
-        out.append(" ".join(pool[start : start + words]))
-    return out
+    return [grown.cut(rng.randrange(0, len(pool) - words), words) for _ in range(count)]
 
 
 def words_for(target_tokens: int, probe_words: int, probe_tokens: int) -> int:

@@ -208,7 +208,9 @@ def request_bounds(g: Gate, concurrency: int) -> tuple[int, int]:
     return least, most
 
 
-def sweep_level(url: str, text: str, words: int, c: int, g: Gate, kind: str) -> tuple[dict[str, Any], list[Any]]:
+def sweep_level(
+    url: str, text: bench.Corpus, words: int, c: int, g: Gate, kind: str
+) -> tuple[dict[str, Any], list[Any]]:
     """One concurrency level: a warm-up round (every stream once, left out), then rounds of one
     request per stream until the per-stream decode's 95% half-width is within the gate's
     ``ci_target`` of its mean, or the cap (:func:`request_bounds`). Returns the level's summary
@@ -239,16 +241,19 @@ def sweep_level(url: str, text: str, words: int, c: int, g: Gate, kind: str) -> 
     return summary, samples
 
 
-def workload_text() -> str:
-    """The text prompts are cut from (the shipped calibration text: prose, dialogue, code, data)."""
-    return (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
+def workload_text(workload: str = "chat") -> bench.Corpus:
+    """What the prompts of a workload kind are cut from (bench.WORKLOADS): the shipped texts
+    under recipes/calibration (general.txt: prose, dialogue, code, data; code.txt: source)."""
+    name, layout = bench.WORKLOADS[workload]
+    text = (resource_dir("recipes") / "calibration" / name).read_text(encoding="utf-8")
+    return bench.Corpus.of(text, layout)
 
 
-def prompt_words(url: str, text: str, kind: str, prompt_tokens: int) -> tuple[int, str | None]:
+def prompt_words(url: str, text: bench.Corpus, kind: str, prompt_tokens: int) -> tuple[int, str | None]:
     """Words per prompt for about ``prompt_tokens`` tokens, from one probe request's own token
     count; or why the server does not serve completions."""
     probe_words = 64
-    first = bench_client.probe_prompt_tokens(url, " ".join(text.split()[:probe_words]), kind, 60)
+    first = bench_client.probe_prompt_tokens(url, text.cut(0, probe_words), kind, 60)
     if first.error:
         return 0, first.error
     return bench.words_for(prompt_tokens, probe_words, first.prompt_tokens or probe_words), None
@@ -259,7 +264,7 @@ def measure_level(host: Host, port: int, kind: str, concurrency: int, g: Gate) -
     server): the level's summary (:func:`sweep_level`), or ``{"error": ...}``."""
     if bench_health(host, port) == 0:
         return {"error": f"the server on {host.name}:{port} does not answer: nothing listens there"}
-    text = workload_text()
+    text = workload_text(g.workload)
     with host.forward(port) as local_port:
         url = f"http://127.0.0.1:{local_port}"
         words, why = prompt_words(url, text, kind, g.prompt_tokens)
@@ -308,6 +313,7 @@ def measure(
         "client": "this machine" if isinstance(host, LocalHost) else "the controller, through an SSH port forward",
         "client_on_served_host": client_on_served_host(host),
         "workload": {
+            "kind": g.workload,
             "prompt_tokens": g.prompt_tokens,
             "max_tokens": g.max_tokens,
             "seed": 1,
@@ -359,7 +365,7 @@ def measure(
         membw = result["membw"]["gb_s"]
     result |= ceilings(loaded, membw)
     result["membw_gb_s"] = membw
-    text = workload_text()
+    text = workload_text(g.workload)
     kind = result["server"]["kind"]
     # is anything there? (through the forward a refused port only looks like a broken read)
     if bench_health(host, port) == 0:

@@ -56,6 +56,7 @@ class Candidate:
     parallel: int = 1
     ubatch: int = DEFAULT_UBATCH
     spec_type: str | None = None  # llama-server --spec-type (None: no speculation)
+    threads: int | None = None  # llama.cpp -t/-tb (None: its default, every core)
 
     def key(self) -> str:
         """A short stable name: the same configuration always gets the same one."""
@@ -66,6 +67,8 @@ class Candidate:
         parts += [f"np {self.parallel}", f"ub {self.ubatch}"]
         if self.spec_type:
             parts.append(f"spec {self.spec_type}")
+        if self.threads:
+            parts.append(f"t {self.threads}")
         return ", ".join(parts)
 
 
@@ -103,7 +106,9 @@ def base_candidate(loaded: LoadedRecipe) -> Candidate:
         flash_attn=r.flash_attn,
         parallel=r.parallel,
         ubatch=r.planner.n_ubatch,
-        spec_type=r.spec_type,
+        # a recipe with a draft and no type speculates with it (llama-server's own default)
+        spec_type=r.spec_type or ("draft-simple" if r.draft is not None else None),
+        threads=r.threads,
     )
 
 
@@ -115,6 +120,7 @@ def enumerate_space(
     slots: Sequence[int] = (),
     ubatches: Sequence[int] = (),
     spec_types: Sequence[str | None] = (),
+    threads: Sequence[int | None] = (),
 ) -> list[Candidate]:
     """Every combination of the levers given (a lever not given stays at the base's value),
     the base first, no duplicates."""
@@ -125,10 +131,11 @@ def enumerate_space(
         slots or [base.parallel],
         ubatches or [base.ubatch],
         spec_types or [base.spec_type],
+        threads or [base.threads],
     )
     out = [base]
-    for q, (k, v), fa, np_, ub, spec in itertools.product(*dims):
-        c = Candidate(q, k, v, fa, np_, ub, spec)
+    for q, (k, v), fa, np_, ub, spec, t in itertools.product(*dims):
+        c = Candidate(q, k, v, fa, np_, ub, spec, t)
         if c not in out:
             out.append(c)
     return out
@@ -169,7 +176,9 @@ def plan_candidate(loaded: LoadedRecipe, c: Candidate, context: int) -> Option:
         flash_attn=c.flash_attn,
         n_ubatch=c.ubatch,
     )
-    return evaluate(loaded.shape, c.quant, get_gpu(loaded.recipe.gpu), s, draft_from_recipe(loaded))
+    # the draft's weights and cache count only where the candidate loads it
+    draft = draft_from_recipe(loaded) if c.spec_type == "draft-simple" else None
+    return evaluate(loaded.shape, c.quant, get_gpu(loaded.recipe.gpu), s, draft)
 
 
 def predicted(option: Option, c: Candidate, objective: Objective, bandwidth_gb_s: float | None = None) -> float:
@@ -206,6 +215,8 @@ def prune(
         except (KeyError, ValueError):
             option = None
         why = rule_out(c, r.gpu, r.backend, min_bpw, option)
+        if c.spec_type == "draft-simple" and r.draft is None:
+            why = "draft-simple needs a draft model in the recipe (draft: {model: ..., quant: ...})"
         if why or option is None:
             reasons[why or "the planner has no such quant"] += 1
             continue
@@ -227,5 +238,6 @@ def simplicity(c: Candidate, option: Option | None = None) -> tuple:
         c.ubatch != DEFAULT_UBATCH,
         not c.flash_attn,
         c.parallel,
+        c.threads is not None,
         c.quant,
     )

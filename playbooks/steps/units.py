@@ -250,6 +250,10 @@ def llama_server_argv(
             "--cache-type-v-draft",
             recipe.cache.v,
         ]
+    if recipe.threads:
+        argv += ["--threads", str(recipe.threads), "--threads-batch", str(recipe.threads)]
+        if recipe.draft is not None:
+            argv += ["--spec-draft-threads", str(recipe.threads), "--spec-draft-threads-batch", str(recipe.threads)]
     if recipe.spec_type:
         argv += ["--spec-type", recipe.spec_type]
     if n_cpu_moe:
