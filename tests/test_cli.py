@@ -365,3 +365,16 @@ def test_render_writes_every_file_at_its_host_path_and_nothing_else(tmp_path):
     unit = (tmp_path / "o2/etc/systemd/system/voltaforge-tabbyapi.service").read_text()
     assert "ExecStart=/srv/vf/venv/bin/python /srv/vf/tabbyAPI/main.py" in unit
     assert (tmp_path / "o2/etc/voltaforge/tabbyapi/config.yml").is_file()
+
+
+def test_list_shows_each_tasks_first_sentence_whole():
+    """`invoke --list` prints each task's first docstring line: that line is a whole sentence
+    (issue 22: `...against the roofline, telemetry, the` was cut mid-sentence)."""
+    r = subprocess.run([sys.executable, "-m", "invoke", "--list"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for name, task in ns.tasks.items():
+        first = (task.__doc__ or "").strip().splitlines()[0]
+        assert first.endswith(".") and len(first) <= 100, f"{name}: {first!r}"
+        assert name in r.stdout
+    shown = " ".join(r.stdout.split())
+    assert "Measure the deployed server against its roofline and judge the gate (exit 1: failed)." in shown

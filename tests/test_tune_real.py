@@ -62,10 +62,19 @@ def _recipe(where: Path, port: int, **over) -> Path:
     return path
 
 
-def _stage(sshd_host, prefix: str, recipe: Path, quants: dict[str, Path]) -> None:
+def _stage(sshd_host, prefix: str, recipe: Path, quants: dict[str, Path], kld: dict[str, float] | None = None) -> None:
+    """The quants as quantize leaves them; ``kld``: a mean KL divergence written into a quant's
+    manifest the way quantize's verification records it (an input here: the plumbing from the
+    manifest to the report is what is tested; tests/test_quantize_real.py measures real ones)."""
+    from playbooks.steps.quantize import manifest_path
+
     with connect(spec_for(sshd_host)) as host:
         for q, f in quants.items():
-            stage_served_model(host, prefix, recipe, f, q)
+            gguf = stage_served_model(host, prefix, recipe, f, q)
+            if kld and q in kld:
+                manifest = json.loads(host.run(f"cat {manifest_path(gguf)}", stream=False).stdout)
+                manifest["verification"] = {"kld": {"mean_kld": kld[q]}}
+                host.put(json.dumps(manifest).encode(), manifest_path(gguf), mode=0o644)
 
 
 @pytest.mark.timeout(1500)
@@ -76,7 +85,7 @@ def test_tune_searches_beside_the_live_service_and_writes_a_winner(
     prefix = str(sshd_host.prefix / "vf-tune")
     settings = Settings(inventory=inventory_for(tmp_path, "box", sshd_host, prefix=prefix))
     recipe = _recipe(tmp_path / "r", port)
-    _stage(sshd_host, prefix, recipe, tiny_quants)
+    _stage(sshd_host, prefix, recipe, tiny_quants, kld={"Q4_K_M": 0.0421, "Q8_0": 0.0013})
     monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
     assert run_deploy("box", str(recipe), settings=settings) == 0  # the live service
     capsys.readouterr()
@@ -98,6 +107,7 @@ def test_tune_searches_beside_the_live_service_and_writes_a_winner(
             assert (r["speculation"] is not None) == (r["spec_type"] is not None), r
         # (whether ngram-mod drafts depends on the text: on 16 tokens of this random model it drafted
         # nothing; tests/test_speculation_real.py proves the types on a model built to repeat)
+        assert {r["quant"]: r["kld"] for r in rows} == {"Q4_K_M": 0.0421, "Q8_0": 0.0013}  # from the manifests
         for r in rows:
             assert r["measured"] > 0 and r["n"] >= 4 and r["halfwidth"] is not None and r["predicted"] > 0
         # successive halving: the better half measured again, longer

@@ -136,3 +136,26 @@ def test_objective_figures():
     assert tune_search.objective_figure(level, "single") == (50.0, 1.0)
     assert tune_search.objective_figure(level, "aggregate") == (180.0, pytest.approx(3.6))
     assert tune_search.objective_figure(level, "latency") == (-0.3, None)
+
+
+def test_the_pareto_front_ranks_quality_by_kl_divergence_where_every_row_has_one(v100_14b):
+    """Bits per weight, unless quantize measured every measured quant's KL divergence: then
+    the lower divergence is the better quality (a quant with more bits can be worse: Q5_1 vs
+    Q5_K_M, issue 21). The divergences here are inputs, the front is what is tested."""
+    from playbooks.steps import tune_report
+
+    base = tune_space.base_candidate(v100_14b)
+    space = tune_space.enumerate_space(base, quants=["Q4_K_M", "Q5_1", "Q5_K_M"])
+    planned = tune_space.prune(v100_14b, space).survivors
+    speed = {"Q4_K_M": 60.0, "Q5_1": 50.0, "Q5_K_M": 49.0}
+    done = [_measured(p.candidate, 0, speed[p.candidate.quant], 0.5) for p in planned]
+    by_bits = {r["quant"] for r in tune_report.rows(done, planned, None) if r["pareto"]}
+    assert by_bits == {"Q4_K_M", "Q5_1"}  # Q5_1 has more bits than Q5_K_M and is faster
+    kld = {"Q4_K_M": 0.05, "Q5_1": 0.03, "Q5_K_M": 0.02}
+    rows = tune_report.rows(done, planned, None, kld)
+    assert {r["quant"] for r in rows if r["pareto"]} == {"Q4_K_M", "Q5_1", "Q5_K_M"}
+    assert {r["quant"]: r["kld"] for r in rows} == kld
+    assert "(KLD 0.0200)" in tune_report.table_cells(next(r for r in rows if r["quant"] == "Q5_K_M"))[4]
+    # one quant without a measurement: bits again, for every row
+    rows = tune_report.rows(done, planned, None, {"Q4_K_M": 0.05})
+    assert {r["quant"] for r in rows if r["pareto"]} == by_bits

@@ -306,8 +306,9 @@ def artifacts(c: Context, host: str | None = None, json: bool = False, inventory
     },
 )
 def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: str = "0") -> None:
-    """Write every file deploy would install for a recipe (units, env files, configs) under a
-    local directory; needs no host."""
+    """Write every file deploy would install for a recipe into a local directory.
+
+    The units, env files and configs; needs no host."""
 
     def go() -> int:
         from playbooks.cli.render_files import output_dir, run_render
@@ -343,8 +344,10 @@ def deploy(
     gpus: str = "0",
     inventory: str | None = None,
 ) -> None:
-    """Install and start the recipe's server from the rendered files and the verified model;
-    check /health and the load log against the plan; roll back to the last good one on failure."""
+    """Install and start the recipe's server; roll back to the last good one on failure.
+
+    From the rendered files and the verified model; /health and the load log are checked
+    against the plan."""
 
     def go() -> int:
         from playbooks.cli.deploy import run_deploy
@@ -364,6 +367,7 @@ def deploy(
 @task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "inventory": INVENTORY_HELP})
 def stop(c: Context, host: str | None = None, recipe: str | None = None, inventory: str | None = None) -> None:
     """Stop the recipe's server on a host (the unit, or the managed process); its files stay.
+
     Without a recipe: the one the host's deployment record says it serves."""
 
     def go() -> int:
@@ -423,9 +427,10 @@ def tune(
     json: bool = False,
     inventory: str | None = None,
 ) -> None:
-    """Search the served configuration on the host, guided by the roofline: every candidate
-    planned (what cannot fit is pruned), served on a scratch port, benched with confidence;
-    the winner (ties to the simpler) written as a recipe."""
+    """Search the served configuration on the host and write the winner as a recipe.
+
+    Guided by the roofline: every candidate planned (what cannot fit is pruned), served on a
+    scratch port, benched with confidence; ties go to the simpler configuration."""
 
     def go() -> int:
         from playbooks.cli.tune import options, run_tune
@@ -477,9 +482,11 @@ def bench(
     remeasure: bool = False,
     inventory: str | None = None,
 ) -> None:
-    """Measure the deployed server: a concurrency sweep against the roofline, telemetry, the
-    gate (exit 1 when it fails), JSON/Markdown/PNG reports and a history on this machine.
-    Without a recipe: the one the host's deployment record says it serves."""
+    """Measure the deployed server against its roofline and judge the gate (exit 1: failed).
+
+    A concurrency sweep with confidence intervals, telemetry, JSON/Markdown/PNG reports and a
+    history on this machine. Without a recipe: the one the host's deployment record says it
+    serves."""
 
     def go() -> int:
         from playbooks.cli.bench import run_bench
@@ -505,8 +512,10 @@ def bench(
     },
 )
 def status(c: Context, host: str | None = None, json: bool = False, inventory: str | None = None) -> None:
-    """What each host serves, from its deployment records: recipe, model, port, /health, the
-    unit or process and its uptime, the last gate's figures; exit 1 when a host cannot be read."""
+    """Show what each host serves, from its deployment records.
+
+    Recipe, model, port, /health, the unit or process and its uptime, the last gate's figures;
+    exit 1 when a host cannot be read."""
 
     def go() -> int:
         from playbooks.cli.status import run_status
@@ -538,9 +547,11 @@ def provision(
     json: str | None = None,
     inventory: str | None = None,
 ) -> None:
-    """Everything, in order, on one host or many: preflight, toolchain, build, quantize, deploy
-    and the benchmark gate; each step ok when already right; a failed gate rolls back; a re-run
-    resumes. With no flags: the tiny CPU recipe on this machine."""
+    """Everything, in order, on one host or many, up to a passed benchmark gate.
+
+    Preflight, toolchain, build, quantize, deploy and the gate; each step ok when already
+    right; a failed gate rolls back; a re-run resumes. With no flags: the tiny CPU recipe on
+    this machine."""
 
     def go() -> int:
         from playbooks.cli.provision import DEFAULT_RECIPE, Options, run_provision
@@ -574,8 +585,9 @@ VERIFY_USAGE = """Usage: invoke verify-recipe RECIPE [--reports DIR]
     },
 )
 def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = None) -> None:
-    """What the GPU runner runs (ci/): provision RECIPE on this machine with the gate measured
-    afresh; the reports land in --reports; exit 1 when the gate fails."""
+    """What the GPU runner runs (ci/): provision a recipe here, the gate measured afresh.
+
+    The reports land in --reports; exit 1 when the gate fails."""
 
     def go() -> int:
         from playbooks.cli.provision import Options, run_provision

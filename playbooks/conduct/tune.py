@@ -181,6 +181,7 @@ class Tuner:
         self.live_checks: list[tuple[str, int]] = []
         self.build = ""
         self.bandwidth: float | None = None
+        self.kld: dict[str, float] = {}  # quant -> mean KL divergence against F16 (its manifest)
         self.took_over = False  # the live service was stopped for the search (and is restored)
 
     # -- facts -------------------------------------------------------------------------------
@@ -249,6 +250,9 @@ class Tuner:
             if failed:
                 raise VoltaforgeError(f"quantize {c.quant}: {failed.why}")
             facts = parse_json_object(read_fact(self.host, cat_command(manifest_path(path)))) or {}
+        kld = ((facts.get("verification") or {}).get("kld") or {}).get("mean_kld")
+        if isinstance(kld, (int, float)):
+            self.kld[c.quant] = float(kld)
         return path, str(facts.get("sha256") or "")
 
     def stop_scratch(self, cand: LoadedRecipe) -> None:
@@ -388,7 +392,7 @@ class Tuner:
             name = f"{r.name}-tuned"
             text = winner_recipe_text(self.loaded, verdict.winner, how, name)
             out.winner_recipe = write_winner(text, name, o.recipes_dir)
-        table = tune_report.rows(out.measured, out.space.survivors, verdict)
+        table = tune_report.rows(out.measured, out.space.survivors, verdict, self.kld)
         out.result = tune_report.result(
             self.host.name,
             r.name,

@@ -2,8 +2,10 @@
 measured, predicted beside measured with its ±, the Pareto front of quality against speed, the
 winner and why, as rows, Markdown, a chart and JSON.
 
-Quality is bits per weight here (the planner's, the same floor the recommendation uses); where
-`invoke quantize` measured a quant's KL divergence against F16, the JSON carries it beside.
+Quality is bits per weight (the planner's, the same floor the recommendation uses); where
+`invoke quantize` measured a quant's mean KL divergence against F16 (its manifest's
+verification), each row carries it, and when every measured row has one the Pareto front ranks
+quality by it (lower is better) instead of by bits.
 A candidate far below its roofline share is named with the bench's likely cause.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +36,24 @@ def figure_text(m: Measured, unit: str = "tok/s") -> str:
     return f"{m.figure:.1f}{hw} {unit}"
 
 
+def quality(r: dict[str, Any], by_kld: bool) -> float:
+    """Higher is better: bits per weight, or the negated KL divergence."""
+    return -float(r["kld"]) if by_kld else float(r["bpw"] or 0)
+
+
 def pareto_keys(rows: Sequence[dict[str, Any]]) -> set[str]:
-    """The candidates no other beats on both quality (bits per weight) and measured speed."""
+    """The candidates no other beats on both quality (KL divergence where every row has one,
+    else bits per weight) and measured speed."""
     ok = [r for r in rows if r.get("measured") is not None and not r.get("error")]
+    by_kld = bool(ok) and all(r.get("kld") is not None for r in ok)
     front = set()
     for r in ok:
+        q = quality(r, by_kld)
         dominated = any(
             o is not r
-            and o["bpw"] >= r["bpw"]
+            and quality(o, by_kld) >= q
             and o["measured"] >= r["measured"]
-            and (o["bpw"] > r["bpw"] or o["measured"] > r["measured"])
+            and (quality(o, by_kld) > q or o["measured"] > r["measured"])
             for o in ok
         )
         if not dominated:
@@ -51,8 +61,14 @@ def pareto_keys(rows: Sequence[dict[str, Any]]) -> set[str]:
     return front
 
 
-def rows(measured: Sequence[Measured], planned: Sequence[Planned], verdict: Verdict | None) -> list[dict[str, Any]]:
-    """One row per candidate measured (its last rung), fastest first, failures last."""
+def rows(
+    measured: Sequence[Measured],
+    planned: Sequence[Planned],
+    verdict: Verdict | None,
+    kld: Mapping[str, float] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per candidate measured (its last rung), fastest first, failures last; ``kld``:
+    each quant's mean KL divergence against F16, where quantize measured it."""
     plans = {p.candidate: p for p in planned}
     winner = verdict.winner.candidate if verdict and verdict.winner else None
     out = []
@@ -75,6 +91,7 @@ def rows(measured: Sequence[Measured], planned: Sequence[Planned], verdict: Verd
             "ubatch": c.ubatch,
             "spec_type": c.spec_type,
             "bpw": round(p.option.bpw, 3) if p else None,
+            "kld": (kld or {}).get(c.quant),
             "vram_gib": round(p.option.vram_bytes / 2**30, 3) if p else None,
             "predicted": round(predicted, 2) if predicted else None,
             "roofline_single": round(single_roof, 2) if single_roof else None,
@@ -169,7 +186,8 @@ def table_cells(r: dict[str, Any]) -> list[str]:
         "-" if r["predicted"] is None else f"{r['predicted']:.1f}",
         measured + (" (kept)" if r["reused"] else ""),
         "-" if r["roofline_share"] is None else f"{r['roofline_share']:.0%}",
-        "-" if r["bpw"] is None else f"{r['bpw']:.2f}",
+        ("-" if r["bpw"] is None else f"{r['bpw']:.2f}")
+        + (f" (KLD {r['kld']:.4f})" if r.get("kld") is not None else ""),
         "-" if r["vram_gib"] is None else f"{r['vram_gib']:.2f}",
         str(r["rung"]),
         "yes" if r["pareto"] else "",
