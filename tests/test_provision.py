@@ -1,7 +1,8 @@
 """`invoke provision`: the parts that need no built host.
 
 - A recipe that cannot fit is refused at preflight with the plan's numbers, before anything
-  is written (the prefix is not even created).
+  is written (the prefix is not even created); a dry run goes on past it, each later step
+  saying what it would run once the blocking checks are fixed.
 - Several hosts at once: an unknown one fails in one line, the other is still done (here a
   dry run of this machine, which changes nothing), the exit code says one failed.
 - A host whose key changed: one line, nothing run there.
@@ -57,6 +58,37 @@ def test_a_recipe_that_cannot_fit_is_refused_at_preflight_with_the_plans_numbers
     assert "GiB (weights" in r.stdout and "KV " in r.stdout and "compute " in r.stdout
     assert "fix: choose" in r.stdout
     assert not prefix.exists()  # nothing written: not even the prefix or its lock
+
+
+def test_a_dry_run_goes_past_a_blocked_preflight_with_the_plan_of_work(tmp_path):
+    """Issue 22, tried as a new user would: a dry run of a V100 recipe on this machine (no GPU)
+    printed no command at all. Now: preflight fails with every blocking check (here the missing
+    GPU and a plan that cannot fit), each later step says what it would run once fixed (the
+    build's cmake among them), the fix line repeats the command as typed, and nothing is
+    written."""
+    big = ROOT / "recipes" / "qwen2.5-14b-v100-16gb.yaml"
+    data = yaml.safe_load(big.read_text())
+    data["parallel"] = 4000  # no plan fits this
+    data["model"]["config"] = str(ROOT / "recipes" / data["model"]["config"])
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    (tmp_path / "crowded.yaml").write_text(yaml.safe_dump(data))
+    prefix = tmp_path / "prefix"
+    out = tmp_path / "summary.json"
+    r = provision(
+        "--host", "local", "--recipe", "crowded.yaml", "--dry-run", "--json", str(out),
+        env={"INVOKE_VOLTAFORGE_PREFIX": str(prefix)}, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr
+    [o] = json.loads(out.read_text())
+    steps = {s["step"]: s for s in o["steps"]}
+    pre = steps["preflight"]
+    assert pre["status"] == "failed" and "gpu: no NVIDIA GPU visible" in pre["why"], pre
+    assert "fit: Q4_K_M does not fit by" in pre["why"]  # the second blocking check, on the same line
+    assert steps["toolchain"]["status"] == steps["build"]["status"] == "would run after the fix", steps
+    assert "would run: " in r.stdout and "cmake" in r.stdout  # the build's commands, already known
+    assert o["fix"].endswith("then `invoke provision --host local --recipe crowded.yaml` resumes at preflight")
+    assert "install the NVIDIA driver" in o["fix"]
+    assert not prefix.exists()
 
 
 def test_several_hosts_one_unknown_the_other_still_done(tmp_path):

@@ -66,12 +66,15 @@ class Options:
     dry_run: bool = False
     rebench: bool = False
     reports: Path | None = None  # where the gate's reports go (default: the bench cache)
+    # the command as typed, without --dry-run and --json: what a fix line tells the user to run
+    # again (a bare `invoke provision --host H` would provision the default recipe instead)
+    command: str = "invoke provision"
 
 
 @dataclass
 class StepOutcome:
     step: str
-    status: str  # changed | ok | failed | would change | not reached
+    status: str  # changed | ok | failed | would change | would run after the fix | not reached
     seconds: float = 0.0
     why: str = ""
     changes: list[Change] = field(default_factory=list)
@@ -155,8 +158,8 @@ def step_why(changes: Sequence[Change]) -> str:
     return f"all {len(changes)} in place"
 
 
-def fix_for(step: str, host: str, detail: str) -> str:
-    resume = f"then `invoke provision --host {host}` resumes at {step}"
+def fix_for(step: str, command: str, detail: str) -> str:
+    resume = f"then `{command}` resumes at {step}"
     if detail:
         return f"{detail}; {resume}"
     return f"fix the cause above; {resume} (the log has every line)"
@@ -200,7 +203,7 @@ class Provisioner:
                         log.write(f"--- {s.step}: {c.step} failed:\n{c.detail}\n")
             failed = outcome.failure()
             if failed and outcome.fix is None:
-                outcome.fix = fix_for(failed.step, spec.name, "")
+                outcome.fix = fix_for(failed.step, self.options.command, "")
             done = len(outcome.steps)
             outcome.steps += [StepOutcome(s, "not reached") for s in STEPS[done:]]
         outcome.seconds = time.monotonic() - t0
@@ -220,9 +223,14 @@ class Provisioner:
             verdict = judge(gather(host, spec.prefix, model_dir), loaded, model_dir, spec.prefix, spec.gpu)
             blocking = [c for c in verdict.checks if c.status == "fail" and c.blocking]
             if blocking:
-                b = blocking[0]
-                outcome.steps.append(StepOutcome("preflight", "failed", time.monotonic() - t, f"{b.name}: {b.detail}"))
-                outcome.fix = fix_for("preflight", spec.name, b.fix)
+                # every blocking check, not the first only: a user fixes them all in one go
+                why = "; ".join(f"{b.name}: {b.detail}" for b in blocking)
+                outcome.steps.append(StepOutcome("preflight", "failed", time.monotonic() - t, why))
+                fixes = "; ".join(dict.fromkeys(b.fix for b in blocking if b.fix))
+                outcome.fix = fix_for("preflight", opts.command, fixes)
+                if opts.dry_run:
+                    # the plan of work goes on: what each later step would run once fixed
+                    self._steps(host, spec, loaded, prefix_needs_sudo(host, spec.prefix), printer, outcome, True)
                 return
             warned = [c for c in verdict.checks if c.status == "warn"]
             why = f"{len(verdict.checks)} checks pass" + (
@@ -239,8 +247,17 @@ class Provisioner:
                     self._steps(host, spec, loaded, sudo, printer, outcome)
 
     def _steps(
-        self, host: Host, spec: HostSpec, loaded: LoadedRecipe, sudo: bool, printer: Printer, outcome: HostOutcome
+        self,
+        host: Host,
+        spec: HostSpec,
+        loaded: LoadedRecipe,
+        sudo: bool,
+        printer: Printer,
+        outcome: HostOutcome,
+        blocked: bool = False,
     ) -> None:
+        """The steps after preflight. ``blocked``: a dry run past a failed preflight, where
+        each step shows what it would run once the blocking checks are fixed."""
         opts, prefix = self.options, spec.prefix
         gates: list[EnsureGate] = []
 
@@ -258,7 +275,7 @@ class Provisioner:
             ("deploy", deploy_and_gate),
             ("gate", lambda: list(gates)),
         ]
-        pending = False  # a dry run whose earlier step would change things
+        pending = blocked  # a dry run whose earlier step would change things (or is blocked)
         for step, make in makers:
             t = time.monotonic()
             printer.line(spec.name, f"== {step} ==")
@@ -270,9 +287,8 @@ class Provisioner:
                 text = str(exc).removeprefix(f"{spec.name}: ")
                 why = summarize(text)  # the summary's column holds one line, as run_ops's does
                 if opts.dry_run and pending:
-                    outcome.steps.append(
-                        StepOutcome(step, "not reached", time.monotonic() - t, f"after the above: {why}")
-                    )
+                    after = "after the fix" if blocked else "after the above"
+                    outcome.steps.append(StepOutcome(step, "not reached", time.monotonic() - t, f"{after}: {why}"))
                     continue
                 printer.line(spec.name, f"failed: {step}: {text}")  # whole, into the log too
                 outcome.steps.append(StepOutcome(step, "failed", time.monotonic() - t, why))
@@ -281,10 +297,12 @@ class Provisioner:
             status = step_status(changes, opts.dry_run)
             if status == "failed" and opts.dry_run and pending:
                 status = "not reached"
+            if blocked and status == "would change":
+                status = "would run after the fix"
             outcome.steps.append(StepOutcome(step, status, time.monotonic() - t, step_why(changes), changes))
             if status == "failed":
                 return
-            pending = pending or status == "would change"
+            pending = pending or status in ("would change", "would run after the fix")
         for g in gates:
             if g.result:
                 outcome.reports = {k: str(v) for k, v in g.reports.items()}
@@ -332,7 +350,14 @@ class Provisioner:
 # the summary
 # ------------------------------------------------------------------------------------------
 
-_STYLE = {"changed": "yellow", "ok": "green", "failed": "bold red", "would change": "yellow", "not reached": "dim"}
+_STYLE = {
+    "changed": "yellow",
+    "ok": "green",
+    "failed": "bold red",
+    "would change": "yellow",
+    "would run after the fix": "yellow",
+    "not reached": "dim",
+}
 
 
 def render_summary(outcomes: Sequence[HostOutcome], out: Console, dry_run: bool = False) -> None:

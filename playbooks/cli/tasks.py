@@ -560,10 +560,18 @@ def provision(
             flags.host_names("--host", _cfg(c, "host", host)),
             recipe=flags.name_or_path("--recipe", recipe),
             default_recipe=flags.name_or_path("voltaforge.recipe", _cfg(c, "recipe")) or DEFAULT_RECIPE,
-            options=Options(dry_run=dry_run, rebench=rebench),
+            options=Options(dry_run=dry_run, rebench=rebench, command=typed_command()),
             settings=_settings(c, inventory),
             json_out=flags.output_file("--json", json),
         )
+
+    def typed_command() -> str:
+        """The command as typed, for the fix line: without --dry-run and --json."""
+        words = ["invoke", "provision"]
+        for flag, value in (("--host", host), ("--recipe", recipe), ("--inventory", inventory)):
+            if value is not None:
+                words += [flag, str(value)]
+        return shlex.join(words + (["--rebench"] if rebench else []))
 
     run_command(go)
 
