@@ -19,6 +19,10 @@ class VoltaforgeError(Exception):
         return self.message
 
 
+class UsageError(VoltaforgeError):
+    """A flag has a value the command cannot use."""
+
+
 class RecipeError(VoltaforgeError):
     """A recipe (or model config, or inventory) file is invalid."""
 

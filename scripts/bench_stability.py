@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from playbooks.cli.bench import run_bench  # noqa: E402
 from playbooks.cli.deploy import run_deploy, run_stop  # noqa: E402
-from playbooks.cli.settings import Settings  # noqa: E402
+from playbooks.conduct.settings import Settings  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.results import write_result  # noqa: E402
 from playbooks.steps.bench_run import host_membw  # noqa: E402

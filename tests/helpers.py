@@ -80,7 +80,7 @@ def stage_served_model(host, prefix: str, recipe: Path, gguf_file: Path, quant: 
     import hashlib
     import json
 
-    from playbooks.cli.quantize import recipe_weights
+    from playbooks.conduct.quantize import recipe_weights
     from playbooks.config.recipe import load_recipe
     from playbooks.steps.quantize import ModelLayout, manifest_path
     from tests import llamacpp_tools

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.cli.quantize import copy_artifacts, recipe_weights, run_artifacts
-from playbooks.cli.settings import Settings
+from playbooks.cli.quantize import copy_artifacts, run_artifacts
+from playbooks.conduct.quantize import recipe_weights
+from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import load_recipe
 from playbooks.host import connect
 from playbooks.host.local import LocalHost

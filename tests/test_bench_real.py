@@ -17,7 +17,7 @@ import yaml
 
 from playbooks.cli.bench import run_bench
 from playbooks.cli.deploy import run_deploy, run_stop
-from playbooks.cli.settings import Settings
+from playbooks.conduct.settings import Settings
 from playbooks.host import connect
 from playbooks.steps.bench_run import bench_dir
 from playbooks.weights.tinymodel import write_tiny_llama

@@ -197,7 +197,7 @@ def test_a_value_that_would_inject_into_a_unit_is_one_line_before_any_host(value
     import yaml
 
     from playbooks.cli.deploy import run_deploy
-    from playbooks.cli.settings import Settings
+    from playbooks.conduct.settings import Settings
     from tests.helpers import ROOT
 
     base = yaml.safe_load((ROOT / "recipes" / "tiny-cpu.yaml").read_text())
@@ -251,7 +251,7 @@ class _NoSystemd:
 def test_what_only_systemd_runs_is_one_rule_for_deploy_and_preflight(tmp_path, recipe, extra, gpus, why):
     """steps/deploy.py systemd_only: deploy refuses it on a host without systemd (before
     touching anything), preflight blocks on it (tests/test_preflight_judge.py)."""
-    from playbooks.cli.deploy import deploy_ops
+    from playbooks.conduct.deploy import deploy_ops
     from playbooks.config.recipe import load_recipe
     from tests.helpers import ROOT
 

@@ -28,8 +28,8 @@ import pytest
 import yaml
 
 from playbooks.cli.deploy import run_deploy, run_stop
-from playbooks.cli.quantize import recipe_weights
-from playbooks.cli.settings import Settings
+from playbooks.conduct.quantize import recipe_weights
+from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import connect

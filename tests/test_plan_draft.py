@@ -109,7 +109,7 @@ def test_deploy_expects_the_drafts_buffers_in_the_load_log(tmp_path):
     plan's expectation carries both, else a correct load with a draft reads as over the plan."""
     from types import SimpleNamespace
 
-    from playbooks.cli.deploy import deploy_ops
+    from playbooks.conduct.deploy import deploy_ops
     from playbooks.config.planning import plan_recipe
 
     class Box:
@@ -145,7 +145,7 @@ def test_quantize_makes_the_draft_in_its_own_model_directory(tmp_path):
     """`invoke quantize` of a recipe with a draft: the target's chain, then the draft's (its
     weights, F16 and its quant, no importance matrix) under the draft's own model id; the
     artifacts a copy (--on) carries include the draft."""
-    from playbooks.cli.quantize import made_artifacts, quantize_step
+    from playbooks.conduct.quantize import made_artifacts, quantize_step
 
     loaded = load_recipe(recipe_with(tmp_path, "qwen2.5-14b-v100-16gb", draft(QWEN25_05B), name="paired"))
     names = [op.name for op in quantize_step(loaded, "/opt/vf")]

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.cli.provision import step_status, step_why
+from playbooks.conduct.provision import step_status, step_why
 from playbooks.host.ops import Change
 from tests.helpers import ROOT, inventory_for
 

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from playbooks.cli.quantize import parse_manifests, parse_quants, refuse_unfit
+from playbooks.cli.quantize import parse_manifests
+from playbooks.conduct.quantize import parse_quants, refuse_unfit
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts.artifacts import parse_gguf_check, parse_kld

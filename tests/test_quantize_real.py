@@ -80,8 +80,8 @@ def _with_overflow(src: Path, dst: Path) -> None:
 def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, capsys, monkeypatch):
     from playbooks.cli.build import run_build
     from playbooks.cli.quantize import run_artifacts, run_quantize
-    from playbooks.cli.settings import Settings
     from playbooks.cli.toolchain import run_toolchain
+    from playbooks.conduct.settings import Settings
     from playbooks.steps.build import source_cache_dir
 
     links = _links()  # the test cache's torch wheel, before the cache is moved below

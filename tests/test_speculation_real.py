@@ -276,9 +276,9 @@ def test_tune_measures_a_random_draft_and_keeps_the_target_alone(models, sshd_ho
     draft its own model directory and deploy links it beside the model, the server drafts
     (the row carries its counts: near 0% accepted) and the winner speculates not at all."""
     from playbooks.cli.deploy import run_stop
-    from playbooks.cli.quantize import draft_artifact
-    from playbooks.cli.settings import Settings
     from playbooks.cli.tune import options, run_tune
+    from playbooks.conduct.quantize import draft_artifact
+    from playbooks.conduct.settings import Settings
     from playbooks.config.recipe import load_recipe
     from playbooks.host import connect
     from playbooks.steps.quantize import manifest_path

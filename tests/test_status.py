@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.cli.deployed import deployed_recipe, read_deployments
-from playbooks.cli.settings import Settings
 from playbooks.cli.status import run_status
+from playbooks.conduct.deployed import deployed_recipe, read_deployments
+from playbooks.conduct.settings import Settings
 from playbooks.config.planning import resolve_n_cpu_moe
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.config.recorded import recipe_record

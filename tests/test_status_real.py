@@ -20,8 +20,8 @@ import yaml
 
 from playbooks.cli.bench import run_bench
 from playbooks.cli.deploy import run_deploy, run_stop
-from playbooks.cli.settings import Settings
 from playbooks.cli.status import run_status
+from playbooks.conduct.settings import Settings
 from playbooks.errors import VoltaforgeError
 from playbooks.host import connect
 from playbooks.weights.tinymodel import write_tiny_llama

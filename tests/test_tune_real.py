@@ -25,8 +25,8 @@ import yaml
 
 from playbooks.cli.bench import run_bench
 from playbooks.cli.deploy import run_deploy, run_stop
-from playbooks.cli.settings import Settings
 from playbooks.cli.tune import options, run_tune
+from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import connect

@@ -1,16 +1,16 @@
 """`invoke bench`: the deployed server measured against its physical ceiling, the gate (exit 1
 when it fails), the reports and the history (steps/bench_run.py), shown as a table. Without a
 recipe (no flag, none in the configuration or the inventory) it measures the one the host's
-deployment record says it serves (cli/deployed.py)."""
+deployment record says it serves (conduct/deployed.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from playbooks.cli.deploy import single_service
 from playbooks.cli.render import console
-from playbooks.cli.settings import Settings
+from playbooks.conduct.deploy import single_service
+from playbooks.conduct.settings import Settings
 from playbooks.steps.bench_report import compare, render_compare, render_sweep_table
 from playbooks.steps.bench_run import gate_run
 

@@ -7,56 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from playbooks.cli.converge import converge
-from playbooks.cli.settings import Settings
+from playbooks.conduct.build import build_step
+from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
 from playbooks.host.ops import Operation
-from playbooks.plan.gpus import get_gpu
-from playbooks.steps.build import LLAMACPP_TARGETS, BuildLayout, FleetCache, build_ops, fetch_sdist
-from playbooks.steps.exllamav2 import EnsureExllamav2
-from playbooks.steps.llamacpp_python import bindings_ops
-from playbooks.steps.tabbyapi import EnsureTabbyAPI
-from playbooks.steps.toolchain import venv_path
-
-
-def build_step(
-    loaded: LoadedRecipe,
-    host: Host,
-    prefix: str,
-    sudo: bool,
-    targets: tuple[str, ...] = LLAMACPP_TARGETS,
-    extra_flags: tuple[str, ...] = (),
-    no_cache: bool = False,
-    bindings: bool = True,
-) -> list[Operation]:
-    """The build's operations for one host: llama.cpp (from the fleet cache when it holds a
-    proven build of the same inputs), the bindings, and for EXL2 ExLlamaV2 and TabbyAPI."""
-    r = loaded.recipe
-    tc = r.toolchain
-    major, minor = (int(x) for x in tc.cuda.split("."))  # the recipe schema checks MAJOR.MINOR
-    layout = BuildLayout(prefix)
-    source = fetch_sdist(tc.llamacpp_sdist, tc.llamacpp_ref)  # on the controller, once
-    cuda_release = None if get_gpu(r.gpu).is_cpu else (major, minor)
-    cache = None if no_cache else FleetCache.default()
-    ops = build_ops(
-        layout,
-        source,
-        cuda_release=cuda_release,
-        recipe_arch=tc.cuda_arch,
-        targets=targets,
-        extra_flags=extra_flags,
-        owner=host.user,
-        sudo=sudo,
-        cache=cache,
-    )
-    if bindings:
-        ops += bindings_ops(
-            layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch, cache=cache
-        )
-    if r.backend == "exllamav2":
-        # EXL2 recipes serve through TabbyAPI on ExLlamaV2, built for this host's GPU
-        ops += [EnsureExllamav2(prefix, venv_path(prefix), tc), EnsureTabbyAPI(prefix, venv_path(prefix), tc)]
-    return ops
+from playbooks.steps.build import LLAMACPP_TARGETS
 
 
 def run_build(

@@ -4,25 +4,12 @@ a dry run) and print the per-host report. Exit 1 when an operation failed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from playbooks.cli.edge import write_details
 from playbooks.cli.render import render_report
-from playbooks.cli.settings import Settings
-from playbooks.config.recipe import LoadedRecipe
-from playbooks.facts import read_fact
-from playbooks.facts.files import parse_writable, writable_command
-from playbooks.host import Host
+from playbooks.conduct.converge import MakeOps, prefix_needs_sudo
+from playbooks.conduct.settings import Settings
 from playbooks.host.lock import host_lock
-from playbooks.host.ops import Operation, run_ops
-
-#: (the recipe, the connected host, its install prefix, whether that needs sudo) -> the operations
-MakeOps = Callable[[LoadedRecipe, Host, str, bool], list[Operation]]
-
-
-def prefix_needs_sudo(host: Host, prefix: str) -> bool:
-    """A prefix under a directory the user cannot write (e.g. /opt) is created with sudo."""
-    return not parse_writable(read_fact(host, writable_command(prefix)))
+from playbooks.host.ops import run_ops
 
 
 def converge(settings: Settings, host_name: str, recipe: str | None, make_ops: MakeOps, dry_run: bool) -> int:

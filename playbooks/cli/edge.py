@@ -17,16 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from playbooks.conduct.logs import log_dir
 from playbooks.errors import VoltaforgeError
 
 if TYPE_CHECKING:
     from playbooks.host.ops import Change
 
 BUG_EXIT = 70
-
-
-def log_dir() -> Path:
-    return Path(os.environ.get("VOLTAFORGE_LOG_DIR") or Path.home() / ".cache" / "voltaforge" / "logs")
 
 
 def _write_log(exc: BaseException) -> Path:

@@ -14,11 +14,7 @@ from pathlib import Path
 from typing import cast
 
 from playbooks.config.inventory import is_host_address
-from playbooks.errors import VoltaforgeError
-
-
-class UsageError(VoltaforgeError):
-    """A flag has a value the command cannot use."""
+from playbooks.errors import UsageError
 
 
 def _is(path: Path, test: Callable[[Path], bool]) -> bool:

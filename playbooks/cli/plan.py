@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from playbooks.cli.flags import UsageError, name_or_path, word
+from playbooks.cli.flags import name_or_path, word
 from playbooks.cli.render import console, plan_json, render_plan
 from playbooks.config.planning import SpeedFloor, host_from_recipe, objective_for, plan_recipe, planner_defaults
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
-from playbooks.errors import VoltaforgeError
+from playbooks.errors import UsageError, VoltaforgeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
 from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import GIB, get_gpu

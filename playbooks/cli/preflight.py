@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TextIO
 
 from playbooks.cli.render import console, render_verdict, verdict_json
-from playbooks.cli.settings import Settings
+from playbooks.conduct.settings import Settings
 from playbooks.steps.preflight import gather, judge
 
 

@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from playbooks.cli.deploy import make_manager
-from playbooks.cli.deployed import read_deployments
 from playbooks.cli.render import console
-from playbooks.cli.settings import Settings
+from playbooks.conduct.deploy import make_manager
+from playbooks.conduct.deployed import read_deployments
+from playbooks.conduct.settings import Settings
 from playbooks.config.inventory import HostSpec
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact

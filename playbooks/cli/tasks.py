@@ -29,7 +29,7 @@ from invoke import Collection, Context, task
 
 from playbooks.cli import flags
 from playbooks.cli.edge import run_command
-from playbooks.cli.settings import Settings
+from playbooks.conduct.settings import Settings
 
 DEFAULTS = {
     "voltaforge": {
@@ -554,7 +554,8 @@ def provision(
     this machine."""
 
     def go() -> int:
-        from playbooks.cli.provision import DEFAULT_RECIPE, Options, run_provision
+        from playbooks.cli.provision import run_provision
+        from playbooks.conduct.provision import DEFAULT_RECIPE, Options
 
         return run_provision(
             flags.host_names("--host", _cfg(c, "host", host)),
@@ -598,7 +599,8 @@ def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = N
     The reports land in --reports; exit 1 when the gate fails."""
 
     def go() -> int:
-        from playbooks.cli.provision import Options, run_provision
+        from playbooks.cli.provision import run_provision
+        from playbooks.conduct.provision import Options
 
         if recipe in ("-h", "--help"):  # a positional argument takes the next word, even --help
             print(VERIFY_USAGE)

@@ -5,17 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from playbooks.cli.converge import converge
-from playbooks.cli.settings import Settings
-from playbooks.config.recipe import LoadedRecipe
-from playbooks.host import Host
-from playbooks.host.ops import Operation
-from playbooks.plan.gpus import get_gpu
-from playbooks.steps.toolchain import toolchain_ops
-
-
-def toolchain_step(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
-    needs_cuda = not get_gpu(loaded.recipe.gpu).is_cpu
-    return toolchain_ops(prefix, loaded.recipe.toolchain, host.user, needs_cuda, sudo)
+from playbooks.conduct.settings import Settings
+from playbooks.conduct.toolchain import toolchain_step
 
 
 def run_toolchain(

@@ -1,4 +1,4 @@
-"""`invoke tune`: the flags, the operations the conductor runs (conduct/tune.py), the table.
+"""`invoke tune`: the flags and the table; the search is the conductor's (conduct/tune.py).
 
 The levers' defaults, when no flag names them: the recipe's quant, its cache and an f16 one,
 flash attention as the recipe has it, the recipe's slots (1..N with ``--slots N``), the
@@ -15,23 +15,14 @@ import re
 import sys
 from pathlib import Path
 
-from playbooks.cli.deploy import choose_manager, deploy_ops, make_manager, single_service
-from playbooks.cli.deployed import read_deployments, recipe_file
-from playbooks.cli.flags import UsageError
-from playbooks.cli.quantize import draft_artifact, quantize_step, recipe_weights
 from playbooks.cli.render import console
-from playbooks.cli.settings import Settings
-from playbooks.conduct.tune import SCRATCH_SERVICE, Levers, Ops, TuneOptions, Tuner
-from playbooks.config.recipe import LoadedRecipe, load_recipe
-from playbooks.facts.files import parse_writable, writable_command
-from playbooks.host import Host
-from playbooks.host.lock import host_lock
-from playbooks.host.ops import Command, run_command, run_ops
+from playbooks.conduct.settings import Settings
+from playbooks.conduct.tune import Levers, TuneOptions, tune_host
+from playbooks.errors import UsageError
 from playbooks.host.output import Printer
 from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.steps import tune_report
 from playbooks.steps.tune_space import OBJECTIVES, Objective
-from playbooks.steps.units import ServerLayout
 
 CACHE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 #: the pinned llama.cpp's speculation types (common/speculative.cpp) tune can move: the
@@ -115,29 +106,6 @@ def parse_budget(value: str) -> float:
 # -- the operations the conductor runs ---------------------------------------------------------
 
 
-def _stop(loaded: LoadedRecipe, host: Host, prefix: str, server: ServerLayout | None) -> Command:
-    unit, unit_name, state = single_service(loaded, prefix, server)
-    return make_manager(choose_manager(host, "auto"), state, unit_name, unit.text).stop()
-
-
-def tune_ops() -> Ops:
-    return Ops(
-        deploy=lambda loaded, host, prefix, server: deploy_ops(loaded, host, prefix, "auto", server=server),
-        stop=_stop,
-        quantize=lambda loaded, prefix, quant: quantize_step(loaded, prefix, quant),
-        model_id=lambda loaded: recipe_weights(loaded).model_id,
-        draft_artifact=draft_artifact,
-    )
-
-
-def _live_recipes(host: Host, prefix: str) -> list[LoadedRecipe]:
-    found = []
-    for d in read_deployments(host, prefix):
-        if d.service != SCRATCH_SERVICE and d.recipe is not None:
-            found.append(load_recipe(recipe_file(d.recipe, f"{host.name}:{d.service}")))
-    return found
-
-
 def run_tune(
     host_name: str,
     recipe: str | None = None,
@@ -149,39 +117,10 @@ def run_tune(
     opts = opts or TuneOptions()
     if opts.recipes_dir is None and settings.recipes_dir is not None:
         opts = TuneOptions(**{**opts.__dict__, "recipes_dir": settings.recipes_dir})
-    spec = settings.host_spec(host_name)
     # with --json stdout holds the JSON alone: the progress and the commands go to stderr
     out = console(sys.stderr) if as_json else console()
     printer = Printer(out=sys.stderr) if as_json else None
-    named = recipe or spec.recipe
-    # a named recipe is loaded before any host is reached: a bad name is one line, nothing touched
-    preloaded = settings.load_recipe(named) if named else None
-    with settings.connect(spec, printer) as host:
-        loaded = preloaded or settings.load_recipe(settings.recipe_for(host_name, None, host))
-        sudo = not parse_writable(host.run(writable_command(spec.prefix), check=False, stream=False).stdout)
-        live = _live_recipes(host, spec.prefix)
-
-        def take_over() -> None:
-            for lr in live:
-                run_command(host, _stop(lr, host, spec.prefix, None))
-
-        def restore() -> None:
-            for lr in live:
-                run_ops(host, deploy_ops(lr, host, spec.prefix, "auto"))
-
-        tuner = Tuner(host, spec.prefix, loaded, opts, tune_ops(), say=lambda line: out.print(f"[{host.name}] {line}"))
-        with host_lock(host, spec.prefix, sudo=sudo):
-            try:
-                outcome = tuner.run(take_over, restore)
-            except KeyboardInterrupt:
-                # the conductor's finally blocks have run: say what they left
-                live_state = "deployed again" if tuner.took_over else "untouched" if live else "none was running"
-                print(
-                    f"error: interrupted: the scratch server was stopped and removed; the live service: "
-                    f"{live_state}; every measurement finished so far is kept (a re-run resumes)",
-                    file=sys.stderr,
-                )
-                return 130
+    outcome = tune_host(settings, host_name, recipe, opts, lambda name, line: out.print(f"[{name}] {line}"), printer)
     res = outcome.result
     if as_json:
         print(json.dumps(res, indent=2, sort_keys=True))

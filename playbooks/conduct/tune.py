@@ -38,6 +38,10 @@ from typing import Any
 
 import yaml
 
+from playbooks.conduct.deploy import choose_manager, deploy_ops, make_manager, single_service
+from playbooks.conduct.deployed import read_deployments, recipe_file
+from playbooks.conduct.quantize import draft_artifact, quantize_step, recipe_weights
+from playbooks.conduct.settings import Settings
 from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
 from playbooks.config.recipe import Cache, Gate, LoadedRecipe, load_recipe
 from playbooks.config.recorded import merged_text
@@ -45,9 +49,11 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds as build_facts
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, deployments_command, parse_deployments
-from playbooks.facts.files import cat_command, parse_json_object
+from playbooks.facts.files import cat_command, parse_json_object, parse_writable, writable_command
 from playbooks.host import Host
-from playbooks.host.ops import Change, run_command, run_ops
+from playbooks.host.lock import host_lock
+from playbooks.host.ops import Change, Command, run_command, run_ops
+from playbooks.host.output import Printer
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps import tune_report
 from playbooks.steps.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
@@ -60,8 +66,8 @@ from playbooks.steps.units import ServerLayout, render_service_files
 SCRATCH_UNIT = "voltaforge-tune.service"
 SCRATCH_SERVICE = SCRATCH_UNIT.removesuffix(".service")
 
-#: what the conductor needs from the layers above it (cli/deploy.py and cli/quantize.py build
-#: the operations; tune runs them): kept as functions so this floor imports no task module
+#: the operations the search runs (conduct/deploy.py and conduct/quantize.py build them;
+#: tune_ops() gives the real ones): functions, so the search loop can be driven by others
 DeployOps = Callable[[LoadedRecipe, Host, str, "ServerLayout | None"], list[Any]]
 StopCommand = Callable[[LoadedRecipe, Host, str, "ServerLayout | None"], Any]
 QuantizeOps = Callable[[LoadedRecipe, str, str], list[Any]]
@@ -441,3 +447,72 @@ def write_winner(text: str, name: str, recipes_dir: Path | None) -> Path:
 
 def stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _stop(loaded: LoadedRecipe, host: Host, prefix: str, server: ServerLayout | None) -> Command:
+    unit, unit_name, state = single_service(loaded, prefix, server)
+    return make_manager(choose_manager(host, "auto"), state, unit_name, unit.text).stop()
+
+
+def tune_ops() -> Ops:
+    return Ops(
+        deploy=lambda loaded, host, prefix, server: deploy_ops(loaded, host, prefix, "auto", server=server),
+        stop=_stop,
+        quantize=lambda loaded, prefix, quant: quantize_step(loaded, prefix, quant),
+        model_id=lambda loaded: recipe_weights(loaded).model_id,
+        draft_artifact=draft_artifact,
+    )
+
+
+def _live_recipes(host: Host, prefix: str) -> list[LoadedRecipe]:
+    found = []
+    for d in read_deployments(host, prefix):
+        if d.service != SCRATCH_SERVICE and d.recipe is not None:
+            found.append(load_recipe(recipe_file(d.recipe, f"{host.name}:{d.service}")))
+    return found
+
+
+class TuneInterrupted(VoltaforgeError):
+    """Ctrl-C during a search: the conductor's finally blocks have run; the message says what
+    they left (exit 130, as a shell reports SIGINT)."""
+
+    exit_code = 130
+
+
+def tune_host(
+    settings: Settings,
+    host_name: str,
+    recipe: str | None,
+    opts: TuneOptions,
+    say: Callable[[str, str], None],
+    printer: Printer | None = None,
+) -> Outcome:
+    """One tune run on one host from the inventory: connect, take the host lock, search (the
+    live services stopped and restored around it when --take-over needs it)."""
+    spec = settings.host_spec(host_name)
+    named = recipe or spec.recipe
+    # a named recipe is loaded before any host is reached: a bad name is one line, nothing touched
+    preloaded = settings.load_recipe(named) if named else None
+    with settings.connect(spec, printer) as host:
+        loaded = preloaded or settings.load_recipe(settings.recipe_for(host_name, None, host))
+        sudo = not parse_writable(host.run(writable_command(spec.prefix), check=False, stream=False).stdout)
+        live = _live_recipes(host, spec.prefix)
+
+        def take_over() -> None:
+            for lr in live:
+                run_command(host, _stop(lr, host, spec.prefix, None))
+
+        def restore() -> None:
+            for lr in live:
+                run_ops(host, deploy_ops(lr, host, spec.prefix, "auto"))
+
+        tuner = Tuner(host, spec.prefix, loaded, opts, tune_ops(), say=lambda line: say(host.name, line))
+        with host_lock(host, spec.prefix, sudo=sudo):
+            try:
+                return tuner.run(take_over, restore)
+            except KeyboardInterrupt:
+                state = "deployed again" if tuner.took_over else "untouched" if live else "none was running"
+                raise TuneInterrupted(
+                    f"interrupted: the scratch server was stopped and removed; the live service: {state}; "
+                    "every measurement finished so far is kept (a re-run resumes)"
+                ) from None

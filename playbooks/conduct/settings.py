@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from playbooks.cli.deployed import deployed_recipe
+from playbooks.conduct.deployed import deployed_recipe
 from playbooks.config.inventory import HostSpec, resolve_host
 from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError

@@ -1,0 +1,356 @@
+"""`invoke provision`: every step, in order, on one host or many at once.
+
+    preflight -> toolchain -> build -> quantize -> deploy -> gate
+
+Each step is a list of operations (the same ones its own task runs), so a step whose state is
+already right is ``ok`` with the reason, a dry run shows every command and changes nothing,
+and a re-run after a failure resumes where it stopped: what was finished reads as ``ok``.
+
+- preflight judges the host's facts against the recipe first; a blocking check (a recipe that
+  cannot fit this GPU, with the plan's numbers; no NVIDIA driver; ...) stops the host before
+  anything is downloaded or written.
+- deploy starts a changed service *gated*: the last deployment that passed stays the rollback
+  target until the gate (steps/gate.py) passes on the new one; a failed gate rolls back.
+- The host lock is held for the whole run (a dry run only reads); Ctrl-C or a lost
+  connection drops it (host/lock.py), and every step switches things in whole (builds and
+  quantized files are made aside and renamed), so nothing is left half-switched.
+
+Many hosts run in parallel threads, each with its own log file holding everything its
+commands printed, and live output prefixed with the host's name. One host failing does not
+stop the others; the summary shows all of them and the exit code is 1 when any failed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from playbooks.conduct.build import build_step
+from playbooks.conduct.converge import prefix_needs_sudo
+from playbooks.conduct.deploy import deploy_ops
+from playbooks.conduct.logs import log_dir
+from playbooks.conduct.quantize import quantize_step
+from playbooks.conduct.settings import Settings
+from playbooks.conduct.toolchain import toolchain_step
+from playbooks.config.inventory import HostSpec
+from playbooks.config.recipe import LoadedRecipe
+from playbooks.errors import HostError, VoltaforgeError
+from playbooks.host import Host
+from playbooks.host.base import Printer
+from playbooks.host.local import LocalHost
+from playbooks.host.lock import host_lock
+from playbooks.host.ops import Change, Decision, Operation, run_ops, summarize
+from playbooks.steps.deploy import EnsureServing
+from playbooks.steps.gate import EnsureGate
+from playbooks.steps.preflight import gather, judge
+
+#: the built-in default: the tiny CPU recipe, which needs no GPU and no download
+DEFAULT_RECIPE = "tiny-cpu"
+
+
+STEPS = ("preflight", "toolchain", "build", "quantize", "deploy", "gate")
+
+
+@dataclass(frozen=True)
+class Options:
+    dry_run: bool = False
+    rebench: bool = False
+    reports: Path | None = None  # where the gate's reports go (default: the bench cache)
+    # the command as typed, without --dry-run and --json: what a fix line tells the user to run
+    # again (a bare `invoke provision --host H` would provision the default recipe instead)
+    command: str = "invoke provision"
+
+
+@dataclass
+class StepOutcome:
+    step: str
+    status: str  # changed | ok | failed | would change | would run after the fix | not reached
+    seconds: float = 0.0
+    why: str = ""
+    changes: list[Change] = field(default_factory=list)
+
+
+@dataclass
+class HostOutcome:
+    host: str
+    recipe: str
+    log: Path
+    steps: list[StepOutcome] = field(default_factory=list)
+    gate: dict[str, Any] | None = None
+    reports: dict[str, str] = field(default_factory=dict)
+    endpoint: str | None = None
+    fix: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return any(s.status == "failed" for s in self.steps)
+
+    def failure(self) -> StepOutcome | None:
+        return next((s for s in self.steps if s.status == "failed"), None)
+
+
+class HostPrinter(Printer):
+    """Every line to the host's log file; to the console too unless quiet. Prefixed, so the
+    lines of hosts running at once stay apart."""
+
+    def __init__(self, log: TextIO, out: TextIO | None = None, quiet: bool = False):
+        super().__init__(out, quiet)
+        self.log = log
+
+    def line(self, host: str, text: str) -> None:
+        with self._lock:
+            self.log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+            self.log.flush()
+        super().line(host, text)
+
+
+class Interrupted(HostError):
+    """Ctrl-C: the run stops between operations."""
+
+
+class _Cancellable(Operation):
+    """An operation that refuses to start once the run was interrupted."""
+
+    def __init__(self, op: Operation, cancel: threading.Event):
+        self.op, self.cancel = op, cancel
+        self.name, self.idempotent, self.notify = op.name, op.idempotent, op.notify
+
+    def check(self, host: Host) -> Decision:
+        if self.cancel.is_set():
+            raise Interrupted("interrupted before this operation: nothing of it was done")
+        return self.op.check(host)
+
+    def apply(self, host: Host, decision: Decision) -> None:
+        self.op.apply(host, decision)
+
+
+def step_status(changes: Sequence[Change], dry_run: bool) -> str:
+    if any(c.status == "failed" for c in changes):
+        return "failed"
+    if any(c.status == "changed" for c in changes):
+        return "would change" if dry_run else "changed"
+    return "ok"
+
+
+def step_why(changes: Sequence[Change]) -> str:
+    """One line for the summary: the failure, else what changed, else that all was in place."""
+    failed = next((c for c in changes if c.status == "failed"), None)
+    if failed:
+        return failed.why
+    changed = [c for c in changes if c.status == "changed"]
+    if changed:
+        whys = "; ".join(dict.fromkeys(c.why for c in changed))
+        whys = whys if len(whys) <= 200 else whys[:199] + "…"
+        return f"{len(changed)} of {len(changes)} changed: {whys}"
+    if len(changes) == 1:
+        return changes[0].why
+    return f"all {len(changes)} in place"
+
+
+def fix_for(step: str, command: str, detail: str) -> str:
+    resume = f"then `{command}` resumes at {step}"
+    if detail:
+        return f"{detail}; {resume}"
+    return f"fix the cause above; {resume} (the log has every line)"
+
+
+class Provisioner:
+    """One provision run over some hosts: resolves them (one line and exit 2 for a name or
+    recipe that does not exist, before any connection), then runs each in its own thread."""
+
+    def __init__(self, settings: Settings, options: Options, out: TextIO | None = None):
+        self.settings, self.options, self.out = settings, options, out
+        self.cancel = threading.Event()
+        self.run_dir = log_dir() / f"provision-{time.strftime('%Y%m%d-%H%M%S')}"
+        self._open: dict[str, Host] = {}
+        self._lock = threading.Lock()
+
+    # -- per host ----------------------------------------------------------------------------
+
+    def run_host(self, spec: HostSpec, loaded: LoadedRecipe) -> HostOutcome:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.run_dir / f"{spec.name}.log"
+        outcome = HostOutcome(spec.name, loaded.recipe.name, log_path)
+        t0 = time.monotonic()
+        with open(log_path, "w", encoding="utf-8") as log:
+            printer = HostPrinter(log, self.out)
+            try:
+                self._provision(spec, loaded, printer, outcome)
+            except (HostError, VoltaforgeError) as exc:
+                # connecting (unreachable, host key changed, sudo) or a step that could not
+                # even be planned: one line, on the step it happened in
+                step = STEPS[len(outcome.steps)] if len(outcome.steps) < len(STEPS) else "gate"
+                text = str(exc).removeprefix(f"{spec.name}: ")
+                outcome.steps.append(StepOutcome(step, "failed", 0.0, summarize(text)))
+                printer.line(spec.name, f"failed: {step}: {text}")  # whole, into the log too
+            finally:
+                with self._lock:
+                    self._open.pop(spec.name, None)
+            for s in outcome.steps:
+                for c in s.changes:
+                    if c.status == "failed" and c.detail:
+                        log.write(f"--- {s.step}: {c.step} failed:\n{c.detail}\n")
+            failed = outcome.failure()
+            if failed and outcome.fix is None:
+                outcome.fix = fix_for(failed.step, self.options.command, "")
+            done = len(outcome.steps)
+            outcome.steps += [StepOutcome(s, "not reached") for s in STEPS[done:]]
+        outcome.seconds = time.monotonic() - t0
+        return outcome
+
+    def _provision(self, spec: HostSpec, loaded: LoadedRecipe, printer: Printer, outcome: HostOutcome) -> None:
+        opts = self.options
+        with self.settings.connect(spec, printer) as host:
+            with self._lock:
+                self._open[spec.name] = host
+            if self.cancel.is_set():
+                raise Interrupted("interrupted before it started")
+            # 1. preflight: facts judged against the recipe, before anything is written
+            t = time.monotonic()
+            printer.line(spec.name, "== preflight ==")
+            model_dir = f"{spec.prefix}/models"
+            verdict = judge(gather(host, spec.prefix, model_dir), loaded, model_dir, spec.prefix, spec.gpu)
+            blocking = [c for c in verdict.checks if c.status == "fail" and c.blocking]
+            if blocking:
+                # every blocking check, not the first only: a user fixes them all in one go
+                why = "; ".join(f"{b.name}: {b.detail}" for b in blocking)
+                outcome.steps.append(StepOutcome("preflight", "failed", time.monotonic() - t, why))
+                fixes = "; ".join(dict.fromkeys(b.fix for b in blocking if b.fix))
+                outcome.fix = fix_for("preflight", opts.command, fixes)
+                if opts.dry_run:
+                    # the plan of work goes on: what each later step would run once fixed
+                    self._steps(host, spec, loaded, prefix_needs_sudo(host, spec.prefix), printer, outcome, True)
+                return
+            warned = [c for c in verdict.checks if c.status == "warn"]
+            why = f"{len(verdict.checks)} checks pass" + (
+                f", {len(warned)} warning{'s' if len(warned) > 1 else ''}: {warned[0].name}: {warned[0].detail}"
+                if warned
+                else ""
+            )
+            outcome.steps.append(StepOutcome("preflight", "ok", time.monotonic() - t, why))
+            sudo = prefix_needs_sudo(host, spec.prefix)
+            if opts.dry_run:
+                self._steps(host, spec, loaded, sudo, printer, outcome)
+            else:
+                with host_lock(host, spec.prefix, sudo=sudo):
+                    self._steps(host, spec, loaded, sudo, printer, outcome)
+
+    def _steps(
+        self,
+        host: Host,
+        spec: HostSpec,
+        loaded: LoadedRecipe,
+        sudo: bool,
+        printer: Printer,
+        outcome: HostOutcome,
+        blocked: bool = False,
+    ) -> None:
+        """The steps after preflight. ``blocked``: a dry run past a failed preflight, where
+        each step shows what it would run once the blocking checks are fixed."""
+        opts, prefix = self.options, spec.prefix
+        gates: list[EnsureGate] = []
+
+        def deploy_and_gate() -> list[Operation]:
+            ops = deploy_ops(loaded, host, prefix, "auto", gated=True)
+            for op in ops:
+                if isinstance(op, EnsureServing):
+                    gates.append(EnsureGate(op, loaded, prefix, force=opts.rebench, out_dir=opts.reports))
+            return ops
+
+        makers: list[tuple[str, Callable[[], list[Operation]]]] = [
+            ("toolchain", lambda: toolchain_step(loaded, host, prefix, sudo)),
+            ("build", lambda: build_step(loaded, host, prefix, sudo)),
+            ("quantize", lambda: quantize_step(loaded, prefix)),
+            ("deploy", deploy_and_gate),
+            ("gate", lambda: list(gates)),
+        ]
+        pending = blocked  # a dry run whose earlier step would change things (or is blocked)
+        for step, make in makers:
+            t = time.monotonic()
+            printer.line(spec.name, f"== {step} ==")
+            if self.cancel.is_set():
+                raise Interrupted(f"interrupted before {step}")
+            try:
+                ops = make()
+            except (VoltaforgeError, HostError) as exc:
+                text = str(exc).removeprefix(f"{spec.name}: ")
+                why = summarize(text)  # the summary's column holds one line, as run_ops's does
+                if opts.dry_run and pending:
+                    after = "after the fix" if blocked else "after the above"
+                    outcome.steps.append(StepOutcome(step, "not reached", time.monotonic() - t, f"{after}: {why}"))
+                    continue
+                printer.line(spec.name, f"failed: {step}: {text}")  # whole, into the log too
+                outcome.steps.append(StepOutcome(step, "failed", time.monotonic() - t, why))
+                return
+            changes = run_ops(host, [_Cancellable(op, self.cancel) for op in ops], dry_run=opts.dry_run)
+            status = step_status(changes, opts.dry_run)
+            if status == "failed" and opts.dry_run and pending:
+                status = "not reached"
+            if blocked and status == "would change":
+                status = "would run after the fix"
+            outcome.steps.append(StepOutcome(step, status, time.monotonic() - t, step_why(changes), changes))
+            if status == "failed":
+                return
+            pending = pending or status in ("would change", "would run after the fix")
+        for g in gates:
+            if g.result:
+                outcome.reports = {k: str(v) for k, v in g.reports.items()}
+        rec = gates[0].read(host) if gates and not opts.dry_run else {}
+        verdict = rec.get("gate") or {}
+        if verdict.get("status") == "passed":
+            outcome.gate = verdict.get("figures")
+            port = rec.get("port")
+            where = "this machine" if isinstance(host, LocalHost) else spec.name
+            outcome.endpoint = f"http://127.0.0.1:{port}/v1 on {where}"
+
+    # -- all hosts ---------------------------------------------------------------------------
+
+    def run(self, targets: Sequence[tuple[HostSpec, LoadedRecipe]]) -> list[HostOutcome]:
+        if len(targets) == 1:
+            return [self.run_host(*targets[0])]
+        pool = ThreadPoolExecutor(max_workers=min(len(targets), 16), thread_name_prefix="provision")
+        futures = [pool.submit(self.run_host, spec, loaded) for spec, loaded in targets]
+        try:
+            while True:
+                done, rest = wait_futures(futures, timeout=0.5)
+                if not rest:
+                    break
+        except KeyboardInterrupt:
+            self.interrupt()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return [f.result() for f in futures]
+
+    def interrupt(self) -> None:
+        """Ctrl-C: no new operation starts; open connections close, which ends the commands
+        running on them and drops each host's lock."""
+        self.cancel.set()
+        with self._lock:
+            hosts = list(self._open.values())
+        for host in hosts:
+            try:
+                host.close()
+            except Exception:  # noqa: BLE001 - closing what may already be broken
+                pass
+
+
+def resolve_targets(
+    settings: Settings, hosts: Sequence[str], recipe: str | None, default_recipe: str
+) -> list[tuple[HostSpec, LoadedRecipe]]:
+    """Every host's inventory entry and recipe (the flag's, else the inventory's for that
+    host, else the default), loaded and checked before anything connects."""
+    if len(set(hosts)) != len(hosts):
+        raise VoltaforgeError(f"--host {','.join(hosts)}: a host is named twice")
+    targets = []
+    for name in hosts:
+        spec = settings.host_spec(name)
+        targets.append((spec, settings.load_recipe(recipe or spec.recipe or default_recipe)))
+    return targets
