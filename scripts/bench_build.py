@@ -26,7 +26,8 @@ from pathlib import Path
 
 from playbooks.facts import cuda
 from playbooks.host import LocalHost
-from playbooks.steps.build import BuildLayout, EnsureLlamacppBuild, fetch_sdist
+from playbooks.steps.build import BuildLayout, EnsureLlamacppBuild
+from playbooks.steps.llamacpp_source import fetch_sdist
 
 
 class Failed(Exception):

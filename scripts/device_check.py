@@ -58,14 +58,9 @@ from playbooks.plan.model_config import load_config_file  # noqa: E402
 from playbooks.plan.moe import expert_layout  # noqa: E402
 from playbooks.results import checkout_commit, describe_machine, write_result  # noqa: E402
 from playbooks.steps.bench import decode_figure  # noqa: E402
-from playbooks.steps.build import (  # noqa: E402
-    BuildLayout,
-    Source,
-    build_ops,
-    cmake_flags,
-    file_sha256,
-    read_compile_facts,
-)
+from playbooks.steps.build import BuildLayout, build_ops, cmake_flags  # noqa: E402
+from playbooks.steps.buildenv import read_compile_facts  # noqa: E402
+from playbooks.steps.llamacpp_source import Source, file_sha256  # noqa: E402
 from playbooks.steps.units import ServerLayout, llama_server_argv  # noqa: E402
 from playbooks.weights.shaped_gguf import write_shaped_gguf  # noqa: E402
 

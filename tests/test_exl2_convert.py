@@ -28,7 +28,6 @@ from playbooks.facts import exl2
 from playbooks.facts.gpu import GpuFacts
 from playbooks.host.ops import OperationError, Record, Shell, Upload, run_ops
 from playbooks.plan.exl2_size import HEAD_BITS_OPTIONS
-from playbooks.steps.build import Probe
 from playbooks.steps.exl2_convert import (
     CONVERTER,
     STAMP_NAME,
@@ -41,6 +40,7 @@ from playbooks.steps.exl2_convert import (
     exl2_stamp,
     job_plan,
 )
+from playbooks.steps.proven_build import Probe
 from tests.llamacpp_tools import cache_dir
 
 VENV = "/opt/vf/venv"

@@ -10,8 +10,11 @@ import pytest
 
 from playbooks.facts import cuda, gpu
 from playbooks.host.ops import OperationError, Record
-from playbooks.steps.build import BuildFacts, BuildLayout, EnsureLlamacppBuild, Probe, Source
+from playbooks.steps.build import BuildLayout, EnsureLlamacppBuild
+from playbooks.steps.buildenv import BuildFacts
 from playbooks.steps.llamacpp_python import BindingsFacts, EnsureLlamaCppPython, bindings_stamp
+from playbooks.steps.llamacpp_source import Source
+from playbooks.steps.proven_build import Probe
 from tests.helpers import ROOT, fixture_body
 
 SOURCE = Source("llama-cpp-python==0.3.36", "0c1e570", ROOT / "x.tar.gz", "ab" * 32, "x/vendor/llama.cpp")
@@ -147,7 +150,7 @@ ABI = "cpython-311 linux-x86_64 glibc-2.36"
 
 def test_a_wheel_in_the_fleet_cache_is_pushed_not_compiled(tmp_path):
     from playbooks.host.ops import Fetch, PushFile
-    from playbooks.steps.build import FleetCache
+    from playbooks.steps.fleet_cache import FleetCache
     from playbooks.steps.llamacpp_python import parse_abi, wheel_key
 
     cache = FleetCache(tmp_path)

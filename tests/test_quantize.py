@@ -15,7 +15,8 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts.artifacts import parse_gguf_check, parse_kld
 from playbooks.host.ops import OperationError, PushFile, Record, Upload
 from playbooks.plan.model_config import shape_from_config
-from playbooks.steps.build import BuildLayout, Probe
+from playbooks.steps.build import BuildLayout
+from playbooks.steps.proven_build import Probe
 from playbooks.steps.quantize import (
     ArtifactFacts,
     EnsureFp16Range,

@@ -19,7 +19,7 @@ from playbooks.facts.artifacts import parse_hub_fetch
 from playbooks.facts.unreachable import Unreachable, network_cause, pip_unreachable
 from playbooks.host import LocalHost
 from playbooks.host.ops import OperationError, run_ops
-from playbooks.steps.build import fetch_sdist
+from playbooks.steps.llamacpp_source import fetch_sdist
 from playbooks.steps.quantize import EnsureHubWeights, HubWeights, ModelLayout
 from playbooks.steps.toolchain import EnsureTorch, index_named, run_pip
 from tests.helpers import FIXTURES, fixture_body

@@ -65,7 +65,7 @@ BUILD_TOOLS = ("ninja",)
 def sdist_requirements() -> tuple[list[str], list[str]]:
     """(``[project] dependencies``, ``[build-system] requires``) of the pinned
     llama-cpp-python sdist, read from its pyproject.toml (the archive `invoke build` pushes)."""
-    from playbooks.steps.build import fetch_sdist
+    from playbooks.steps.llamacpp_source import fetch_sdist
 
     source = fetch_sdist(SDIST, "0c1e570")
     top = source.member.split("/", 1)[0]

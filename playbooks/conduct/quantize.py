@@ -18,9 +18,10 @@ from playbooks.plan.model_config import ModelShape
 from playbooks.plan.planner import evaluate, serving_for
 from playbooks.plan.tensors import parameter_count
 from playbooks.steps.artifact_copy import Artifact
-from playbooks.steps.build import BuildLayout, source_cache_dir
+from playbooks.steps.build import BuildLayout
 from playbooks.steps.exl2_convert import STAMP_NAME as EXL2_STAMP
 from playbooks.steps.exl2_convert import Exl2Layout, exl2_ops
+from playbooks.steps.llamacpp_source import source_cache_dir
 from playbooks.steps.quantize import (
     EnsureConvertDeps,
     EnsureFp16Range,

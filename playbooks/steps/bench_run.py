@@ -37,8 +37,8 @@ from playbooks.resources import resource_dir
 from playbooks.steps import bench, bench_client
 from playbooks.steps.bench_report import append_history, read_history, write_reports
 from playbooks.steps.bench_stats import estimate, settled
-from playbooks.steps.build import source_cache_dir
 from playbooks.steps.deploy import DeployLayout, read_record
+from playbooks.steps.llamacpp_source import source_cache_dir
 
 #: per request: generous for a slow host, short enough that a hung server fails the run
 REQUEST_TIMEOUT_S = 300.0

@@ -22,7 +22,6 @@ torch's CUDA (``+cu118``) must match the pinned toolkit (11.8): checked before a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -33,8 +32,8 @@ from playbooks.config.recipe import Toolchain
 from playbooks.facts import builds, cuda, python, read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell
-from playbooks.steps.build import BuildFacts, Probe, compile_env, read_compile_facts, run_proven
-from playbooks.steps.buildenv import env_prefix, torch_arch_list
+from playbooks.steps.buildenv import BuildFacts, compile_env, env_prefix, read_compile_facts, torch_arch_list
+from playbooks.steps.proven_build import Probe, inputs_id, run_proven
 from playbooks.steps.toolchain import pip_install_keeping_torch
 
 EXT = "exllamav2_ext"
@@ -56,8 +55,7 @@ class ExtInputs:
 
     @property
     def build_id(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return f"{self.exllamav2}-{hashlib.sha256(blob).hexdigest()[:12]}"
+        return inputs_id(self.exllamav2, asdict(self))
 
 
 @dataclass(frozen=True)

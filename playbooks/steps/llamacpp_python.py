@@ -22,7 +22,6 @@ Decisions recorded here:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -34,18 +33,11 @@ from playbooks.errors import HostError
 from playbooks.facts import builds, cuda, python, read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Fetch, Operation, PushFile, Record, Shell
-from playbooks.steps.build import (
-    BuildFacts,
-    BuildLayout,
-    FleetCache,
-    Probe,
-    Source,
-    file_sha256,
-    llamacpp_compile_env,
-    read_compile_facts,
-    run_proven,
-)
-from playbooks.steps.buildenv import env_prefix
+from playbooks.steps.build import BuildLayout
+from playbooks.steps.buildenv import BuildFacts, env_prefix, llamacpp_compile_env, read_compile_facts
+from playbooks.steps.fleet_cache import FleetCache
+from playbooks.steps.llamacpp_source import Source, file_sha256
+from playbooks.steps.proven_build import Probe, inputs_id, run_proven
 from playbooks.steps.toolchain import EnsureVenv
 
 DIST = "llama_cpp_python"
@@ -82,8 +74,7 @@ class BindingsInputs:
 
     @property
     def build_id(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return f"{self.version}-{self.backend}-{hashlib.sha256(blob).hexdigest()[:12]}"
+        return inputs_id(f"{self.version}-{self.backend}", asdict(self))
 
 
 @dataclass(frozen=True)
@@ -111,8 +102,7 @@ def parse_abi(output: str) -> str | None:
 def wheel_key(inputs: BindingsInputs, abi: str) -> str:
     """The fleet cache's name for a wheel: the build inputs without the venv's path (a wheel
     is relocatable) and the ABI it was built for."""
-    blob = json.dumps({**asdict(inputs), "venv": None, "abi": abi}, sort_keys=True).encode()
-    return f"{inputs.version}-{inputs.backend}-{hashlib.sha256(blob).hexdigest()[:12]}"
+    return inputs_id(f"{inputs.version}-{inputs.backend}", {**asdict(inputs), "venv": None, "abi": abi})
 
 
 class EnsureLlamaCppPython(Operation):

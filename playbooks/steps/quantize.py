@@ -54,8 +54,10 @@ from playbooks.plan.gguf_size import estimate_gguf
 from playbooks.plan.gpus import size_text
 from playbooks.plan.model_config import ModelShape
 from playbooks.resources import resource_dir
-from playbooks.steps.build import BuildLayout, Probe, build_failure, file_sha256
+from playbooks.steps.build import BuildLayout
 from playbooks.steps.buildenv import env_prefix
+from playbooks.steps.llamacpp_source import file_sha256
+from playbooks.steps.proven_build import Probe, build_failure
 from playbooks.steps.toolchain import pip_install_keeping_torch, run_pip
 
 SOURCE_MANIFEST = ".voltaforge-source.json"

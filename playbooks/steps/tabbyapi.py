@@ -27,7 +27,8 @@ from playbooks.config.recipe import Toolchain
 from playbooks.facts import read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, PushFile, Shell
-from playbooks.steps.build import Probe, file_sha256, run_proven, source_cache_dir
+from playbooks.steps.llamacpp_source import file_sha256, source_cache_dir
+from playbooks.steps.proven_build import Probe, run_proven
 from playbooks.steps.toolchain import pip_install_keeping_torch
 
 MARKER = ".voltaforge-ref"

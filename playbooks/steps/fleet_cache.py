@@ -1,0 +1,40 @@
+"""The fleet cache on the controller: proven builds (and bindings wheels) kept by their build
+id, so a second host with the same inputs receives a copy instead of compiling again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from playbooks.steps.llamacpp_source import (
+    source_cache_dir,
+)
+
+
+@dataclass(frozen=True)
+class FleetCache:
+    """Proven builds kept on the controller by their input hash: a fleet of ten V100s with the
+    same arch, toolkit, compiler, ref, flags and prefix compiles once, the other nine get the
+    archive copied and re-proven."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> FleetCache:
+        return cls(source_cache_dir().parent / "builds")
+
+    def archive(self, build_id: str) -> Path:
+        return self.root / f"{build_id}.tar.gz"
+
+    def wheel_dir(self, key: str) -> Path:
+        """Proven llama-cpp-python wheels (one per directory), by build inputs and ABI."""
+        return self.root / "wheels" / key
+
+    def wheel(self, key: str) -> Path | None:
+        found = sorted(self.wheel_dir(key).glob("*.whl"))
+        return found[0] if len(found) == 1 else None
+
+    def ids(self) -> tuple[str, ...]:
+        if not self.root.is_dir():
+            return ()
+        return tuple(sorted(p.name.removesuffix(".tar.gz") for p in self.root.glob("*.tar.gz")))
