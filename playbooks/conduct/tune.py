@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 from playbooks.conduct.deploy import choose_manager, deploy_ops, make_manager, single_service
-from playbooks.conduct.deployed import read_deployments, recipe_file
+from playbooks.conduct.deployed import recipe_file
 from playbooks.conduct.quantize import draft_artifact, quantize_step, recipe_weights
 from playbooks.conduct.settings import Settings
 from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
@@ -188,13 +188,18 @@ class Tuner:
         self.build = ""
         self.bandwidth: float | None = None
         self.kld: dict[str, float] = {}  # quant -> mean KL divergence against F16 (its manifest)
+        self._live: list[Deployment] | None = None
         self.took_over = False  # the live service was stopped for the search (and is restored)
 
     # -- facts -------------------------------------------------------------------------------
 
     def live_services(self) -> list[Deployment]:
-        found = parse_deployments(read_fact(self.host, deployments_command(self.prefix)))
-        return [d for d in found if d.service != SCRATCH_SERVICE and d.record]
+        """The host's deployments besides tune's own, read once per run (their ports do not
+        move during a search: a taken-over service comes back on its own)."""
+        if self._live is None:
+            found = parse_deployments(read_fact(self.host, deployments_command(self.prefix)))
+            self._live = [d for d in found if d.service != SCRATCH_SERVICE and d.record]
+        return self._live
 
     def _port_of(self, d: Deployment) -> int | None:
         port = (d.record or {}).get("port")
@@ -464,14 +469,6 @@ def tune_ops() -> Ops:
     )
 
 
-def _live_recipes(host: Host, prefix: str) -> list[LoadedRecipe]:
-    found = []
-    for d in read_deployments(host, prefix):
-        if d.service != SCRATCH_SERVICE and d.recipe is not None:
-            found.append(load_recipe(recipe_file(d.recipe, f"{host.name}:{d.service}")))
-    return found
-
-
 class TuneInterrupted(VoltaforgeError):
     """Ctrl-C during a search: the conductor's finally blocks have run; the message says what
     they left (exit 130, as a shell reports SIGINT)."""
@@ -496,7 +493,13 @@ def tune_host(
     with settings.connect(spec, printer) as host:
         loaded = preloaded or settings.load_recipe(settings.recipe_for(host_name, None, host))
         sudo = not parse_writable(host.run(writable_command(spec.prefix), check=False, stream=False).stdout)
-        live = _live_recipes(host, spec.prefix)
+        tuner = Tuner(host, spec.prefix, loaded, opts, tune_ops(), say=lambda line: say(host.name, line))
+        # what the live services are, from the same read the search checks them by
+        live = [
+            load_recipe(recipe_file(d.recipe, f"{host.name}:{d.service}"))
+            for d in tuner.live_services()
+            if d.recipe is not None
+        ]
 
         def take_over() -> None:
             for lr in live:
@@ -506,7 +509,6 @@ def tune_host(
             for lr in live:
                 run_ops(host, deploy_ops(lr, host, spec.prefix, "auto"))
 
-        tuner = Tuner(host, spec.prefix, loaded, opts, tune_ops(), say=lambda line: say(host.name, line))
         with host_lock(host, spec.prefix, sudo=sudo):
             try:
                 return tuner.run(take_over, restore)

@@ -192,12 +192,21 @@ class EnsureVenv(Operation):
         return Decision.act("venv is missing", Shell(f"python3 -m venv {shlex.quote(self.venv)}"))
 
 
-def torch_install_command(venv: str, tc: Toolchain) -> str:
-    args = [f"{venv}/bin/pip", "install", "--disable-pip-version-check", "-q"]
-    if tc.torch_index:
-        args += ["--index-url", tc.torch_index]
+#: with a local wheel directory for the pin, an index is asked once, briefly: pip's default is
+#: five retries with back-off, 130 "Retrying ... NewConnectionError" lines measured on an
+#: offline host whose torch came from the local directory all along (issue 22)
+ONE_TRY = ("--retries", "0", "--timeout", "10")
+
+
+def _sources(tc: Toolchain, index_flag: str) -> list[str]:
+    args = [index_flag, tc.torch_index] if tc.torch_index else []
     if tc.torch_find_links:
-        args += ["--find-links", tc.torch_find_links]
+        args += ["--find-links", tc.torch_find_links, *ONE_TRY]
+    return args
+
+
+def torch_install_command(venv: str, tc: Toolchain) -> str:
+    args = [f"{venv}/bin/pip", "install", "--disable-pip-version-check", "-q", *_sources(tc, "--index-url")]
     args.append(f"torch=={tc.torch}")
     return " ".join(shlex.quote(a) for a in args)
 
@@ -206,11 +215,7 @@ def pip_install_keeping_torch(venv: str, tc: Toolchain, *requirements: str) -> s
     """A pip install into the venv that cannot move the pinned torch: torch is named with its
     exact pin (so the resolver keeps the installed one), its index reachable only as extra."""
     args = [f"{venv}/bin/pip", "install", "--disable-pip-version-check", *requirements, f"torch=={tc.torch}"]
-    if tc.torch_index:
-        args += ["--extra-index-url", tc.torch_index]
-    if tc.torch_find_links:
-        args += ["--find-links", tc.torch_find_links]
-    return " ".join(shlex.quote(a) for a in args)
+    return " ".join(shlex.quote(a) for a in args + _sources(tc, "--extra-index-url"))
 
 
 def index_named(gone: Unreachable, index: str | None) -> str:
