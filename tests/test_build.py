@@ -170,6 +170,7 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
     # first run: builds and proves
     code, out = build()
     assert code == 0, out[-3000:]
+    assert "UI: download" not in out and "UI:" in out  # the UI step ran, and fetched nothing
     first = builds()
     assert len(first) == 1 and (prefix / "llama.cpp" / "current").resolve().name == first[0]
     with connect(spec_for(sshd_host)) as host:

@@ -153,6 +153,9 @@ def cmake_flags(cuda_arch: str | None, host_compiler: str | None = None) -> tupl
         "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
+        # the server runs with --no-webui: no download of prebuilt web UI assets at build time
+        # (offline it printed "UI: download dist.tar.gz.sha256 ... failed" into every build)
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
     ]
     if cuda_arch:
         flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
