@@ -93,11 +93,26 @@ def start(inv: Path, hosts: str) -> subprocess.Popen:
     # SIGINT back to its default in the child, as in a terminal: a suite started in the
     # background of a non-interactive shell (`bash .ci/run &`) runs with SIGINT ignored, which
     # every child inherits, and the Ctrl-C case below would then test nothing
+    # PYTHONFAULTHANDLER: a run that hangs is dumped (every thread's stack) by finish()
     return subprocess.Popen(
         [sys.executable, "-m", "invoke", "-r", str(ROOT), "provision", "--host", hosts, "--inventory", str(inv)],
         cwd=inv.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The run's output once it ends; a run still going after ``timeout`` is aborted (SIGABRT:
+    the fault handler prints where every thread stood) and the test fails with that dump."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(
+            f"still running after {timeout:g} s; its threads:\n{err[-12000:]}\n{out[-3000:]}"
+        ) from None
 
 
 def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 600) -> list[str]:
@@ -219,7 +234,7 @@ def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn
     wait_for_line(proc, "== gate ==")
     time.sleep(1.0)  # inside the sweep
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = finish(proc, 120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("error: interrupted: no operation was left half-done")
     mid = record(host)  # the new deployment runs, not yet gated: the passed one is still the rollback target
@@ -236,7 +251,7 @@ def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn
     wait_for_line(proc, "== gate ==")
     time.sleep(1.0)
     host.run_inside(f"pkill -KILL -u {host.user} -f 'sshd: {host.user}' || true")
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc, 300)
     assert proc.returncode == 1, out[-3000:] + err
     [line] = [x for x in out.splitlines() if x.startswith("box: failed at ")]
     assert "connection" in line.lower() or "lost" in line.lower(), line

@@ -27,6 +27,10 @@ def test_wheel_outside_the_checkout_plans_tiny_cpu(tmp_path):
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)])
     wheel = next(dist.glob("voltaforge-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
+    # every module of the package: a layer folder missing from pyproject's list is missing here
+    # (conduct/ was, until a top-level import of it broke the installed command)
+    for module in sorted((ROOT / "playbooks").rglob("*.py")):
+        assert str(module.relative_to(ROOT)) in names, module
     for shipped in (
         "playbooks/_data/recipes/tiny-cpu.yaml",
         "playbooks/_data/recipes/defaults.yaml",

@@ -222,6 +222,12 @@ class SshHost(Host):
                 # this thread before end_all, and the gate's client hung for its whole timeout
                 if not stop.is_set() or not transport.is_active():
                     end_all()
+                    # and no new connection is taken and left unanswered: with the listener
+                    # still open but nobody accepting, the kernel completes each connect from
+                    # its backlog and the client waits out its whole read timeout (the gate's
+                    # next concurrency level hung 300 s per request in CI: stops 25 and 26)
+                    with contextlib.suppress(OSError):
+                        listener.close()
 
         def serve() -> None:
             checked = time.monotonic()
