@@ -73,16 +73,31 @@ def shared_ccache(prefix: Path, user: str) -> None:
     (prefix / "llama.cpp" / "ccache").symlink_to(shared)
 
 
-def stage_served_model(host, prefix: str, recipe: Path, gguf_file: Path, quant: str = "Q4_K_M") -> str:
-    """What `invoke build` and `invoke quantize` leave for `invoke deploy`: the static CPU
-    llama-server and llama-bench behind a `current` link, and the quantized model with its
-    manifest under models/<id>/gguf/ (quantize's own run of it: tests/test_quantize_real.py)."""
+def put_gguf(host, local: Path, remote: str, quant: str, manifest_extra: dict | None = None) -> None:
+    """A GGUF where quantize leaves it, with the manifest quantize writes beside it (path, kind,
+    quant, bytes, sha256; ``manifest_extra`` added, e.g. a verification)."""
     import hashlib
     import json
 
+    from playbooks.steps.quantize import manifest_path
+
+    host.run(f"mkdir -p {remote.rsplit('/', 1)[0]}", stream=False)
+    host.put(str(local), remote, mode=0o644)
+    data = local.read_bytes()
+    manifest = {"path": remote, "kind": "gguf", "quant": quant, "bytes": len(data)}
+    manifest["sha256"] = hashlib.sha256(data).hexdigest()
+    host.put(json.dumps(manifest | (manifest_extra or {})).encode(), manifest_path(remote), mode=0o644)
+
+
+def stage_served_model(
+    host, prefix: str, recipe: Path, gguf_file: Path, quant: str = "Q4_K_M", manifest_extra: dict | None = None
+) -> str:
+    """What `invoke build` and `invoke quantize` leave for `invoke deploy`: the static CPU
+    llama-server and llama-bench behind a `current` link, and the quantized model with its
+    manifest under models/<id>/gguf/ (quantize's own run of it: tests/test_quantize_real.py)."""
     from playbooks.conduct.quantize import recipe_weights
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.quantize import ModelLayout, manifest_path
+    from playbooks.steps.quantize import ModelLayout
     from tests import llamacpp_tools
 
     loaded = load_recipe(str(recipe))
@@ -94,10 +109,6 @@ def stage_served_model(host, prefix: str, recipe: Path, gguf_file: Path, quant: 
     tools = llamacpp_tools.build_tools()
     for tool in ("llama-server", "llama-bench"):
         host.put(str(tools / tool), f"{build}/bin/{tool}", mode=0o755)
-    host.put(str(gguf_file), gguf, mode=0o644)
-    data = gguf_file.read_bytes()
-    manifest = {"path": gguf, "kind": "gguf", "quant": quant, "bytes": len(data)}
-    manifest["sha256"] = hashlib.sha256(data).hexdigest()
-    host.put(json.dumps(manifest).encode(), manifest_path(gguf), mode=0o644)
+    put_gguf(host, gguf_file, gguf, quant, manifest_extra)
     host.run(f"chmod -R a+rX {prefix}", stream=False)
     return gguf

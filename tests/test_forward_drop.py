@@ -13,6 +13,7 @@ import socketserver
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -52,23 +53,34 @@ class _Slow(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_lost_connection_ends_the_forwarded_streams_at_once(sshd_host):
+@contextlib.contextmanager
+def slow_server() -> Iterator[int]:
+    """A local HTTP server answering with _Slow, on a free port, for the test's duration."""
     port = free_port()
     server = socketserver.ThreadingTCPServer(("127.0.0.1", port), _Slow)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
+        yield port
+    finally:
+        server.shutdown()
+
+
+def kill_connections(sshd_host) -> None:
+    """Kill this connection's sshd processes, the listener left alone."""
+    for pid in _descendants(sshd_host.pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "sshd":
+                subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def test_a_lost_connection_ends_the_forwarded_streams_at_once(sshd_host):
+    with slow_server() as port:
         with connect(spec_for(sshd_host)) as host, host.forward(port) as local:
 
-            def drop() -> None:  # this connection's sshd processes, the listener left alone
+            def drop() -> None:
                 time.sleep(1.0)
-                for pid in _descendants(sshd_host.pid):
-                    try:
-                        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-                    except OSError:
-                        continue
-                    if comm == "sshd":
-                        subprocess.run(["kill", "-9", str(pid)], check=False)
+                kill_connections(sshd_host)
 
             threading.Thread(target=drop, daemon=True).start()
             t0 = time.monotonic()
@@ -87,8 +99,6 @@ def test_a_lost_connection_ends_the_forwarded_streams_at_once(sshd_host):
             with pytest.raises(httpx.HTTPError):
                 httpx.get(f"http://127.0.0.1:{local}/quick", timeout=60)
             assert time.monotonic() - t1 < 5
-    finally:
-        server.shutdown()
 
 
 def test_a_connection_opened_as_the_link_dies_ends_every_stream(sshd_host, monkeypatch):
@@ -99,11 +109,7 @@ def test_a_connection_opened_as_the_link_dies_ends_every_stream(sshd_host, monke
     another thread opens connection after connection, and the connection is killed amid them."""
     crashed: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
-    port = free_port()
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", port), _Slow)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with slow_server() as port:
         with connect(spec_for(sshd_host)) as host, host.forward(port) as local:
             ended: dict[str, float] = {}
 
@@ -125,14 +131,9 @@ def test_a_connection_opened_as_the_link_dies_ends_every_stream(sshd_host, monke
                 t.start()
             time.sleep(1.0)
             t0 = time.monotonic()
-            for pid in _descendants(sshd_host.pid):
-                with contextlib.suppress(OSError):
-                    if Path(f"/proc/{pid}/comm").read_text().strip() == "sshd":
-                        subprocess.run(["kill", "-9", str(pid)], check=False)
+            kill_connections(sshd_host)
             for t in threads:
                 t.join(20)
             assert set(ended) == {"stream", "churn"}, f"still waiting: {ended}"
             assert max(ended.values()) - t0 < 10, ended
-    finally:
-        server.shutdown()
     assert not crashed, crashed

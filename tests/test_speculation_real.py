@@ -45,6 +45,7 @@ are recorded in draft_pair's docstring (``--spec-type draft-simple``, ``--spec-d
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -281,8 +282,7 @@ def test_tune_measures_a_random_draft_and_keeps_the_target_alone(models, sshd_ho
     from playbooks.conduct.settings import Settings
     from playbooks.config.recipe import load_recipe
     from playbooks.host import connect
-    from playbooks.steps.quantize import manifest_path
-    from tests.helpers import inventory_for, spec_for, stage_served_model
+    from tests.helpers import inventory_for, put_gguf, spec_for, stage_served_model
 
     port = free_port()
     prefix = str(sshd_host.prefix / "vf-draft")
@@ -310,15 +310,7 @@ def test_tune_measures_a_random_draft_and_keeps_the_target_alone(models, sshd_ho
         stage_served_model(host, prefix, recipe, models["target"], "Q8_0")
         draft = draft_artifact(loaded, prefix)
         assert draft and "/models/random-draft-" in draft and draft.endswith("-Q8_0.gguf")  # its own directory
-        import hashlib
-        import json
-
-        data = models["random"].read_bytes()
-        host.run(f"mkdir -p {draft.rsplit('/', 1)[0]}", stream=False)
-        host.put(str(models["random"]), draft, mode=0o644)
-        manifest = {"path": draft, "kind": "gguf", "quant": "Q8_0", "bytes": len(data)}
-        manifest["sha256"] = hashlib.sha256(data).hexdigest()
-        host.put(json.dumps(manifest).encode(), manifest_path(draft), mode=0o644)
+        put_gguf(host, models["random"], draft, "Q8_0")
         host.run(f"chmod -R a+rX {prefix}", stream=False)
     monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
     opts = options("single", None, "f16", None, None, "512", "none,draft-simple", None, None, "10m", 1, False, None)

@@ -66,15 +66,10 @@ def _stage(sshd_host, prefix: str, recipe: Path, quants: dict[str, Path], kld: d
     """The quants as quantize leaves them; ``kld``: a mean KL divergence written into a quant's
     manifest the way quantize's verification records it (an input here: the plumbing from the
     manifest to the report is what is tested; tests/test_quantize_real.py measures real ones)."""
-    from playbooks.steps.quantize import manifest_path
-
     with connect(spec_for(sshd_host)) as host:
         for q, f in quants.items():
-            gguf = stage_served_model(host, prefix, recipe, f, q)
-            if kld and q in kld:
-                manifest = json.loads(host.run(f"cat {manifest_path(gguf)}", stream=False).stdout)
-                manifest["verification"] = {"kld": {"mean_kld": kld[q]}}
-                host.put(json.dumps(manifest).encode(), manifest_path(gguf), mode=0o644)
+            verified = {"verification": {"kld": {"mean_kld": kld[q]}}} if kld and q in kld else None
+            stage_served_model(host, prefix, recipe, f, q, verified)
 
 
 @pytest.mark.timeout(1500)

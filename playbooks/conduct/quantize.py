@@ -6,6 +6,7 @@ refused before hours of work."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from playbooks.config.planning import plan_recipe
@@ -178,14 +179,32 @@ def quantize_step(
         EnsureDirectory(layout.root, 0o755),
         # the converter's packages first: huggingface_hub (a download) comes with transformers
         EnsureConvertDeps(venv, r.toolchain),
-        weights_op(layout, weights, venv, loaded.shape),
+        *_gguf_chain(loaded, layout, weights, loaded.shape, r.model.fp16_overflow, gguf, imatrix, quants),
+    ]
+    return ops + _draft_ops(loaded, prefix, recipe_hash)
+
+
+def _gguf_chain(
+    loaded: LoadedRecipe,
+    layout: ModelLayout,
+    weights: LocalWeights | HubWeights,
+    shape: ModelShape,
+    fp16_overflow: str,
+    gguf: Callable[[str], EnsureGguf],
+    imatrix: bool,
+    quants: Sequence[str],
+) -> list[Operation]:
+    """One model's way to verified GGUFs (the recipe's model and its draft alike): its weights,
+    the texts, the FP16 range, F16, the reference logits (and importance matrix), the quants."""
+    build, venv = BuildLayout(layout.prefix), venv_path(layout.prefix)
+    return [
+        weights_op(layout, weights, venv, shape),
         EnsureTexts(layout, calibration_text(weights, recipe_calibration(loaded)), TEST_PROMPT),
-        EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
+        EnsureFp16Range(layout, venv, weights.source_sha256, clamp=fp16_overflow == "clamp"),
         gguf("F16"),
         EnsureReference(layout, build, imatrix),
         *(gguf(q) for q in quants),
     ]
-    return ops + _draft_ops(loaded, prefix, recipe_hash)
 
 
 def _draft_ops(loaded: LoadedRecipe, prefix: str, recipe_hash: str) -> list[Operation]:
@@ -200,14 +219,10 @@ def _draft_ops(loaded: LoadedRecipe, prefix: str, recipe_hash: str) -> list[Oper
     def gguf(q: str) -> EnsureGguf:
         return EnsureGguf(layout, build, venv, weights, shape, q, recipe_sha256=recipe_hash)
 
+    quants = [r.draft.quant] if r.draft.quant != "F16" else []
     return [
         EnsureDirectory(layout.root, 0o755),
-        weights_op(layout, weights, venv, shape),
-        EnsureTexts(layout, calibration_text(weights, recipe_calibration(loaded)), TEST_PROMPT),
-        EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.draft.model.fp16_overflow == "clamp"),
-        gguf("F16"),
-        EnsureReference(layout, build, False),
-        *([gguf(r.draft.quant)] if r.draft.quant != "F16" else []),
+        *_gguf_chain(loaded, layout, weights, shape, r.draft.model.fp16_overflow, gguf, False, quants),
     ]
 
 

@@ -364,14 +364,13 @@ class Tuner:
             raise VoltaforgeError(f"{self.host.name}: {space.why_empty()}")
         live = self.live_services()
         crowded = self.fits_beside(space, live)
-        out.live = {"services": [d.service for d in live], "taken_over": False}
+        out.live = {"services": [d.service for d in live]}
         if crowded and not self.opts.take_over:
             raise VoltaforgeError(f"{self.host.name}: {crowded}")
         try:
             if crowded:
                 self.say(f"taking over: stopping {', '.join(d.service for d in live)} for the search")
                 self.took_over = True  # before the stop: a Ctrl-C amid it must still restore
-                out.live["taken_over"] = True
                 take_over_stop()
             # the budget is the search's: the facts above (a first membw probe) are not in it
             self.deadline = time.monotonic() + self.opts.budget_s
@@ -387,7 +386,7 @@ class Tuner:
             if self.took_over:
                 self.say("deploying the live service again")
                 restore()
-        out.live["checks"] = self.live_checks
+        out.live |= {"taken_over": self.took_over, "checks": self.live_checks}
         out.verdict = choose(out.measured, space.survivors)
         self.finish(out)
         return out
