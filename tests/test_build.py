@@ -103,11 +103,12 @@ def test_an_interrupted_build_is_resumed_in_its_directory():
     assert f"-B {LAYOUT.build_dir(bid)} " in shown(d)[0]
 
 
-def test_cpu_build_is_static_and_needs_no_toolkit():
+def test_cpu_build_has_shared_libraries_for_the_bindings_and_needs_no_toolkit():
     d = op(cuda_release=None).decide(facts(toolkits=()))
     assert " && env PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C flock -w 900 " in shown(d)[0]
     assert ".lock /usr/bin/cmake -S /opt/vf/src/llama.cpp-0c1e570-" in shown(d)[0]
-    assert "-DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF" in shown(d)[0]
+    # shared (llama.cpp's default): the Python bindings load this build's libllama.so
+    assert "-DGGML_CUDA=OFF -DGGML_OPENMP=OFF" in shown(d)[0] and "BUILD_SHARED_LIBS" not in shown(d)[0]
     assert not any(isinstance(c, Probe) and c.expect for c in d.commands)
 
 

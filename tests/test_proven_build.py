@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from playbooks.steps.build import BuildInputs
 from playbooks.steps.exllamav2 import ExtInputs
-from playbooks.steps.llamacpp_python import BindingsInputs, wheel_key
+from playbooks.steps.llamacpp_python import BindingsInputs
 from playbooks.steps.proven_build import inputs_id
 
 
@@ -28,10 +28,8 @@ def test_the_same_inputs_name_the_same_build_and_a_change_another():
 def test_every_build_step_keeps_its_old_names():
     b = BuildInputs("/opt/vf", "0c1e570", "ab" * 32, "cuda", "70", "11.8", "gcc 12.2.0", ("-DA=1",), ("llama-server",))
     assert b.build_id == _old("0c1e570-cuda", asdict(b))
-    p = BindingsInputs("/opt/vf/venv", "0.3.36", "0c1e570", "ab" * 32, "cpu", None, None, "gcc 12.2.0", ("-DB=1",))
-    assert p.build_id == _old("0.3.36-cpu", asdict(p))
-    assert wheel_key(p, "cpython-311 linux-x86_64 glibc-2.36") == _old(
-        "0.3.36-cpu", {**asdict(p), "venv": None, "abi": "cpython-311 linux-x86_64 glibc-2.36"}
-    )
+    # the bindings' inputs changed with issue 22 (no compile of their own): same helper, new names
+    p = BindingsInputs("/opt/vf/venv", "0.3.36", "0c1e570", "ab" * 32, ("-DB=1",), "/opt/vf/llama.cpp/current/bin")
+    assert p.build_id == _old("0.3.36", asdict(p))
     e = ExtInputs("/opt/vf/venv", "0.3.2", "2.7.1+cu118", "7.0", "11.8", "gcc 12.2.0")
     assert e.build_id == _old("0.3.2", asdict(e))

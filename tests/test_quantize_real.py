@@ -110,16 +110,33 @@ def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, cap
         shared_ccache(prefix, sshd_host.user)
         assert run_build("box", str(recipe), settings=settings, targets=TOOLS) == 0
         out = capsys.readouterr().out
-        # the bindings: compiled here, or the proven wheel of the same inputs pushed
-        assert ("FORCE_CMAKE=1" in out or "pushed, not compiled" in out) and "pip install" in out
-        # the bindings: from the same archive as the server, importable, proven
-        bindings = json.loads((prefix / "venv" / "voltaforge-llama-cpp-python.json").read_text())
-        server = json.loads((prefix / "llama.cpp" / "current" / "voltaforge-stamp.json").read_text())
+        # the bindings: the package without a llama.cpp compile of its own (one compile per host)
+        assert "CMAKE_ARGS='-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF'" in out and "pip install" in out
+        assert out.count(" --build ") == 1  # cmake's compile: the server's, once
+        # the bindings: from the same archive as the server, loading the server build's library
+        builds = prefix / "llama.cpp" / "builds"
+
+        def proven_bindings() -> tuple[dict, str]:
+            stamp = json.loads((prefix / "venv" / "voltaforge-llama-cpp-python.json").read_text())
+            current = (prefix / "llama.cpp" / "current").resolve()
+            return stamp, current.name
+
+        bindings, server_id = proven_bindings()
+        server = json.loads((builds / server_id / "voltaforge-stamp.json").read_text())
         assert bindings["inputs"]["source_sha256"] == server["inputs"]["source_sha256"]
         assert bindings["import"] == "0.3.36" and bindings["system_info"].startswith("CPU : ")
+        assert bindings["server_build"] == server_id
+        assert bindings["library"].startswith(f"{builds / server_id}/bin/libllama.so"), bindings
         assert run_build("box", str(recipe), settings=settings, targets=TOOLS) == 0
         out = capsys.readouterr().out
         assert "8 ok" in out and "pip install" not in out and "cmake" not in out
+        # the server rebuilt with new inputs (a target more): the bindings follow, no pip
+        assert run_build("box", str(recipe), settings=settings, targets=(*TOOLS, "llama-bench")) == 0
+        out = capsys.readouterr().out
+        assert "followed, not rebuilt" in out and "pip install" not in out and "pip wheel" not in out, out[-3000:]
+        followed, new_id = proven_bindings()
+        assert new_id != server_id and followed["server_build"] == new_id
+        assert followed["library"].startswith(f"{builds / new_id}/bin/libllama.so")
 
         def quantize(*, dry_run=False, rec=recipe):
             code = run_quantize("box", str(rec), quant="Q4_K_M,Q8_0", dry_run=dry_run, settings=settings)

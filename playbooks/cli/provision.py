@@ -40,7 +40,8 @@ _STYLE = {
 
 def render_summary(outcomes: Sequence[HostOutcome], out: Console, dry_run: bool = False) -> None:
     for o in outcomes:
-        title = f"provision {o.host} ({o.recipe}){' - dry run' if dry_run else ''}: {o.seconds:.1f} s"
+        calls = f", {o.remote_calls} remote call{'s' if o.remote_calls != 1 else ''}" if o.remote_calls else ""
+        title = f"provision {o.host} ({o.recipe}){' - dry run' if dry_run else ''}: {o.seconds:.1f} s{calls}"
         table = Table(title=title, title_justify="left")
         for col in ("step", "status", "time", "why"):
             table.add_column(col, overflow="fold")
@@ -83,6 +84,7 @@ def outcome_json(o: HostOutcome) -> dict[str, Any]:
         "recipe": o.recipe,
         "failed": o.failed,
         "seconds": round(o.seconds, 2),
+        "remote_calls": o.remote_calls,
         "steps": [{"step": s.step, "status": s.status, "seconds": round(s.seconds, 2), "why": s.why} for s in o.steps],
         "gate": o.gate,
         "endpoint": o.endpoint,

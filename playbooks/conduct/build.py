@@ -1,7 +1,8 @@
 """The build step's operations for one host: llama.cpp from the pinned source for the host's
 arch (from the fleet cache when it holds a proven build of the same inputs), llama-cpp-python
-from the same source into the toolchain venv; for EXL2 recipes ExLlamaV2 with its extension
-built for the host's GPU, and TabbyAPI at its pinned commit."""
+from the same source into the toolchain venv, on the server build's libraries; for EXL2
+recipes ExLlamaV2 with its extension built for the host's GPU, and TabbyAPI at its pinned
+commit."""
 
 from __future__ import annotations
 
@@ -49,9 +50,7 @@ def build_step(
         cache=cache,
     )
     if bindings:
-        ops += bindings_ops(
-            layout, source, venv_path(prefix), cuda_release=cuda_release, recipe_arch=tc.cuda_arch, cache=cache
-        )
+        ops += bindings_ops(layout, source, venv_path(prefix), cuda=cuda_release is not None)
     if r.backend == "exllamav2":
         # EXL2 recipes serve through TabbyAPI on ExLlamaV2, built for this host's GPU
         ops += [EnsureExllamav2(prefix, venv_path(prefix), tc), EnsureTabbyAPI(prefix, venv_path(prefix), tc)]

@@ -34,6 +34,7 @@ from typing import Any, TextIO
 from playbooks.conduct.build import build_step
 from playbooks.conduct.converge import prefix_needs_sudo
 from playbooks.conduct.deploy import deploy_ops
+from playbooks.conduct.known_reads import KnownReads
 from playbooks.conduct.logs import log_dir
 from playbooks.conduct.quantize import quantize_step
 from playbooks.conduct.settings import Settings
@@ -45,7 +46,9 @@ from playbooks.host import Host
 from playbooks.host.base import Printer
 from playbooks.host.local import LocalHost
 from playbooks.host.lock import host_lock
-from playbooks.host.ops import Change, Decision, Operation, run_ops, summarize
+from playbooks.host.ops import Change, Decision, Operation, OperationError, run_ops, summarize
+from playbooks.host.output import BufferedPrinter
+from playbooks.host.prefetch import NotARead, Reads
 from playbooks.steps.deploy import EnsureServing
 from playbooks.steps.gate import EnsureGate
 from playbooks.steps.preflight import gather, judge
@@ -55,6 +58,9 @@ DEFAULT_RECIPE = "tiny-cpu"
 
 
 STEPS = ("preflight", "toolchain", "build", "quantize", "deploy", "gate")
+#: reads passes before a run gives up on settling in a few round trips (a pass per level of
+#: reads that depend on other reads' answers; the known reads make it one)
+MAX_READ_PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class HostOutcome:
     endpoint: str | None = None
     fix: str | None = None
     seconds: float = 0.0
+    remote_calls: int = 0  # commands and scripts sent (the host layer's count)
 
     @property
     def failed(self) -> bool:
@@ -125,7 +132,15 @@ class _Cancellable(Operation):
     def check(self, host: Host) -> Decision:
         if self.cancel.is_set():
             raise Interrupted("interrupted before this operation: nothing of it was done")
-        return self.op.check(host)
+        try:
+            return self.op.check(host)
+        except (HostError, VoltaforgeError):
+            raise
+        except Exception as exc:
+            if host.reading_misses:
+                # a parser given the empty answer of a read not fetched yet: the pass goes on
+                raise OperationError(f"a read not fetched yet ({exc})") from exc
+            raise
 
     def apply(self, host: Host, decision: Decision) -> None:
         self.op.apply(host, decision)
@@ -212,35 +227,102 @@ class Provisioner:
                 self._open[spec.name] = host
             if self.cancel.is_set():
                 raise Interrupted("interrupted before it started")
-            # 1. preflight: facts judged against the recipe, before anything is written
-            t = time.monotonic()
-            printer.line(spec.name, "== preflight ==")
-            model_dir = f"{spec.prefix}/models"
-            verdict = judge(gather(host, spec.prefix, model_dir), loaded, model_dir, spec.prefix, spec.gpu)
-            blocking = [c for c in verdict.checks if c.status == "fail" and c.blocking]
-            if blocking:
-                # every blocking check, not the first only: a user fixes them all in one go
-                why = "; ".join(f"{b.name}: {b.detail}" for b in blocking)
-                outcome.steps.append(StepOutcome("preflight", "failed", time.monotonic() - t, why))
-                fixes = "; ".join(dict.fromkeys(b.fix for b in blocking if b.fix))
-                outcome.fix = fix_for("preflight", opts.command, fixes)
-                if opts.dry_run:
-                    # the plan of work goes on: what each later step would run once fixed
-                    self._steps(host, spec, loaded, prefix_needs_sudo(host, spec.prefix), printer, outcome, True)
-                return
-            warned = [c for c in verdict.checks if c.status == "warn"]
-            why = f"{len(verdict.checks)} checks pass" + (
-                f", {len(warned)} warning{'s' if len(warned) > 1 else ''}: {warned[0].name}: {warned[0].detail}"
-                if warned
-                else ""
-            )
-            outcome.steps.append(StepOutcome("preflight", "ok", time.monotonic() - t, why))
-            sudo = prefix_needs_sudo(host, spec.prefix)
-            if opts.dry_run:
-                self._steps(host, spec, loaded, sudo, printer, outcome)
+            try:
+                if not opts.dry_run and self._settled(host, spec, loaded, printer, outcome):
+                    return  # nothing to do, known from one round trip: no lock taken, nothing written
+                self._run_steps(host, spec, loaded, printer, outcome, opts.dry_run)
+            finally:
+                outcome.remote_calls = host.remote_calls
+
+    def _run_steps(
+        self,
+        host: Host,
+        spec: HostSpec,
+        loaded: LoadedRecipe,
+        printer: Printer,
+        outcome: HostOutcome,
+        dry_run: bool,
+        probing: bool = False,
+    ) -> None:
+        """Preflight, then every step: for real under the host lock, or as a dry run.
+        ``probing``: a reads pass, which goes past what fails to find every read it needs."""
+        # 1. preflight: facts judged against the recipe, before anything is written
+        t = time.monotonic()
+        printer.line(spec.name, "== preflight ==")
+        model_dir = f"{spec.prefix}/models"
+        verdict = judge(gather(host, spec.prefix, model_dir), loaded, model_dir, spec.prefix, spec.gpu)
+        blocking = [c for c in verdict.checks if c.status == "fail" and c.blocking]
+        if blocking:
+            # every blocking check, not the first only: a user fixes them all in one go
+            why = "; ".join(f"{b.name}: {b.detail}" for b in blocking)
+            outcome.steps.append(StepOutcome("preflight", "failed", time.monotonic() - t, why))
+            fixes = "; ".join(dict.fromkeys(b.fix for b in blocking if b.fix))
+            outcome.fix = fix_for("preflight", self.options.command, fixes)
+            if dry_run:
+                # the plan of work goes on: what each later step would run once fixed
+                sudo = prefix_needs_sudo(host, spec.prefix)
+                self._steps(host, spec, loaded, sudo, printer, outcome, dry_run, blocked=True, probing=probing)
+            return
+        warned = [c for c in verdict.checks if c.status == "warn"]
+        why = f"{len(verdict.checks)} checks pass" + (
+            f", {len(warned)} warning{'s' if len(warned) > 1 else ''}: {warned[0].name}: {warned[0].detail}"
+            if warned
+            else ""
+        )
+        outcome.steps.append(StepOutcome("preflight", "ok", time.monotonic() - t, why))
+        sudo = prefix_needs_sudo(host, spec.prefix)
+        if dry_run:
+            self._steps(host, spec, loaded, sudo, printer, outcome, dry_run, probing=probing)
+        else:
+            with host_lock(host, spec.prefix, sudo=sudo):
+                self._steps(host, spec, loaded, sudo, printer, outcome, dry_run)
+
+    def _settled(
+        self, host: Host, spec: HostSpec, loaded: LoadedRecipe, printer: Printer, outcome: HostOutcome
+    ) -> bool:
+        """Whether the host has nothing to do, decided from its reads fetched in one round trip
+        (host/prefetch.py): every step is checked as a dry run would check it, with every read
+        answered from a batch; the reads the last pass of this host and recipe made are fetched
+        first, and any read a pass still lacks is fetched and the pass run again. True (the
+        outcome filled, the lines printed) when every step is ok; False when anything would
+        change, and the run goes on the normal way, under the lock, reading afresh."""
+        known = KnownReads.of(spec, loaded)
+        reads = Reads()
+        buffered = BufferedPrinter()
+        host.printer = buffered
+        try:
+            calls = known.load()
+            for _ in range(MAX_READ_PASSES):
+                if calls:
+                    host.fetch_reads(reads, calls)
+                reads.new_pass()
+                buffered.lines.clear()
+                trial = HostOutcome(outcome.host, outcome.recipe, outcome.log)
+                try:
+                    with host.reading(reads):
+                        self._run_steps(host, spec, loaded, buffered, trial, dry_run=True, probing=True)
+                except NotARead:
+                    return False
+                except Exception:
+                    # a parser given an empty answer for a read not fetched yet; with every
+                    # read answered it is a real error, which the normal run reports
+                    if not reads.misses:
+                        return False
+                calls = list(reads.misses)
+                if not calls:
+                    break
             else:
-                with host_lock(host, spec.prefix, sudo=sudo):
-                    self._steps(host, spec, loaded, sudo, printer, outcome)
+                return False
+        except (HostError, VoltaforgeError):
+            return False  # the batch itself failed: the normal run meets the cause and says it
+        finally:
+            host.printer = printer
+        known.save(reads.asked)
+        if [s.status for s in trial.steps] != ["ok"] * len(STEPS):
+            return False
+        buffered.replay(printer)
+        outcome.steps, outcome.gate, outcome.endpoint = trial.steps, trial.gate, trial.endpoint
+        return True
 
     def _steps(
         self,
@@ -250,7 +332,9 @@ class Provisioner:
         sudo: bool,
         printer: Printer,
         outcome: HostOutcome,
+        dry_run: bool,
         blocked: bool = False,
+        probing: bool = False,
     ) -> None:
         """The steps after preflight. ``blocked``: a dry run past a failed preflight, where
         each step shows what it would run once the blocking checks are fixed."""
@@ -271,7 +355,7 @@ class Provisioner:
             ("deploy", deploy_and_gate),
             ("gate", lambda: list(gates)),
         ]
-        pending = blocked  # a dry run whose earlier step would change things (or is blocked)
+        pending = blocked or probing  # a dry run whose earlier step would change things (or is blocked)
         for step, make in makers:
             t = time.monotonic()
             printer.line(spec.name, f"== {step} ==")
@@ -282,16 +366,18 @@ class Provisioner:
             except (VoltaforgeError, HostError) as exc:
                 text = str(exc).removeprefix(f"{spec.name}: ")
                 why = summarize(text)  # the summary's column holds one line, as run_ops's does
-                if opts.dry_run and pending:
+                if dry_run and pending:
                     after = "after the fix" if blocked else "after the above"
                     outcome.steps.append(StepOutcome(step, "not reached", time.monotonic() - t, f"{after}: {why}"))
                     continue
                 printer.line(spec.name, f"failed: {step}: {text}")  # whole, into the log too
                 outcome.steps.append(StepOutcome(step, "failed", time.monotonic() - t, why))
                 return
-            changes = run_ops(host, [_Cancellable(op, self.cancel) for op in ops], dry_run=opts.dry_run)
-            status = step_status(changes, opts.dry_run)
-            if status == "failed" and opts.dry_run and pending:
+            changes = run_ops(
+                host, [_Cancellable(op, self.cancel) for op in ops], dry_run=dry_run, keep_going=probing
+            )
+            status = step_status(changes, dry_run)
+            if status == "failed" and dry_run and pending:
                 status = "not reached"
             if blocked and status == "would change":
                 status = "would run after the fix"
@@ -302,13 +388,18 @@ class Provisioner:
         for g in gates:
             if g.result:
                 outcome.reports = {k: str(v) for k, v in g.reports.items()}
-        rec = gates[0].read(host) if gates and not opts.dry_run else {}
+        if gates and outcome.steps[-1].status in ("ok", "changed"):
+            outcome.endpoint = self._endpoint(host, spec, outcome, gates[0])
+
+    def _endpoint(self, host: Host, spec: HostSpec, outcome: HostOutcome, gate: EnsureGate) -> str | None:
+        """Where the service answers once its gate passed (the gate's figures into the outcome)."""
+        rec = gate.read(host)
         verdict = rec.get("gate") or {}
-        if verdict.get("status") == "passed":
-            outcome.gate = verdict.get("figures")
-            port = rec.get("port")
-            where = "this machine" if isinstance(host, LocalHost) else spec.name
-            outcome.endpoint = f"http://127.0.0.1:{port}/v1 on {where}"
+        if verdict.get("status") != "passed":
+            return None
+        outcome.gate = verdict.get("figures")
+        where = "this machine" if isinstance(host, LocalHost) else spec.name
+        return f"http://127.0.0.1:{rec.get('port')}/v1 on {where}"
 
     # -- all hosts ---------------------------------------------------------------------------
 

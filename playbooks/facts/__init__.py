@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 
 class _Runs(Protocol):
-    def run(self, cmd: str, *, check: bool = ..., stream: bool = ...) -> _Output: ...
+    def run(self, cmd: str, *, check: bool = ..., stream: bool = ..., stdin: bytes | None = ...) -> _Output: ...
 
 
 class _Output(Protocol):
@@ -20,9 +20,10 @@ class _Output(Protocol):
     def stdout(self) -> str: ...  # read-only: a frozen Result satisfies it
 
 
-def read_fact(host: _Runs, command: str) -> str:
-    """Run a fact's read-only command quietly; its parser judges the output, even on failure."""
-    return host.run(command, check=False, stream=False).stdout
+def read_fact(host: _Runs, command: str, stdin: bytes | None = None) -> str:
+    """Run a fact's read-only command quietly; its parser judges the output, even on failure.
+    ``stdin``: a probe script fed to the command (small; never a secret)."""
+    return host.run(command, check=False, stream=False, stdin=stdin).stdout
 
 
 def lines(text: str | None) -> list[str]:

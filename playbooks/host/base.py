@@ -24,6 +24,7 @@ from playbooks.errors import HostError
 from playbooks.facts.files import parse_sha256, sha256_command
 from playbooks.host.commands import build_command, write_file_command
 from playbooks.host.output import Printer, Result
+from playbooks.host.prefetch import Call, NotARead, Reads, batch_script, parse_batch
 
 Content = bytes | BinaryIO
 CHUNK = 64 * 1024
@@ -79,6 +80,9 @@ class Host:
         self.name = name
         self.printer = printer or Printer()
         self._secrets: list[str] = []
+        #: commands and scripts sent to the host (a no-op's count is its round trips)
+        self.remote_calls = 0
+        self._reads: Reads | None = None
 
     # -- to implement ------------------------------------------------------------------
 
@@ -152,10 +156,14 @@ class Host:
 
     def _run(self, cmd, *, sudo, check, stream, env, timeout, stdin, raw=False):
         use_sudo = self._needs_sudo_binary(sudo)
-        line = build_command(cmd, env=env, sudo=use_sudo, timeout=timeout)
-        if stream:
-            self._print(f"$ {'sudo ' if sudo else ''}{cmd}")
-        out, err, code = self._exec(line, stdin=stdin, stream=stream, timeout=timeout, shown=cmd)
+        if self._reads is not None:
+            out, err, code = self._read_from(self._reads, cmd, sudo, stream, env, timeout, stdin)
+        else:
+            line = build_command(cmd, env=env, sudo=use_sudo, timeout=timeout)
+            if stream:
+                self._print(f"$ {'sudo ' if sudo else ''}{cmd}")
+            self.remote_calls += 1
+            out, err, code = self._exec(line, stdin=stdin, stream=stream, timeout=timeout, shown=cmd)
         err_text = err.decode("utf-8", "replace")
         if use_sudo and code == 1 and _SUDO_NEEDS_PASSWORD in err_text:
             raise self.sudo_needs_password()
@@ -167,6 +175,42 @@ class Host:
         if check and not result.ok:
             raise HostError(self._failure(cmd, result))
         return result
+
+    # -- reads in one round trip (host/prefetch.py) ---------------------------------------------
+
+    @contextlib.contextmanager
+    def reading(self, reads: Reads) -> Iterator[Reads]:
+        """A reads pass: every command is answered from ``reads`` (a miss is remembered and
+        answered as empty); one that streams or writes raises NotARead. Nothing reaches the host."""
+        self._reads = reads
+        try:
+            yield reads
+        finally:
+            self._reads = None
+
+    @property
+    def reading_misses(self) -> bool:
+        """In a reads pass that has asked for a read it does not hold."""
+        return self._reads is not None and bool(self._reads.misses)
+
+    def _read_from(self, reads, cmd, sudo, stream, env, timeout, stdin) -> tuple[bytes, bytes, int]:
+        if stream or (stdin is not None and not isinstance(stdin, bytes)):
+            raise NotARead(f"{self.name}: not a read: {self._redacted(cmd)[:80]}")
+        return reads.answer(Call(cmd, bool(sudo), tuple(sorted((env or {}).items())), timeout, stdin))
+
+    def fetch_reads(self, reads: Reads, calls: list[Call]) -> None:
+        """Run these reads in one remote call (the script on stdin) and keep their answers."""
+        script, marker = batch_script(calls, [self._needs_sudo_binary(c.sudo) for c in calls])
+        self.remote_calls += 1
+        shown = f"{len(calls)} reads at once"
+        line = build_command("exec bash --noprofile --norc -s")
+        out, err, code = self._exec(line, stdin=script.encode(), stream=False, timeout=None, shown=shown)
+        try:
+            answers = parse_batch(out, marker, len(calls))
+        except HostError as exc:
+            tail = err.decode("utf-8", "replace").strip()[-300:]
+            raise HostError(f"{self.name}: {exc} (exit {code}){': ' + tail if tail else ''}") from None
+        reads.answers.update(zip(calls, answers, strict=True))
 
     def sudo_needs_password(self) -> HostError:
         return HostError(
@@ -214,6 +258,8 @@ class Host:
         self, remote_path: str, content: Content, mode: int, *, sudo: bool = False, owner: str | None = None
     ) -> None:
         """Write ``content`` to ``remote_path`` atomically (see :func:`write_file_command`)."""
+        if self._reads is not None:
+            raise NotARead(f"{self.name}: not a read: writing {remote_path}")
         script = write_file_command(remote_path, mode, owner)
         r = self._run(script, sudo=sudo, check=False, stream=False, env=None, timeout=None, stdin=content)
         if r.ok:
@@ -282,6 +328,9 @@ class Host:
 
     def spawn(self, cmd: str, *, sudo: bool = False) -> Process:
         """Start ``cmd`` and return at once, stdin kept open (for :func:`ops.host_lock`)."""
+        if self._reads is not None:
+            raise NotARead(f"{self.name}: not a read: starting {self._redacted(cmd)[:80]}")
+        self.remote_calls += 1
         return self._spawn(build_command(cmd, sudo=self._needs_sudo_binary(sudo)))
 
 

@@ -370,7 +370,11 @@ def _plural(n: int, word: str) -> str:
 
 
 def run_ops(
-    host: Host, ops: Sequence[Operation], dry_run: bool = False, handlers: Sequence[Handler] = ()
+    host: Host,
+    ops: Sequence[Operation],
+    dry_run: bool = False,
+    handlers: Sequence[Handler] = (),
+    keep_going: bool = False,
 ) -> list[Change]:
     """Check and apply ``ops`` in order on one host; stop at the first failure.
 
@@ -379,8 +383,10 @@ def run_ops(
     commands and reports them as "changed" without running them. (Later operations are
     checked against the host as it is, not as the earlier ones would leave it.) Handlers
     notified by a changed operation run once at the end, in the order given, unless
-    something failed.
+    something failed. ``keep_going`` (a dry run only): check every operation, failed or not
+    (a reads pass, host/prefetch.py, that wants all of them).
     """
+    keep_going = keep_going and dry_run
     by_name = {h.name: h for h in handlers}
     for op in ops:
         for name in op.notify:
@@ -400,6 +406,8 @@ def run_ops(
         except HostError as exc:
             record(_failed(host, op.name, exc))
             failed = True
+            if keep_going:
+                continue
             break
         shown = tuple(decision.shown())
         if not decision.commands:

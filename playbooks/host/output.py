@@ -63,3 +63,19 @@ class LineSplitter:
         if self._buf:
             self._emit(self._buf)
         self._buf = ""
+
+
+class BufferedPrinter(Printer):
+    """Keeps the lines instead of printing them, for :meth:`replay` once it is known that they
+    are the ones to show (a reads pass whose result may be thrown away)."""
+
+    def __init__(self) -> None:
+        super().__init__(quiet=True)
+        self.lines: list[tuple[str, str]] = []
+
+    def line(self, host: str, text: str) -> None:
+        self.lines.append((host, text))
+
+    def replay(self, to: Printer) -> None:
+        for host, text in self.lines:
+            to.line(host, text)

@@ -68,11 +68,6 @@ KEEP_BUILDS = 2
 
 
 # ------------------------------------------------------------------------------------------
-# the source, on the controller
-# ------------------------------------------------------------------------------------------
-
-
-# ------------------------------------------------------------------------------------------
 # where things go on the host
 # ------------------------------------------------------------------------------------------
 
@@ -110,16 +105,6 @@ class BuildLayout:
     def llama_server(self) -> str:
         """What a service runs: through `current`, so a switch-over needs only a restart."""
         return f"{self.current}/bin/llama-server"
-
-
-# ------------------------------------------------------------------------------------------
-# the fleet cache, on the controller
-# ------------------------------------------------------------------------------------------
-
-
-# ------------------------------------------------------------------------------------------
-# the source on the host
-# ------------------------------------------------------------------------------------------
 
 
 # ------------------------------------------------------------------------------------------
@@ -162,8 +147,10 @@ def cmake_flags(cuda_arch: str | None, host_compiler: str | None = None) -> tupl
         if host_compiler:
             flags.append(f"-DCMAKE_CUDA_HOST_COMPILER={host_compiler}")
     else:
-        # static, without OpenMP: the binaries run anywhere this libc does (a test container too)
-        flags += ["-DGGML_CUDA=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=OFF"]
+        # shared libraries (llama.cpp's default, as for CUDA): the Python bindings load the
+        # server build's libllama.so instead of compiling the tree a second time
+        # (llamacpp_python.py); without OpenMP: no libgomp needed where the build runs
+        flags += ["-DGGML_CUDA=OFF", "-DGGML_OPENMP=OFF"]
     return tuple(flags)
 
 

@@ -1,14 +1,13 @@
-"""The fleet cache on the controller: proven builds (and bindings wheels) kept by their build
-id, so a second host with the same inputs receives a copy instead of compiling again."""
+"""The fleet cache on the controller: proven builds kept by their build id, so a second host
+with the same inputs receives a copy instead of compiling again (the Python bindings need no
+cache: they are a small wheel on the build's own libraries, made in seconds)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from playbooks.steps.llamacpp_source import (
-    source_cache_dir,
-)
+from playbooks.steps.llamacpp_source import source_cache_dir
 
 
 @dataclass(frozen=True)
@@ -25,14 +24,6 @@ class FleetCache:
 
     def archive(self, build_id: str) -> Path:
         return self.root / f"{build_id}.tar.gz"
-
-    def wheel_dir(self, key: str) -> Path:
-        """Proven llama-cpp-python wheels (one per directory), by build inputs and ABI."""
-        return self.root / "wheels" / key
-
-    def wheel(self, key: str) -> Path | None:
-        found = sorted(self.wheel_dir(key).glob("*.whl"))
-        return found[0] if len(found) == 1 else None
 
     def ids(self) -> tuple[str, ...]:
         if not self.root.is_dir():

@@ -8,7 +8,6 @@ fails and is blocking makes preflight exit non-zero.
 from __future__ import annotations
 
 import re
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,12 +48,9 @@ class HostFacts(BaseModel):
 
 def _gpu_facts(host: Host) -> gpufacts.GpuFacts:
     """NVML through the probe when the host has Python, nvidia-smi's CSV otherwise."""
-    remote = f"/tmp/voltaforge-gpu-probe-{secrets.token_hex(6)}.py"
-    try:
-        host.put(str(gpufacts.GPU_PROBE_PATH), remote)
-        probed = gpufacts.parse_gpu_probe_json(read_fact(host, gpufacts.gpu_probe_command(remote)))
-    finally:
-        host.run(f"rm -f {remote}", check=False, stream=False)
+    # the probe travels on stdin: one read, no file pushed and removed (three round trips)
+    probe = gpufacts.GPU_PROBE_PATH.read_bytes()
+    probed = gpufacts.parse_gpu_probe_json(read_fact(host, gpufacts.GPU_PROBE_STDIN_COMMAND, stdin=probe))
     if probed.available:
         return probed
     csv = gpufacts.parse_nvidia_smi_csv(read_fact(host, gpufacts.NVIDIA_SMI_CSV_COMMAND))
