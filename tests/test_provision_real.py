@@ -192,6 +192,8 @@ def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn
     code, [s], out, again = provision(inv, "box")
     assert code == 0 and set(statuses(s).values()) == {"ok"}, out[-4000:]
     assert unit_pid(host) == pid and record(host)["gate"]["at"] == rec["gate"]["at"]
+    # every fact and stamp read in one round trip (the host layer counts what it sends)
+    assert s["remote_calls"] == 1, out[-4000:]
     print(f"\nprovision from nothing: {first:.1f} s; again (no-op): {again:.1f} s")
 
     # 3. one recipe change: a slot more; only deploy and the gate run

@@ -231,6 +231,9 @@ class Provisioner:
                 if not opts.dry_run and self._settled(host, spec, loaded, printer, outcome):
                     return  # nothing to do, known from one round trip: no lock taken, nothing written
                 self._run_steps(host, spec, loaded, printer, outcome, opts.dry_run)
+                if not opts.dry_run and not outcome.failed:
+                    # the reads of the host as it is now, for the next run's one round trip
+                    self._read_pass(host, spec, loaded, outcome)
             finally:
                 outcome.remote_calls = host.remote_calls
 
@@ -281,14 +284,31 @@ class Provisioner:
         self, host: Host, spec: HostSpec, loaded: LoadedRecipe, printer: Printer, outcome: HostOutcome
     ) -> bool:
         """Whether the host has nothing to do, decided from its reads fetched in one round trip
-        (host/prefetch.py): every step is checked as a dry run would check it, with every read
-        answered from a batch; the reads the last pass of this host and recipe made are fetched
-        first, and any read a pass still lacks is fetched and the pass run again. True (the
-        outcome filled, the lines printed) when every step is ok; False when anything would
-        change, and the run goes on the normal way, under the lock, reading afresh."""
+        (``_read_pass``). True (the outcome filled, the lines printed) when every step is ok;
+        False when anything would change, and the run goes on the normal way, under the lock,
+        reading afresh."""
+        found = self._read_pass(host, spec, loaded, outcome)
+        if found is None:
+            return False
+        trial, buffered = found
+        if [s.status for s in trial.steps] != ["ok"] * len(STEPS):
+            return False
+        buffered.replay(printer)
+        outcome.steps, outcome.gate, outcome.endpoint = trial.steps, trial.gate, trial.endpoint
+        return True
+
+    def _read_pass(
+        self, host: Host, spec: HostSpec, loaded: LoadedRecipe, outcome: HostOutcome
+    ) -> tuple[HostOutcome, BufferedPrinter] | None:
+        """Every step checked as a dry run checks it, every read answered from a batch
+        (host/prefetch.py): the reads the last pass of this host and recipe made are fetched
+        first, and any read a pass still lacks is fetched and the pass run again. Returns the
+        checked outcome and its lines, and keeps the reads for the next run; None when the
+        reads could not be settled this way (the normal run finds the cause and says it)."""
         known = KnownReads.of(spec, loaded)
         reads = Reads()
         buffered = BufferedPrinter()
+        printer = host.printer
         host.printer = buffered
         try:
             calls = known.load()
@@ -302,27 +322,23 @@ class Provisioner:
                     with host.reading(reads):
                         self._run_steps(host, spec, loaded, buffered, trial, dry_run=True, probing=True)
                 except NotARead:
-                    return False
+                    return None
                 except Exception:
                     # a parser given an empty answer for a read not fetched yet; with every
                     # read answered it is a real error, which the normal run reports
                     if not reads.misses:
-                        return False
+                        return None
                 calls = list(reads.misses)
                 if not calls:
                     break
             else:
-                return False
+                return None
         except (HostError, VoltaforgeError):
-            return False  # the batch itself failed: the normal run meets the cause and says it
+            return None  # the batch itself failed: the normal run meets the cause and says it
         finally:
             host.printer = printer
         known.save(reads.asked)
-        if [s.status for s in trial.steps] != ["ok"] * len(STEPS):
-            return False
-        buffered.replay(printer)
-        outcome.steps, outcome.gate, outcome.endpoint = trial.steps, trial.gate, trial.endpoint
-        return True
+        return trial, buffered
 
     def _steps(
         self,
@@ -373,9 +389,7 @@ class Provisioner:
                 printer.line(spec.name, f"failed: {step}: {text}")  # whole, into the log too
                 outcome.steps.append(StepOutcome(step, "failed", time.monotonic() - t, why))
                 return
-            changes = run_ops(
-                host, [_Cancellable(op, self.cancel) for op in ops], dry_run=dry_run, keep_going=probing
-            )
+            changes = run_ops(host, [_Cancellable(op, self.cancel) for op in ops], dry_run=dry_run, keep_going=probing)
             status = step_status(changes, dry_run)
             if status == "failed" and dry_run and pending:
                 status = "not reached"

@@ -98,8 +98,9 @@ _HEADER = re.compile(rb"(VF-[0-9a-f]{16}) (\d+) (-?\d+) (\d+) (\d+)\n")
 
 
 def batch_script(calls: list[Call], sudo_binary: list[bool], marker: str | None = None) -> tuple[str, str]:
-    """(script, marker): every call run in turn, each with its own stdin (or none), its
-    answer printed as ``<marker> <index> <exit> <stdout bytes> <stderr bytes>`` then the bytes."""
+    """(script, marker): every call started at once (reads only: the order cannot change an
+    answer), each with its own stdin (or none), then each answer printed in order as
+    ``<marker> <index> <exit> <stdout bytes> <stderr bytes>`` and the bytes."""
     marker = marker or f"VF-{secrets.token_hex(8)}"
     out = ["t=$(mktemp -d) || exit 1", "trap 'rm -rf -- \"$t\"' EXIT"]
     for i, (call, sudo) in enumerate(zip(calls, sudo_binary, strict=True)):
@@ -110,12 +111,13 @@ def batch_script(calls: list[Call], sudo_binary: list[bool], marker: str | None 
                 raise ValueError(f"{call.command[:60]}: stdin of {len(call.stdin)} bytes is not a read")
             encoded = base64.b64encode(call.stdin).decode()
             tag = f"VF_IN_{sha256(call.stdin).hexdigest()[:12]}"
-            out.append(f"base64 -d > \"$t/i\" <<'{tag}'\n{encoded}\n{tag}")
-            feed = '<"$t/i"'
+            out.append(f"base64 -d > \"$t/i{i}\" <<'{tag}'\n{encoded}\n{tag}")
+            feed = f'<"$t/i{i}"'
+        out.append(f'{{ {call.line(sudo)} ; }} {feed} >"$t/o{i}" 2>"$t/e{i}" & p{i}=$!')
+    for i in range(len(calls)):
+        sizes = f'"$(wc -c <"$t/o{i}")" "$(wc -c <"$t/e{i}")"'
         out.append(
-            f'{{ {call.line(sudo)} ; }} {feed} >"$t/o" 2>"$t/e"; c=$?; '
-            f'printf \'%s %d %d %d %d\\n\' {marker} {i} "$c" "$(wc -c <"$t/o")" "$(wc -c <"$t/e")"; '
-            'cat -- "$t/o" "$t/e"'
+            f'wait "$p{i}"; c=$?; printf \'%s %d %d %d %d\\n\' {marker} {i} "$c" {sizes}; cat -- "$t/o{i}" "$t/e{i}"'
         )
     return "\n".join(out) + "\n", marker
 

@@ -34,7 +34,7 @@ from playbooks.host.ops import (
     Command,
     Decision,
     EnsureDirectory,
-    EnsureFile,
+    EnsurePushedFile,
     Fetch,
     Operation,
     OperationError,
@@ -342,7 +342,7 @@ def build_ops(
         EnsureDirectory(layout.prefix, 0o755, owner=owner if sudo else None, sudo=sudo),
         EnsureDirectory(layout.src, 0o755),
         EnsureDirectory(layout.builds, 0o755),
-        EnsureFile(layout.archive(source), source.archive.read_bytes(), 0o644),
+        EnsurePushedFile(layout.archive(source), source.archive, source.sha256),
         EnsureSourceTree(layout, source),
         EnsureLlamacppBuild(
             layout,
