@@ -185,6 +185,7 @@ NO_BAD_VALUE = {
     ("artifacts", "json"),
     ("provision", "dry-run"),
     ("provision", "rebench"),
+    ("provision", "verbose"),
     ("test", "k"),
     ("test", "fast"),
 }

@@ -94,8 +94,9 @@ def start(inv: Path, hosts: str) -> subprocess.Popen:
     # background of a non-interactive shell (`bash .ci/run &`) runs with SIGINT ignored, which
     # every child inherits, and the Ctrl-C case below would then test nothing
     # PYTHONFAULTHANDLER: a run that hangs is dumped (every thread's stack) by finish()
+    # -v: every line live, the operations' and commands' too (quiet shows a line per step)
     return subprocess.Popen(
-        [sys.executable, "-m", "invoke", "-r", str(ROOT), "provision", "--host", hosts, "--inventory", str(inv)],
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "provision", "-v", "--host", hosts, "--inventory", str(inv)],
         cwd=inv.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         env={**os.environ, "PYTHONFAULTHANDLER": "1"},
@@ -181,6 +182,10 @@ def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn
     }, s
     assert s["gate"]["single_tok_s"] >= 5 and s["endpoint"].startswith("http://127.0.0.1:18080/v1 on box")
     assert "gate passed:" in out and "serving: http://127.0.0.1:18080/v1" in out
+    # quiet by default: piped, a screenful (a line per step, the summary); the log has it all
+    assert len(out.splitlines()) < 40, out
+    log = Path(s["log"]).read_text()
+    assert "$ " not in out and "Successfully built llama_cpp_python" in log and "changed: Ensure" in log
     reply = answers(host)
     assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] == 8
     rec = record(host)
@@ -233,7 +238,8 @@ def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn
     four = recipe(tmp_path, host, "four", parallel=4, context=1536, gate=long_gate)
     inv = inventory(tmp_path, {"box": (host, four)})
     proc = start(inv, "box")
-    wait_for_line(proc, "== gate ==")
+    seen = wait_for_line(proc, "== gate ==")
+    assert any(line.startswith("[box] $ ") for line in seen)  # -v: the commands live
     time.sleep(1.0)  # inside the sweep
     proc.send_signal(signal.SIGINT)
     _, err = finish(proc, 120)

@@ -11,7 +11,9 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
+
+from invoke import Task
 
 from playbooks.config.inventory import is_host_address
 from playbooks.errors import UsageError
@@ -257,3 +259,17 @@ def _check_writable(flag: str, text: str, path: Path) -> None:
         raise UsageError(f"{flag} {_short(text)!r}: {above} is not a directory")
     if above != path.absolute() and not os.access(above, os.W_OK):
         raise UsageError(f"{flag} {_short(text)!r}: cannot write in {above}")
+
+
+class ShortFlagTask(Task):
+    """Invoke's Task with the one short flag the long runs share, ``-v`` for ``--verbose``
+    (the tasks turn auto_shortflags off: ``--host`` would otherwise claim ``-h``)."""
+
+    SHORT = {"verbose": "v"}
+
+    def arg_opts(self, name: str, default: str, taken_names: set[str]) -> dict[str, Any]:
+        opts = super().arg_opts(name, default, taken_names)
+        short = self.SHORT.get(name)
+        if short and short not in taken_names:
+            opts["names"].append(short)
+        return opts

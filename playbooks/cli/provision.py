@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from playbooks.cli.live import LiveView
 from playbooks.cli.render import console
 from playbooks.conduct.provision import (
     DEFAULT_RECIPE,
@@ -101,15 +102,19 @@ def run_provision(
     options: Options | None = None,
     settings: Settings | None = None,
     json_out: Path | None = None,
+    verbose: bool = True,
 ) -> int:
+    """``verbose``: every line live; else cli/live.py's quiet view (the task's default)."""
     import json
 
     options = options or Options()
     settings = settings or Settings()
     targets = resolve_targets(settings, hosts, recipe, default_recipe)
-    prov = Provisioner(settings, options)
+    view = LiveView(console(), verbose)
+    prov = Provisioner(settings, options, view)
     try:
-        outcomes = prov.run(targets)
+        with view:
+            outcomes = prov.run(targets)
     except KeyboardInterrupt:
         prov.interrupt()
         print(

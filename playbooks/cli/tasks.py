@@ -528,6 +528,7 @@ def status(c: Context, host: str | None = None, json: bool = False, inventory: s
 
 
 @task(
+    klass=flags.ShortFlagTask,
     auto_shortflags=False,
     help={
         "host": "one host or several, comma-separated, provisioned at once (default: voltaforge.host, else local)",
@@ -536,6 +537,7 @@ def status(c: Context, host: str | None = None, json: bool = False, inventory: s
         "rebench": "run the gate's benchmark even when this deployment already passed it",
         "json": "also write the summary as JSON to this file",
         "inventory": INVENTORY_HELP,
+        "verbose": "every line live (commands, compiler, pip), as the log has them; quiet by default",
     },
 )
 def provision(
@@ -546,6 +548,7 @@ def provision(
     rebench: bool = False,
     json: str | None = None,
     inventory: str | None = None,
+    verbose: bool = False,
 ) -> None:
     """Everything, in order, on one host or many, up to a passed benchmark gate.
 
@@ -564,6 +567,7 @@ def provision(
             options=Options(dry_run=dry_run, rebench=rebench, command=typed_command()),
             settings=_settings(c, inventory),
             json_out=flags.output_file("--json", json),
+            verbose=verbose,
         )
 
     def typed_command() -> str:

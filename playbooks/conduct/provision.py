@@ -104,18 +104,18 @@ class HostOutcome:
 
 
 class HostPrinter(Printer):
-    """Every line to the host's log file; to the console too unless quiet. Prefixed, so the
-    lines of hosts running at once stay apart."""
+    """Every line to the host's log file, then to the console, which decides what it shows
+    (all of it by default; cli/live.py's view shows a line per step and a live line)."""
 
-    def __init__(self, log: TextIO, out: TextIO | None = None, quiet: bool = False):
-        super().__init__(out, quiet)
-        self.log = log
+    def __init__(self, log: TextIO, console: Printer):
+        super().__init__()
+        self.log, self.console = log, console
 
     def line(self, host: str, text: str) -> None:
         with self._lock:
             self.log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
             self.log.flush()
-        super().line(host, text)
+        self.console.line(host, text)
 
 
 class Interrupted(HostError):
@@ -180,8 +180,9 @@ class Provisioner:
     """One provision run over some hosts: resolves them (one line and exit 2 for a name or
     recipe that does not exist, before any connection), then runs each in its own thread."""
 
-    def __init__(self, settings: Settings, options: Options, out: TextIO | None = None):
-        self.settings, self.options, self.out = settings, options, out
+    def __init__(self, settings: Settings, options: Options, console: Printer | None = None):
+        self.settings, self.options = settings, options
+        self.console = console or Printer()
         self.cancel = threading.Event()
         self.run_dir = log_dir() / f"provision-{time.strftime('%Y%m%d-%H%M%S')}"
         self._open: dict[str, Host] = {}
@@ -195,7 +196,7 @@ class Provisioner:
         outcome = HostOutcome(spec.name, loaded.recipe.name, log_path)
         t0 = time.monotonic()
         with open(log_path, "w", encoding="utf-8") as log:
-            printer = HostPrinter(log, self.out)
+            printer = HostPrinter(log, self.console)
             try:
                 self._provision(spec, loaded, printer, outcome)
             except (HostError, VoltaforgeError) as exc:
