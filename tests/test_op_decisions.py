@@ -27,7 +27,7 @@ from playbooks.host.ops import (
     OperationError,
     Upload,
 )
-from playbooks.steps.toolchain import CudaFacts, EnsureCudaToolkit, EnsureTorch, EnsureVenv
+from playbooks.steps.toolchain import CudaFacts, EnsureCudaToolkit, EnsureTorch, EnsureVenv, TorchFacts
 
 DATA = Path(__file__).parent / "data" / "operations"
 
@@ -57,7 +57,7 @@ BUILD = {
     ),
     "ensure_torch": (
         lambda a: EnsureTorch(a["venv"], Toolchain(torch=a["torch"], torch_index=a["torch_index"])),
-        lambda f: f,
+        lambda f: TorchFacts(**f) if isinstance(f, dict) else TorchFacts(f),
     ),
     "ensure_venv": (lambda a: EnsureVenv(**a), lambda f: f),
 }

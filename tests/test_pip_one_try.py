@@ -13,7 +13,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from playbooks.config.recipe import Toolchain
+from playbooks.facts.python import PIP_FIND_LINKS_COMMAND, parse_pip_find_links
 from playbooks.steps.toolchain import ONE_TRY, torch_install_command
 from tests.testhosts import free_port
 
@@ -51,3 +54,32 @@ def test_a_local_wheel_directory_makes_the_index_a_single_short_try(tmp_path):
         [str(venv / "bin/python"), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
     )
     assert got.stdout.strip() == "0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("output", "local"),
+    [
+        ("env /opt/wheels\n", True),  # this machine: PIP_FIND_LINKS=/opt/wheels
+        ("env \nfind-links = /srv/wheels\n", True),  # a staged lab host's /etc/pip.conf
+        ("env \n", False),
+        ("env \nfind-links =\n", False),
+    ],
+)
+def test_the_hosts_own_find_links_count_as_a_local_source(output, local):
+    assert parse_pip_find_links(output) is local
+
+
+def test_the_find_links_fact_reads_the_environment_and_pip_conf_for_real(tmp_path):
+    conf = tmp_path / ".config" / "pip"
+    conf.mkdir(parents=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = lambda **e: (
+        subprocess.run(  # noqa: E731
+            ["bash", "-c", PIP_FIND_LINKS_COMMAND], capture_output=True, text=True, env={**env, **e}
+        ).stdout
+    )
+    assert not parse_pip_find_links(run())
+    assert parse_pip_find_links(run(PIP_FIND_LINKS="/opt/wheels"))
+    (conf / "pip.conf").write_text("[global]\nfind-links = /srv/wheels\n")
+    assert parse_pip_find_links(run())
+    assert not parse_pip_find_links(run(PIP_CONFIG_FILE="/dev/null"))  # pip then reads no file

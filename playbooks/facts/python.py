@@ -27,3 +27,27 @@ def parse_torch_cuda(output: str) -> tuple[int, int] | None:
     text = output.strip().splitlines()[-1] if output.strip() else ""
     major, _, minor = text.partition(".")
     return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+
+
+#: the wheel directories the host's own pip is told about: PIP_FIND_LINKS, or find-links in a
+#: pip configuration file (the global, site-wide and user files, and PIP_CONFIG_FILE's; none of
+#: them when PIP_CONFIG_FILE is /dev/null, as pip does)
+PIP_FIND_LINKS_COMMAND = (
+    'printf "env %s\\n" "${PIP_FIND_LINKS-}"; '
+    'if [ "${PIP_CONFIG_FILE-}" != /dev/null ]; then '
+    'cat /etc/pip.conf /etc/xdg/pip/pip.conf "$HOME/.config/pip/pip.conf" "$HOME/.pip/pip.conf" '
+    '${PIP_CONFIG_FILE:+"$PIP_CONFIG_FILE"} 2>/dev/null '
+    "| grep -i '^[[:space:]]*find[-_]links[[:space:]]*=' || true; fi"
+)
+
+
+def parse_pip_find_links(output: str) -> bool:
+    """Whether the host's pip has a local wheel source of its own (its find-links)."""
+    for line in output.splitlines():
+        text = line.strip()
+        if text.startswith("env "):
+            if text[4:].strip():
+                return True
+        elif text.partition("=")[2].strip():
+            return True
+    return False

@@ -58,7 +58,7 @@ from playbooks.steps.build import BuildLayout
 from playbooks.steps.buildenv import env_prefix
 from playbooks.steps.llamacpp_source import file_sha256
 from playbooks.steps.proven_build import Probe, build_failure
-from playbooks.steps.toolchain import pip_install_keeping_torch, run_pip
+from playbooks.steps.toolchain import pip_install_keeping_torch, read_local_wheels, run_pip
 
 SOURCE_MANIFEST = ".voltaforge-source.json"
 #: convert_hf_to_gguf.py's imports (vendor/llama.cpp/requirements/requirements-convert_hf_to_gguf.txt),
@@ -451,10 +451,11 @@ class EnsureConvertDeps(Operation):
 
     def read(self, host: Host) -> dict[str, str | None]:
         names = ("torch", "transformers", "sentencepiece", "safetensors", "llama_cpp_python")
-        return {
+        facts = {
             n: python.parse_package_version(read_fact(host, python.package_version_command(self.venv, n)))
             for n in names
         }
+        return {**facts, "pip_find_links": "yes" if read_local_wheels(host) else None}
 
     def decide(self, facts: dict[str, str | None]) -> Decision:
         if not facts.get("torch"):
@@ -466,7 +467,11 @@ class EnsureConvertDeps(Operation):
             return Decision.ok(f"transformers {facts['transformers']}, sentencepiece {facts['sentencepiece']}")
         return Decision.act(
             f"missing: {', '.join(missing)}",
-            Shell(pip_install_keeping_torch(self.venv, self.tc, *CONVERT_REQUIREMENTS)),
+            Shell(
+                pip_install_keeping_torch(
+                    self.venv, self.tc, *CONVERT_REQUIREMENTS, local_wheels=bool(facts.get("pip_find_links"))
+                )
+            ),
         )
 
     def apply(self, host: Host, decision: Decision) -> None:

@@ -198,24 +198,37 @@ class EnsureVenv(Operation):
 ONE_TRY = ("--retries", "0", "--timeout", "10")
 
 
-def _sources(tc: Toolchain, index_flag: str) -> list[str]:
+def _sources(tc: Toolchain, index_flag: str, local_wheels: bool = False) -> list[str]:
+    """``local_wheels``: the host's pip has find-links of its own (PIP_FIND_LINKS, pip.conf)."""
     args = [index_flag, tc.torch_index] if tc.torch_index else []
     if tc.torch_find_links:
-        args += ["--find-links", tc.torch_find_links, *ONE_TRY]
+        args += ["--find-links", tc.torch_find_links]
+    if tc.torch_find_links or local_wheels:
+        args += ONE_TRY
     return args
 
 
-def torch_install_command(venv: str, tc: Toolchain) -> str:
-    args = [f"{venv}/bin/pip", "install", "--disable-pip-version-check", "-q", *_sources(tc, "--index-url")]
-    args.append(f"torch=={tc.torch}")
+def torch_install_command(venv: str, tc: Toolchain, local_wheels: bool = False) -> str:
+    args = [f"{venv}/bin/pip", "install", "--disable-pip-version-check", "-q"]
+    args += [*_sources(tc, "--index-url", local_wheels), f"torch=={tc.torch}"]
     return " ".join(shlex.quote(a) for a in args)
 
 
-def pip_install_keeping_torch(venv: str, tc: Toolchain, *requirements: str) -> str:
+def pip_install_keeping_torch(venv: str, tc: Toolchain, *requirements: str, local_wheels: bool = False) -> str:
     """A pip install into the venv that cannot move the pinned torch: torch is named with its
     exact pin (so the resolver keeps the installed one), its index reachable only as extra."""
     args = [f"{venv}/bin/pip", "install", "--disable-pip-version-check", *requirements, f"torch=={tc.torch}"]
-    return " ".join(shlex.quote(a) for a in args + _sources(tc, "--extra-index-url"))
+    return " ".join(shlex.quote(a) for a in args + _sources(tc, "--extra-index-url", local_wheels))
+
+
+@dataclass(frozen=True)
+class TorchFacts:
+    version: str | None  # torch in the venv
+    local_wheels: bool = False  # the host's pip has find-links of its own
+
+
+def read_local_wheels(host: Host) -> bool:
+    return python.parse_pip_find_links(read_fact(host, python.PIP_FIND_LINKS_COMMAND))
 
 
 def index_named(gone: Unreachable, index: str | None) -> str:
@@ -265,15 +278,16 @@ class EnsureTorch(Operation):
         self.venv, self.tc = venv, tc
         self.name = f"Ensure torch {tc.torch} is installed in the venv"
 
-    def read(self, host: Host) -> str | None:
-        return python.parse_package_version(read_fact(host, python.package_version_command(self.venv, "torch")))
+    def read(self, host: Host) -> TorchFacts:
+        version = python.parse_package_version(read_fact(host, python.package_version_command(self.venv, "torch")))
+        return TorchFacts(version, read_local_wheels(host))
 
-    def decide(self, facts: str | None) -> Decision:
-        if facts == self.tc.torch:
-            return Decision.ok(f"torch {facts} already installed")
+    def decide(self, facts: TorchFacts) -> Decision:
+        if facts.version == self.tc.torch:
+            return Decision.ok(f"torch {facts.version} already installed")
         return Decision.act(
-            f"torch is {facts or 'not installed'}, want {self.tc.torch}",
-            Shell(torch_install_command(self.venv, self.tc)),
+            f"torch is {facts.version or 'not installed'}, want {self.tc.torch}",
+            Shell(torch_install_command(self.venv, self.tc, facts.local_wheels)),
         )
 
     def apply(self, host: Host, decision: Decision) -> None:
