@@ -2,7 +2,35 @@
 
 from __future__ import annotations
 
+import re
 import shlex
+
+from playbooks.facts import _Runs, read_fact
+
+
+def packages_command(venv: str) -> str:
+    """Every distribution in the venv with its version, one per line: one command for all the
+    versions a run reads (a reads pass sends it once, host/prefetch.py), not one per package."""
+    code = "import importlib.metadata as m\nfor d in m.distributions(): print(d.metadata['Name'], d.version)"
+    return f"{shlex.quote(venv + '/bin/python')} -c {shlex.quote(code)} 2>/dev/null || true"
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def parse_packages(output: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for line in output.splitlines():
+        name, _, version = line.strip().partition(" ")
+        if name and version:
+            found.setdefault(_normal(name), version.strip())  # the first on sys.path wins, as in import
+    return found
+
+
+def read_package_version(host: _Runs, venv: str, package: str) -> str | None:
+    """The installed version of ``package`` in the venv; None when the venv or the package is missing."""
+    return parse_packages(read_fact(host, packages_command(venv))).get(_normal(package))
 
 
 def package_version_command(venv: str, package: str) -> str:

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from playbooks.errors import HostError
-from playbooks.facts.files import FileStat, parse_stat, stat_command
+from playbooks.facts import read_fact
+from playbooks.facts.files import FileStat, parse_sha256, parse_stat, stat_command
 from playbooks.host.base import Host
 from playbooks.host.commands import check_mode, check_owner, check_path, write_file_command
 
@@ -327,29 +328,56 @@ class EnsureFile(Operation):
         return decide_file(self.upload, facts)
 
 
+@dataclass(frozen=True)
+class PushedFacts:
+    stat: FileStat | None
+    sha256: str | None
+    hashed: bool  # read whole (no quick-check record, or one that no longer matches)
+
+
 class EnsurePushedFile(Operation):
     """A file of the controller whose sha256 is already known (a checked download) is on the
     host: compared by that sha256, streamed when it differs. Never read into memory here, and
     never hashed again on the controller (the pinned sdist is 77 MB: EnsureFile's read and
-    hash of it were a fifth of a no-op)."""
+    hash of it were a fifth of a no-op).
+
+    On the host, rsync's quick check: a record beside the file (``<path>.vf-sha256``: the
+    sha256, the size and the modification time it was written with) stands for the file while
+    its size and time are unchanged, so a run does not hash 77 MB to find it unchanged; any
+    other file is hashed, and a matching one gets its record."""
 
     def __init__(self, path: str, local: Path, sha256: str, mode: int = 0o644):
         self.path, self.local, self.sha256, self.mode = check_path(path), local, sha256, check_mode(mode)
+        self.record = f"{self.path}.vf-sha256"
         self.name = f"Ensure {self.path} is up to date"
 
-    def read(self, host: Host) -> FileFacts:
-        return read_file_facts(host, self.path, False)
+    def read(self, host: Host) -> PushedFacts:
+        st = parse_stat(read_fact(host, stat_command(self.path)))
+        f, r = shlex.quote(self.path), shlex.quote(self.record)
+        out = read_fact(
+            host,
+            f"if [ -f {f} ]; then id=$(stat -L -c '%s %Y' -- {f}); "
+            f'if [ -f {r} ] && [ "$(sed -n 2p {r})" = "$id" ]; then echo "recorded $(sed -n 1p {r})"; '
+            f'else echo "hashed $(sha256sum < {f})"; fi; else echo missing; fi',
+        ).split()
+        kind = out[0] if out else ""
+        return PushedFacts(st, parse_sha256(out[1]) if len(out) > 1 else None, kind != "recorded")
 
-    def decide(self, facts: FileFacts) -> Decision:
+    def decide(self, facts: PushedFacts) -> Decision:
+        f, r = shlex.quote(self.path), shlex.quote(self.record)
+        keep = Shell(f"{{ echo {self.sha256}; stat -L -c '%s %Y' -- {f}; }} > {r}.new && mv -f -- {r}.new {r}")
         push = PushFile(self.path, self.local, self.sha256, self.mode)
         if facts.stat is None:
-            return Decision.act("file is missing", push)
+            return Decision.act("file is missing", push, keep)
         if not facts.stat.is_file:
             raise OperationError(f"{self.path} exists but is a {facts.stat.kind}, not a regular file")
         if facts.sha256 != self.sha256:
             have = (facts.sha256 or "?")[:12]
-            return Decision.act(f"content differs (sha256 {have} on the host, {self.sha256[:12]} wanted)", push)
+            return Decision.act(f"content differs (sha256 {have} on the host, {self.sha256[:12]} wanted)", push, keep)
         cmds, diffs = _mode_owner_fixes(facts.stat, self.path, self.mode, None, False)
+        if facts.hashed:
+            cmds.append(keep)
+            diffs.append(f"sha256 {self.sha256[:12]} matches: its quick-check record written")
         return Decision.act("; ".join(diffs) or f"file is already up to date (sha256 {self.sha256[:12]})", *cmds)
 
 

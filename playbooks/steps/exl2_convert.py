@@ -238,9 +238,7 @@ class EnsureExl2Quant(Operation):
         work = lay.work(self.tag)
         return Exl2Facts(
             gpus=gpus,
-            exllamav2=python.parse_package_version(
-                read_fact(host, python.package_version_command(self.venv, "exllamav2"))
-            ),
+            exllamav2=python.read_package_version(host, self.venv, "exllamav2"),
             model=exl2.parse_model_files(read_fact(host, exl2.model_files_command(self.model_dir))),
             calibration_sha256=cal,
             paths=exl2.parse_exist(read_fact(host, exl2.exist_command(self.watched)), self.watched),

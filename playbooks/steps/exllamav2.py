@@ -79,7 +79,7 @@ class EnsureExllamav2(Operation):
 
     def read(self, host: Host) -> ExtFacts:
         def version(package: str) -> str | None:
-            return python.parse_package_version(read_fact(host, python.package_version_command(self.venv, package)))
+            return python.read_package_version(host, self.venv, package)
 
         return ExtFacts(
             compile=read_compile_facts(host, cuda_build=True),

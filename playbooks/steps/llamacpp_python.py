@@ -106,7 +106,7 @@ class EnsureLlamaCppPython(Operation):
     def read(self, host: Host) -> BindingsFacts:
         link = read_fact(host, f"readlink -- {package_dirs(self.venv)}/lib 2>/dev/null || true")
         return BindingsFacts(
-            installed=python.parse_package_version(read_fact(host, python.package_version_command(self.venv, DIST))),
+            installed=python.read_package_version(host, self.venv, DIST),
             stamp=builds.parse_stamp(read_fact(host, f"cat -- {shlex.quote(self.stamp_path)} 2>/dev/null || true")),
             link=builds.parse_readlink(link),
             current=builds.parse_readlink(read_fact(host, builds.readlink_command(self.layout.current))),

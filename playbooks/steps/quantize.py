@@ -451,10 +451,7 @@ class EnsureConvertDeps(Operation):
 
     def read(self, host: Host) -> dict[str, str | None]:
         names = ("torch", "transformers", "sentencepiece", "safetensors", "llama_cpp_python")
-        facts = {
-            n: python.parse_package_version(read_fact(host, python.package_version_command(self.venv, n)))
-            for n in names
-        }
+        facts = {n: python.read_package_version(host, self.venv, n) for n in names}
         return {**facts, "pip_find_links": "yes" if read_local_wheels(host) else None}
 
     def decide(self, facts: dict[str, str | None]) -> Decision:

@@ -279,7 +279,7 @@ class EnsureTorch(Operation):
         self.name = f"Ensure torch {tc.torch} is installed in the venv"
 
     def read(self, host: Host) -> TorchFacts:
-        version = python.parse_package_version(read_fact(host, python.package_version_command(self.venv, "torch")))
+        version = python.read_package_version(host, self.venv, "torch")
         return TorchFacts(version, read_local_wheels(host))
 
     def decide(self, facts: TorchFacts) -> Decision:
@@ -313,7 +313,7 @@ class EnsureToolchainLock(Operation):
     def read(self, host: Host) -> LockFacts:
         return LockFacts(
             toolkits=tuple(cuda.parse_toolkits(read_fact(host, cuda.TOOLKITS_COMMAND))),
-            torch=python.parse_package_version(read_fact(host, python.package_version_command(self.venv, "torch"))),
+            torch=python.read_package_version(host, self.venv, "torch"),
             file=read_file_facts(host, self.path, sudo=False),
         )
 
