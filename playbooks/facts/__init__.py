@@ -11,7 +11,9 @@ import json
 from typing import Any, Protocol
 
 
-class _Runs(Protocol):
+class Runs(Protocol):
+    """What a fact needs of a host: to run a command (Host, and any stand-in in a test)."""
+
     def run(self, cmd: str, *, check: bool = ..., stream: bool = ..., stdin: bytes | None = ...) -> _Output: ...
 
 
@@ -20,7 +22,7 @@ class _Output(Protocol):
     def stdout(self) -> str: ...  # read-only: a frozen Result satisfies it
 
 
-def read_fact(host: _Runs, command: str, stdin: bytes | None = None) -> str:
+def read_fact(host: Runs, command: str, stdin: bytes | None = None) -> str:
     """Run a fact's read-only command quietly; its parser judges the output, even on failure.
     ``stdin``: a probe script fed to the command (small; never a secret)."""
     return host.run(command, check=False, stream=False, stdin=stdin).stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from playbooks.facts import _Runs, read_fact
+from playbooks.facts import Runs, read_fact
 
 
 def packages_command(venv: str) -> str:
@@ -28,7 +28,7 @@ def parse_packages(output: str) -> dict[str, str]:
     return found
 
 
-def read_package_version(host: _Runs, venv: str, package: str) -> str | None:
+def read_package_version(host: Runs, venv: str, package: str) -> str | None:
     """The installed version of ``package`` in the venv; None when the venv or the package is missing."""
     return parse_packages(read_fact(host, packages_command(venv))).get(_normal(package))
 
