@@ -1,8 +1,9 @@
 """The reads a host's last settled check made, kept on the controller, so the next run fetches
 them all in its first round trip (host/prefetch.py): a no-op is then one remote call.
 
-Keyed by the host's name, its address and prefix, and the recipe (its name and text): another
-recipe or prefix reads other paths. Only reads are kept (a reads pass asks for nothing else),
+Kept under ``$VOLTAFORGE_CACHE/reads`` (``~/.cache/voltaforge``), keyed by the host's name, its
+address and prefix, and the recipe (its name and text): another recipe or prefix reads other
+paths. Only reads are kept (a reads pass asks for nothing else),
 mode 0600 (commands name paths of the host). A file that cannot be read is an empty start:
 the passes find the reads again, in a round trip or two more.
 """
@@ -15,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from playbooks.conduct.logs import log_dir
+from playbooks.steps.llamacpp_source import source_cache_dir
 from playbooks.config.inventory import HostSpec
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host.prefetch import Call
@@ -33,7 +34,7 @@ class KnownReads:
         where = [spec.name, spec.host, spec.user, spec.port, spec.prefix, spec.local]
         key = json.dumps([*where, str(loaded.path), recipe])
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        return cls(log_dir().parent / "reads" / f"{spec.name}-{digest}.json")
+        return cls(source_cache_dir().parent / "reads" / f"{spec.name}-{digest}.json")
 
     def load(self) -> list[Call]:
         try:
