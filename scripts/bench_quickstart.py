@@ -85,7 +85,13 @@ def main() -> int:
                 "noop_s": round(noop, 2),
                 "noop_piped_lines": len(piped),
             },
-            {"cold_s": "s", "terminal_lines": "lines", "log_lines": "lines", "noop_s": "s", "noop_piped_lines": "lines"},
+            {
+                "cold_s": "s",
+                "terminal_lines": "lines",
+                "log_lines": "lines",
+                "noop_s": "s",
+                "noop_piped_lines": "lines",
+            },
             ".venv/bin/python scripts/bench_quickstart.py",
             notes=(
                 "A fresh VOLTAFORGE_CACHE and install prefix (the sdist downloaded, the model generated, llama.cpp "

@@ -16,10 +16,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from playbooks.steps.llamacpp_source import source_cache_dir
 from playbooks.config.inventory import HostSpec
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host.prefetch import Call
+from playbooks.steps.llamacpp_source import source_cache_dir
 
 VERSION = 1
 
