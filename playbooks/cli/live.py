@@ -68,7 +68,7 @@ class LiveView(Printer):
         if self.live:
             self._progress = Progress(
                 SpinnerColumn(),
-                TextColumn("{task.description}"),
+                TextColumn("{task.description}", markup=False),
                 BarColumn(bar_width=20),
                 TimeElapsedColumn(),
                 console=self.console,
