@@ -38,7 +38,6 @@ _WHAT = r"(?:(?:Building|Linking) \S+ (?:object|\S+ library|executable) |Built t
 _COUNTED = re.compile(r"^\[\s*(\d+)\s*/\s*(\d+)\s*\]\s+" + _WHAT)
 # [ 45%] Building CXX object ggml/src/CMakeFiles/ggml-base.dir/ggml.c.o (make)
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]\s+" + _WHAT)
-_PIP = re.compile(r"^\s*(Downloading|Collecting|Building wheel|Installing collected|Processing|Successfully)\b")
 
 
 def _short(text: str, width: int = WIDTH) -> str:
@@ -136,7 +135,8 @@ class LiveView(Printer):
         if percent:
             self._show(host, f"[{percent.group(1)}%] {_short(_name(percent.group(2)), 40)}", int(percent.group(1)), 100)
             return
-        if _PIP.match(text):
+        if text.strip():
+            # pip's download or build, the sweep's level, a warning: the latest line, shortened
             self._show(host, _short(text.strip()))
 
     def _show(self, host: str, activity: str, done: int | None = None, total: int | None = None) -> None:
