@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/testhosts.py imports its siblings by name
 
 from playbooks.results import write_result  # noqa: E402
-from scripts.bench_provision import links_dir, recipe_for  # noqa: E402
+from scripts.bench_provision import inventory_entry, links_dir, recipe_for  # noqa: E402
 from tests.helpers import shared_ccache  # noqa: E402
 from tests.testhosts import SshdHost, ensure_test_user, remove_test_user  # noqa: E402
 
@@ -124,17 +124,9 @@ def main() -> int:
             hosts.append(h)
         prefix = hosts[0].prefix / "vf"
         shared_ccache(prefix, hosts[0].user)
-        recipe = str(recipe_for(work, 18500, links))
+        recipe = recipe_for(work, 18500, links)
         for i, h in enumerate(hosts):
-            entries[f"noop{i}"] = {
-                "host": h.hostname,
-                "port": h.port,
-                "user": h.user,
-                "key_file": h.key_filename,
-                "known_hosts": h.known_hosts,
-                "prefix": str(prefix),
-                "recipe": recipe,
-            }
+            entries[f"noop{i}"] = inventory_entry(h, prefix, recipe)
         inventory = work / "inventory.yaml"
         inventory.write_text(yaml.safe_dump({"hosts": entries}))
         inv = ["--inventory", str(inventory)]

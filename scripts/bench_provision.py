@@ -67,6 +67,19 @@ def recipe_for(work: Path, port: int, links: Path) -> Path:
     return path
 
 
+def inventory_entry(h: SshdHost, prefix: Path, recipe: Path) -> dict:
+    """An sshd test host as an inventory entry: its address, key, known_hosts, prefix, recipe."""
+    return {
+        "host": h.hostname,
+        "port": h.port,
+        "user": h.user,
+        "key_file": h.key_filename,
+        "known_hosts": h.known_hosts,
+        "prefix": str(prefix),
+        "recipe": str(recipe),
+    }
+
+
 def provision(inventory: Path, hosts: list[str], log: Path) -> tuple[float, int]:
     t0 = time.monotonic()
     with open(log, "a") as out:
@@ -95,15 +108,7 @@ def main() -> int:
             hosts.append(h)
             prefix = h.prefix / "vf"
             shared_ccache(prefix, h.user)
-            entries[f"bench{i}"] = {
-                "host": h.hostname,
-                "port": h.port,
-                "user": h.user,
-                "key_file": h.key_filename,
-                "known_hosts": h.known_hosts,
-                "prefix": str(prefix),
-                "recipe": str(recipe_for(work, 18400 + i, links)),
-            }
+            entries[f"bench{i}"] = inventory_entry(h, prefix, recipe_for(work, 18400 + i, links))
         inventory.write_text(yaml.safe_dump({"hosts": entries}))
         names = list(entries)
         rows = []
