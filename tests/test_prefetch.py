@@ -71,3 +71,25 @@ def test_a_batch_cut_short_is_one_clear_error():
         parse_batch(whole[:30], marker, 2)
     with pytest.raises(HostError, match="cut short in read 2 of 2"):
         parse_batch(whole[:-1], marker, 2)
+
+
+def test_known_reads_round_trip_and_a_broken_record_is_an_empty_start(tmp_path):
+    import os
+    import time
+
+    from playbooks.conduct.known_reads import KEEP_DAYS, KnownReads
+
+    calls = [Call("cat /x"), Call("python3 -", stdin=b"print(1)\n\x00"), Call("e", True, (("A", "b c"),), 5.0)]
+    known = KnownReads(tmp_path / "reads" / "box-0123.json")
+    assert known.load() == []  # none yet
+    stale = tmp_path / "reads" / "gone-4567.json"
+    stale.parent.mkdir()
+    stale.write_text("{}")
+    past = time.time() - (KEEP_DAYS + 1) * 86400
+    os.utime(stale, (past, past))
+    known.save(calls)
+    assert known.load() == calls and oct(known.path.stat().st_mode & 0o777) == "0o600"
+    assert not stale.exists()  # a record unused for KEEP_DAYS is dropped
+    for broken in ("{", '{"version": 99, "calls": []}', '{"version": 1, "calls": [{"sudo": true}]}'):
+        known.path.write_text(broken)
+        assert known.load() == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from playbooks.host.prefetch import Call
 from playbooks.steps.llamacpp_source import source_cache_dir
 
 VERSION = 1
+KEEP_DAYS = 30
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,15 @@ class KnownReads:
         with os.fdopen(fd, "w") as fh:
             json.dump({"version": VERSION, "calls": [c.to_json() for c in calls]}, fh)
         os.replace(tmp, self.path)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Hosts and prefixes come and go (every test makes some): a record unused for
+        KEEP_DAYS is dropped (it only saves a round trip)."""
+        old = time.time() - KEEP_DAYS * 86400
+        for other in self.path.parent.glob("*.json"):
+            try:
+                if other.stat().st_mtime < old:
+                    other.unlink()
+            except OSError:
+                pass
