@@ -358,7 +358,7 @@ def test_rounding_is_read_as_shown():
 def test_a_changed_sample_block_is_caught():
     text = README.read_text()
     assert "<!-- result-block: reports/local/provision-noop.json -->" in text
-    problems, _ = check(text.replace("\n2.88 s wall\n```", "\n2.91 s wall\n```"))
+    problems, _ = check(text.replace("\n1.05 s wall\n```", "\n2.91 s wall\n```"))
     assert len(problems) == 1 and "the block differs from reports/local/provision-noop.json" in problems[0]
 
 
