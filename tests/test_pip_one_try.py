@@ -73,11 +73,11 @@ def test_the_find_links_fact_reads_the_environment_and_pip_conf_for_real(tmp_pat
     conf = tmp_path / ".config" / "pip"
     conf.mkdir(parents=True)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    run = lambda **e: (
-        subprocess.run(  # noqa: E731
-            ["bash", "-c", PIP_FIND_LINKS_COMMAND], capture_output=True, text=True, env={**env, **e}
-        ).stdout
-    )
+
+    def run(**extra: str) -> str:
+        command = ["bash", "-c", PIP_FIND_LINKS_COMMAND]
+        return subprocess.run(command, capture_output=True, text=True, env={**env, **extra}).stdout
+
     assert not parse_pip_find_links(run())
     assert parse_pip_find_links(run(PIP_FIND_LINKS="/opt/wheels"))
     (conf / "pip.conf").write_text("[global]\nfind-links = /srv/wheels\n")
