@@ -33,17 +33,6 @@ def read_package_version(host: Runs, venv: str, package: str) -> str | None:
     return parse_packages(read_fact(host, packages_command(venv))).get(_normal(package))
 
 
-def package_version_command(venv: str, package: str) -> str:
-    code = f"import importlib.metadata as m; print(m.version({package!r}))"
-    return f"{shlex.quote(venv + '/bin/python')} -c {shlex.quote(code)} 2>/dev/null || true"
-
-
-def parse_package_version(output: str) -> str | None:
-    """The installed version, None when the venv or the package is missing."""
-    text = output.strip()
-    return text.splitlines()[-1] if text else None
-
-
 def torch_cuda_command(venv: str) -> str:
     """torch's own word on the CUDA it was built with (PyPI's wheels carry no +cuXXX label)."""
     code = "import torch; print(torch.version.cuda or 'none')"
