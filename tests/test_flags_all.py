@@ -56,6 +56,7 @@ ACCEPTED = {
     ("plan", "host-membw"): {"5"},  # 5 GB/s of host memory bandwidth
     ("plan", "host-ram"): {"5"},  # 5 GiB of host RAM
     ("plan", "min-tok-s"): {"5"},  # a speed floor of 5 tok/s
+    ("plan", "gpu-count"): {"5"},  # a split over 5 cards
     ("quantize", "bpw"): {"5"},  # EXL2 at 5.0 bits per weight
     ("render", "gpus"): {"5"},  # GPU 5
     ("deploy", "gpus"): {"5"},

@@ -18,7 +18,7 @@ def run_deploy(
     dry_run: bool = False,
     manager: str = "auto",
     settings: Settings | None = None,
-    gpus: tuple[int, ...] = (0,),
+    gpus: tuple[int, ...] | None = None,
 ) -> int:
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         return deploy_ops(loaded, host, prefix, manager, gpus)

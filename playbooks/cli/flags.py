@@ -44,6 +44,20 @@ def positive_int(flag: str, value: object, what: str, maximum: int | None = None
     return number
 
 
+def shares(flag: str, value: object) -> tuple[float, ...] | None:
+    """``--tensor-split 3,1`` -> (3.0, 1.0): non-negative numbers, at least one above 0."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        parts = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} {_short(text)!r}: want shares separated by commas, e.g. 1,1") from None
+    if any(not math.isfinite(p) or p < 0 for p in parts) or not any(parts):
+        raise UsageError(f"{flag} {_short(text)!r}: want non-negative shares, at least one above 0")
+    return parts
+
+
 def _short(text: str, limit: int = 40) -> str:
     """A value as a message quotes it: a 400-digit number is not read, it is recognised."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
@@ -205,8 +219,10 @@ def choice(flag: str, value: object, allowed: tuple[str, ...]) -> str:
     return text
 
 
-def gpu_indexes(value: object) -> tuple[int, ...]:
-    """``--gpus 0,1`` -> (0, 1): one llama-server instance per GPU."""
+def gpu_indexes(value: object) -> tuple[int, ...] | None:
+    """``--gpus 0,1`` -> (0, 1); None stays None (the recipe's default GPUs)."""
+    if value is None:
+        return None
     text = str(value).strip()
     try:
         indexes = tuple(int(p) for p in text.split(","))

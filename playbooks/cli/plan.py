@@ -55,6 +55,8 @@ def run_plan(
     cache_type_k: str | None = None,
     cache_type_v: str | None = None,
     min_tok_s: SpeedFloor = None,
+    gpu_count: int | None = None,
+    tensor_split: tuple[float, ...] | None = None,
 ) -> int:
     """Returns the exit code: 0 when the planned configuration fits, 1 when it does not.
 
@@ -62,7 +64,8 @@ def run_plan(
     and host_ram_gib override the recipe's; with --model-config a MoE model plans "auto".
     cache_type_k/_v: llama-server's -ctk/-ctv for a --model-config plan (f16 unless given; EXL2
     rows get the matching ExLlamaV2 cache mode). min_tok_s: the recommendation's speed floor
-    instead of planner.min_tok_s ("none": no floor)."""
+    instead of planner.min_tok_s ("none": no floor). gpu_count / tensor_split: a layer split
+    over that many cards of the GPU, instead of the recipe's."""
     out = out or sys.stdout
     # given but empty is a mistake, not "use the default"
     model_config = name_or_path("--model-config", model_config)
@@ -97,7 +100,22 @@ def run_plan(
             raise UsageError(f"--n-cpu-moe is llama-server's; {loaded.recipe.name} is an ExLlamaV2 recipe")
         ram = int(host_ram_gib * GIB) if host_ram_gib is not None else None
         host = host_from_recipe(loaded, host_membw_gb_s, ram)
-        plan = plan_recipe(loaded, gpu, ctx, n_cpu_moe=n_cpu_moe, host=host, min_tok_s=min_tok_s)  # type: ignore[arg-type]
+        r = loaded.recipe
+        count = gpu_count or r.gpu_count
+        devices = len(r.rpc) + (0 if get_gpu(gpu or r.gpu).is_cpu else count)
+        split = _split(devices, tensor_split if tensor_split is not None else r.tensor_split)
+        if count > 1 and loaded.shape.is_moe:
+            raise UsageError(f"--gpu-count {count}: a split of a mixture-of-experts model is not planned")
+        plan = plan_recipe(
+            loaded,
+            gpu,
+            ctx,
+            n_cpu_moe=n_cpu_moe,  # type: ignore[arg-type]
+            host=host,
+            min_tok_s=min_tok_s,
+            gpu_count=count,
+            tensor_split=split,
+        )
         label = loaded.recipe.name
     else:
         shape = load_config_file(Path(str(model_config)))
@@ -136,6 +154,8 @@ def run_plan(
                 margin_mib=settings.margin_mib,
                 imatrix=settings.imatrix,
                 n_cpu_moe=n_cpu_moe,  # type: ignore[arg-type]
+                gpu_count=gpu_count or 1,
+                tensor_split=_split(gpu_count or 1, tensor_split),
             ),
         )
         host = HostMemory(
@@ -159,6 +179,17 @@ def run_plan(
         render_plan(plan, console(out), label)
     fits = plan.chosen.fits if plan.chosen else any(o.fits for o in plan.options)
     return 0 if fits else 1
+
+
+def _split(devices: int, shares: tuple[float, ...] | list[float] | None) -> tuple[float, ...]:
+    """--tensor-split against the number of devices: one share each, or none (equal shares)."""
+    if not shares:
+        return ()
+    if devices <= 1:
+        raise UsageError("--tensor-split goes with more than one device (--gpu-count N, or the recipe's cards)")
+    if len(shares) != devices:
+        raise UsageError(f"--tensor-split has {len(shares)} share(s) for {devices} devices (one per device)")
+    return tuple(shares)
 
 
 def _check_n_cpu_moe(n_cpu_moe: int | str | None, shape: ModelShape, label: str) -> None:

@@ -9,7 +9,7 @@ from typing import TextIO
 
 from playbooks.cli.render import console, render_verdict, verdict_json
 from playbooks.conduct.settings import Settings
-from playbooks.steps.preflight import gather, judge
+from playbooks.steps.preflight import gather, judge, rpc_endpoints
 
 
 def run_preflight(
@@ -27,7 +27,7 @@ def run_preflight(
     loaded = settings.load_recipe(recipe_name) if recipe_name else None
     model_dir = f"{spec.prefix}/models"
     with settings.connect(spec) as host:
-        facts = gather(host, spec.prefix, model_dir)
+        facts = gather(host, spec.prefix, model_dir, rpc_endpoints(loaded))
     v = judge(facts, loaded, model_dir, spec.prefix, inventory_gpu=spec.gpu)
     if as_json:
         out.write(json.dumps(verdict_json(v), indent=2) + "\n")

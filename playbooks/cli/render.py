@@ -22,6 +22,7 @@ from playbooks.host.ops import Change
 from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
 from playbooks.plan.moe import OffloadStep
 from playbooks.plan.planner import Option, Plan
+from playbooks.plan.split import DeviceShare
 from playbooks.plan.tensors import active_parameter_count, parameter_count
 from playbooks.steps.preflight import Verdict
 
@@ -78,7 +79,26 @@ def option_json(o: Option, plan: Plan | None = None) -> dict[str, Any]:
         "draft_bytes": o.draft_bytes,
         "draft_kv_bytes": o.draft_kv_bytes,
         "draft_compute_bytes": o.draft_compute_bytes,
+        # a split over several cards: each card's share (vram_bytes/gpu_bytes: the worst card's)
+        "devices": [device_json(d) for d in o.devices],
     } | ({"kld": quality.kld, "kld_source": quality.source} if quality is not None else {})
+
+
+def device_json(d: DeviceShare) -> dict[str, Any]:
+    return {
+        "index": d.index,
+        "name": d.name,
+        "layers": [d.layers[0], d.layers[-1]] if d.layers else [],
+        "layer_count": len(d.layers),
+        "output": d.output,
+        "weights_bytes": d.weights_bytes,
+        "kv_bytes": d.kv_bytes,
+        "compute_bytes": d.compute_bytes,
+        "overhead_bytes": d.overhead_bytes,
+        "total_bytes": d.total_bytes,
+        "capacity_bytes": d.capacity_bytes,
+        "headroom_bytes": d.headroom_bytes,
+    }
 
 
 def offload_step_json(st: OffloadStep) -> dict[str, Any]:
@@ -136,6 +156,9 @@ def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
             "cache_v": s.cache_v,
             "flash_attn": s.flash_attn,
             "n_cpu_moe": s.n_cpu_moe,
+            "gpu_count": s.gpu_count,
+            "rpc_devices": s.rpc_devices,
+            "tensor_split": list(s.split_weights(plan.gpu)) if s.split else [],
         },
         # what the two-sided roofline of a MoE with experts in host RAM divides by, and where
         # the figure came from (measured on the host | given by flag or recipe | default)
@@ -191,11 +214,19 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
         f"{'CPU' if plan.gpu.is_cpu else 'GPU'}: {plan.gpu.name}, {plan.gpu.memory_gib:g} GiB "
         f"({plan.gpu.memory_bytes / 1e9:.2f} GB), {plan.gpu.bandwidth_gb_s:g} GB/s, {arch}"
     )
+    split = (
+        f", split by layers over {s.device_count(plan.gpu)} devices (--tensor-split "
+        f"{','.join(f'{x:g}' for x in s.split_weights(plan.gpu))})"
+        if s.split
+        else ""
+    )
     console.print(
         f"Serving: {s.backend}, {s.context} tokens x {s.parallel} slot(s), cache K={s.cache_k} V={s.cache_v}, "
-        f"flash attention {'on' if s.flash_attn else 'off'}"
+        f"flash attention {'on' if s.flash_attn else 'off'}{split}"
     )
-    if plan.chosen:
+    if plan.chosen and plan.chosen.devices:
+        _render_split(plan, plan.chosen, console)
+    elif plan.chosen:
         c = plan.chosen
         if c.unfit_reason:
             verdict = f"[red]does not fit: {escape(c.unfit_reason)}[/]"
@@ -233,14 +264,15 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
                 else "(the host's RAM is unknown: not checked)"
             )
             console.print(f"Host RAM for weights: token_embd + offloaded experts = {_gib(c.host_resident_bytes)} {ram}")
-    table = Table(title=f"Fit table: {s.context} tokens x {s.parallel} slot(s) on {plan.gpu.key}")
+    cards = f"{s.device_count(plan.gpu)} x {plan.gpu.key}" if s.split else plan.gpu.key
+    table = Table(title=f"Fit table: {s.context} tokens x {s.parallel} slot(s) on {cards}")
     columns: list[tuple[str, JustifyMethod]] = [
         ("quant", "left"),
         ("backend", "left"),
         ("file", "right"),
         ("bits/w", "right"),
         ("KLD", "right"),
-        ("VRAM", "right"),
+        ("VRAM, worst card" if s.split else "VRAM", "right"),
         ("fits?", "left"),
         ("max ctx/slot", "right"),
         ("roofline tok/s", "right"),
@@ -251,7 +283,9 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
         columns.insert(6, ("n-cpu-moe", "right"))
     for col, just in columns:
         # one line per quant where the width allows: the headers of the numbers wrap instead
-        keep = col in ("quant", "backend", "file", "VRAM", "n-cpu-moe") or (col == "fits?" and not moe_column)
+        keep = col in ("quant", "backend", "file", "VRAM", "VRAM, worst card", "n-cpu-moe") or (
+            col == "fits?" and not moe_column
+        )
         table.add_column(col, justify=just, no_wrap=keep)
     for o in plan.options:
         mark = " (recommended)" if plan.recommendation is o else ""
@@ -276,6 +310,46 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
     console.print(f"[bold]Recommendation:[/] {escape(plan.reason)}")
     for note in plan.notes:
         console.print(f"[yellow]Note:[/] {escape(note)}")
+
+
+def _render_split(plan: Plan, c: Option, console: Console) -> None:
+    """A split's planned quant: the whole model's sizes, then one row per card."""
+    if c.unfit_reason:
+        verdict = f"[red]does not fit: {escape(c.unfit_reason)}[/]"
+    elif c.fits:
+        verdict = f"[green]fits: the fullest device has {c.headroom_bytes / MIB:,.0f} MiB left[/]"
+    else:
+        full = next(d for d in c.devices if d.headroom_bytes == c.headroom_bytes)
+        over = -full.headroom_bytes / MIB
+        verdict = f"[red]does not fit: device {full.index} ({escape(full.name)}) overflows by {over:,.0f} MiB[/]"
+    console.print(
+        f"\n[bold]Planned quant {c.quant}[/] over {len(c.devices)} devices: weights {_gb(c.weights_bytes)} on disk, "
+        f"{_gib(c.gpu_weights_bytes)} on the devices + KV {_gib(c.kv_bytes)} ({c.kv_bytes_per_token:,} B/token): "
+        f"{verdict}"
+    )
+    table = Table(title=f"Per device: {plan.serving.context} tokens x {plan.serving.parallel} slot(s)")
+    for col in ("device", "layers", "weights", "KV", "compute", "context/margin", "total", "of", "left"):
+        table.add_column(col, justify="left" if col in ("device", "layers") else "right", no_wrap=col == "layers")
+    for d in c.devices:
+        left = d.headroom_bytes
+        table.add_row(
+            escape(d.name),
+            d.layers_text,
+            _gib(d.weights_bytes),
+            _gib(d.kv_bytes),
+            _gib(d.compute_bytes),
+            _gib(d.overhead_bytes),
+            _gib(d.total_bytes),
+            _gib(d.capacity_bytes),
+            f"{left / MIB:,.0f} MiB" if left >= 0 else f"[red]-{-left / MIB:,.0f} MiB[/]",
+        )
+    console.print(table)
+    per_card = " + ".join(f"{_gb(d.streamed_bytes)}/{d.bandwidth_gb_s:g} GB/s" for d in c.devices)
+    console.print(
+        f"Roofline: the devices run one after the other for each token: 1 / ({per_card}) = "
+        f"{c.roofline_tok_s:.0f} tok/s ({c.roofline_full_ctx_tok_s:.0f} tok/s with a full "
+        f"{plan.serving.context}-token cache); a layer split adds memory, not speed"
+    )
 
 
 def _roofline_text(plan: Plan, c: Option) -> str:

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from playbooks.cli import flags
 from playbooks.cli.render import console
-from playbooks.config.planning import resolve_n_cpu_moe
+from playbooks.config.planning import refuse_unfit, resolve_n_cpu_moe
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.steps.units import ServerLayout, render_service_files
 
@@ -22,7 +22,7 @@ def output_dir(value: object) -> Path:
 def run_render(
     recipe: str | None,
     out: Path,
-    gpus: tuple[int, ...] = (0,),
+    gpus: tuple[int, ...] | None = None,
     recipes_dir: Path | None = None,
     prefix: str | None = None,
 ) -> int:
@@ -30,6 +30,7 @@ def run_render(
         raise flags.UsageError("--recipe is required (or voltaforge.recipe in invoke.yaml)")
     loaded = load_recipe(recipe, recipes_dir or RECIPES_DIR)
     layout = ServerLayout(prefix=prefix) if prefix else ServerLayout()
+    refuse_unfit(loaded)
     files = render_service_files(loaded.recipe, layout, gpus, resolve_n_cpu_moe(loaded))
     show = console()
     for f in files:

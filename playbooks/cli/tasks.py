@@ -96,6 +96,9 @@ INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.
         "quantized V needs flash attention, which the plan assumes on)",
         "min-tok-s": "the recommendation's speed floor: the best quality whose decode roofline reaches this many "
         "tok/s; none: the fastest (default: planner.min_tok_s, 30)",
+        "gpu-count": "split the model by layers over this many cards of the GPU (default: the recipe's gpu_count, 1)",
+        "tensor-split": "each card's share of the layers, as llama-server's --tensor-split (e.g. 3,1; default: "
+        "the recipe's, else equal shares)",
         "json": "print JSON instead of tables",
     },
 )
@@ -113,6 +116,8 @@ def plan(
     cache_type_k: str | None = None,
     cache_type_v: str | None = None,
     min_tok_s: str | None = None,
+    gpu_count: str | None = None,
+    tensor_split: str | None = None,
     json: bool = False,
 ) -> None:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
@@ -139,6 +144,8 @@ def plan(
             cache_type_k=flags.word("--cache-type-k", cache_type_k, "a cache type, e.g. q8_0"),
             cache_type_v=flags.word("--cache-type-v", cache_type_v, "a cache type, e.g. q8_0"),
             min_tok_s=flags.speed_floor("--min-tok-s", min_tok_s),
+            gpu_count=flags.positive_int("--gpu-count", gpu_count, "cards", maximum=16),  # plan.split.MAX_DEVICES
+            tensor_split=flags.shares("--tensor-split", tensor_split),
             as_json=json,
             recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
         )
@@ -302,10 +309,11 @@ def artifacts(c: Context, host: str | None = None, json: bool = False, inventory
     help={
         "recipe": RECIPE_HELP,
         "out": "directory to write into; files land at their host paths below it (DIR/etc/systemd/system/...)",
-        "gpus": "GPU indexes, comma-separated (default 0); several: one llama-server instance per GPU",
+        "gpus": "GPU indexes, comma-separated (default 0, or 0..N-1 for a recipe split over N cards); several with "
+        "a one-card recipe: one llama-server instance per GPU",
     },
 )
-def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: str = "0") -> None:
+def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: str | None = None) -> None:
     """Write every file deploy would install for a recipe into a local directory.
 
     The units, env files and configs; needs no host."""
@@ -331,7 +339,8 @@ def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: 
         "recipe": RECIPE_HELP,
         "dry-run": "show the diff of every file and the commands; change nothing",
         "manager": "auto (systemd where it runs, else a managed process), systemd, or process",
-        "gpus": "GPU indexes, comma-separated (default 0); several: one llama-server instance per GPU",
+        "gpus": "GPU indexes, comma-separated (default 0, or 0..N-1 for a recipe split over N cards); several with "
+        "a one-card recipe: one llama-server instance per GPU",
         "inventory": INVENTORY_HELP,
     },
 )
@@ -341,7 +350,7 @@ def deploy(
     recipe: str | None = None,
     dry_run: bool = False,
     manager: str = "auto",
-    gpus: str = "0",
+    gpus: str | None = None,
     inventory: str | None = None,
 ) -> None:
     """Install and start the recipe's server; roll back to the last good one on failure.
@@ -359,6 +368,36 @@ def deploy(
             manager=flags.choice("--manager", manager, ("auto", "systemd", "process")),
             settings=_settings(c, inventory),
             gpus=flags.gpu_indexes(gpus),
+        )
+
+    run_command(go)
+
+
+@task(
+    auto_shortflags=False,
+    help={
+        "host": HOST_HELP,
+        "recipe": RECIPE_HELP,
+        "dry-run": "show what would change and the commands; change nothing",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def rpc_worker(
+    c: Context, host: str | None = None, recipe: str | None = None, dry_run: bool = False, inventory: str | None = None
+) -> None:
+    """Run the recipe's llama.cpp RPC workers on a host (a model split across hosts).
+
+    The host's toolchain and llama.cpp build, then one hardened ggml-rpc-server unit per rpc:
+    entry of the recipe whose worker is this host, listening on its endpoint only."""
+
+    def go() -> int:
+        from playbooks.cli.rpc_worker import run_rpc_worker
+
+        return run_rpc_worker(
+            flags.one_host("--host", _cfg(c, "host", host)),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            dry_run=dry_run,
+            settings=_settings(c, inventory),
         )
 
     run_command(go)
@@ -652,6 +691,7 @@ ns = Collection(
     render,
     deploy,
     stop,
+    rpc_worker,
     bench,
     status,
     tune,

@@ -34,7 +34,13 @@ from playbooks.steps.exl2_convert import STAMP_NAME as EXL2_STAMP
 from playbooks.steps.exl2_convert import Exl2Layout
 from playbooks.steps.quantize import ModelLayout, manifest_path
 from playbooks.steps.service_manager import Manager, ProcessRunner, Systemd, process_argv, unit_environment
-from playbooks.steps.units import RenderedFile, ServerLayout, parse_exec_start, render_service_files
+from playbooks.steps.units import (
+    RenderedFile,
+    ServerLayout,
+    default_gpu_indexes,
+    parse_exec_start,
+    render_service_files,
+)
 
 ManagerChoice = Literal["auto", "systemd", "process"]
 
@@ -76,7 +82,7 @@ def deploy_ops(
     host: Host,
     prefix: str,
     manager_choice: str,
-    gpus: tuple[int, ...] = (0,),
+    gpus: tuple[int, ...] | None = None,
     gated: bool = False,
     server: ServerLayout | None = None,
 ) -> list[Operation]:
@@ -89,6 +95,7 @@ def deploy_ops(
     kind = choose_manager(host, manager_choice)
     server = server or ServerLayout(prefix=prefix)
     n_cpu_moe = resolve_n_cpu_moe(loaded)
+    gpus = default_gpu_indexes(r) if gpus is None else gpus
     rendered = render_service_files(r, server, gpus, n_cpu_moe)
     why = systemd_only(r, gpus)
     if why and kind != "systemd":
@@ -125,7 +132,8 @@ def deploy_ops(
     gpu = not get_gpu(r.gpu).is_cpu
     llama = r.backend == "llamacpp"
     expect = Expectations(
-        layers=loaded.shape.num_hidden_layers + 1 if gpu else None,
+        # every layer on a device: the GPU's, or the RPC workers' (a CPU recipe split over them)
+        layers=loaded.shape.num_hidden_layers + 1 if gpu or r.rpc else None,
         # a draft model's KV cache and compute buffer are printed beside the target's (summed)
         kv_mib=option.loaded_kv_bytes / 2**20 if option and llama else None,
         compute_mib=option.loaded_compute_bytes / 2**20 if option and llama else None,
@@ -133,6 +141,7 @@ def deploy_ops(
         device_model_mib=(option.gpu_weights_bytes + option.draft_weights_bytes) / 2**20
         if option and llama and gpu and loaded.shape.is_moe
         else None,
+        devices=tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in option.devices) if option else (),
     )
     managers = [make_manager(kind, state, name, unit.text) for name, state, _ in instances]
     ports = [port for _, _, port in instances]

@@ -51,7 +51,7 @@ from playbooks.host.output import BufferedPrinter
 from playbooks.host.prefetch import NotARead, Reads
 from playbooks.steps.deploy import EnsureServing
 from playbooks.steps.gate import EnsureGate
-from playbooks.steps.preflight import gather, judge
+from playbooks.steps.preflight import gather, judge, rpc_endpoints
 
 #: the built-in default: the tiny CPU recipe, which needs no GPU and no download
 DEFAULT_RECIPE = "tiny-cpu"
@@ -254,7 +254,8 @@ class Provisioner:
         t = time.monotonic()
         printer.line(spec.name, "== preflight ==")
         model_dir = f"{spec.prefix}/models"
-        verdict = judge(gather(host, spec.prefix, model_dir), loaded, model_dir, spec.prefix, spec.gpu)
+        facts = gather(host, spec.prefix, model_dir, rpc_endpoints(loaded))
+        verdict = judge(facts, loaded, model_dir, spec.prefix, spec.gpu)
         blocking = [c for c in verdict.checks if c.status == "fail" and c.blocking]
         if blocking:
             # every blocking check, not the first only: a user fixes them all in one go

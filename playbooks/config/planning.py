@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -80,6 +81,9 @@ def serving_from_recipe(loaded: LoadedRecipe, context: int | None = None, n_cpu_
         imatrix=r.planner.imatrix,
         head_bits=r.quant.head_bits if not isinstance(r.quant, str) else 6,
         n_cpu_moe=n_cpu_moe,
+        gpu_count=r.gpu_count,
+        tensor_split=tuple(r.tensor_split or ()),
+        rpc_devices=len(r.rpc),
     )
 
 
@@ -118,15 +122,20 @@ def plan_recipe(
     host: HostMemory | None = None,
     min_tok_s: SpeedFloor = None,
     measured_kld: Mapping[str, float] | None = None,
+    gpu_count: int | None = None,
+    tensor_split: tuple[float, ...] | None = None,
 ) -> Plan:
     """The recipe planned: on `gpu` (a name or the GPU a host reports) instead of the recipe's,
     with its draft model, its planner settings' objective (`min_tok_s` and `measured_kld`: see
     objective_for)."""
     r = loaded.recipe
+    serving = serving_from_recipe(loaded, context, n_cpu_moe)
+    if gpu_count is not None:  # a flag's split instead of the recipe's
+        serving = replace(serving, gpu_count=gpu_count, tensor_split=tensor_split or ())
     plan = make_plan(
         loaded.shape,
         gpu if isinstance(gpu, Gpu) else get_gpu(gpu or r.gpu),
-        serving_from_recipe(loaded, context, n_cpu_moe),
+        serving,
         quant=r.quant_name,
         draft=draft_from_recipe(loaded),
         objective=objective_for(r.planner, loaded.shape, min_tok_s, measured_kld),
@@ -137,6 +146,42 @@ def plan_recipe(
             f"model.revision {r.model.revision!r} is not a commit sha: provisioning records the sha it resolves to"
         )
     return plan
+
+
+def unfit_text(plan: Plan) -> str | None:
+    """Why the recipe's planned quant does not fit (None: it fits): the card that overflows
+    and by how much, or why it cannot run there at all."""
+    c = plan.chosen
+    if c is None or c.fits:
+        return None
+    if c.unfit_reason:
+        return c.unfit_reason
+    over = -c.headroom_bytes / 2**20
+    if c.devices:
+        card = next(d for d in c.devices if d.headroom_bytes == c.headroom_bytes)
+        return (
+            f"device {card.index} of {len(c.devices)} ({card.name}, layers {card.layers_text}) needs "
+            f"{card.total_bytes / GIB:.2f} GiB "
+            f"of {card.capacity_bytes / GIB:.2f} GiB: over by {over:,.0f} MiB"
+        )
+    return f"it needs {c.vram_bytes / GIB:.2f} GiB of {c.gpu_bytes / GIB:.2f} GiB: over by {over:,.0f} MiB"
+
+
+def refuse_unfit(loaded: LoadedRecipe) -> None:
+    """Refuse to render or deploy what the plan says does not fit (a MoE recipe with n_cpu_moe
+    auto is judged by resolve_n_cpu_moe, which finds the N that fits or refuses)."""
+    r = loaded.recipe
+    if loaded.shape.is_moe and r.n_cpu_moe == "auto":
+        return
+    why = unfit_text(plan_recipe(loaded))
+    if why:
+        raise VoltaforgeError(
+            f"{loaded.path}: {r.quant_name} does not fit {r.device_count} x {r.gpu} at {r.context} tokens x "
+            f"{r.parallel} slot(s): {why} (invoke plan --recipe {r.name})"
+            if r.split
+            else f"{loaded.path}: {r.quant_name} does not fit {r.gpu} at {r.context} tokens x {r.parallel} slot(s): "
+            f"{why} (invoke plan --recipe {r.name})"
+        )
 
 
 def resolve_n_cpu_moe(

@@ -215,6 +215,79 @@ class Service(_Strict):
         return self
 
 
+class RpcWorker(_Strict):
+    """One llama.cpp RPC server that holds layers of this recipe's model (llama-server --rpc).
+
+    The RPC protocol has no authentication and no encryption: whoever reaches the port can
+    read and write the worker's memory. So the worker binds to exactly `endpoint`'s address
+    (never 0.0.0.0 or ::), and its unit accepts connections only from loopback and from the
+    addresses in `allow_from` (systemd's IPAddressAllow); a worker on another address must
+    name the main server's address there."""
+
+    endpoint: str = Field(description="ADDRESS:PORT the worker listens on and llama-server dials")
+    worker: str | None = Field(
+        None,
+        description="the inventory host that runs it (`invoke rpc-worker --host NAME`); unset: started by hand",
+    )
+    allow_from: list[str] = Field(
+        default_factory=list, description="addresses besides loopback allowed to connect (the main server's)"
+    )
+    gpu: int = Field(0, ge=0, le=63, description="the worker host's GPU index it serves (a GPU recipe)")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v):
+        addr, sep, port = v.rpartition(":")
+        addr = addr.strip("[]")
+        try:
+            ip = ipaddress.ip_address(addr)
+        except ValueError:
+            raise ValueError("must be IP:PORT, e.g. 127.0.0.1:50052 or [fd00::2]:50052") from None
+        if not sep or not port.isdigit() or not 1024 <= int(port) <= 65535:
+            raise ValueError("needs a port from 1024 to 65535, e.g. 127.0.0.1:50052")
+        if ip.is_unspecified:
+            raise ValueError("must be one address, not 0.0.0.0 or :: (the RPC protocol has no authentication)")
+        return v
+
+    @field_validator("worker")
+    @classmethod
+    def _worker(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", v):
+            raise ValueError("must be an inventory host name (letters, digits, . _ -)")
+        return v
+
+    @field_validator("allow_from")
+    @classmethod
+    def _allow_from(cls, v):
+        for a in v:
+            try:
+                ipaddress.ip_network(a, strict=False)
+            except ValueError:
+                raise ValueError(f"{a!r} is not an IP address or network") from None
+        return v
+
+    @model_validator(mode="after")
+    def _reachable_only_by_the_server(self):
+        if not self.ip.is_loopback and not self.allow_from:
+            raise ValueError(
+                f"a worker on {self.address} (not loopback) needs allow_from: the main server's address "
+                "(the RPC protocol has no authentication)"
+            )
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.rpartition(":")[0].strip("[]")
+
+    @property
+    def ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        return ipaddress.ip_address(self.address)
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rpartition(":")[2])
+
+
 class Gate(_Strict):
     min_tok_s: float = Field(0, ge=0, description="minimum single-stream decode tok/s")
     min_roofline_fraction: float = Field(0, ge=0, le=1, description="minimum measured/roofline ratio (MBU)")
@@ -295,6 +368,22 @@ class Recipe(_Strict):
     description: str = ""
     model: ModelSource
     gpu: str
+    gpu_count: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="cards of that kind one server spreads the model over (llama-server --split-mode layer)",
+    )
+    tensor_split: list[float] | None = Field(
+        None,
+        description="each device's share of the layers (llama-server --tensor-split), RPC workers first; "
+        "unset: equal shares",
+    )
+    rpc: list[RpcWorker] = Field(
+        default_factory=list,
+        description="llama.cpp RPC servers that hold layers too (llama-server --rpc), each one device of the "
+        "recipe's gpu kind, ahead of the local cards",
+    )
     backend: Literal["llamacpp", "exllamav2"]
     quant: Exl2Quant | str
     context: int = Field(gt=0, description="tokens per slot")
@@ -412,6 +501,7 @@ class Recipe(_Strict):
                     "n_cpu_moe: is llama-server's --n-cpu-moe; ExLlamaV2 keeps every expert on the GPU "
                     "(remove it, or use backend llamacpp)"
                 )
+        self._check_split()
         g = self.gate
         if g.prompt_tokens + g.max_tokens > self.context:
             long = " (workload long: 2048 unless gate.prompt_tokens says)" if g.workload == "long" else ""
@@ -426,6 +516,40 @@ class Recipe(_Strict):
         if self.draft is not None and self.draft.quant not in FILE_TYPES:
             raise ValueError(f"draft.quant: unknown GGUF quant {self.draft.quant!r}; allowed: {', '.join(FILE_TYPES)}")
         return self
+
+    def _check_split(self) -> None:
+        """gpu_count, rpc and tensor_split: what voltaforge plans and renders a split for."""
+        cpu = get_gpu(self.gpu).is_cpu
+        if cpu and self.gpu_count > 1:
+            raise ValueError(f"gpu_count: {self.gpu_count} cards of {self.gpu}: a CPU target has no cards to split")
+        if self.tensor_split is not None and len(self.tensor_split) != self.device_count:
+            raise ValueError(
+                f"tensor_split: {len(self.tensor_split)} share(s) for {self.device_count} device(s) "
+                "(one per RPC worker, then one per local card)"
+            )
+        if self.tensor_split is not None and (any(x < 0 for x in self.tensor_split) or not any(self.tensor_split)):
+            raise ValueError("tensor_split: want non-negative shares, at least one above 0")
+        endpoints = [w.endpoint for w in self.rpc]
+        if len(set(endpoints)) != len(endpoints):
+            raise ValueError("rpc: an endpoint is listed twice")
+        if not self.split:
+            return
+        key = "rpc" if self.rpc else "gpu_count"
+        if self.backend != "llamacpp":
+            raise ValueError(f"{key}: a split is planned for llama.cpp (ExLlamaV2's gpu_split is not)")
+        if self.draft is not None:
+            raise ValueError(f"{key}: a draft model beside a split is not planned (remove draft:)")
+
+    @property
+    def device_count(self) -> int:
+        """The devices llama.cpp spreads the layers over: the RPC workers, then the local cards
+        (none on a CPU target)."""
+        return len(self.rpc) + (0 if get_gpu(self.gpu).is_cpu else self.gpu_count)
+
+    @property
+    def split(self) -> bool:
+        """The model is split by layers: over several local cards, or onto RPC workers."""
+        return self.gpu_count > 1 or bool(self.rpc)
 
     @property
     def quant_name(self) -> str:
@@ -512,6 +636,12 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
             f"(max_position_embeddings {shape.max_position_embeddings})"
         )
     _check_n_cpu_moe(recipe, shape, path, lines)
+    if recipe.split and shape.is_moe:
+        key = "rpc" if recipe.rpc else "gpu_count"
+        raise RecipeError(
+            f"{path}:{line_of(lines, (key,))}: {key}: a split of a mixture-of-experts model is not "
+            "planned; serve it on one card (n_cpu_moe keeps experts in host RAM)"
+        )
     if recipe.backend == "llamacpp" and (why := quant_refusal(shape, recipe.quant_name)):
         raise RecipeError(f"{path}:{line_of(lines, ('quant',))}: quant: {why}")
     draft_shape = None

@@ -262,6 +262,38 @@ def parse_load_log(text: str) -> LoadLog:
     )
 
 
+#: a split device's weights and KV cache against the plan: the plan is exact up to the MiB
+#: the log rounds to, and one layer moved between two cards of a 41-layer split is 2.4%
+SPLIT_TOLERANCE = 0.005
+SPLIT_SLACK_MIB = 0.02
+
+
+def device_buffers(sizes: dict[str, float]) -> list[tuple[str, float]]:
+    """The device (not host) buffers of one kind, in the order the log printed them."""
+    return [(k, v) for k, v in sizes.items() if not is_host_buffer(k)]
+
+
+def judge_split(log: LoadLog, planned: tuple[tuple[float, float], ...]) -> list[str]:
+    """Each device's weights and KV cache against its planned share (see judge_load)."""
+    reasons = []
+    for kind, sizes, column in (("weights", log.model_mib, 0), ("KV cache", log.kv_mib, 1)):
+        got = device_buffers(sizes)
+        if len(got) != len(planned):
+            reasons.append(
+                f"the plan splits the model over {len(planned)} devices, the log shows {kind} on {len(got)} "
+                f"({_breakdown(sizes) or 'none'})"
+            )
+            continue
+        for i, ((name, actual), want) in enumerate(zip(got, planned, strict=True)):
+            mib = want[column]
+            if abs(actual - mib) > max(mib * SPLIT_TOLERANCE, SPLIT_SLACK_MIB):
+                reasons.append(
+                    f"device {i} ({name}) holds {actual:.2f} MiB of {kind}, the plan {mib:.2f} MiB: the layers "
+                    "were not split as planned"
+                )
+    return reasons
+
+
 def _breakdown(sizes: dict[str, float]) -> str:
     return ", ".join(f"{name} {mib:.2f} MiB" for name, mib in sizes.items())
 
@@ -275,6 +307,7 @@ def judge_load(
     margin: float = 0.10,
     planned_device_model_mib: float | None = None,
     model_margin: float = 0.03,
+    planned_devices: tuple[tuple[float, float], ...] = (),
 ) -> list[str]:
     """Why this load is not the planned one (empty: it is).
 
@@ -289,8 +322,14 @@ def judge_load(
     --n-cpu-moe N: all but token_embd and the first N layers' experts). The GPU's model
     buffers must hold that within `model_margin` (tensor alignment): less means more than the
     planned experts stayed in host RAM (or something else did), more means fewer did.
+
+    `planned_devices`: a split over several devices, (weights MiB, KV MiB) of each device in
+    llama.cpp's device order (RPC workers first, then local GPUs), held to the device buffers
+    the log prints, in the order it prints them (judge_split).
     """
     reasons = list(log.problems)
+    if planned_devices:
+        reasons += judge_split(log, planned_devices)
     if expect_layers is not None:
         if log.offloaded is None:
             reasons.append(

@@ -293,6 +293,24 @@ def replay(g: Graph) -> int:
     return w.mem.peak
 
 
+def device_input_bytes(g: Graph) -> int:
+    """The graph inputs a device's split copies in from the host (or the previous device), each
+    aligned: the hidden state, positions, the KV store's row indices, the masks, the Hadamard
+    matrices of a quantized cache and the output row ids (replay's device inputs)."""
+    T, a = g.n_tokens, g.alignment
+    sizes = [g.n_embd * T * F32, T * 4]
+    sizes += [g.rot_k**2 * F32] if g.rot_k else []
+    sizes += [g.rot_v**2 * F32] if g.rot_v else []
+    per_cache = [T * 8, T * 8 if g.flash_attn else T * g.n_embd_kv * 8]
+    sizes += per_cache + [g.n_kv * T * (2 if g.flash_attn else F32)]
+    if g.n_kv_swa:
+        sizes += [g.rot_k**2 * F32] if g.rot_k else []
+        sizes += [g.rot_v**2 * F32] if g.rot_v else []
+        sizes += per_cache + [g.n_kv_swa * T * (2 if g.flash_attn else F32)]
+    sizes.append(g.n_outputs * 4)
+    return sum(n + (-n % a) for n in sizes)
+
+
 def _moe_ffn(w: _Walk, g: Graph, t: int) -> None:
     """A MoE layer's FFN on `t` tokens, from ffn_norm to ffn_out, in build_moe_ffn's order
     (src/llama-graph.cpp at 0c1e570). Transcribed from the source, not from allocator traces

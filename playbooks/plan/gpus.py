@@ -140,14 +140,14 @@ _CATALOG = [
 ]
 
 # Short names a user types. V100 SXM2 and PCIe share memory size and bandwidth (900 GB/s).
+# A name that would match cards of different memory ("v100": 16 or 32 GB; "a100": 40 or 80 GB)
+# is no alias: get_gpu refuses it and lists the cards it could mean.
 ALIASES = {
     "v100-16gb": "v100-sxm2-16gb",
-    "v100": "v100-sxm2-16gb",
     "v100-32gb": "v100-sxm2-32gb",
     "p100": "p100-16gb",
     "3090": "rtx-3090",
     "4090": "rtx-4090",
-    "a100": "a100-40gb",
 }
 
 GPUS: dict[str, Gpu] = {g.key: g for g in _CATALOG}
@@ -159,9 +159,12 @@ def gpu_names() -> list[str]:
 
 def get_gpu(name: str) -> Gpu:
     key = ALIASES.get(name.lower(), name.lower())
-    if key not in GPUS:
-        raise VoltaforgeError(f"unknown GPU {name!r}; known: {', '.join(gpu_names())}")
-    return GPUS[key]
+    if key in GPUS:
+        return GPUS[key]
+    candidates = [n for n in gpu_names() if key and key in n]
+    if len(candidates) > 1:
+        raise VoltaforgeError(f"GPU {name!r} matches several cards: {', '.join(candidates)}; name one of them")
+    raise VoltaforgeError(f"unknown GPU {name!r}; known: {', '.join(gpu_names())}")
 
 
 def gpu_from_nvidia_name(product_name: str, memory_mib: int | None = None) -> Gpu | None:

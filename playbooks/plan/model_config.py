@@ -65,6 +65,7 @@ class ModelShape(BaseModel):
     # sliding-window attention as llama.cpp runs it (Gemma 2/3 only): window and SWA layer count
     sliding_window: int | None = None
     swa_layers: int = 0
+    swa_pattern: int = 0  # layer il has a window when il % swa_pattern < swa_pattern - 1
     # Mixture of experts (0 = dense): every layer routes each token to num_experts_per_tok of
     # num_experts FFNs of width expert_intermediate_size; Qwen2-MoE adds one shared expert.
     num_experts: int = Field(0, ge=0)
@@ -238,7 +239,13 @@ def _sliding_window(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         return {}
     swa = sum(1 for il in range(layers) if il % pattern < pattern - 1)
-    return {"sliding_window": window, "swa_layers": swa}
+    return {"sliding_window": window, "swa_layers": swa, "swa_pattern": pattern}
+
+
+def is_swa_layer(shape: ModelShape, il: int) -> bool:
+    """Whether llama.cpp gives layer `il` a sliding-window cache (see _sliding_window)."""
+    p = shape.swa_pattern
+    return bool(shape.swa_layers) and p > 0 and il % p < p - 1
 
 
 def load_config_file(path: Path) -> ModelShape:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from playbooks.plan.compute_buffer import replay, worst_case_graph
+from playbooks.plan.compute_buffer import device_input_bytes, replay, worst_case_graph
 from playbooks.plan.exl2_size import (
     EXL2_BPW_LADDER,
     EXL2_MAX_INPUT_LEN,
@@ -44,6 +44,7 @@ from playbooks.plan.moe import (
     two_sided_tok_s,
 )
 from playbooks.plan.objective import Objective
+from playbooks.plan.split import CPU_ALIGNMENT, CUDA_ALIGNMENT, Device, DeviceShare, split_model, split_tok_s, worst
 from playbooks.plan.tensors import model_tensors, parameter_count
 
 CTX_STEP = 256  # llama.cpp pads its KV cache to 256 cells; contexts are planned in these steps
@@ -154,6 +155,25 @@ class Serving:
     # llama-server --n-cpu-moe for a MoE model: the experts of the first N layers in host RAM.
     # 0: none (every weight on the GPU); "auto": the smallest N that fits (make_plan)
     n_cpu_moe: NCpuMoe = 0
+    # one model over several GPUs of the same kind (llama-server --split-mode layer, see
+    # playbooks/plan/split.py); tensor_split: the share of each (empty: equal shares)
+    gpu_count: int = 1
+    tensor_split: tuple[float, ...] = ()
+    # llama.cpp RPC servers holding layers too (--rpc): one device each, of the GPU's kind,
+    # ahead of the local cards in llama.cpp's device list
+    rpc_devices: int = 0
+
+    @property
+    def split(self) -> bool:
+        return self.gpu_count > 1 or self.rpc_devices > 0
+
+    def device_count(self, gpu: Gpu) -> int:
+        """Devices the layers go to: the RPC workers, then the local cards (none on a CPU)."""
+        return self.rpc_devices + (0 if gpu.is_cpu else self.gpu_count)
+
+    def split_weights(self, gpu: Gpu) -> tuple[float, ...]:
+        """--tensor-split as rendered: the given shares, or one part per device."""
+        return self.tensor_split or (1.0,) * self.device_count(gpu)
 
 
 @dataclass(frozen=True)
@@ -190,6 +210,11 @@ class Option:
     host_resident_bytes: int = 0  # what the weights take of host RAM (those + token_embd)
     host_membw_gb_s: float | None = None  # the host bandwidth the roofline divided by
     host_membw_source: str | None = None  # measured | given | default
+    # A split over several GPUs (Serving.gpu_count > 1): each card's share. The fields above
+    # stay the whole model's (weights, KV, compute, overhead summed over the cards), while
+    # vram_bytes and gpu_bytes are the worst card's (the one with the least headroom), so
+    # `fits` and `headroom_bytes` speak of the card that decides.
+    devices: tuple[DeviceShare, ...] = ()
 
     @property
     def draft_weights_bytes(self) -> int:
@@ -380,7 +405,10 @@ def evaluate(
     draft: DraftPlan | None = None,
     host: HostMemory | None = None,
 ) -> Option:
-    """One quant at these settings. A MoE GGUF quant gets its --n-cpu-moe (see _evaluate_moe)."""
+    """One quant at these settings. A MoE GGUF quant gets its --n-cpu-moe (see _evaluate_moe);
+    a dense GGUF quant over several GPUs its layer split (_evaluate_split)."""
+    if s.split:
+        return _evaluate_split(shape, quant, gpu, s, draft)
     if shape.is_moe and not quant.startswith("EXL2-"):
         return _evaluate_moe(shape, quant, gpu, s, draft, host or HostMemory())
     file_b, gpu_w, streamed = _weights(shape, quant, s)
@@ -410,6 +438,107 @@ def evaluate(
         draft_kv_bytes=draft_kv,
         draft_compute_bytes=draft_compute,
         unfit_reason=unfit,
+    )
+
+
+def split_unfit_reason(shape: ModelShape, quant: str, gpu: Gpu, draft: DraftPlan | None) -> str:
+    """Why a split over several devices is not planned for this ("": it is)."""
+    if quant.startswith("EXL2-"):
+        return "no split planned for EXL2"
+    if shape.is_moe:
+        return "no split planned for MoE"
+    if draft is not None:
+        return "no split planned with a draft"
+    return ""
+
+
+def split_devices(gpu: Gpu, s: Serving) -> list[Device]:
+    """The devices of a split in llama.cpp's order: the RPC workers, then the local cards; each
+    of the recipe's GPU kind with its CUDA context and margin (a CPU-backed worker: the CPU
+    budget, its 32-byte alignment, the margin only)."""
+    overhead = ((0 if gpu.is_cpu else s.cuda_context_mib) + s.margin_mib) * MIB
+    align = CPU_ALIGNMENT if gpu.is_cpu else CUDA_ALIGNMENT
+    rpc = [Device(f"RPC {i}", gpu.memory_bytes, gpu.bandwidth_gb_s, align, overhead) for i in range(s.rpc_devices)]
+    local = (
+        []
+        if gpu.is_cpu
+        else [Device(f"GPU {i}", gpu.memory_bytes, gpu.bandwidth_gb_s, align, overhead) for i in range(s.gpu_count)]
+    )
+    return rpc + local
+
+
+#: ggml-backend's GGML_SCHED_MAX_COPIES at the pinned ref: with pipeline parallelism (more than
+#: one device, every layer offloaded, all devices async: CUDA and RPC are) the scheduler keeps
+#: this many copies of each split's inputs, so consecutive micro-batches overlap across devices
+PIPELINE_COPIES = 4
+
+
+def split_compute_bytes(shape: ModelShape, s: Serving, tokens: int, devices: int) -> int:
+    """Each device's compute buffer in a split, an ESTIMATE: the single-device worst case, plus,
+    under pipeline parallelism, the extra copies of the inputs a split copies in. One real load
+    checks it (tests/test_rpc_split_real.py: two CPU-backed RPC devices, the first device's
+    buffer 5% above this, the last one's below it); not checked on CUDA cards."""
+    g = worst_case_graph(
+        shape, tokens, s.n_ubatch, s.flash_attn, n_seq=s.parallel, cache_k=s.cache_k, cache_v=s.cache_v, device=True
+    )
+    copies = PIPELINE_COPIES if devices > 1 else 1
+    return _replay(g) + (copies - 1) * device_input_bytes(g)
+
+
+def plan_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, ctx: int) -> tuple[DeviceShare, ...]:
+    """Every device's share at `ctx` tokens per slot (llama-server -c = ctx x slots)."""
+    tokens = ctx * s.parallel
+    compute = split_compute_bytes(shape, s, tokens, s.device_count(gpu))
+    return split_model(
+        shape,
+        quant,
+        split_devices(gpu, s),
+        s.split_weights(gpu),
+        n_ctx=tokens,
+        cache_k=s.cache_k,
+        cache_v=s.cache_v,
+        n_ubatch=s.n_ubatch,
+        compute_bytes=compute,
+        imatrix=s.imatrix,
+    )
+
+
+def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None) -> Option:
+    """A GGUF quant of a dense model split by layers over s.gpu_count cards (playbooks/plan/split.py)."""
+    one = replace(s, gpu_count=1, tensor_split=(), rpc_devices=0)
+    why = split_unfit_reason(shape, quant, gpu, draft)
+    if why:
+        return replace(evaluate(shape, quant, gpu, one, draft), unfit_reason=why)
+    file_b, gpu_w, streamed = _weights(shape, quant, s)
+    kv_tok = _kv_per_token(shape, s)
+    shares = plan_split(shape, quant, gpu, s, s.context)
+    w = worst(shares)
+
+    def fits(ctx: int) -> bool:
+        return all(d.headroom_bytes >= 0 for d in plan_split(shape, quant, gpu, s, ctx))
+
+    lo, hi = 0, shape.max_position_embeddings // CTX_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * CTX_STEP) else (lo, mid - 1)
+    per_layer_kv = kv_tok // shape.num_hidden_layers * s.context
+    return Option(
+        quant=quant,
+        backend="llamacpp",
+        weights_bytes=file_b,
+        params=parameter_count(shape),
+        gpu_weights_bytes=sum(d.weights_bytes for d in shares),
+        streamed_bytes=streamed,
+        kv_bytes_per_token=kv_tok,
+        kv_bytes=sum(d.kv_bytes for d in shares),
+        compute_bytes=sum(d.compute_bytes for d in shares),
+        overhead_bytes=sum(d.overhead_bytes for d in shares),
+        vram_bytes=w.total_bytes,
+        gpu_bytes=w.capacity_bytes,
+        max_ctx=lo * CTX_STEP,
+        roofline_tok_s=split_tok_s(shares),
+        roofline_full_ctx_tok_s=split_tok_s(shares, [per_layer_kv * len(d.layers) for d in shares]),
+        devices=shares,
     )
 
 
@@ -667,15 +796,24 @@ def make_plan(
     # GGUF types llama.cpp cannot make for this model (gpt-oss's MXFP4 experts: MXFP4_MOE only)
     refused = {q: why for q in quant_names("llamacpp") if (why := quant_refusal(shape, q))}
     names = [q for q in quant_names() if q not in refused and (shape.is_moe or q != "MXFP4_MOE")]
+    if serving.split:  # a split is llama.cpp's (split_unfit_reason)
+        names = [q for q in names if not q.startswith("EXL2-")]
     options = [evaluate(shape, q, gpu, serving_for(q, serving), draft, host) for q in names]
     chosen = evaluate(shape, quant, gpu, serving, draft, host) if quant else None
     plan = Plan(shape, gpu, serving, chosen, options, objective, host=host)
     if refused:
         plan.notes.append(f"left out of the fit table: {', '.join(refused)} ({next(iter(refused.values()))})")
     fitting = [o for o in options if o.fits]  # an option that cannot run here does not fit
+    if serving.split:
+        _split_notes(plan)
     if gpu.is_cpu:
         plan.notes.append(
             f"EXL2 is left out: ExLlamaV2 {EXL2_NEEDS_CUDA} (it has no CPU path); a CPU serves GGUF through llama.cpp"
+        )
+    elif serving.split:
+        plan.notes.append(
+            f"EXL2 is left out: the split over {serving.device_count(gpu)} devices is planned for llama.cpp's "
+            "--split-mode layer (ExLlamaV2's gpu_split is not planned)"
         )
     elif draft is not None:
         plan.notes.append(f"EXL2 is left out: {EXL2_NO_DRAFT} (--model-draft)")
@@ -687,7 +825,8 @@ def make_plan(
             f"EXL2 is left out of the recommendation: {serving.parallel} slots need batching, "
             "which ExLlamaV2 cannot do before Ampere (no flash-attn for sm_70)"
         )
-    where = f"{serving.context} tokens x {serving.parallel} slot(s) on {gpu.name}"
+    cards = f"{serving.device_count(gpu)} x {gpu.name}" if serving.split else gpu.name
+    where = f"{serving.context} tokens x {serving.parallel} slot(s) on {cards}"
     floor = f"at least {objective.min_bpw:g} bits/weight"
     pick = objective.pick(fitting)
     if pick is not None:
@@ -736,6 +875,20 @@ def make_plan(
     if shape.is_moe:
         _moe_notes(plan, draft)
     return plan
+
+
+def _split_notes(plan: Plan) -> None:
+    """What a split's numbers rest on."""
+    plan.notes.append(
+        "split: layers, weights and KV cache per device are llama.cpp's own assignment (exact); each device's "
+        f"compute buffer is an estimate: the single-device worst case plus {PIPELINE_COPIES - 1} more copies of its "
+        "inputs (llama.cpp's pipeline parallelism), checked on CPU-backed RPC devices only"
+    )
+    if plan.serving.rpc_devices:
+        plan.notes.append(
+            f"{plan.serving.rpc_devices} RPC worker(s) hold the first layers (llama.cpp puts RPC devices ahead of "
+            "local cards); the roofline leaves out the network: every token crosses it once per worker and back"
+        )
 
 
 def _quality_basis(objective: Objective, options: list[Option]) -> str:

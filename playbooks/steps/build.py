@@ -63,6 +63,9 @@ LLAMACPP_TARGETS = (
     "llama-perplexity",
     "llama-bench",
     "llama-batched-bench",
+    # an RPC worker (`invoke rpc-worker`): every host builds it, so a worker runs the same
+    # build as the server that dials it (the RPC protocol is llama.cpp's own, per version)
+    "ggml-rpc-server",
 )
 KEEP_BUILDS = 2
 
@@ -141,6 +144,8 @@ def cmake_flags(cuda_arch: str | None, host_compiler: str | None = None) -> tupl
         # the server runs with --no-webui: no download of prebuilt web UI assets at build time
         # (offline it printed "UI: download dist.tar.gz.sha256 ... failed" into every build)
         "-DLLAMA_USE_PREBUILT_UI=OFF",
+        # llama-server's --rpc and the ggml-rpc-server worker (a split across hosts)
+        "-DGGML_RPC=ON",
     ]
     if cuda_arch:
         flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]

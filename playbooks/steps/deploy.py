@@ -121,6 +121,8 @@ class Expectations:
     # a MoE on a GPU: the weights the plan puts there (all but token_embd and the experts of
     # the --n-cpu-moe layers), so a load that keeps more or fewer experts in host RAM fails
     device_model_mib: float | None = None
+    # a split over several devices: (weights MiB, KV MiB) of each, in llama.cpp's device order
+    devices: tuple[tuple[float, float], ...] = ()
 
 
 def health_timeout(model_bytes: int) -> float:
@@ -461,6 +463,7 @@ class EnsureServing(Operation):
             planned_compute_mib=e.compute_mib,
             margin=e.margin,
             planned_device_model_mib=e.device_model_mib,
+            planned_devices=e.devices,
         )
         if problems:
             raise HostError(f"the load log disagrees with the plan: {'; '.join(problems)}")
@@ -614,7 +617,7 @@ def systemd_only(recipe: Recipe, gpu_indexes: Sequence[int] = (0,)) -> str | Non
         return "TabbyAPI (EXL2) runs as a systemd unit only"
     if recipe.service.api_key_ref:
         return "an API key reaches the server as a systemd credential"
-    if len(gpu_indexes) > 1 and not get_gpu(recipe.gpu).is_cpu:
+    if len(gpu_indexes) > 1 and recipe.gpu_count == 1 and not get_gpu(recipe.gpu).is_cpu:
         return "one server per GPU is a systemd instance template"
     return None
 

@@ -17,6 +17,7 @@ from playbooks.config.planning import host_from_recipe, plan_recipe
 from playbooks.config.recipe import LoadedRecipe, Recipe
 from playbooks.facts import cuda, read_fact, system
 from playbooks.facts import gpu as gpufacts
+from playbooks.facts import rpc as rpcfacts
 from playbooks.host.base import Host
 from playbooks.plan.gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name, size_text
 from playbooks.plan.planner import Plan
@@ -44,6 +45,8 @@ class HostFacts(BaseModel):
     systemd: system.SystemdState
     nproc: int | None = None
     machine: str | None = None
+    # a recipe split across RPC workers: whether this host reaches each endpoint
+    rpc: dict[str, bool] = {}
 
 
 def _gpu_facts(host: Host) -> gpufacts.GpuFacts:
@@ -63,8 +66,14 @@ def _gpu_facts(host: Host) -> gpufacts.GpuFacts:
     return csv.model_copy(update={"reason": f"{probed.reason}; {csv.reason}"})
 
 
-def gather(host: Host, prefix: str, model_dir: str) -> HostFacts:
-    """Read every fact preflight judges. Read-only: nothing on the host changes."""
+def rpc_endpoints(loaded: LoadedRecipe | None) -> list[str]:
+    """The RPC worker endpoints preflight tries from the host (none without a recipe)."""
+    return [w.endpoint for w in loaded.recipe.rpc] if loaded else []
+
+
+def gather(host: Host, prefix: str, model_dir: str, rpc: Sequence[str] = ()) -> HostFacts:
+    """Read every fact preflight judges. Read-only: nothing on the host changes.
+    ``rpc``: the recipe's RPC worker endpoints, each tried from this host."""
     return HostFacts(
         host=host.name,
         os=system.parse_os_release(read_fact(host, system.OS_RELEASE_COMMAND)),
@@ -78,6 +87,7 @@ def gather(host: Host, prefix: str, model_dir: str) -> HostFacts:
         systemd=system.parse_systemd(read_fact(host, system.SYSTEMD_COMMAND)),
         nproc=system.parse_nproc(read_fact(host, system.NPROC_COMMAND)),
         machine=system.parse_uname_machine(read_fact(host, system.UNAME_MACHINE_COMMAND)),
+        rpc=rpcfacts.parse_reach(read_fact(host, rpcfacts.reach_command(rpc))) if rpc else {},
     )
 
 
@@ -419,6 +429,34 @@ def check_cuda(cx: Context) -> list[Check]:
     return out
 
 
+def check_rpc(cx: Context) -> list[Check]:
+    """Every RPC worker of the recipe accepts a connection from this host (llama-server would
+    otherwise fail to load, after the deploy step already replaced the running server)."""
+    r = cx.recipe
+    if r is None or not r.rpc:
+        return []
+    out = []
+    for w in r.rpc:
+        if cx.facts.rpc.get(w.endpoint):
+            out.append(Check("rpc-worker", "pass", f"{w.endpoint} accepts connections"))
+            continue
+        start = (
+            f"invoke rpc-worker --host {w.worker} --recipe {r.name}"
+            if w.worker
+            else f"ggml-rpc-server --host {w.address} --port {w.port} on that host"
+        )
+        out.append(
+            Check(
+                "rpc-worker",
+                "fail",
+                f"the RPC worker {w.endpoint} does not accept connections from {cx.facts.host}",
+                f"start it ({start}); a worker on another host must let this host in (allow_from)",
+                blocking=True,
+            )
+        )
+    return out
+
+
 def plan_for_host(cx: Context) -> Plan | None:
     """The recipe planned on the GPU the host reports, else the inventory's, else the recipe's."""
     if cx.loaded is None or cx.recipe is None:
@@ -514,7 +552,7 @@ def judge(
     else the recipe's. An inventory entry that disagrees with the host is flagged."""
     cx = Context(facts, loaded, model_dir, prefix, inventory_gpu)
     v = Verdict(facts)
-    for area in (check_os, check_systemd, check_python, check_gpu, check_cuda):
+    for area in (check_os, check_systemd, check_python, check_gpu, check_cuda, check_rpc):
         v.checks += area(cx)
     plan = plan_for_host(cx)
     v.checks += check_disk_and_ram(cx, plan)

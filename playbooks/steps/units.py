@@ -215,7 +215,8 @@ def llama_server_argv(
     if recipe.backend != "llamacpp":
         raise VoltaforgeError(f"recipe {recipe.name}: llama-server serves llamacpp recipes, not {recipe.backend}")
     gpu = not get_gpu(recipe.gpu).is_cpu
-    layers = "all" if gpu else "0"
+    # RPC workers are devices too: every layer goes to a device (plan/split.py)
+    layers = "all" if gpu or recipe.rpc else "0"
     argv = [
         layout.llama_server,
         "--model",
@@ -258,6 +259,12 @@ def llama_server_argv(
         argv += ["--spec-type", recipe.spec_type]
     if n_cpu_moe:
         argv += ["--n-cpu-moe", str(n_cpu_moe)]
+    if recipe.rpc:
+        argv += ["--rpc", ",".join(w.endpoint for w in recipe.rpc)]
+    if recipe.split:
+        # the split the planner planned (plan/split.py): never llama.cpp's default by free memory
+        shares = recipe.tensor_split or [1.0] * recipe.device_count
+        argv += ["--split-mode", "layer", "--tensor-split", ",".join(f"{x:g}" for x in shares)]
     argv += ["--host", recipe.service.bind, "--port", port or str(recipe.service.port)]
     raw: set[int] = {len(argv) - 1} if port else set()
     # -lv 4: at the pinned ref the load lines deploy checks (offloaded N/M layers, the KV and
@@ -293,7 +300,7 @@ class RenderedFile:
     kind: Literal["unit", "config", "env"]
 
 
-def _env() -> jinja2.Environment:
+def template_env() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
@@ -324,10 +331,25 @@ def _cuda_environment(gpu_indexes: tuple[int, ...]) -> list[tuple[str, str]]:
     return [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpu_indexes)))]
 
 
+def default_gpu_indexes(recipe: Recipe) -> tuple[int, ...]:
+    """The GPUs a deployment uses unless told: 0, or 0..N-1 for a split over N cards."""
+    return tuple(range(recipe.gpu_count))
+
+
+def rpc_peers(recipe: Recipe) -> list[str]:
+    """The RPC workers' addresses a loopback-only server must still reach (IPAddressAllow)."""
+    return sorted({w.address for w in recipe.rpc if not w.ip.is_loopback})
+
+
 def render_llama_server_unit(
-    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,), n_cpu_moe: int = 0
+    recipe: Recipe,
+    layout: ServerLayout = ServerLayout(),
+    gpu_indexes: tuple[int, ...] | None = None,
+    n_cpu_moe: int = 0,
 ) -> RenderedUnit:
-    """The plain unit: one llama-server over the given GPUs (all of them in one process)."""
+    """The plain unit: one llama-server over the given GPUs (all of them in one process;
+    none given: default_gpu_indexes)."""
+    gpu_indexes = default_gpu_indexes(recipe) if gpu_indexes is None else gpu_indexes
     if not _UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
         raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
     _check_gpu_indexes(gpu_indexes)
@@ -336,7 +358,7 @@ def render_llama_server_unit(
     environment = _cuda_environment(gpu_indexes) if gpu else []
     _check_environment(environment)
     text = (
-        _env()
+        template_env()
         .get_template("llama-server.service.j2")
         .render(
             unit_name=layout.unit_name,
@@ -348,6 +370,7 @@ def render_llama_server_unit(
             gpu=gpu,
             gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
             loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+            rpc_peers=rpc_peers(recipe),
         )
     )
     return RenderedUnit(layout.unit_name, text, argv)
@@ -365,7 +388,7 @@ def render_llama_server_template(
     argv, raw = llama_server_argv(recipe, layout, port="${VOLTAFORGE_PORT}", n_cpu_moe=n_cpu_moe)
     name = layout.template_unit_name
     text = (
-        _env()
+        template_env()
         .get_template("llama-server.service.j2")
         .render(
             unit_name=name,
@@ -377,6 +400,7 @@ def render_llama_server_template(
             gpu=True,
             gpu_devices=["/dev/nvidia%i"],
             loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+            rpc_peers=rpc_peers(recipe),
         )
     )
     return RenderedUnit(name, text, argv)
@@ -409,7 +433,7 @@ def render_tabbyapi_config(recipe: Recipe, layout: ServerLayout = ServerLayout()
     model_dir, model_name = layout.tabbyapi_model_link.rsplit("/", 1)
     total = recipe.context * recipe.parallel
     return (
-        _env()
+        template_env()
         .get_template("tabbyapi-config.yml.j2")
         .render(
             recipe=recipe.name,
@@ -453,7 +477,7 @@ def render_tabbyapi_unit(
     _check_environment(environment)
     name = layout.tabbyapi_unit_name
     text = (
-        _env()
+        template_env()
         .get_template("tabbyapi.service.j2")
         .render(
             unit_name=name,
@@ -465,6 +489,7 @@ def render_tabbyapi_unit(
             environment=environment,
             gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
             loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+            rpc_peers=rpc_peers(recipe),
         )
     )
     return RenderedUnit(name, text, argv)
@@ -474,15 +499,29 @@ UNIT_DIR = "/etc/systemd/system"
 
 
 def render_service_files(
-    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,), n_cpu_moe: int = 0
+    recipe: Recipe,
+    layout: ServerLayout = ServerLayout(),
+    gpu_indexes: tuple[int, ...] | None = None,
+    n_cpu_moe: int = 0,
 ) -> list[RenderedFile]:
     """Every file deploy installs for a recipe (not the secrets, nor the links in serve_dir).
     ``n_cpu_moe``: the resolved --n-cpu-moe of a MoE recipe (llama_server_argv).
 
     llamacpp, one GPU index: the plain unit. Several: the instance template and one environment
-    file per instance (GPU i on recipe port + i). exllamav2: TabbyAPI's unit and config.yml.
+    file per instance (GPU i on recipe port + i); a recipe with gpu_count N and N indexes: one
+    plain unit over all N (a layer split). exllamav2: TabbyAPI's unit and config.yml.
+    No indexes: default_gpu_indexes.
     """
+    gpu_indexes = default_gpu_indexes(recipe) if gpu_indexes is None else gpu_indexes
     _check_gpu_indexes(gpu_indexes)
+    if recipe.gpu_count > 1:
+        if len(gpu_indexes) != recipe.gpu_count:
+            raise VoltaforgeError(
+                f"recipe {recipe.name} splits one server over {recipe.gpu_count} GPUs: give {recipe.gpu_count} GPU "
+                f"indexes (--gpus {','.join(map(str, range(recipe.gpu_count)))}), not {len(gpu_indexes)}"
+            )
+        unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
+        return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
     if recipe.backend == "exllamav2":
         unit = render_tabbyapi_unit(recipe, layout, gpu_indexes)
         return [

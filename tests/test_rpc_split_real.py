@@ -1,0 +1,104 @@
+"""A model split across two llama.cpp RPC workers, for real, in a booted Debian 12 container
+(systemd-nspawn, its own network namespace, no internet) over SSH, through the real CLI:
+
+1. `invoke rpc-worker`: a dry run starts nothing; the run builds llama.cpp (GGML_RPC=ON) and
+   starts two hardened ggml-rpc-server units, each listening on its one loopback address, as
+   an unprivileged user; a second run changes nothing.
+2. `invoke provision` of the recipe whose server dials them: its deploy holds the load log to
+   the plan device by device (layers, weights, KV cache) and fails otherwise, then the gate
+   runs. The record's buffers equal the plan here too, and a chat completion answers.
+3. A worker stopped: provision's preflight refuses in one line, naming the endpoint, before
+   anything on the host changes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from playbooks.config.planning import plan_recipe
+from playbooks.config.recipe import load_recipe
+from tests.helpers import ROOT
+from tests.test_provision_real import answers, inventory, provision, record, seeded_ccache, statuses  # noqa: F401
+
+pytestmark = pytest.mark.slow
+UNITS = ("voltaforge-rpc-18152.service", "voltaforge-rpc-18153.service")
+
+
+def rpc_recipe(tmp_path: Path, host) -> Path:
+    """tiny-rpc-cpu, its workers on the container ("box"), torch from the container's wheelhouse."""
+    data = yaml.safe_load((ROOT / "recipes" / "tiny-rpc-cpu.yaml").read_text())
+    data["toolchain"] = {**data["toolchain"], "torch_index": "https://pypi.org/simple",
+                         "torch_find_links": str(host.wheelhouse)}  # fmt: skip
+    data["rpc"] = [{**w, "worker": "box"} for w in data["rpc"]]
+    d = tmp_path / "recipes"
+    d.mkdir(exist_ok=True)
+    (d / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    path = d / "tiny-rpc-cpu.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def rpc_worker(inv: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "rpc-worker", "--host", "box", "--inventory", str(inv),
+         *extra],
+        cwd=inv.parent, capture_output=True, text=True, timeout=3000,
+    )  # fmt: skip
+
+
+def active(host, unit: str) -> bool:
+    return host.run_inside(f"systemctl is-active --quiet {unit}", check=False).returncode == 0
+
+
+@pytest.mark.timeout(3600)
+def test_a_model_split_across_two_rpc_workers(seeded_ccache, provisionable_nspawn_host, tmp_path):  # noqa: F811
+    host = provisionable_nspawn_host
+    path = rpc_recipe(tmp_path, host)
+    inv = inventory(tmp_path, {"box": (host, path)})
+
+    # 1. the workers
+    dry = rpc_worker(inv, "--dry-run")
+    assert dry.returncode == 0, dry.stdout[-4000:] + dry.stderr[-2000:]
+    assert not any(active(host, u) for u in UNITS)
+    run = rpc_worker(inv)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    for unit in UNITS:
+        assert active(host, unit), host.run_inside(f"journalctl -u {unit} -o cat | tail -20", check=False).stdout
+        assert host.run_inside(f"systemctl show -p User --value {unit}").stdout.strip() != "root"
+    listening = host.run_inside("ss -Hltn").stdout
+    assert "127.0.0.1:18152" in listening and "127.0.0.1:18153" in listening
+    assert "0.0.0.0:1815" not in listening and "*:1815" not in listening
+    again = rpc_worker(inv)
+    assert again.returncode == 0 and ": 0 changed," in again.stdout, again.stdout[-4000:]
+
+    # 2. the server over both workers: deploy holds the load log to the plan device by device
+    code, [s], out, _ = provision(inv, "box")
+    assert code == 0, out[-6000:]
+    assert statuses(s)["deploy"] == "changed" and statuses(s)["gate"] == "changed", s
+    buffers = record(host)["buffers"]
+    plan = plan_recipe(load_recipe(path)).chosen
+    assert plan is not None
+    workers = [k for k in buffers["model_mib"] if k.startswith("RPC")]
+    assert workers == ["RPC0[127.0.0.1:18152]", "RPC0[127.0.0.1:18153]"], buffers
+    assert [buffers["model_mib"][k] for k in workers] == [round(d.weights_bytes / 2**20, 2) for d in plan.devices]
+    assert [buffers["kv_mib"][k] for k in workers] == [round(d.kv_bytes / 2**20, 2) for d in plan.devices]
+    print(
+        f"\ncompute buffers: {json.dumps(buffers['compute_mib'])}; planned {plan.devices[0].compute_bytes / 2**20:.2f}"
+    )
+    reply = answers(host, 18090)
+    assert reply["choices"][0]["message"]["content"]
+
+    # 3. a worker gone: preflight refuses in one line before anything changes; the unit stays
+    unit_file = host.run_inside("cat /etc/systemd/system/voltaforge-llama-server.service").stdout
+    host.run_inside(f"systemctl stop {UNITS[1]}")
+    code, [s], out, _ = provision(inv, "box")
+    assert code == 1 and statuses(s) == {"preflight": "failed"}, out[-4000:]
+    assert "the RPC worker 127.0.0.1:18153 does not accept connections" in s["steps"][0]["why"], s
+    assert host.run_inside("cat /etc/systemd/system/voltaforge-llama-server.service").stdout == unit_file
+    host.run_inside(f"systemctl start {UNITS[1]}")

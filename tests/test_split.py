@@ -1,0 +1,198 @@
+"""One model over several cards (playbooks/plan/split.py): llama.cpp's layer assignment, each
+card's share, the plan and the rendered unit of a split recipe, and the refusals.
+
+What these prove: the assignment follows load_tensors' float32 arithmetic (the cases below are
+worked by hand from src/llama-model.cpp at the pinned ref, including the ones where a split
+point lands exactly on a layer boundary); the shares partition the whole model's weights and KV
+cache (a consistency check: it proves nothing about whether the whole is right, which
+tests/test_gguf_size.py and the load-log tests hold against real files and loads). Whether real
+llama.cpp puts those bytes on those devices is tests/test_rpc_split_real.py: a generated model
+served over two RPC servers, its load log held to the plan device by device.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from playbooks.cli.plan import run_plan
+from playbooks.config.planning import plan_recipe, refuse_unfit, unfit_text
+from playbooks.config.recipe import load_recipe
+from playbooks.errors import RecipeError, UsageError, VoltaforgeError
+from playbooks.facts.server_log import judge_split, parse_load_log
+from playbooks.plan.gguf_size import estimate_gguf
+from playbooks.plan.gpus import GIB, get_gpu
+from playbooks.plan.kv_cache import llamacpp_kv_bytes
+from playbooks.plan.model_config import load_config_file
+from playbooks.plan.planner import Serving, evaluate
+from playbooks.plan.split import CUDA_ALIGNMENT, layer_devices, layer_kv_bytes, layer_weights
+from playbooks.steps.units import render_service_files
+from tests.helpers import ROOT, recipe_with
+
+MODELS = ROOT / "recipes" / "models"
+SPLIT = "llama3.1-70b-2xv100-32gb"
+
+
+def counts(devices: list[int], n: int) -> list[int]:
+    return [devices.count(i) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "n_layer,shares,expected,output_on",
+    [
+        # 81 offloadable layers (80 + output), split points 0.5 and 1: il/81 < 0.5 up to il 40
+        (80, (1, 1), [41, 40], 1),
+        # 5 offloadable: 0/5, 1/5, 2/5 < 0.5; 3/5 is not
+        (4, (1, 1), [3, 2], 1),
+        # 0.75: il/81 < 0.75 up to il 60
+        (80, (3, 1), [61, 20], 1),
+        # 0.25, 0.5, 0.75, 1: 20/81 = 0.2469 < 0.25 -> 21 on the first
+        (80, (1, 1, 1, 1), [21, 20, 20, 20], 3),
+        # a zero share gets nothing: upper_bound skips a split point equal to il/act
+        (8, (0, 1), [0, 9], 1),
+        # 5 offloadable over points 0.25, 0.5, 0.75, 1: il/5 = 0, 0.2 | 0.4 | 0.6 | 0.8 (the output)
+        (4, (1, 1, 1, 1), [2, 1, 1, 1], 3),
+        # a boundary hit exactly: 3 layers + output = 4, shares 1,1: 2/4 = 0.5 is not < 0.5 -> card 1
+        (3, (1, 1), [2, 2], 1),
+    ],
+)
+def test_layers_go_where_load_tensors_puts_them(n_layer, shares, expected, output_on):
+    d = layer_devices(n_layer, shares)
+    assert len(d) == n_layer + 1
+    assert counts(d, len(shares)) == expected
+    assert d[-1] == output_on
+    assert d == sorted(d)  # contiguous runs, in device order
+
+
+def test_the_shares_partition_the_model():
+    """Every weight byte and KV byte is on exactly one card (tensor sizes of a 70B are multiples
+    of CUDA's 128-byte alignment, so padding adds nothing here)."""
+    shape = load_config_file(MODELS / "llama-3.1-70b-instruct.config.json")
+    s = Serving(context=8192, parallel=2, cache_k="q8_0", cache_v="q8_0", gpu_count=3, tensor_split=(2, 1, 1))
+    o = evaluate(shape, "Q4_K_M", get_gpu("v100-32gb"), s)
+    assert [len(d.layers) for d in o.devices] == [41, 20, 19]
+    assert sum(d.weights_bytes for d in o.devices) == estimate_gguf(shape, "Q4_K_M", imatrix=True).gpu_weight_bytes
+    assert sum(d.kv_bytes for d in o.devices) == llamacpp_kv_bytes(shape, 8192 * 2, "q8_0", "q8_0")
+    per_layer, output = layer_weights(shape, "Q4_K_M", True, CUDA_ALIGNMENT)
+    assert o.devices[2].weights_bytes == sum(per_layer[61:]) + output
+
+
+def test_sliding_window_layers_keep_their_window_per_card():
+    """Gemma 2: every even layer holds a window, so a card's KV depends on which layers it got."""
+    shape = load_config_file(MODELS / "gemma-2-27b-it.config.json")
+    kv = layer_kv_bytes(shape, 32768, "f16", "f16", 512)
+    assert sum(kv) == llamacpp_kv_bytes(shape, 32768, "f16", "f16", 512)
+    assert kv[0] < kv[1] and kv[2] == kv[0]  # layer 0 slides, layer 1 is full
+
+
+def test_the_70b_recipe_fits_two_32gb_cards_and_not_one():
+    loaded = load_recipe(SPLIT)
+    two = plan_recipe(loaded).chosen
+    assert two is not None and two.fits and len(two.devices) == 2
+    assert [len(d.layers) for d in two.devices] == [41, 39] and two.devices[1].output
+    for d in two.devices:
+        assert d.total_bytes < 32 * GIB
+    one = plan_recipe(loaded, gpu_count=1).chosen
+    assert one is not None and not one.fits
+    # cards run one after the other: the roofline is the whole model over one card's bandwidth
+    assert two.roofline_tok_s == pytest.approx(900e9 / sum(d.streamed_bytes for d in two.devices))
+
+
+def test_a_split_that_does_not_fit_names_the_card_and_by_how_much(tmp_path):
+    path = recipe_with(tmp_path, SPLIT, "").read_text().replace("gpu: v100-32gb", "gpu: v100-16gb")
+    (tmp_path / "small.yaml").write_text(path)
+    loaded = load_recipe(tmp_path / "small.yaml")
+    why = unfit_text(plan_recipe(loaded))
+    assert (
+        why is not None
+        and why.startswith("device 0 of 2 (GPU 0, layers 0-40) needs ")
+        and "of 16.00 GiB: over by" in why
+    )
+    with pytest.raises(VoltaforgeError, match="does not fit 2 x v100-16gb .* device 0 of 2"):
+        refuse_unfit(loaded)
+
+
+def test_plan_cli_shows_every_card_and_exits_1_when_one_overflows(capsys):
+    args = dict(model_config=str(MODELS / "qwen2.5-72b-instruct.config.json"), gpu="v100-16gb", quant="Q4_K_M")
+    assert run_plan(**args, gpu_count=2, as_json=True) == 1  # 72B Q4_K_M: ~22 GiB a card
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["serving"]["gpu_count"] == 2 and doc["serving"]["tensor_split"] == [1.0, 1.0]
+    cards = doc["chosen"]["devices"]
+    assert [c["layer_count"] for c in cards] == [41, 39] and cards[1]["output"] is True
+    assert doc["chosen"]["vram_bytes"] == max(c["total_bytes"] for c in cards)
+    assert run_plan(**args, gpu_count=4) == 0
+    out = capsys.readouterr().out
+    assert "Per device" in out and "GPU 3" in out and "61-79 + output" in out
+    with pytest.raises(UsageError, match="2 share"):
+        run_plan(**args, gpu_count=3, tensor_split=(1.0, 1.0))
+    with pytest.raises(UsageError, match="more than one device"):
+        run_plan(**args, tensor_split=(1.0,))
+
+
+def test_the_split_unit_passes_the_planned_split():
+    r = load_recipe(SPLIT).recipe
+    (unit,) = render_service_files(r)
+    assert "--split-mode layer --tensor-split 1,1 " in unit.text
+    assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in unit.text
+    assert "DeviceAllow=/dev/nvidia0 rw" in unit.text and "DeviceAllow=/dev/nvidia1 rw" in unit.text
+    (other,) = render_service_files(r, gpu_indexes=(2, 3))
+    assert "CUDA_VISIBLE_DEVICES=2,3" in other.text
+    with pytest.raises(VoltaforgeError, match="give 2 GPU indexes"):
+        render_service_files(r, gpu_indexes=(0,))
+
+
+def test_bad_splits_are_refused_at_the_recipe(tmp_path):
+    for extra, match in (
+        ("tensor_split: [1, 1, 1]\n", "3 share"),
+        ("tensor_split: [0, 0]\n", "at least one above 0"),
+    ):
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(recipe_with(tmp_path, SPLIT, extra))
+    moe = recipe_with(tmp_path, "qwen3-30b-a3b-v100-32gb", "gpu_count: 2\n", name="moe")
+    with pytest.raises(RecipeError, match="mixture-of-experts"):
+        load_recipe(moe)
+
+
+def test_a_gpu_name_that_matches_several_cards_is_refused():
+    with pytest.raises(VoltaforgeError, match="matches several cards: v100-16gb, v100-32gb, v100-pcie-16gb"):
+        get_gpu("v100")
+    cli = subprocess.run(
+        [sys.executable, "-m", "invoke", "plan", "--recipe", "qwen2.5-14b-v100-16gb", "--gpu", "v100"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 2 and cli.stderr.count("\n") == 1 and "matches several cards" in cli.stderr
+
+
+RPC_LOG = ROOT / "tests" / "fixtures" / "thishost-llamacpp-0c1e570-llama-server-rpc-split-2-workers.log"
+
+
+def test_a_real_rpc_split_load_equals_the_plan_device_by_device():
+    """Held-out data: a real load of the pinned build over two RPC servers (the fixture's
+    header has the command). Weights and KV cache per device equal the plan of the recipe that
+    argv came from; the compute buffers are the plan's estimate, shown beside the real ones."""
+    log = parse_load_log(RPC_LOG.read_text())
+    c = plan_recipe(load_recipe("tiny-rpc-cpu")).chosen
+    assert c is not None and [len(d.layers) for d in c.devices] == [3, 1] and c.devices[1].output
+    planned = tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in c.devices)
+    assert log.offloaded == (5, 5)
+    assert [round(m, 2) for m, _ in planned] == [v for k, v in log.model_mib.items() if k.startswith("RPC")]
+    assert [round(k, 2) for _, k in planned] == list(log.kv_mib.values())
+    assert judge_split(log, planned) == []
+    got = [v for k, v in log.compute_mib.items() if k.startswith("RPC")]
+    estimate = c.devices[0].compute_bytes / 2**20
+    print(f"\ncompute buffers: real {got} MiB, estimate {estimate:.2f} MiB per device")
+    assert sum(got) <= sum(d.compute_bytes for d in c.devices) / 2**20 * 1.10  # the deploy check's margin
+
+
+def test_judge_split_names_the_device_whose_share_moved():
+    log = parse_load_log(RPC_LOG.read_text())
+    moved = judge_split(log, ((0.9, 1.5), (1.33, 0.5)))
+    assert moved[0].startswith("device 0 (RPC0[127.0.0.1:28152]) holds 1.33 MiB of weights, the plan 0.90 MiB")
+    (fewer,) = [r for r in judge_split(log, ((0.7, 1.0),) * 3) if "weights on 2" in r]
+    assert "splits the model over 3 devices" in fewer
