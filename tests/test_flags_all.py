@@ -56,7 +56,6 @@ ACCEPTED = {
     ("plan", "host-membw"): {"5"},  # 5 GB/s of host memory bandwidth
     ("plan", "host-ram"): {"5"},  # 5 GiB of host RAM
     ("plan", "min-tok-s"): {"5"},  # a speed floor of 5 tok/s
-    ("plan", "gpu-count"): {"5"},  # a split over 5 cards
     ("quantize", "bpw"): {"5"},  # EXL2 at 5.0 bits per weight
     ("render", "gpus"): {"5"},  # GPU 5
     ("deploy", "gpus"): {"5"},
@@ -71,6 +70,10 @@ ACCEPTED = {
     ("provision", "host"): {"abc", "1e999"},
     # the same for status: the host it cannot reach is a row of its table, exit 1
     ("status", "host"): {"abc", "1e999"},
+    # well-formed backend names: lb then fails on its own host (nowhere.invalid), exit 2
+    ("lb", "hosts"): {"abc", "1e999"},
+    # port 5: well-formed, lb then fails on its host, exit 2
+    ("lb", "port"): {"5"},
 }
 # what a flag needs beside it for its own value to be the one judged (default: see context())
 CONTEXT = {
@@ -95,6 +98,8 @@ def context(task: str, flag: str, out: Path) -> list[str]:
     ctx: list[str] = []
     if "host" in flags and flag != "host":
         ctx += ["--host", NOWHERE]
+    if "hosts" in flags and flag != "hosts":  # the balancer's backends
+        ctx += ["--hosts", NOWHERE]
     if "recipe" in flags and flag != "recipe":
         # a recipe that loads only where nothing can happen: a dry run, a host that is never
         # reached, or a task that only writes under the run's directory; a task that acts on

@@ -89,7 +89,7 @@ def test_verify_really_checks_the_program(tmp_path):
     assert r.returncode != 0 and "is not executable" in r.stderr
 
 
-def argv_of(name: str, gpus=(0,), path=None):
+def argv_of(name: str, gpus=None, path=None):
     files = render_service_files(load_recipe(path or name).recipe, gpu_indexes=gpus)
     return files, parse_exec_start(units(files)[0].text)
 
@@ -112,6 +112,9 @@ def test_llama_server_argv_carries_every_tuned_flag(name):
     # a draft and a speculation type reach the argv exactly when the recipe has them
     assert ("--model-draft" in argv) == (r.draft is not None)
     assert (flag(argv, "--spec-type") if "--spec-type" in argv else None) == r.spec_type
+    # a split: its devices' shares, never llama.cpp's default by free memory
+    shares = ",".join(f"{x:g}" for x in (r.tensor_split or [1.0] * r.device_count))
+    assert (flag(argv, "--tensor-split") if "--tensor-split" in argv else None) == (shares if r.split else None)
 
 
 def test_draft_batch_and_key_reach_the_argv(tmp_path):

@@ -10,7 +10,8 @@ import pytest
 
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import RecipeError, VoltaforgeError
-from playbooks.steps.rpc_worker import EnsureRpcWorker, RpcFacts, RpcLayout, render_rpc_unit, workers_on
+from playbooks.steps.rpc_worker import RpcLayout, render_rpc_unit, rpc_worker_op, workers_on
+from playbooks.steps.unit_running import UnitFacts
 from playbooks.steps.units import parse_exec_start, render_llama_server_unit
 from tests.helpers import recipe_with
 from tests.test_units import exposure
@@ -85,20 +86,21 @@ def test_the_worker_runs_what_was_rendered_on_the_current_build():
     r = load_recipe("tiny-rpc-cpu").recipe
     w = r.rpc[0]
     layout = RpcLayout("/opt/voltaforge", w.port)
-    op = EnsureRpcWorker(w, layout, render_rpc_unit(r, w, layout))
+    op = rpc_worker_op(w, layout, render_rpc_unit(r, w, layout))
     build = "/opt/voltaforge/llama.cpp/builds/0c1e570-cpu-abc"
     same = op.fingerprint(build)
-    assert op.decide(RpcFacts(True, "active (running), pid 7", build, same)).commands == ()
+    assert op.decide(UnitFacts(True, "active (running), pid 7", build, same)).commands == ()
     for facts, why in (
-        (RpcFacts(False, "inactive (dead)", build, ""), "not running"),
-        (RpcFacts(True, "active (running), pid 7", build + "x", same), "the unit or the build changed"),
-        (RpcFacts(True, "active (running), pid 7", build, ""), "running, but not started by voltaforge"),
+        (UnitFacts(False, "inactive (dead)", build, ""), "not running"),
+        (UnitFacts(True, "active (running), pid 7", build + "x", same), "its unit, configuration or build changed"),
+        (UnitFacts(True, "active (running), pid 7", build, ""), "running, but not started by voltaforge"),
     ):
         d = op.decide(facts)
         assert d.commands and d.reason.startswith(why)
         shown = d.shown()
         assert shown[0].startswith("systemctl daemon-reload") and "/dev/tcp/127.0.0.1/18152" in shown[1]
-        assert same in shown[2] if facts.current == build else op.fingerprint(build + "x") in shown[2]
+        assert op.fingerprint(facts.extra) in shown[2]  # the record names what it started from
+    assert "readlink -f -- /opt/voltaforge/llama.cpp/current" in (op.extra_command or "")
 
 
 def test_preflight_refuses_a_worker_it_cannot_reach():
@@ -109,10 +111,29 @@ def test_preflight_refuses_a_worker_it_cannot_reach():
     loaded = load_recipe("tiny-rpc-cpu")
     cmd = reach_command([w.endpoint for w in loaded.recipe.rpc])
     assert "/dev/tcp/127.0.0.1/18152" in cmd and cmd.count("timeout 3 bash -c") == 2
-    seen = parse_reach("127.0.0.1:18152 open\n127.0.0.1:18153 closed\ngarbage\n")
-    assert seen == {"127.0.0.1:18152": True, "127.0.0.1:18153": False}
+    seen = parse_reach("127.0.0.1:18152 open\n127.0.0.1:18153 refused\ngarbage\n")
+    assert seen == {"127.0.0.1:18152": "open", "127.0.0.1:18153": "refused"}
     v = judge(facts(rpc=seen), loaded, "/opt/voltaforge/models", "/opt/voltaforge")
     checks = [c for c in v.checks if c.name == "rpc-worker"]
     assert [c.status for c in checks] == ["pass", "fail"] and not v.ok
-    assert checks[1].detail.startswith("the RPC worker 127.0.0.1:18153 does not accept connections")
+    assert checks[1].detail.startswith("the RPC worker 127.0.0.1:18153 refuses connections from v100-01")
     assert "invoke rpc-worker --host local --recipe tiny-rpc-cpu" in checks[1].fix
+    # busy (a running server holds the worker) or filtered: said, not blocking
+    busy = judge(facts(rpc={"127.0.0.1:18152": "timeout", "127.0.0.1:18153": "open"}), loaded, "/m", "/opt/vf")
+    assert [c.status for c in busy.checks if c.name == "rpc-worker"] == ["warn", "pass"]
+
+
+def test_the_probe_tells_refused_from_open_for_real():
+    """The command itself, on this machine: a listening port, and a closed one."""
+    import socket
+    import subprocess
+
+    from playbooks.facts.rpc import parse_reach, reach_command
+
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(4)
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: the kernel refuses
+        a, b = (f"127.0.0.1:{s.getsockname()[1]}" for s in (listening, closed))
+        out = subprocess.run(["bash", "-c", reach_command([a, b])], capture_output=True, text=True, timeout=30)
+    assert parse_reach(out.stdout) == {a: "open", b: "refused"}

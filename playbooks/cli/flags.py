@@ -104,6 +104,17 @@ def host_names(flag: str, value: object) -> list[str]:
     return names
 
 
+def ip_address(flag: str, value: object) -> str:
+    """``--bind 127.0.0.1``: one IP address (what a listener binds to)."""
+    import ipaddress
+
+    text = str(value).strip()
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise UsageError(f"{flag} {_short(text)!r} is not an IP address, e.g. 127.0.0.1") from None
+
+
 def one_host(flag: str, value: object) -> str:
     names = host_names(flag, value)
     if len(names) != 1:

@@ -102,7 +102,10 @@ def run_plan(
         host = host_from_recipe(loaded, host_membw_gb_s, ram)
         r = loaded.recipe
         count = gpu_count or r.gpu_count
-        devices = len(r.rpc) + (0 if get_gpu(gpu or r.gpu).is_cpu else count)
+        cpu = get_gpu(gpu or r.gpu).is_cpu
+        if cpu and count > 1:
+            raise UsageError(f"--gpu-count {count}: {r.gpu if gpu is None else gpu} is a CPU target, it has no cards")
+        devices = len(r.rpc) + (0 if cpu else count)
         split = _split(devices, tensor_split if tensor_split is not None else r.tensor_split)
         if count > 1 and loaded.shape.is_moe:
             raise UsageError(f"--gpu-count {count}: a split of a mixture-of-experts model is not planned")
@@ -118,6 +121,8 @@ def run_plan(
         )
         label = loaded.recipe.name
     else:
+        if gpu_count and gpu_count > 1 and get_gpu(gpu or "v100-16gb").is_cpu:
+            raise UsageError(f"--gpu-count {gpu_count}: {gpu} is a CPU target, it has no cards")
         shape = load_config_file(Path(str(model_config)))
         context = ctx or min(4096, shape.max_position_embeddings)
         if context > shape.max_position_embeddings:

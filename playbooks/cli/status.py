@@ -28,8 +28,10 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, parse_process_age, process_age_command
 from playbooks.facts.files import cat_command
+from playbooks.facts.fleet_units import UNITS_COMMAND, parse_units
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
+from playbooks.steps.balancer import parse_stats, stats_command
 from playbooks.steps.deploy import DeployLayout
 from playbooks.steps.gate import figures_line
 from playbooks.steps.service_manager import Manager, Running, Systemd
@@ -111,12 +113,28 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
     }
 
 
+def fleet_units(host: Host) -> list[dict[str, Any]]:
+    """The host's RPC workers and load balancer; the balancer with each backend's state and
+    request count from its stats page."""
+    out = []
+    for u in parse_units(read_fact(host, UNITS_COMMAND)):
+        entry: dict[str, Any] = {"unit": u.unit, "kind": u.kind, "port": u.port, "running": u.running,
+                                 "state": f"{u.active} ({u.sub})"}  # fmt: skip
+        if u.kind == "balancer":
+            stats = parse_stats(read_fact(host, stats_command())) if u.running else []
+            entry["backends"] = [{"name": b.name, "up": b.up, "status": b.status, "requests": b.requests,
+                                  "check": b.check} for b in stats]  # fmt: skip
+        out.append(entry)
+    return out
+
+
 def host_status(settings: Settings, spec: HostSpec) -> dict[str, Any]:
-    """A host's deployments, or why it could not be read."""
-    out: dict[str, Any] = {"host": spec.name, "prefix": spec.prefix, "error": None, "services": []}
+    """A host's deployments, RPC workers and balancer, or why it could not be read."""
+    out: dict[str, Any] = {"host": spec.name, "prefix": spec.prefix, "error": None, "services": [], "units": []}
     try:
         with settings.connect(spec) as host:
             out["services"] = [service_status(host, spec.prefix, d) for d in read_deployments(host, spec.prefix)]
+            out["units"] = fleet_units(host)
     except VoltaforgeError as exc:  # unreachable, a host key that changed, a connection lost
         out["error"] = " ".join(str(exc).removeprefix(f"{spec.name}: ").split())
     return out
@@ -146,6 +164,21 @@ def _gate_text(gate: dict[str, Any]) -> str:
     return text
 
 
+def _unit_ok(u: dict[str, Any]) -> bool:
+    return u["running"] and all(b["up"] for b in u.get("backends", []))
+
+
+def _unit_health(u: dict[str, Any]) -> str:
+    """An RPC worker's state; a balancer's backends: which are up, which down, and the requests
+    each answered (its share of the traffic)."""
+    if not u["running"] or u["kind"] != "balancer":
+        return u["state"]
+    backends = u.get("backends", [])
+    up = sum(b["up"] for b in backends)
+    parts = [f"{b['name']} {'up' if b['up'] else 'DOWN'} ({b['requests']} requests)" for b in backends]
+    return f"{up} of {len(backends)} backends up: " + ", ".join(parts)
+
+
 def _manager_text(s: dict[str, Any]) -> str:
     kind = {"systemd": f"systemd unit {s['service']}.service", "process": "managed process"}.get(
         s["manager"], "unknown manager"
@@ -164,8 +197,17 @@ def render_status(hosts: Sequence[dict[str, Any]], out: Console) -> None:
     for h in hosts:
         if h["error"]:
             table.add_row(Text(h["host"]), Text(f"unreachable: {h['error']}", style="bold red"))
-        elif not h["services"]:
+        elif not h["services"] and not h.get("units"):
             table.add_row(Text(h["host"]), Text(f"nothing deployed under {h['prefix']}", style="dim"))
+        for u in h.get("units", []):
+            table.add_row(
+                Text(h["host"]),
+                Text(u["unit"].removesuffix(".service")),
+                Text(u["kind"]),
+                Text(str(u["port"] or "")),
+                Text(_unit_health(u), style="green" if _unit_ok(u) else "bold red"),
+                Text("" if u["running"] else "down"),
+            )
         for s in h["services"]:
             style = "green" if s["health"] == 200 else "yellow" if s["health"] == 503 else "bold red"
             up = _uptime(s["uptime_s"]) + (" (since deployed)" if s["uptime_basis"] == "deployed_at" else "")
@@ -193,6 +235,9 @@ def render_status(hosts: Sequence[dict[str, Any]], out: Console) -> None:
             for what, value in rows:
                 details.add_row(Text(what), Text(value))
             out.print(details)
+    down = [f"{h['host']}: {u['unit']}" for h in hosts for u in h.get("units", []) if not _unit_ok(u)]
+    if down:
+        out.print(Text(f"not well: {'; '.join(down)}", style="bold red"))
     bad = [h["host"] for h in hosts if h["error"]]
     if len(hosts) > 1 or bad:
         read = f"{len(hosts) - len(bad)} of {len(hosts)} hosts read"

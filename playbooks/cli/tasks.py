@@ -403,6 +403,49 @@ def rpc_worker(
     run_command(go)
 
 
+@task(
+    auto_shortflags=False,
+    help={
+        "host": "the host that runs the balancer",
+        "hosts": "the hosts whose servers it balances, comma-separated (inventory names)",
+        "recipe": RECIPE_HELP,
+        "bind": "the address it listens on (default 127.0.0.1; another needs the recipe's service.api_key_ref)",
+        "port": "the port it listens on (default 8000)",
+        "dry-run": "show what would change and the commands; change nothing",
+        "inventory": INVENTORY_HELP,
+    },
+)
+def lb(
+    c: Context,
+    host: str | None = None,
+    hosts: str | None = None,
+    recipe: str | None = None,
+    bind: str = "127.0.0.1",
+    port: str = "8000",
+    dry_run: bool = False,
+    inventory: str | None = None,
+) -> None:
+    """One endpoint for a recipe's servers on several hosts: HAProxy, health-checked.
+
+    Debian's haproxy, the rendered configuration and a hardened unit: active checks on
+    /health, streaming kept intact, a refused connection retried on another server."""
+
+    def go() -> int:
+        from playbooks.cli.balancer import run_lb
+
+        return run_lb(
+            flags.one_host("--host", _cfg(c, "host", host)),
+            flags.host_names("--hosts", hosts),
+            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+            bind=flags.ip_address("--bind", bind),
+            port=flags.positive_int("--port", port, "a TCP port", maximum=65535) or 8000,
+            dry_run=dry_run,
+            settings=_settings(c, inventory),
+        )
+
+    run_command(go)
+
+
 @task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "inventory": INVENTORY_HELP})
 def stop(c: Context, host: str | None = None, recipe: str | None = None, inventory: str | None = None) -> None:
     """Stop the recipe's server on a host (the unit, or the managed process); its files stay.
@@ -692,6 +735,7 @@ ns = Collection(
     deploy,
     stop,
     rpc_worker,
+    lb,
     bench,
     status,
     tune,

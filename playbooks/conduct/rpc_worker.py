@@ -12,7 +12,7 @@ from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
 from playbooks.host.ops import Operation
 from playbooks.steps.deploy import EnsureServiceFile, ServiceFile
-from playbooks.steps.rpc_worker import EnsureRpcWorker, RpcLayout, render_rpc_unit, unit_path, workers_on
+from playbooks.steps.rpc_worker import RpcLayout, render_rpc_unit, rpc_worker_op, unit_path, workers_on
 
 
 def rpc_worker_ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
@@ -25,6 +25,6 @@ def rpc_worker_ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) ->
         text = render_rpc_unit(r, w, layout)
         ops += [
             EnsureServiceFile(ServiceFile(unit_path(layout), text, 0o644, sudo=True)),
-            EnsureRpcWorker(w, layout, text, sudo),
+            rpc_worker_op(w, layout, text, sudo),
         ]
     return ops

@@ -1,6 +1,9 @@
 """Whether this host reaches a recipe's llama.cpp RPC workers: one read-only command that tries
-a TCP connection to each endpoint (bash's /dev/tcp, 3 s each) and prints one line per endpoint.
-Garbage parses to "not reached", never an exception."""
+a TCP connection to each endpoint (bash's /dev/tcp, 3 s each) and prints one line per endpoint:
+open, refused (nothing listens there) or timeout (no answer: a filter drops it, or the worker
+is busy: ggml-rpc-server serves one client at a time, and a running llama-server holds its
+connection, measured in tests/test_rpc_split_real.py). Garbage parses to "refused", never an
+exception."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ _ENDPOINT = re.compile(r"^\[?([0-9A-Fa-f.:]+)\]?:(\d{1,5})$")
 
 
 def reach_command(endpoints: Sequence[str]) -> str:
-    """`ENDPOINT open` or `ENDPOINT closed` per endpoint; exit 0 whatever it finds."""
+    """`ENDPOINT open|refused|timeout` per endpoint; exit 0 whatever it finds."""
     parts = []
     for e in endpoints:
         m = _ENDPOINT.match(e)
@@ -24,16 +27,17 @@ def reach_command(endpoints: Sequence[str]) -> str:
         addr, port = m.groups()
         probe = f"exec 3<>/dev/tcp/{addr}/{port}"
         parts.append(
-            f"if timeout {CONNECT_TIMEOUT_S} bash -c {shlex.quote(probe)} 2>/dev/null; "
-            f"then echo {shlex.quote(e)} open; else echo {shlex.quote(e)} closed; fi"
+            f"timeout {CONNECT_TIMEOUT_S} bash -c {shlex.quote(probe)} 2>/dev/null; "
+            f"case $? in 0) s=open;; 124) s=timeout;; *) s=refused;; esac; echo {shlex.quote(e)} $s"
         )
     return "; ".join(parts) or "true"
 
 
-def parse_reach(output: str) -> dict[str, bool]:
-    found: dict[str, bool] = {}
+def parse_reach(output: str) -> dict[str, str]:
+    """endpoint -> open | refused | timeout."""
+    found: dict[str, str] = {}
     for line in lines(output):
         endpoint, _, state = line.strip().rpartition(" ")
-        if endpoint and state in ("open", "closed"):
-            found[endpoint] = state == "open"
+        if endpoint and state in ("open", "refused", "timeout"):
+            found[endpoint] = state
     return found

@@ -441,8 +441,10 @@ def evaluate(
     )
 
 
-def split_unfit_reason(shape: ModelShape, quant: str, gpu: Gpu, draft: DraftPlan | None) -> str:
+def split_unfit_reason(shape: ModelShape, quant: str, gpu: Gpu, draft: DraftPlan | None, s: Serving) -> str:
     """Why a split over several devices is not planned for this ("": it is)."""
+    if gpu.is_cpu and not s.rpc_devices:
+        return "a CPU target has no cards to split over"
     if quant.startswith("EXL2-"):
         return "no split planned for EXL2"
     if shape.is_moe:
@@ -506,7 +508,7 @@ def plan_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, ctx: int) ->
 def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None) -> Option:
     """A GGUF quant of a dense model split by layers over s.gpu_count cards (playbooks/plan/split.py)."""
     one = replace(s, gpu_count=1, tensor_split=(), rpc_devices=0)
-    why = split_unfit_reason(shape, quant, gpu, draft)
+    why = split_unfit_reason(shape, quant, gpu, draft, s)
     if why:
         return replace(evaluate(shape, quant, gpu, one, draft), unfit_reason=why)
     file_b, gpu_w, streamed = _weights(shape, quant, s)

@@ -46,7 +46,7 @@ class HostFacts(BaseModel):
     nproc: int | None = None
     machine: str | None = None
     # a recipe split across RPC workers: whether this host reaches each endpoint
-    rpc: dict[str, bool] = {}
+    rpc: dict[str, str] = {}  # endpoint -> open | refused | timeout
 
 
 def _gpu_facts(host: Host) -> gpufacts.GpuFacts:
@@ -437,8 +437,21 @@ def check_rpc(cx: Context) -> list[Check]:
         return []
     out = []
     for w in r.rpc:
-        if cx.facts.rpc.get(w.endpoint):
+        state = cx.facts.rpc.get(w.endpoint, "refused")
+        if state == "open":
             out.append(Check("rpc-worker", "pass", f"{w.endpoint} accepts connections"))
+            continue
+        if state == "timeout":
+            # an RPC worker serves one client at a time: a running server holds it
+            out.append(
+                Check(
+                    "rpc-worker",
+                    "warn",
+                    f"the RPC worker {w.endpoint} does not answer within 3 s: busy with a server (a worker serves "
+                    "one at a time) or filtered",
+                    "if no server of this recipe runs, check the network path and the worker's allow_from",
+                )
+            )
             continue
         start = (
             f"invoke rpc-worker --host {w.worker} --recipe {r.name}"
@@ -449,8 +462,8 @@ def check_rpc(cx: Context) -> list[Check]:
             Check(
                 "rpc-worker",
                 "fail",
-                f"the RPC worker {w.endpoint} does not accept connections from {cx.facts.host}",
-                f"start it ({start}); a worker on another host must let this host in (allow_from)",
+                f"the RPC worker {w.endpoint} refuses connections from {cx.facts.host}: nothing listens there",
+                f"start it ({start})",
                 blocking=True,
             )
         )

@@ -7,29 +7,20 @@ protocol. It listens on the one address its recipe entry names and its unit lets
 loopback and the entry's `allow_from` (the protocol has no authentication; README, "Beyond
 one card"). One unit per endpoint: `voltaforge-rpc-<port>.service`.
 
-EnsureRpcWorker reads the unit's state and what it was started from (the unit text and the
-build `current` points at, hashed into a fingerprint kept under the deploy state); it is ok
-when the unit runs that; else it (re)starts the unit and waits until the port accepts.
+rpc_worker_op: the unit runs what was rendered on the build `current` points at
+(steps/unit_running.py), else it is (re)started and must accept connections.
 """
 
 from __future__ import annotations
 
-import hashlib
 import shlex
 from dataclasses import dataclass
 
 from playbooks.config.recipe import Recipe, RpcWorker
 from playbooks.errors import VoltaforgeError
-from playbooks.facts import read_fact
-from playbooks.facts.server_log import journal_command
-from playbooks.host.base import Host
-from playbooks.host.ops import Decision, Operation, Shell
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.service_manager import Systemd
+from playbooks.steps.unit_running import EnsureUnitRunning
 from playbooks.steps.units import UNIT_DIR, exec_line, template_env
-
-#: how long a started worker may take to accept connections (it loads no model)
-LISTEN_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -97,56 +88,15 @@ def unit_path(layout: RpcLayout) -> str:
     return f"{UNIT_DIR}/{layout.unit_name}"
 
 
-@dataclass(frozen=True)
-class RpcFacts:
-    up: bool
-    detail: str
-    current: str  # the build `current` resolves to
-    started: str  # the fingerprint of what the running unit was started from
-
-
-class EnsureRpcWorker(Operation):
-    """The worker's unit runs the rendered unit on the current build and accepts connections."""
-
-    def __init__(self, worker: RpcWorker, layout: RpcLayout, unit_text: str, sudo: bool = False):
-        self.worker, self.layout, self.unit_text, self.sudo = worker, layout, unit_text, sudo
-        self.manager = Systemd(layout.unit_name)
-        self.name = f"Ensure the RPC worker {worker.endpoint} runs ({layout.unit_name})"
-
-    def read(self, host: Host) -> RpcFacts:
-        running = self.manager.running(read_fact(host, self.manager.state_command()))
-        current = read_fact(host, f"readlink -f -- {shlex.quote(self.layout.current)} || true").strip()
-        started = read_fact(host, f"cat -- {shlex.quote(self.layout.fingerprint_file)} 2>/dev/null || true").strip()
-        return RpcFacts(running.up, running.detail, current, started)
-
-    def fingerprint(self, current: str) -> str:
-        return hashlib.sha256(f"{self.unit_text}\0{current}".encode()).hexdigest()
-
-    def decide(self, facts: RpcFacts) -> Decision:
-        want = self.fingerprint(facts.current)
-        if facts.up and facts.started == want:
-            return Decision.ok(f"{facts.detail}, listening on {self.worker.endpoint}")
-        why = (
-            "not running"
-            if not facts.up
-            else "the unit or the build changed since it started"
-            if facts.started
-            else "running, but not started by voltaforge"
-        )
-        addr, port = self.worker.address, self.worker.port
-        unit = shlex.quote(self.layout.unit_name)
-        wait = (
-            f"for i in $(seq 1 {LISTEN_TIMEOUT_S * 2}); do "
-            f"if (exec 3<>/dev/tcp/{addr}/{port}) 2>/dev/null; then exit 0; fi; sleep 0.5; done; "
-            f"echo 'the RPC worker does not accept connections on {self.worker.endpoint} after "
-            f"{LISTEN_TIMEOUT_S} s; its log:' >&2; {journal_command(self.layout.unit_name)} | tail -n 12 >&2; exit 1"
-        )
-        state = shlex.quote(self.layout.fingerprint_file.rsplit("/", 1)[0])
-        record = f"mkdir -p -- {state} && printf '%s\\n' {want} > {shlex.quote(self.layout.fingerprint_file)}"
-        return Decision.act(
-            why,
-            self.manager.restart(),
-            Shell(f"bash -c {shlex.quote(wait)}"),
-            Shell(record, sudo=self.sudo),
-            Shell(f"systemctl is-active --quiet -- {unit}"),
-        )
+def rpc_worker_op(worker: RpcWorker, layout: RpcLayout, unit_text: str, sudo: bool = False) -> EnsureUnitRunning:
+    """The worker's unit runs the rendered unit on the build `current` points at (a rebuild
+    restarts it: the worker must speak the server's build's protocol) and accepts connections."""
+    return EnsureUnitRunning(
+        layout.unit_name,
+        [unit_text],
+        layout.fingerprint_file,
+        (worker.address, worker.port),
+        sudo=sudo,
+        extra_command=f"readlink -f -- {shlex.quote(layout.current)} || true",
+        what=f"the RPC worker {worker.endpoint}",
+    )

@@ -1,0 +1,56 @@
+"""`invoke lb`: HAProxy in front of a recipe's servers on several hosts (steps/balancer.py):
+Debian's package, the rendered configuration and hardened unit, started and listening.
+The balancer runs under systemd only (its credential and its network filter are systemd's)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from playbooks.conduct.converge import MakeOps
+from playbooks.conduct.deploy import choose_manager
+from playbooks.config.inventory import HostSpec
+from playbooks.config.recipe import LoadedRecipe
+from playbooks.host import Host
+from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.steps.balancer import (
+    CONFIG_PATH,
+    UNIT_NAME,
+    Balancer,
+    backends_for,
+    render_haproxy_config,
+    render_lb_unit,
+)
+from playbooks.steps.deploy import EnsureServiceFile, ServiceFile
+from playbooks.steps.toolchain import EnsureSystemPackages
+from playbooks.steps.unit_running import EnsureUnitRunning
+from playbooks.steps.units import UNIT_DIR
+
+
+def same_host(a: HostSpec, b: HostSpec) -> bool:
+    return a.name == b.name or a.host == b.host or (a.local and b.local)
+
+
+def balancer_ops_maker(lb_spec: HostSpec, backend_specs: Sequence[HostSpec], bind: str, port: int) -> MakeOps:
+    """The operations of `invoke lb` on the balancer's host, for converge()."""
+
+    def make(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+        backends = backends_for(loaded.recipe, [(s.name, s.host, same_host(s, lb_spec)) for s in backend_specs])
+        lb = Balancer(loaded.recipe, backends, bind=bind, port=port)
+        choose_manager(host, "systemd")  # no systemd there: one line
+        config, unit = render_haproxy_config(lb), render_lb_unit(lb)
+        return [
+            EnsureSystemPackages(("haproxy",), "the load balancer"),
+            EnsureDirectory("/etc/voltaforge/lb", 0o755, sudo=True),
+            EnsureServiceFile(ServiceFile(CONFIG_PATH, config, 0o644, sudo=True)),
+            EnsureServiceFile(ServiceFile(f"{UNIT_DIR}/{UNIT_NAME}", unit, 0o644, sudo=True)),
+            EnsureUnitRunning(
+                UNIT_NAME,
+                [config, unit],
+                f"{prefix}/deploy/voltaforge-lb/started.sha256",
+                ("127.0.0.1" if lb.loopback_only or bind in ("0.0.0.0", "::") else bind, port),
+                sudo=sudo,
+                what=f"the load balancer on {bind}:{port}",
+            ),
+        ]
+
+    return make

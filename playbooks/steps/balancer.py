@@ -1,0 +1,187 @@
+"""One endpoint in front of every llama-server of a recipe: HAProxy, from Debian's package, as
+a hardened systemd unit (`invoke lb`).
+
+Why HAProxy and not nginx: its health checks are active (it asks each server's /health every
+couple of seconds, so a dead or still-loading server leaves the rotation before a user's
+request finds it, and comes back on its own), open source nginx checks passively only (a
+server is marked down after requests to it failed). Both relay a streamed response as it
+comes; HAProxy does so by default in HTTP mode, and it retries a connection a server refused
+on another server (`retries` + `option redispatch`), which is what a restarting llama-server
+does. Its stats page (loopback only) gives each server's state and request count, which
+`invoke status` and `invoke bench --via-lb` read.
+
+The API key, when the recipe has one, is checked at the edge from a systemd credential (never
+in the configuration), and passed on to the servers, which check it again.
+"""
+
+from __future__ import annotations
+
+import csv
+import ipaddress
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from playbooks.config.recipe import Recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.steps.units import ServerLayout, template_env
+
+UNIT_NAME = "voltaforge-lb.service"
+CONFIG_PATH = "/etc/voltaforge/lb/haproxy.cfg"
+#: where the loopback-only stats page listens (per-server state and counters)
+STATS_PORT = 8404
+CHECK_INTERVAL_MS = 2000
+_SERVER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# an IPv4 address or a DNS name HAProxy resolves at start (IPv6 backends are not rendered)
+_ADDRESS = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One llama-server the balancer sends requests to."""
+
+    name: str  # inventory host, with the instance: "gpu-01" or "gpu-01-gpu1"
+    address: str  # an IPv4 address or host name the balancer reaches it at
+    port: int
+
+    def __post_init__(self) -> None:
+        if not _SERVER_NAME.match(self.name):
+            raise VoltaforgeError(f"backend name {self.name!r}: letters, digits and . _ - only")
+        if not _ADDRESS.match(self.address):
+            raise VoltaforgeError(f"backend {self.name}: {self.address!r} is not an IPv4 address or a host name")
+        if not 1 <= self.port <= 65535:
+            raise VoltaforgeError(f"backend {self.name}: port {self.port} out of range")
+
+
+@dataclass(frozen=True)
+class Balancer:
+    """Where the balancer listens, and for whom."""
+
+    recipe: Recipe
+    backends: tuple[Backend, ...]
+    bind: str = "127.0.0.1"
+    port: int = 8000
+    stats_port: int = STATS_PORT
+    config_path: str = CONFIG_PATH
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise VoltaforgeError("a balancer needs at least one backend (--hosts)")
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise VoltaforgeError(
+                f"backends named twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}"
+            )
+        ip = ipaddress.ip_address(self.bind)
+        if not ip.is_loopback and not self.recipe.service.api_key_ref:
+            raise VoltaforgeError(
+                f"a balancer on {self.bind} (not loopback) needs the recipe's service.api_key_ref: the key is "
+                "checked at the edge"
+            )
+        if self.port == self.stats_port:
+            raise VoltaforgeError(f"port {self.port} is the stats page's; give the balancer another (--port)")
+
+    @property
+    def api_key_file(self) -> str | None:
+        return ServerLayout().api_key_file(self.recipe)
+
+    @property
+    def loopback_only(self) -> bool:
+        return ipaddress.ip_address(self.bind).is_loopback
+
+    @property
+    def peers(self) -> list[str]:
+        """The backends' addresses a loopback-only balancer must still reach."""
+        return sorted({b.address for b in self.backends if b.address != "127.0.0.1"})
+
+
+def backends_for(recipe: Recipe, hosts: Sequence[tuple[str, str, bool]]) -> tuple[Backend, ...]:
+    """One backend per host (inventory name, address, whether it is the balancer's own host):
+    the recipe's server on its port. The balancer's own host is reached on loopback; another
+    host at its inventory address, which needs the server to listen beyond loopback (and so
+    an API key: the recipe schema asks for one)."""
+    bind = ipaddress.ip_address(recipe.service.bind)
+    out = []
+    for name, address, same_host in hosts:
+        if same_host:
+            target = "127.0.0.1" if bind.is_loopback or bind.is_unspecified else str(bind)
+        elif bind.is_loopback:
+            raise VoltaforgeError(
+                f"{name}: recipe {recipe.name} serves on {recipe.service.bind} only, which a balancer on another "
+                "host cannot reach; give it service.bind 0.0.0.0 (or the host's address) and service.api_key_ref"
+            )
+        else:
+            target = address
+        out.append(Backend(name, target, recipe.service.port))
+    return tuple(out)
+
+
+def render_haproxy_config(lb: Balancer) -> str:
+    return (
+        template_env()
+        .get_template("haproxy.cfg.j2")
+        .render(
+            name=lb.config_path,
+            bind=lb.bind,
+            port=lb.port,
+            api_key=bool(lb.api_key_file),
+            check_interval_ms=CHECK_INTERVAL_MS,
+            backends=lb.backends,
+            stats_port=lb.stats_port,
+        )
+    )
+
+
+def render_lb_unit(lb: Balancer) -> str:
+    return (
+        template_env()
+        .get_template("haproxy-lb.service.j2")
+        .render(
+            unit_name=UNIT_NAME,
+            recipe=lb.recipe.name,
+            config=lb.config_path,
+            api_key_file=lb.api_key_file,
+            loopback_only=lb.loopback_only,
+            peers=lb.peers,
+        )
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# its stats page, read back
+# ------------------------------------------------------------------------------------------
+
+
+def stats_command(stats_port: int = STATS_PORT) -> str:
+    return f"curl -sf -m 5 'http://127.0.0.1:{stats_port}/stats;csv' 2>/dev/null || true"
+
+
+@dataclass(frozen=True)
+class ServerStat:
+    name: str
+    status: str  # UP, DOWN, "UP 1/2" (going down), MAINT, no check
+    requests: int  # HTTP requests it answered (hrsp_* summed) or sessions when absent
+    check: str  # the last health check's result, e.g. L7OK, L4CON
+
+    @property
+    def up(self) -> bool:
+        return self.status.startswith("UP")
+
+
+def parse_stats(output: str, backend: str = "llama") -> list[ServerStat]:
+    """The servers of `backend` from HAProxy's CSV stats (garbage: none, never an exception)."""
+    text = output.lstrip("# ")
+    servers = []
+    for row in csv.DictReader(text.splitlines()):
+        if row.get("pxname") != backend or row.get("svname") in ("FRONTEND", "BACKEND", None):
+            continue
+        total = row.get("stot") or "0"
+        servers.append(
+            ServerStat(
+                name=row.get("svname") or "",
+                status=row.get("status") or "",
+                requests=int(total) if total.isdigit() else 0,
+                check=row.get("check_status") or "",
+            )
+        )
+    return servers

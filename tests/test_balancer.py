@@ -1,0 +1,82 @@
+"""The load balancer's files (steps/balancer.py): HAProxy's own check accepts every rendered
+configuration, the unit scores <= 2.0 in systemd's exposure analysis, the key never appears in
+either, and what cannot work is refused in one line. HAProxy running them in front of real
+servers: tests/test_balancer_real.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from playbooks.config.recipe import load_recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.steps.balancer import Backend, Balancer, backends_for, render_haproxy_config, render_lb_unit
+from tests.helpers import inventory_for, recipe_with
+from tests.test_units import exposure
+
+KEYED = "service:\n  bind: 0.0.0.0\n  port: 9000\n  api_key_ref: lab-key\n"
+needs_haproxy = pytest.mark.skipif(not shutil.which("haproxy"), reason="needs haproxy (ci/install-system-deps.sh)")
+needs_systemd = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
+
+
+def two(recipe, **kw) -> Balancer:
+    return Balancer(recipe, (Backend("gpu-01", "10.0.0.1", 9000), Backend("gpu-02", "10.0.0.2", 9000)), **kw)
+
+
+@needs_haproxy
+@pytest.mark.parametrize("keyed", [False, True])
+def test_haproxy_accepts_the_rendered_configuration(keyed, tmp_path):
+    r = load_recipe(recipe_with(tmp_path, "tiny-cpu", KEYED)).recipe if keyed else load_recipe("tiny-cpu").recipe
+    cfg = render_haproxy_config(two(r, bind="0.0.0.0" if keyed else "127.0.0.1"))
+    (tmp_path / "creds").mkdir()
+    (tmp_path / "creds" / "api-key").write_text("k\n")
+    (tmp_path / "h.cfg").write_text(cfg)
+    env = {**os.environ, "CREDENTIALS_DIRECTORY": str(tmp_path / "creds")}
+    check = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "h.cfg")], capture_output=True, text=True, env=env)
+    assert check.returncode == 0 and "Configuration file is valid" in check.stdout, check.stdout + check.stderr
+    assert "server gpu-01 10.0.0.1:9000" in cfg and "option http-no-delay" in cfg
+    assert ("api-key" in cfg) == keyed
+
+
+@needs_systemd
+def test_the_unit_is_hardened_and_holds_the_key_as_a_credential(tmp_path):
+    loopback = render_lb_unit(two(load_recipe("tiny-cpu").recipe))
+    assert "IPAddressDeny=any" in loopback and "IPAddressAllow=10.0.0.1" in loopback
+    assert exposure(loopback, tmp_path, "voltaforge-lb.service") <= 2.0
+    keyed = render_lb_unit(two(load_recipe(recipe_with(tmp_path, "tiny-cpu", KEYED)).recipe, bind="0.0.0.0"))
+    assert "LoadCredential=api-key:/etc/voltaforge/secrets/lab-key" in keyed and "IPAddressDeny" not in keyed
+    assert exposure(keyed, tmp_path, "voltaforge-lb.service") <= 2.0
+
+
+def test_what_cannot_work_is_refused(tmp_path):
+    r = load_recipe("tiny-cpu").recipe
+    with pytest.raises(VoltaforgeError, match="needs the recipe's service.api_key_ref"):
+        two(r, bind="0.0.0.0")
+    with pytest.raises(VoltaforgeError, match="at least one backend"):
+        Balancer(r, ())
+    with pytest.raises(VoltaforgeError, match="named twice: a"):
+        Balancer(r, (Backend("a", "10.0.0.1", 1), Backend("a", "10.0.0.2", 1)))
+    with pytest.raises(VoltaforgeError, match="is the stats page's"):
+        two(r, port=8404)
+    with pytest.raises(VoltaforgeError, match="not an IPv4 address or a host name"):
+        Backend("a", "10.0.0.1;rm", 1)
+    # a server on loopback is reachable from its own host only
+    with pytest.raises(VoltaforgeError, match="gpu-02: recipe tiny-cpu serves on 127.0.0.1 only"):
+        backends_for(r, [("gpu-01", "10.0.0.1", True), ("gpu-02", "10.0.0.2", False)])
+    keyed = load_recipe(recipe_with(tmp_path, "tiny-cpu", KEYED)).recipe
+    got = backends_for(keyed, [("gpu-01", "10.0.0.1", True), ("gpu-02", "10.0.0.2", False)])
+    assert [(b.address, b.port) for b in got] == [("127.0.0.1", 9000), ("10.0.0.2", 9000)]
+
+
+def test_lb_on_a_host_without_systemd_is_refused_in_one_line(sshd_host, tmp_path, capsys):
+    """A real host (a private sshd, no systemd there): one line, nothing installed or written."""
+    from playbooks.cli.balancer import run_lb
+    from playbooks.conduct.settings import Settings
+
+    inv = inventory_for(tmp_path, "lb-01", sshd_host, prefix=str(tmp_path / "prefix"))
+    with pytest.raises(VoltaforgeError, match="lb-01: systemd is not running there"):
+        run_lb("lb-01", ["lb-01"], recipe="tiny-cpu", settings=Settings(inventory=inv))
+    assert not (tmp_path / "prefix").exists()

@@ -1,0 +1,234 @@
+"""The load balancer for real: HAProxy (Debian's package) run from the configuration `invoke lb`
+renders, in front of two real llama-server processes (the pinned build, a generated model),
+over real HTTP.
+
+- requests reach both servers (counted from the servers' own logs and from HAProxy's stats);
+- one server killed: new requests keep succeeding (a refused connection is retried on the
+  other server, the health check takes the dead one out); restarted, it gets traffic again;
+- a streamed completion arrives through the balancer event by event, not in one burst;
+- with the recipe's API key: a request without it gets 401 at the edge, with it 200;
+- no healthy server: 503 with one clear JSON message, and one line in HAProxy's log.
+
+systemd does not run here, so HAProxy runs as a process with the rendered configuration
+(`haproxy -db -f`); the rendered unit is scored by systemd-analyze in tests/test_balancer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from playbooks.config.recipe import load_recipe
+from playbooks.steps.balancer import Backend, Balancer, parse_stats, render_haproxy_config
+from tests import llamacpp_tools, sparse_gguf
+from tests.helpers import recipe_with
+from tests.testhosts import free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not shutil.which("haproxy"), reason="needs haproxy (Debian package: ci/install-system-deps.sh)"),
+]
+# large enough that one token takes milliseconds on one thread (the stream's events are apart)
+MODEL = "llama-E1024-F2816-L8-H8-K2-D128-V2048.gguf"
+KEY = "vf-test-key-7f3a"
+
+
+class Server:
+    """One llama-server on a loopback port, its log in a file."""
+
+    def __init__(self, model: Path, port: int, log: Path, api_key: Path | None = None):
+        self.model, self.port, self.log, self.api_key = model, port, log, api_key
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        cmd = [str(llamacpp_tools.llama_server()), "-m", str(self.model), "-c", "1024", "-np", "2", "-t", "1",
+               "--host", "127.0.0.1", "--port", str(self.port), "--fit", "off", "--no-webui"]  # fmt: skip
+        if self.api_key:
+            cmd += ["--api-key-file", str(self.api_key)]
+        out = open(self.log, "a")
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_http(f"http://127.0.0.1:{self.port}/health")
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def requests(self) -> int:
+        """Completions this server ran, from its own log (one "processing task" line each)."""
+        return self.log.read_text(errors="replace").count("processing task")
+
+
+def wait_http(url: str, timeout: float = 120, status: int = 200) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} never answered {status}")
+
+
+def complete(base: str, headers: dict | None = None, n: int = 4) -> httpx.Response:
+    body = {"prompt": "Hello", "max_tokens": n, "ignore_eos": True}
+    return httpx.post(f"{base}/v1/completions", json=body, headers=headers or {}, timeout=60)
+
+
+def stats(port: int) -> dict[str, tuple[str, int]]:
+    text = httpx.get(f"http://127.0.0.1:{port}/stats;csv", timeout=5).text
+    return {s.name: (s.status, s.requests) for s in parse_stats(text)}
+
+
+@pytest.fixture
+def model(tmp_path_factory) -> Path:
+    return sparse_gguf.write(tmp_path_factory.mktemp("lb-model"), sparse_gguf.shape_of(MODEL))
+
+
+def haproxy(cfg: str, tmp_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(cfg)
+    check = subprocess.run(["haproxy", "-c", "-q", "-f", str(path)], capture_output=True, text=True, env=env)
+    assert check.returncode == 0, check.stdout + check.stderr
+    log = tmp_path / "haproxy.log"
+    proc = subprocess.Popen(["haproxy", "-db", "-f", str(path)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)  # fmt: skip
+    return proc, log
+
+
+@pytest.mark.timeout(900)
+def test_two_servers_behind_one_endpoint_survive_one_dying(model, tmp_path):
+    ports = [free_port(), free_port()]
+    servers = [Server(model, p, tmp_path / f"server{i}.log").start() for i, p in enumerate(ports)]
+    lb_port, stats_port = free_port(), free_port()
+    recipe = load_recipe("tiny-cpu").recipe
+    lb = Balancer(recipe, tuple(Backend(f"box{i}", "127.0.0.1", p) for i, p in enumerate(ports)),
+                  port=lb_port, stats_port=stats_port)  # fmt: skip
+    proc, log = haproxy(render_haproxy_config(lb), tmp_path)
+    base = f"http://127.0.0.1:{lb_port}"
+    try:
+        wait_http(f"http://127.0.0.1:{stats_port}/stats")
+        deadline = time.monotonic() + 30  # both checked UP before traffic
+        while any(s != "UP" for s, _ in stats(stats_port).values()) and time.monotonic() < deadline:
+            time.sleep(0.3)
+
+        # 1. both servers get requests
+        for _ in range(8):
+            assert complete(base).status_code == 200
+        counts = [s.requests() for s in servers]
+        assert all(c >= 2 for c in counts) and sum(counts) == 8, counts
+        shares = stats(stats_port)
+        assert sum(n for _, n in shares.values()) == 8 and all(n >= 2 for _, n in shares.values()), shares
+
+        # 2. one killed: requests keep succeeding; the check takes it out
+        servers[0].kill()
+        codes = [complete(base).status_code for _ in range(8)]
+        assert codes == [200] * 8, codes
+        wait_for(lambda: stats(stats_port)["box0"][0].startswith("DOWN"), 15)
+
+        # 3. back: the check puts it in again, and it gets traffic
+        before = servers[0].requests()
+        servers[0].start()
+        wait_for(lambda: stats(stats_port)["box0"][0] == "UP", 20)
+        for _ in range(8):
+            assert complete(base).status_code == 200
+        assert servers[0].requests() > before
+
+        # 4. a stream arrives event by event, through the balancer
+        body = {"prompt": "Hello", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        arrivals = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    arrivals.append(time.monotonic())
+        spread = arrivals[-1] - arrivals[0]
+        gaps = sum(1 for a, b in zip(arrivals, arrivals[1:], strict=False) if b - a > 0.001)
+        print(f"\nstream: {len(arrivals)} events over {spread * 1000:.1f} ms, {gaps} apart by > 1 ms")
+        # one burst would arrive within a read or two; token by token, most are apart
+        assert len(arrivals) >= 48 and gaps >= 24, (len(arrivals), gaps)
+
+        # 5. nobody healthy: 503 now, one clear message, one log line
+        for s in servers:
+            s.kill()
+        wait_for(lambda: all(st.startswith("DOWN") for st, _ in stats(stats_port).values()), 15)
+        r = complete(base)
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "no healthy llama-server behind the balancer"
+        time.sleep(0.5)
+        lines = [x for x in log.read_text().splitlines() if " 503 " in x and "/v1/completions" in x]
+        assert len(lines) == 1, log.read_text()[-3000:]
+    finally:
+        for s in servers:
+            s.kill()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(600)
+def test_the_api_key_is_checked_at_the_edge(model, tmp_path):
+    secret = tmp_path / "creds"
+    secret.mkdir(mode=0o700)
+    (secret / "api-key").write_text(KEY + "\n")
+    (secret / "api-key").chmod(0o600)
+    server = Server(model, free_port(), tmp_path / "server.log", secret / "api-key").start()
+    lb_port, stats_port = free_port(), free_port()
+    keyed = recipe_with(tmp_path, "tiny-cpu", "service:\n  port: 18080\n  api_key_ref: lab-key\n", name="keyed")
+    lb = Balancer(load_recipe(keyed).recipe, (Backend("box", "127.0.0.1", server.port),), port=lb_port,
+                  stats_port=stats_port)  # fmt: skip
+    cfg = render_haproxy_config(lb)
+    assert KEY not in cfg and "${CREDENTIALS_DIRECTORY}/api-key" in cfg
+    # what systemd's LoadCredential= gives the unit: the variable and a private file
+    proc, _ = haproxy(cfg, tmp_path, env={**os.environ, "CREDENTIALS_DIRECTORY": str(secret)})
+    base = f"http://127.0.0.1:{lb_port}"
+    try:
+        wait_for(lambda: stats(stats_port).get("box", ("",))[0] == "UP", 30)
+        refused = complete(base)
+        assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+        assert complete(base, {"Authorization": "Bearer wrong"}).status_code == 401
+        assert complete(base, {"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert server.requests() == 1  # the refused ones never reached the server
+    finally:
+        server.kill()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(0.3)
+    raise AssertionError("timed out waiting")
+
+
+def test_stats_csv_of_haproxy_2_6_parses():
+    """The header and rows as HAProxy 2.6 writes them (a few columns)."""
+    text = (
+        "# pxname,svname,qcur,qmax,scur,smax,slim,stot,bin,bout,dreq,dresp,ereq,econ,eresp,wretr,wredis,status,"
+        "weight,act,bck,chkfail,chkdown,lastchg,downtime,qlimit,pid,iid,sid,throttle,lbtot,tracked,type,rate,"
+        "rate_lim,rate_max,check_status\n"
+        "llama,box0,0,0,0,1,,5,1,2,,0,,0,0,0,0,UP,1,1,0,0,0,9,0,,1,3,1,,5,,2,0,,1,L7OK\n"
+        "llama,box1,0,0,0,1,,3,1,2,,0,,1,0,0,0,DOWN,1,1,0,2,1,1,4,,1,3,2,,3,,2,0,,1,L4CON\n"
+        "llama,BACKEND,0,0,0,1,,8,1,2,0,0,,1,0,0,0,UP,1,1,0,,0,9,0,,1,3,0,,8,,1,0,,1,\n"
+    )
+    got = parse_stats(text)
+    assert [(s.name, s.status, s.requests, s.check, s.up) for s in got] == [
+        ("box0", "UP", 5, "L7OK", True),
+        ("box1", "DOWN", 3, "L4CON", False),
+    ]
+    assert parse_stats("garbage") == [] and json.dumps([]) == "[]"
