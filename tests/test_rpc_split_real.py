@@ -7,8 +7,8 @@
 2. `invoke provision` of the recipe whose server dials them: its deploy holds the load log to
    the plan device by device (layers, weights, KV cache) and fails otherwise, then the gate
    runs. The record's buffers equal the plan here too, and a chat completion answers.
-3. A worker stopped: provision's preflight refuses in one line, naming the endpoint, before
-   anything on the host changes.
+3. `invoke status` lists both workers beside the server; one stopped: status says so, and
+   provision's preflight refuses in one line, naming the endpoint, before anything changes.
 """
 
 from __future__ import annotations
@@ -50,6 +50,16 @@ def rpc_worker(inv: Path, *extra: str) -> subprocess.CompletedProcess:
          *extra],
         cwd=inv.parent, capture_output=True, text=True, timeout=3000,
     )  # fmt: skip
+
+
+def status(inv: Path) -> dict:
+    r = subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "status", "--host", "box", "--inventory", str(inv), "--json"],
+        cwd=inv.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    (found,) = json.loads(r.stdout)
+    return found
 
 
 def active(host, unit: str) -> bool:
@@ -94,9 +104,16 @@ def test_a_model_split_across_two_rpc_workers(seeded_ccache, provisionable_nspaw
     reply = answers(host, 18090)
     assert reply["choices"][0]["message"]["content"]
 
+    # the workers in `invoke status`, beside the server
+    listed = status(inv)
+    assert [(u["unit"], u["running"]) for u in listed["units"]] == [(u, True) for u in UNITS], listed
+    assert [s["service"] for s in listed["services"]] == ["voltaforge-llama-server"]
+
     # 3. a worker gone: preflight refuses in one line before anything changes; the unit stays
     unit_file = host.run_inside("cat /etc/systemd/system/voltaforge-llama-server.service").stdout
     host.run_inside(f"systemctl stop {UNITS[1]}")
+    stopped = {u["unit"]: u for u in status(inv)["units"]}
+    assert stopped[UNITS[1]]["running"] is False and stopped[UNITS[1]]["state"] == "inactive (dead)", stopped
     code, [s], out, _ = provision(inv, "box")
     assert code == 1 and statuses(s)["preflight"] == "failed", out[-4000:]
     assert set(statuses(s).values()) == {"failed", "not reached"}, s

@@ -128,7 +128,7 @@ def test_the_probe_tells_refused_from_open_for_real():
     import socket
     import subprocess
 
-    from playbooks.facts.rpc import parse_reach, reach_command
+    from playbooks.facts.rpc import parse_reach, parse_reach_timed, reach_command
 
     with socket.socket() as listening, socket.socket() as closed:
         listening.bind(("127.0.0.1", 0))
@@ -137,3 +137,5 @@ def test_the_probe_tells_refused_from_open_for_real():
         a, b = (f"127.0.0.1:{s.getsockname()[1]}" for s in (listening, closed))
         out = subprocess.run(["bash", "-c", reach_command([a, b])], capture_output=True, text=True, timeout=30)
     assert parse_reach(out.stdout) == {a: "open", b: "refused"}
+    state, ms = parse_reach_timed(out.stdout)[a]
+    assert state == "open" and ms is not None and 0 < ms < 3000  # the connect time, for the plan's network hop

@@ -196,3 +196,14 @@ def test_judge_split_names_the_device_whose_share_moved():
     assert moved[0].startswith("device 0 (RPC0[127.0.0.1:28152]) holds 1.33 MiB of weights, the plan 0.90 MiB")
     (fewer,) = [r for r in judge_split(log, ((0.7, 1.0),) * 3) if "weights on 2" in r]
     assert "splits the model over 3 devices" in fewer
+
+
+def test_each_rpc_worker_adds_its_round_trip_to_every_token(tmp_path):
+    """planner.rpc_rtt_ms (or preflight's measured connect time) per worker per token."""
+    base = plan_recipe(load_recipe("tiny-rpc-cpu")).chosen
+    slow = plan_recipe(load_recipe(recipe_with(tmp_path, "tiny-rpc-cpu", "planner:\n  rpc_rtt_ms: 0.5\n"))).chosen
+    assert base is not None and slow is not None
+    assert 1 / slow.roofline_tok_s == pytest.approx(1 / base.roofline_tok_s + 2 * 0.5e-3)
+    measured = plan_recipe(load_recipe("tiny-rpc-cpu"), rpc_rtt_ms=2.0)
+    assert 1 / measured.chosen.roofline_tok_s == pytest.approx(1 / base.roofline_tok_s + 2 * 2.0e-3)
+    assert any("2 x 2 ms of network per token" in n and "measured" in n for n in measured.notes)

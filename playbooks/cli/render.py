@@ -345,6 +345,9 @@ def _render_split(plan: Plan, c: Option, console: Console) -> None:
         )
     console.print(table)
     per_card = " + ".join(f"{_gb(d.streamed_bytes)}/{d.bandwidth_gb_s:g} GB/s" for d in c.devices)
+    sv = plan.serving
+    if sv.rpc_devices and sv.rpc_rtt_ms:
+        per_card += f" + {sv.rpc_devices} x {sv.rpc_rtt_ms:g} ms network ({sv.rpc_rtt_source})"
     console.print(
         f"Roofline: the devices run one after the other for each token: 1 / ({per_card}) = "
         f"{c.roofline_tok_s:.0f} tok/s ({c.roofline_full_ctx_tok_s:.0f} tok/s with a full "

@@ -84,6 +84,7 @@ def serving_from_recipe(loaded: LoadedRecipe, context: int | None = None, n_cpu_
         gpu_count=r.gpu_count,
         tensor_split=tuple(r.tensor_split or ()),
         rpc_devices=len(r.rpc),
+        rpc_rtt_ms=r.planner.rpc_rtt_ms or 0.0,
     )
 
 
@@ -124,6 +125,7 @@ def plan_recipe(
     measured_kld: Mapping[str, float] | None = None,
     gpu_count: int | None = None,
     tensor_split: tuple[float, ...] | None = None,
+    rpc_rtt_ms: float | None = None,
 ) -> Plan:
     """The recipe planned: on `gpu` (a name or the GPU a host reports) instead of the recipe's,
     with its draft model, its planner settings' objective (`min_tok_s` and `measured_kld`: see
@@ -132,6 +134,8 @@ def plan_recipe(
     serving = serving_from_recipe(loaded, context, n_cpu_moe)
     if gpu_count is not None:  # a flag's split instead of the recipe's
         serving = replace(serving, gpu_count=gpu_count, tensor_split=tensor_split or ())
+    if rpc_rtt_ms is not None:  # measured by preflight: instead of the recipe's figure
+        serving = replace(serving, rpc_rtt_ms=rpc_rtt_ms, rpc_rtt_source="measured")
     plan = make_plan(
         loaded.shape,
         gpu if isinstance(gpu, Gpu) else get_gpu(gpu or r.gpu),

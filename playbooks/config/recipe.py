@@ -361,6 +361,13 @@ class PlannerSettings(_Strict):
     host_ram_gib: float | None = Field(
         None, gt=0, le=1048576, description="host RAM (GiB) the offloaded experts + token_embd must fit; unset: unknown"
     )
+    rpc_rtt_ms: float | None = Field(
+        None,
+        ge=0,
+        le=10000,
+        description="a split over RPC workers: the network round trip (ms) each worker adds to every token; "
+        "unset: not counted by `invoke plan` (preflight measures it from the server's host)",
+    )
 
 
 class Recipe(_Strict):

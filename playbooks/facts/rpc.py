@@ -18,7 +18,7 @@ _ENDPOINT = re.compile(r"^\[?([0-9A-Fa-f.:]+)\]?:(\d{1,5})$")
 
 
 def reach_command(endpoints: Sequence[str]) -> str:
-    """`ENDPOINT open|refused|timeout` per endpoint; exit 0 whatever it finds."""
+    """`ENDPOINT open|refused|timeout MICROSECONDS` per endpoint; exit 0 whatever it finds."""
     parts = []
     for e in endpoints:
         m = _ENDPOINT.match(e)
@@ -27,17 +27,25 @@ def reach_command(endpoints: Sequence[str]) -> str:
         addr, port = m.groups()
         probe = f"exec 3<>/dev/tcp/{addr}/{port}"
         parts.append(
-            f"timeout {CONNECT_TIMEOUT_S} bash -c {shlex.quote(probe)} 2>/dev/null; "
-            f"case $? in 0) s=open;; 124) s=timeout;; *) s=refused;; esac; echo {shlex.quote(e)} $s"
+            f"t=$(date +%s%N); timeout {CONNECT_TIMEOUT_S} bash -c {shlex.quote(probe)} 2>/dev/null; "
+            f"case $? in 0) s=open;; 124) s=timeout;; *) s=refused;; esac; "
+            f"echo {shlex.quote(e)} $s $(( ($(date +%s%N) - t) / 1000 ))"
         )
     return "; ".join(parts) or "true"
 
 
 def parse_reach(output: str) -> dict[str, str]:
     """endpoint -> open | refused | timeout."""
-    found: dict[str, str] = {}
+    return {e: state for e, (state, _) in parse_reach_timed(output).items()}
+
+
+def parse_reach_timed(output: str) -> dict[str, tuple[str, float | None]]:
+    """endpoint -> (state, connect time in ms: the TCP handshake, one round trip, plus the
+    cost of starting `timeout` and bash on the probing host, so an upper bound)."""
+    found: dict[str, tuple[str, float | None]] = {}
     for line in lines(output):
-        endpoint, _, state = line.strip().rpartition(" ")
-        if endpoint and state in ("open", "refused", "timeout"):
-            found[endpoint] = state
+        words = line.split()
+        if len(words) >= 2 and words[1] in ("open", "refused", "timeout"):
+            micros = words[2] if len(words) > 2 and words[2].isdigit() else None
+            found[words[0]] = (words[1], int(micros) / 1000 if micros is not None else None)
     return found

@@ -162,6 +162,10 @@ class Serving:
     # llama.cpp RPC servers holding layers too (--rpc): one device each, of the GPU's kind,
     # ahead of the local cards in llama.cpp's device list
     rpc_devices: int = 0
+    # the round trip (ms) each RPC worker adds to a token, and where the figure came from:
+    # given (the recipe's planner.rpc_rtt_ms) or measured (preflight's connect time)
+    rpc_rtt_ms: float = 0.0
+    rpc_rtt_source: str = "given"
 
     @property
     def split(self) -> bool:
@@ -505,6 +509,13 @@ def plan_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, ctx: int) ->
     )
 
 
+def network_s(s: Serving) -> float:
+    """Seconds the network adds to every token of an RPC split: each worker's part of the graph
+    is one round trip from the server (its inputs sent, its output read back), one after the
+    other; the transfer of a hidden state (KBs) is left out."""
+    return s.rpc_devices * s.rpc_rtt_ms / 1000
+
+
 def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None) -> Option:
     """A GGUF quant of a dense model split by layers over s.gpu_count cards (playbooks/plan/split.py)."""
     one = replace(s, gpu_count=1, tensor_split=(), rpc_devices=0)
@@ -538,8 +549,10 @@ def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: 
         vram_bytes=w.total_bytes,
         gpu_bytes=w.capacity_bytes,
         max_ctx=lo * CTX_STEP,
-        roofline_tok_s=split_tok_s(shares),
-        roofline_full_ctx_tok_s=split_tok_s(shares, [per_layer_kv * len(d.layers) for d in shares]),
+        roofline_tok_s=split_tok_s(shares, network_s=network_s(s)),
+        roofline_full_ctx_tok_s=split_tok_s(
+            shares, [per_layer_kv * len(d.layers) for d in shares], network_s=network_s(s)
+        ),
         devices=shares,
     )
 
@@ -886,10 +899,18 @@ def _split_notes(plan: Plan) -> None:
         f"compute buffer is an estimate: the single-device worst case plus {PIPELINE_COPIES - 1} more copies of its "
         "inputs (llama.cpp's pipeline parallelism), checked on CPU-backed RPC devices only"
     )
-    if plan.serving.rpc_devices:
+    s = plan.serving
+    if s.rpc_devices:
+        hop = (
+            f"the roofline adds {s.rpc_devices} x {s.rpc_rtt_ms:g} ms of network per token (one round trip per "
+            f"worker, {s.rpc_rtt_source})"
+            if s.rpc_rtt_ms
+            else "the roofline leaves out the network (one round trip per worker per token): give "
+            "planner.rpc_rtt_ms, or run preflight, which measures it"
+        )
         plan.notes.append(
-            f"{plan.serving.rpc_devices} RPC worker(s) hold the first layers (llama.cpp puts RPC devices ahead of "
-            "local cards); the roofline leaves out the network: every token crosses it once per worker and back"
+            f"{s.rpc_devices} RPC worker(s) hold the first layers (llama.cpp puts RPC devices ahead of local "
+            f"cards); {hop}"
         )
 
 

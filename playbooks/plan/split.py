@@ -202,11 +202,11 @@ def worst(shares: Sequence[DeviceShare]) -> DeviceShare:
     return min(shares, key=lambda s: (s.headroom_bytes, -s.index))
 
 
-def split_tok_s(shares: Sequence[DeviceShare], extra_bytes: Sequence[int] = ()) -> float:
+def split_tok_s(shares: Sequence[DeviceShare], extra_bytes: Sequence[int] = (), network_s: float = 0.0) -> float:
     """Decode roofline of a layer split: the devices run one after the other, so a token takes
     the sum of each device's bytes (its weights, plus `extra_bytes[i]`, e.g. its KV reads) over
-    its bandwidth."""
-    seconds = 0.0
+    its bandwidth, plus `network_s` (RPC workers' round trips)."""
+    seconds = network_s
     for i, s in enumerate(shares):
         extra = extra_bytes[i] if i < len(extra_bytes) else 0
         seconds += (s.streamed_bytes + extra) / (s.bandwidth_gb_s * 1e9)

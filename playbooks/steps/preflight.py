@@ -47,6 +47,7 @@ class HostFacts(BaseModel):
     machine: str | None = None
     # a recipe split across RPC workers: whether this host reaches each endpoint
     rpc: dict[str, str] = {}  # endpoint -> open | refused | timeout
+    rpc_connect_ms: dict[str, float] = {}  # endpoint -> the TCP connect time from this host
 
 
 def _gpu_facts(host: Host) -> gpufacts.GpuFacts:
@@ -87,8 +88,18 @@ def gather(host: Host, prefix: str, model_dir: str, rpc: Sequence[str] = ()) -> 
         systemd=system.parse_systemd(read_fact(host, system.SYSTEMD_COMMAND)),
         nproc=system.parse_nproc(read_fact(host, system.NPROC_COMMAND)),
         machine=system.parse_uname_machine(read_fact(host, system.UNAME_MACHINE_COMMAND)),
-        rpc=rpcfacts.parse_reach(read_fact(host, rpcfacts.reach_command(rpc))) if rpc else {},
+        **_rpc_facts(host, rpc),
     )
+
+
+def _rpc_facts(host: Host, endpoints: Sequence[str]) -> dict[str, dict]:
+    if not endpoints:
+        return {}
+    timed = rpcfacts.parse_reach_timed(read_fact(host, rpcfacts.reach_command(endpoints)))
+    return {
+        "rpc": {e: state for e, (state, _) in timed.items()},
+        "rpc_connect_ms": {e: ms for e, (state, ms) in timed.items() if state == "open" and ms is not None},
+    }
 
 
 @dataclass
@@ -439,7 +450,9 @@ def check_rpc(cx: Context) -> list[Check]:
     for w in r.rpc:
         state = cx.facts.rpc.get(w.endpoint, "refused")
         if state == "open":
-            out.append(Check("rpc-worker", "pass", f"{w.endpoint} accepts connections"))
+            ms = cx.facts.rpc_connect_ms.get(w.endpoint)
+            took = f" (connected in {ms:.1f} ms, the plan's network hop)" if ms is not None else ""
+            out.append(Check("rpc-worker", "pass", f"{w.endpoint} accepts connections{took}"))
             continue
         if state == "timeout":
             # an RPC worker serves one client at a time: a running server holds it
@@ -483,6 +496,8 @@ def plan_for_host(cx: Context) -> Plan | None:
         cx.loaded,
         gpu,
         host=host_from_recipe(cx.loaded, ram_bytes=ram, ram_source="measured") if ram else host_from_recipe(cx.loaded),
+        # an RPC split: the slowest worker's connect time from this host, measured, per hop
+        rpc_rtt_ms=max(cx.facts.rpc_connect_ms.values()) if cx.facts.rpc_connect_ms else None,
     )
 
 
