@@ -46,7 +46,7 @@ def test_cuda_build_for_sm70_in_one_toolkit_only():
     assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=70" in configure.show()
     assert "-DGGML_NATIVE=OFF" in configure.show() and "-DCMAKE_BUILD_TYPE=Release" in configure.show()
     assert build.show().endswith(
-        "-j 16 --target llama-server llama-quantize llama-imatrix llama-perplexity llama-bench llama-batched-bench"
+        "-j 16 --target llama-server llama-quantize llama-imatrix llama-perplexity llama-bench llama-batched-bench ggml-rpc-server"
     )
     assert isinstance(cubins, Probe) and cubins.expect == ("sm_70",)
     assert "/usr/bin/cuobjdump --list-elf" in cubins.command and cubins.command.endswith("/bin/libggml-cuda.so")

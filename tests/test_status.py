@@ -226,7 +226,7 @@ def test_status_shows_each_service_and_a_host_it_cannot_reach(tmp_path, capsys):
     with LocalHost() as host:
         assert run_status("local", as_json=True, settings=settings) == 0
         assert json.loads(capsys.readouterr().out) == [
-            {"host": "local", "prefix": prefix, "error": None, "services": []}
+            {"host": "local", "prefix": prefix, "error": None, "services": [], "units": []}
         ]
         recipe = _copy_of_tiny(tmp_path / "r")
         gate = {"status": "passed", "at": "2026-01-02T03:05:00Z", "figures": {"single_tok_s": 61.5, "peak_at": 2,
