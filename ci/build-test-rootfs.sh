@@ -29,7 +29,7 @@
 #                              (and nspawn's --resolv-conf=delete) every `sudo` inside stalls
 #                              ~20 s waiting for a DNS server that does not exist.
 # What `invoke toolchain`/`build`/`quantize` of a CPU recipe need on the host: exactly the
-# toolchain step's BUILD_PACKAGES (playbooks/steps/toolchain.py), which it apt-installs when
+# toolchain step's BUILD_PACKAGES (playbooks/steps/build/toolchain.py), which it apt-installs when
 # missing; the container has no internet, so they must already be here (curl is above).
 # Python packages come from a wheelhouse the tests bind-mount (tests/wheelhouse.py).
 #   build-essential            gcc, g++, make, libc6-dev: compiles llama.cpp (make is cmake's

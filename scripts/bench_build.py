@@ -26,8 +26,8 @@ from pathlib import Path
 
 from playbooks.facts import cuda
 from playbooks.host import LocalHost
-from playbooks.steps.build import BuildLayout, EnsureLlamacppBuild
-from playbooks.steps.llamacpp_source import fetch_sdist
+from playbooks.steps.build.build import BuildLayout, EnsureLlamacppBuild
+from playbooks.steps.build.llamacpp_source import fetch_sdist
 
 
 class Failed(Exception):

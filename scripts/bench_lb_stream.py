@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from playbooks.config.recipe import load_recipe  # noqa: E402
 from playbooks.results import write_result  # noqa: E402
-from playbooks.steps.balancer import Backend, Balancer, render_haproxy_config  # noqa: E402
+from playbooks.steps.serve.balancer import Backend, Balancer, render_haproxy_config  # noqa: E402
 from tests import llamacpp_tools, sparse_gguf  # noqa: E402
 
 MODEL = "llama-E1024-F2816-L8-H8-K2-D128-V2048.gguf"

@@ -37,7 +37,7 @@ from playbooks.cli.deploy import run_deploy, run_stop  # noqa: E402
 from playbooks.conduct.settings import Settings  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.results import write_result  # noqa: E402
-from playbooks.steps.bench_run import host_membw  # noqa: E402
+from playbooks.steps.measure.bench_run import host_membw  # noqa: E402
 from playbooks.weights.tinymodel import write_tiny_llama  # noqa: E402
 from tests import llamacpp_tools  # noqa: E402
 from tests.helpers import stage_served_model  # noqa: E402

@@ -6,12 +6,12 @@ Each phase writes DIR/<phase>.json (and its logs) and never needs the network; r
 order from a driver (scripts/device_check.sh) so a failed phase does not stop the next:
 
   facts  the GPU (nvidia-smi, read by facts/gpu.py) and the host's copy rate (facts/membw.py)
-  build  the build step's own operations (steps/build.py) on this machine for its GPU's arch:
+  build  the build step's own operations (steps/build/build.py) on this machine for its GPU's arch:
          compiled, proven by cuobjdump, then run again (the no-op). If they fail, a plain
          cmake build of the same tree keeps the later phases going, and the failure is kept.
   gate   the v100-16gb recipe's model (Qwen2.5-14B, Q4_K_M) as a shaped GGUF (the planner's own
          tensors and types, zero weights: weights/shaped_gguf.py), served by llama-server with
-         the recipe's own command line (steps/units.py), its load log judged against the plan
+         the recipe's own command line (steps/serve/units.py), its load log judged against the plan
          (facts/server_log.py), then the gate itself (steps/bench_run.gate_run: the bench
          client's sweep, GPU telemetry, llama-bench, the JSON/Markdown/PNG report)
   moe    Qwen3-30B-A3B Q4_K_M, shaped: llama-bench decode at --n-cpu-moe 0..48 (the two-sided
@@ -57,11 +57,11 @@ from playbooks.plan.gpus import get_gpu, gpu_from_nvidia_name  # noqa: E402
 from playbooks.plan.model_config import load_config_file  # noqa: E402
 from playbooks.plan.moe import expert_layout  # noqa: E402
 from playbooks.results import checkout_commit, describe_machine, write_result  # noqa: E402
-from playbooks.steps.bench import decode_figure  # noqa: E402
-from playbooks.steps.build import BuildLayout, build_ops, cmake_flags  # noqa: E402
-from playbooks.steps.buildenv import read_compile_facts  # noqa: E402
-from playbooks.steps.llamacpp_source import Source, file_sha256  # noqa: E402
-from playbooks.steps.units import ServerLayout, llama_server_argv  # noqa: E402
+from playbooks.steps.build.build import BuildLayout, build_ops, cmake_flags  # noqa: E402
+from playbooks.steps.build.buildenv import read_compile_facts  # noqa: E402
+from playbooks.steps.build.llamacpp_source import Source, file_sha256  # noqa: E402
+from playbooks.steps.measure.bench import decode_figure  # noqa: E402
+from playbooks.steps.serve.units import ServerLayout, llama_server_argv  # noqa: E402
 from playbooks.weights.shaped_gguf import write_shaped_gguf  # noqa: E402
 
 TARGETS = ("llama-server", "llama-bench", "llama-fit-params", "llama-quantize")
@@ -231,8 +231,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def phase_gate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from playbooks.steps.bench_run import gate_run
-    from playbooks.steps.deploy import DeployLayout, write_record
+    from playbooks.steps.measure.bench_run import gate_run
+    from playbooks.steps.serve.deploy import DeployLayout, write_record
 
     path = device_recipe(args.gate_recipe, args.gpu, Path("/tmp/vf-device/recipes"))
     loaded = load_recipe(path)

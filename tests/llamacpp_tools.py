@@ -59,7 +59,7 @@ def _run(cmd: list[str], log: Path, **kw) -> None:
 def llamacpp_tree() -> Path:
     """vendor/llama.cpp of the pinned sdist, fetched by `invoke build`'s own controller-side
     fetch (one download for the build step and the tools) and unpacked once."""
-    from playbooks.steps.llamacpp_source import fetch_sdist
+    from playbooks.steps.build.llamacpp_source import fetch_sdist
 
     root = cache_dir() / "llama-cpp-python-0.3.36"
     tree = root / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"

@@ -1,4 +1,4 @@
-"""The load balancer's files (steps/balancer.py): HAProxy's own check accepts every rendered
+"""The load balancer's files (steps/serve/balancer.py): HAProxy's own check accepts every rendered
 configuration, the unit scores <= 2.0 in systemd's exposure analysis, the key never appears in
 either, and what cannot work is refused in one line. HAProxy running them in front of real
 servers: tests/test_balancer_real.py."""
@@ -13,7 +13,7 @@ import pytest
 
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
-from playbooks.steps.balancer import Backend, Balancer, backends_for, render_haproxy_config, render_lb_unit
+from playbooks.steps.serve.balancer import Backend, Balancer, backends_for, render_haproxy_config, render_lb_unit
 from tests.helpers import inventory_for, recipe_with
 from tests.test_units import exposure
 

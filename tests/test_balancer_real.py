@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from playbooks.config.recipe import load_recipe
-from playbooks.steps.balancer import Backend, Balancer, parse_stats, render_haproxy_config
+from playbooks.steps.serve.balancer import Backend, Balancer, parse_stats, render_haproxy_config
 from tests import llamacpp_tools, sparse_gguf
 from tests.helpers import recipe_with
 from tests.testhosts import free_port

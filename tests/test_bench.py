@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from playbooks.config.recipe import RecipeError, load_recipe
-from playbooks.steps import bench, bench_client
-from playbooks.steps.bench_client import Sample
+from playbooks.steps.measure import bench, bench_client
+from playbooks.steps.measure.bench_client import Sample
 from tests.helpers import ROOT
 from tests.testhosts import free_port
 
@@ -170,7 +170,7 @@ def test_workload_kinds_cut_their_own_texts():
     did: the same prompts as before kinds existed); code cuts the shipped source with its line
     breaks and indentation; long lays the general text out and asks 2048-token prompts unless
     the recipe names a length, which must fit the slot."""
-    from playbooks.steps.bench_run import workload_text
+    from playbooks.steps.measure.bench_run import workload_text
 
     shipped = (ROOT / "recipes" / "calibration" / "general.txt").read_text(encoding="utf-8")
     chat = workload_text("chat")
@@ -297,7 +297,7 @@ def test_a_cross_check_beyond_5_percent_fails_a_gpu_gate_and_is_only_reported_fo
 
 def test_llama_bench_measures_the_served_configuration():
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.bench_run import llama_bench_args
+    from playbooks.steps.measure.bench_run import llama_bench_args
 
     moe = load_recipe("qwen3-30b-a3b-v100-16gb")
     args = llama_bench_args(moe, 7)
@@ -307,7 +307,7 @@ def test_llama_bench_measures_the_served_configuration():
 
 def test_llama_bench_is_not_run_where_a_second_copy_cannot_fit_beside_the_server(tmp_path):
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.bench_run import no_room_for_llama_bench
+    from playbooks.steps.measure.bench_run import no_room_for_llama_bench
 
     # a 16 GB V100 holds the served 14B (10.3 GiB) and not another 8 GiB of its weights
     assert "not run: its own copy of the model beside the server's needs 19.0 GiB of the 16 GiB card" == (

@@ -19,7 +19,7 @@ from playbooks.cli.bench import run_bench
 from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.conduct.settings import Settings
 from playbooks.host import connect
-from playbooks.steps.bench_run import bench_dir
+from playbooks.steps.measure.bench_run import bench_dir
 from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model

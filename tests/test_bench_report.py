@@ -14,8 +14,8 @@ import matplotlib.image
 import pytest
 
 from playbooks.cli.render import console
-from playbooks.steps import bench_report as br
-from playbooks.steps.bench_report import (
+from playbooks.steps.measure import bench_report as br
+from playbooks.steps.measure.bench_report import (
     append_history,
     chart_png,
     compare,

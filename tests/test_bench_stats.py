@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from playbooks.steps import bench_stats
+from playbooks.steps.measure import bench_stats
 
 
 @pytest.mark.parametrize(

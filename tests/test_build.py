@@ -9,10 +9,10 @@ import pytest
 
 from playbooks.facts import builds, cuda, gpu
 from playbooks.host.ops import OperationError, Record
-from playbooks.steps.build import BuildLayout, EnsureLlamacppBuild
-from playbooks.steps.buildenv import BuildFacts
-from playbooks.steps.llamacpp_source import Source
-from playbooks.steps.proven_build import Probe, check_cubins
+from playbooks.steps.build.build import BuildLayout, EnsureLlamacppBuild
+from playbooks.steps.build.buildenv import BuildFacts
+from playbooks.steps.build.llamacpp_source import Source
+from playbooks.steps.build.proven_build import Probe, check_cubins
 from tests.helpers import ROOT, fixture_body
 
 SOURCE = Source("llama-cpp-python==0.3.36", "0c1e570", ROOT / "x.tar.gz", "ab" * 32, "x/vendor/llama.cpp")
@@ -46,7 +46,8 @@ def test_cuda_build_for_sm70_in_one_toolkit_only():
     assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=70" in configure.show()
     assert "-DGGML_NATIVE=OFF" in configure.show() and "-DCMAKE_BUILD_TYPE=Release" in configure.show()
     assert build.show().endswith(
-        "-j 16 --target llama-server llama-quantize llama-imatrix llama-perplexity llama-bench llama-batched-bench ggml-rpc-server"
+        "-j 16 --target llama-server llama-quantize llama-imatrix llama-perplexity llama-bench llama-batched-bench "
+        "ggml-rpc-server"
     )
     assert isinstance(cubins, Probe) and cubins.expect == ("sm_70",)
     assert "/usr/bin/cuobjdump --list-elf" in cubins.command and cubins.command.endswith("/bin/libggml-cuda.so")
@@ -145,7 +146,7 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
 
     from playbooks.cli.build import run_build
     from playbooks.host import connect
-    from playbooks.steps.fleet_cache import FleetCache
+    from playbooks.steps.build.fleet_cache import FleetCache
     from tests.helpers import inventory_for, shared_ccache, spec_for
 
     monkeypatch.setattr(FleetCache, "default", classmethod(lambda cls: cls(tmp_path / "fleet")))
@@ -280,7 +281,7 @@ def test_cuda_path_compiles_sm70_through_the_build_steps_own_commands(tmp_path):
     import subprocess
 
     from playbooks.host import LocalHost
-    from playbooks.steps.llamacpp_source import fetch_sdist
+    from playbooks.steps.build.llamacpp_source import fetch_sdist
 
     source = fetch_sdist("llama-cpp-python==0.3.36", "0c1e570")
     layout = BuildLayout(str(tmp_path / "vf"))
@@ -316,7 +317,7 @@ def test_cuda_path_compiles_sm70_through_the_build_steps_own_commands(tmp_path):
 
 def test_fleet_cache_copies_a_proven_build_instead_of_compiling(tmp_path):
     from playbooks.host.ops import Fetch, PushFile
-    from playbooks.steps.fleet_cache import FleetCache
+    from playbooks.steps.build.fleet_cache import FleetCache
 
     cache = FleetCache(tmp_path)
     with_cache = op(cache=cache)
@@ -427,7 +428,7 @@ def test_the_two_outside_deaths_of_a_build_are_one_line_each():
     """Real messages: a compiler's (tests/fixtures/thishost-gcc-no-space-left.txt is what g++ said
     on a full tmpfs here) inside the host layer's failure, and the host layer's lost connection."""
     from playbooks.errors import HostError
-    from playbooks.steps.proven_build import build_failure
+    from playbooks.steps.build.proven_build import build_failure
 
     tail = fixture_body("thishost-gcc-no-space-left.txt")
     failed = HostError(f"box: command failed (exit 2): env PATH=/usr/sbin:/usr/bin LC_ALL=C flock -w 900\n{tail}")

@@ -14,7 +14,7 @@ import pytest
 
 from playbooks.errors import VoltaforgeError
 from playbooks.facts.cuda import TOOLKITS_COMMAND, parse_cuobjdump_list_elf, parse_nvcc_error, parse_toolkits
-from playbooks.steps.buildenv import build_env, pick_toolkit
+from playbooks.steps.build.buildenv import build_env, pick_toolkit
 from tests.toolkits import DEBIAN_CUOBJDUMP, DEBIAN_NVCC, cuda13_first_path, needs_debian_cuda118, system_path
 
 KERNEL = "__global__ void scale(float *x, float a) { x[threadIdx.x] *= a; }\n"

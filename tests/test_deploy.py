@@ -17,8 +17,8 @@ from playbooks.facts.service import (
 )
 from playbooks.host.local import LocalHost
 from playbooks.host.ops import OperationError, Upload, run_ops
-from playbooks.steps import deploy
-from playbooks.steps.deploy import (
+from playbooks.steps.serve import deploy
+from playbooks.steps.serve.deploy import (
     CheckPort,
     DeployLayout,
     Diff,
@@ -32,7 +32,7 @@ from playbooks.steps.deploy import (
     fingerprint,
     health_timeout,
 )
-from playbooks.steps.service_manager import ProcessRunner, Running, Systemd, process_argv, unit_environment
+from playbooks.steps.serve.service_manager import ProcessRunner, Running, Systemd, process_argv, unit_environment
 from tests.helpers import fixture_body
 from tests.testhosts import free_port
 
@@ -162,7 +162,7 @@ def test_a_server_whose_health_never_turns_green_fails_in_one_line_and_is_stoppe
 
 
 def test_tabbyapi_tokens_come_from_the_secret_on_the_host_and_never_leave_it(tmp_path, capsys):
-    from playbooks.steps.deploy import EnsureTabbyTokens
+    from playbooks.steps.serve.deploy import EnsureTabbyTokens
 
     secret, tokens = tmp_path / "secret", tmp_path / "api_tokens.yml"
     op = EnsureTabbyTokens(str(secret), str(tokens))
@@ -249,7 +249,7 @@ class _NoSystemd:
     ],
 )
 def test_what_only_systemd_runs_is_one_rule_for_deploy_and_preflight(tmp_path, recipe, extra, gpus, why):
-    """steps/deploy.py systemd_only: deploy refuses it on a host without systemd (before
+    """steps/serve/deploy.py systemd_only: deploy refuses it on a host without systemd (before
     touching anything), preflight blocks on it (tests/test_preflight_judge.py)."""
     from playbooks.conduct.deploy import deploy_ops
     from playbooks.config.recipe import load_recipe

@@ -28,7 +28,8 @@ from playbooks.facts import exl2
 from playbooks.facts.gpu import GpuFacts
 from playbooks.host.ops import OperationError, Record, Shell, Upload, run_ops
 from playbooks.plan.exl2_size import HEAD_BITS_OPTIONS
-from playbooks.steps.exl2_convert import (
+from playbooks.steps.build.proven_build import Probe
+from playbooks.steps.weights.exl2_convert import (
     CONVERTER,
     STAMP_NAME,
     VERIFY_MEASUREMENT,
@@ -40,7 +41,6 @@ from playbooks.steps.exl2_convert import (
     exl2_stamp,
     job_plan,
 )
-from playbooks.steps.proven_build import Probe
 from tests.llamacpp_tools import cache_dir
 
 VENV = "/opt/vf/venv"

@@ -22,10 +22,10 @@ import pytest
 from playbooks.config.recipe import Toolchain
 from playbooks.facts import cuda, gpu
 from playbooks.host.ops import OperationError, PushFile, Record
-from playbooks.steps.buildenv import BuildFacts
-from playbooks.steps.exllamav2 import EnsureExllamav2, ExtFacts, cubin_archs, ext_stamp
-from playbooks.steps.proven_build import Probe, check_cubins
-from playbooks.steps.tabbyapi import EnsureTabbyAPI, TabbyFacts
+from playbooks.steps.build.buildenv import BuildFacts
+from playbooks.steps.build.exllamav2 import EnsureExllamav2, ExtFacts, cubin_archs, ext_stamp
+from playbooks.steps.build.proven_build import Probe, check_cubins
+from playbooks.steps.build.tabbyapi import EnsureTabbyAPI, TabbyFacts
 from tests.helpers import fixture_body
 from tests.llamacpp_tools import cache_dir
 
@@ -232,7 +232,7 @@ def test_exl2_kernels_compile_for_sm70_in_the_steps_environment(tmp_path):
     environment against torch 2.7.1's headers (the pinned torch; its headers are the same in
     every CUDA variant) with torch's own nvcc flags, and the step's cubin proof passes."""
     from playbooks.host import LocalHost
-    from playbooks.steps.buildenv import env_prefix, read_compile_facts
+    from playbooks.steps.build.buildenv import env_prefix, read_compile_facts
 
     ext = _unpacked(_pypi_wheel("exllamav2==0.3.2", "exllamav2-0.3.2-*.whl"), "exllamav2/") / "exllamav2"
     torch_inc = _unpacked(_pypi_wheel("torch==2.7.1", "torch-2.7.1-cp311-*.whl"), "torch/include/") / "torch/include"

@@ -12,10 +12,10 @@ import pytest
 
 from playbooks.facts import gpu
 from playbooks.host.ops import OperationError, Record
-from playbooks.steps.build import BuildLayout
-from playbooks.steps.llamacpp_python import BindingsFacts, EnsureLlamaCppPython, bindings_stamp
-from playbooks.steps.llamacpp_source import Source
-from playbooks.steps.proven_build import Probe
+from playbooks.steps.build.build import BuildLayout
+from playbooks.steps.build.llamacpp_python import BindingsFacts, EnsureLlamaCppPython, bindings_stamp
+from playbooks.steps.build.llamacpp_source import Source
+from playbooks.steps.build.proven_build import Probe
 from tests.helpers import ROOT, fixture_body
 
 SOURCE = Source("llama-cpp-python==0.3.36", "0c1e570", ROOT / "x.tar.gz", "ab" * 32, "x/vendor/llama.cpp")

@@ -30,7 +30,7 @@ from playbooks.plan.gpus import GIB, MIB, get_gpu
 from playbooks.plan.model_config import load_config_file, shape_from_config
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, expert_layout, two_sided_tok_s
 from playbooks.plan.planner import Serving, evaluate, make_plan, smallest_n_cpu_moe
-from playbooks.steps.bench_run import ceilings
+from playbooks.steps.measure.bench_run import ceilings
 from tests.helpers import ROOT
 
 QWEN3 = "recipes/models/qwen3-30b-a3b.config.json"

@@ -25,7 +25,7 @@ from playbooks.facts.server_log import judge_load, parse_load_log
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.model_config import load_config_file
 from playbooks.plan.planner import Serving, evaluate
-from playbooks.steps.units import ServerLayout, llama_server_argv, render_service_files
+from playbooks.steps.serve.units import ServerLayout, llama_server_argv, render_service_files
 from tests.helpers import ROOT, fixture_body
 
 MOE_LOG = "llamacpp-load-h200-qwen3-30b-a3b-q4km-n-cpu-moe-24.log"

@@ -27,7 +27,7 @@ from playbooks.host.ops import (
     OperationError,
     Upload,
 )
-from playbooks.steps.toolchain import CudaFacts, EnsureCudaToolkit, EnsureTorch, EnsureVenv, TorchFacts
+from playbooks.steps.build.toolchain import CudaFacts, EnsureCudaToolkit, EnsureTorch, EnsureVenv, TorchFacts
 
 DATA = Path(__file__).parent / "data" / "operations"
 

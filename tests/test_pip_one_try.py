@@ -17,7 +17,7 @@ import pytest
 
 from playbooks.config.recipe import Toolchain
 from playbooks.facts.python import PIP_FIND_LINKS_COMMAND, parse_pip_find_links
-from playbooks.steps.toolchain import ONE_TRY, torch_install_command
+from playbooks.steps.build.toolchain import ONE_TRY, torch_install_command
 from tests.testhosts import free_port
 
 

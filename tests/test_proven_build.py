@@ -8,10 +8,10 @@ import hashlib
 import json
 from dataclasses import asdict
 
-from playbooks.steps.build import BuildInputs
-from playbooks.steps.exllamav2 import ExtInputs
-from playbooks.steps.llamacpp_python import BindingsInputs
-from playbooks.steps.proven_build import inputs_id
+from playbooks.steps.build.build import BuildInputs
+from playbooks.steps.build.exllamav2 import ExtInputs
+from playbooks.steps.build.llamacpp_python import BindingsInputs
+from playbooks.steps.build.proven_build import inputs_id
 
 
 def _old(label: str, fields: dict) -> str:  # what each step computed on its own before

@@ -15,9 +15,9 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts.artifacts import parse_gguf_check, parse_kld
 from playbooks.host.ops import OperationError, PushFile, Record, Upload
 from playbooks.plan.model_config import shape_from_config
-from playbooks.steps.build import BuildLayout
-from playbooks.steps.proven_build import Probe
-from playbooks.steps.quantize import (
+from playbooks.steps.build.build import BuildLayout
+from playbooks.steps.build.proven_build import Probe
+from playbooks.steps.weights.quantize import (
     ArtifactFacts,
     EnsureFp16Range,
     EnsureGguf,
@@ -341,7 +341,7 @@ def test_an_architecture_the_converter_does_not_know_is_one_line_before_any_work
 
 
 def test_calibration_text_is_the_recipes_file_the_tiny_models_words_or_the_shipped_text(tmp_path):
-    from playbooks.steps.quantize import calibration_text
+    from playbooks.steps.weights.quantize import calibration_text
 
     tiny = LocalWeights("tiny-llama-x", tmp_path, {}, {"generate": "tiny-llama"})
     real = LocalWeights("m-x", tmp_path, {}, {"path": str(tmp_path)})
@@ -363,7 +363,7 @@ def test_calibration_text_is_the_recipes_file_the_tiny_models_words_or_the_shipp
 def test_the_generated_models_id_changes_with_the_generator_not_only_the_config(tmp_path, monkeypatch):
     """The tiny model is cached under its id and never regenerated: a generator that writes
     something new (v2: a chat template) must make a new id for the same config."""
-    from playbooks.steps.quantize import generated_weights
+    from playbooks.steps.weights.quantize import generated_weights
     from playbooks.weights import tinymodel
 
     made = []

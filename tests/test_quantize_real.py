@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.steps.fleet_cache import FleetCache
+from playbooks.steps.build.fleet_cache import FleetCache
 from tests.helpers import ROOT, inventory_for, shared_ccache
 from tests.llamacpp_tools import TORCH_CPU, cpu_torch_wheel
 
@@ -82,7 +82,7 @@ def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, cap
     from playbooks.cli.quantize import run_artifacts, run_quantize
     from playbooks.cli.toolchain import run_toolchain
     from playbooks.conduct.settings import Settings
-    from playbooks.steps.llamacpp_source import source_cache_dir
+    from playbooks.steps.build.llamacpp_source import source_cache_dir
 
     links = _links()  # the test cache's torch wheel, before the cache is moved below
     real_sources = source_cache_dir()

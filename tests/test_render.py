@@ -14,7 +14,7 @@ import yaml
 from playbooks.config.recipe import list_recipes, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.units import (
+from playbooks.steps.serve.units import (
     RenderedFile,
     ServerLayout,
     exec_line,

@@ -1,4 +1,4 @@
-"""RPC workers (steps/rpc_worker.py, the recipe's rpc: entries): the worker's unit and the
+"""RPC workers (steps/serve/rpc_worker.py, the recipe's rpc: entries): the worker's unit and the
 server's flags, the refusals, and the operation's decision table. The real thing, workers
 started by systemd and a server split across them, is tests/test_rpc_split_real.py."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import RecipeError, VoltaforgeError
-from playbooks.steps.rpc_worker import RpcLayout, render_rpc_unit, rpc_worker_op, workers_on
-from playbooks.steps.unit_running import UnitFacts
-from playbooks.steps.units import parse_exec_start, render_llama_server_unit
+from playbooks.steps.serve.rpc_worker import RpcLayout, render_rpc_unit, rpc_worker_op, workers_on
+from playbooks.steps.serve.unit_running import UnitFacts
+from playbooks.steps.serve.units import parse_exec_start, render_llama_server_unit
 from tests.helpers import recipe_with
 from tests.test_units import exposure
 

@@ -17,7 +17,7 @@ from gguf import GGUFReader
 
 from playbooks.config.recipe import load_recipe
 from playbooks.host import connect
-from playbooks.steps.units import ServerLayout, render_llama_server_unit
+from playbooks.steps.serve.units import ServerLayout, render_llama_server_unit
 from playbooks.weights.tinymodel import CHAT_TEMPLATE, write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, spec_for

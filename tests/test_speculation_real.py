@@ -340,7 +340,7 @@ def test_each_workload_kind_is_sized_by_the_servers_own_count(models, tmp_path, 
     more tokens a word than prose, so the same word count would miss)."""
     from playbooks.config.recipe import Gate
     from playbooks.host.local import LocalHost
-    from playbooks.steps.bench_run import measure_level
+    from playbooks.steps.measure.bench_run import measure_level
 
     server = Server(models["successor"], [], tmp_path / f"{workload}.log")
     try:

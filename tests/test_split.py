@@ -29,7 +29,7 @@ from playbooks.plan.kv_cache import llamacpp_kv_bytes
 from playbooks.plan.model_config import load_config_file
 from playbooks.plan.planner import Serving, evaluate
 from playbooks.plan.split import CUDA_ALIGNMENT, layer_devices, layer_kv_bytes, layer_weights
-from playbooks.steps.units import render_service_files
+from playbooks.steps.serve.units import render_service_files
 from tests.helpers import ROOT, recipe_with
 
 MODELS = ROOT / "recipes" / "models"

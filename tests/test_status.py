@@ -24,7 +24,7 @@ from playbooks.facts import read_fact
 from playbooks.facts.deployments import deployments_command, parse_deployments
 from playbooks.host.local import LocalHost
 from playbooks.host.ops import Record, Shell
-from playbooks.steps.deploy import (
+from playbooks.steps.serve.deploy import (
     DeployLayout,
     EnsureServing,
     Expectations,
@@ -33,8 +33,8 @@ from playbooks.steps.deploy import (
     read_record,
     write_record,
 )
-from playbooks.steps.service_manager import Running, Systemd
-from playbooks.steps.units import ServerLayout, render_service_files
+from playbooks.steps.serve.service_manager import Running, Systemd
+from playbooks.steps.serve.units import ServerLayout, render_service_files
 from tests.helpers import ROOT
 from tests.testhosts import free_port
 

@@ -271,7 +271,7 @@ def test_the_image_holds_what_the_toolchain_step_would_apt_install():
     be installed there, so the image carries every one of them."""
     import re
 
-    from playbooks.steps.toolchain import BUILD_PACKAGES
+    from playbooks.steps.build.toolchain import BUILD_PACKAGES
     from testhosts import BUILD_ROOTFS_SCRIPT
 
     lists = re.findall(r'^packages="(?:\$packages,)?([^"]*)"$', BUILD_ROOTFS_SCRIPT.read_text(), re.M)

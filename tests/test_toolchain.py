@@ -20,7 +20,7 @@ from playbooks.config.inventory import resolve_host
 from playbooks.config.recipe import load_recipe
 from playbooks.host import connect
 from playbooks.host.ops import run_ops
-from playbooks.steps.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, toolchain_ops
+from playbooks.steps.build.toolchain import NONFREE_SOURCES, EnsureCudaToolkit, toolchain_ops
 from tests.helpers import fixture_body, inventory_for, recipe_with, spec_for
 from tests.llamacpp_tools import TORCH_CPU, cpu_torch_wheel
 
@@ -173,7 +173,7 @@ def test_dpkg_status_is_read_from_real_output():
 
 def test_build_tools_installed_only_when_missing():
     from playbooks.host.ops import OperationError, Shell
-    from playbooks.steps.toolchain import BUILD_PACKAGES, EnsureSystemPackages
+    from playbooks.steps.build.toolchain import BUILD_PACKAGES, EnsureSystemPackages
 
     op = EnsureSystemPackages(BUILD_PACKAGES, "test")
     assert op.decide((set(BUILD_PACKAGES), _os("debian"))).commands == ()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from playbooks.config.recipe import load_recipe
-from playbooks.steps import tune_search, tune_space
-from playbooks.steps.tune_space import Candidate
+from playbooks.steps.measure import tune_search, tune_space
+from playbooks.steps.measure.tune_space import Candidate
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_the_pareto_front_ranks_quality_by_kl_divergence_where_every_row_has_one
     """Bits per weight, unless quantize measured every measured quant's KL divergence: then
     the lower divergence is the better quality (a quant with more bits can be worse: Q5_1 vs
     Q5_K_M, issue 21). The divergences here are inputs, the front is what is tested."""
-    from playbooks.steps import tune_report
+    from playbooks.steps.measure import tune_report
 
     base = tune_space.base_candidate(v100_14b)
     space = tune_space.enumerate_space(base, quants=["Q4_K_M", "Q5_1", "Q5_K_M"])

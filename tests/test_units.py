@@ -9,7 +9,7 @@ import pytest
 
 from playbooks.config.recipe import list_recipes, load_recipe
 from playbooks.errors import VoltaforgeError
-from playbooks.steps.units import exec_line, render_llama_server_unit, systemd_quote
+from playbooks.steps.serve.units import exec_line, render_llama_server_unit, systemd_quote
 from tests.helpers import recipe_with, spec_for
 
 LLAMACPP = [p.stem for p in list_recipes() if load_recipe(p.stem).recipe.backend == "llamacpp"]

@@ -19,9 +19,9 @@ from playbooks.facts.artifacts import parse_hub_fetch
 from playbooks.facts.unreachable import Unreachable, network_cause, pip_unreachable
 from playbooks.host import LocalHost
 from playbooks.host.ops import OperationError, run_ops
-from playbooks.steps.llamacpp_source import fetch_sdist
-from playbooks.steps.quantize import EnsureHubWeights, HubWeights, ModelLayout
-from playbooks.steps.toolchain import EnsureTorch, index_named, run_pip
+from playbooks.steps.build.llamacpp_source import fetch_sdist
+from playbooks.steps.build.toolchain import EnsureTorch, index_named, run_pip
+from playbooks.steps.weights.quantize import EnsureHubWeights, HubWeights, ModelLayout
 from tests.helpers import FIXTURES, fixture_body
 
 PIP = {

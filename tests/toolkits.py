@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from playbooks.steps.buildenv import SYSTEM_PATH
+from playbooks.steps.build.buildenv import SYSTEM_PATH
 from tests.helpers import ROOT
 from tests.llamacpp_tools import cache_dir
 

@@ -17,7 +17,7 @@ wheelhouse with it):
   the sdist itself, plus ``ninja``: scikit-build-core asks pip for the ninja wheel when no
   ``ninja`` is on the host's PATH (the image has none; make would be its fallback only where
   no ninja wheel exists for the platform);
-- the converter's requirements (``playbooks.steps.quantize.CONVERT_REQUIREMENTS``).
+- the converter's requirements (``playbooks.steps.weights.quantize.CONVERT_REQUIREMENTS``).
 
 They are resolved together by ``pip download`` on the controller for the container's
 interpreter (CPython 3.11, glibc 2.36, x86_64: ``--python-version``/``--abi``/``--platform``,
@@ -65,7 +65,7 @@ BUILD_TOOLS = ("ninja",)
 def sdist_requirements() -> tuple[list[str], list[str]]:
     """(``[project] dependencies``, ``[build-system] requires``) of the pinned
     llama-cpp-python sdist, read from its pyproject.toml (the archive `invoke build` pushes)."""
-    from playbooks.steps.llamacpp_source import fetch_sdist
+    from playbooks.steps.build.llamacpp_source import fetch_sdist
 
     source = fetch_sdist(SDIST, "0c1e570")
     top = source.member.split("/", 1)[0]
@@ -79,7 +79,7 @@ def sdist_requirements() -> tuple[list[str], list[str]]:
 def requirements() -> list[str]:
     """The top-level requirements, sorted: torch pinned, the bindings' runtime and build
     requirements, the converter's."""
-    from playbooks.steps.quantize import CONVERT_REQUIREMENTS
+    from playbooks.steps.weights.quantize import CONVERT_REQUIREMENTS
 
     runtime, build = sdist_requirements()
     return sorted({f"torch=={TORCH_CPU}", *runtime, *build, *BUILD_TOOLS, *CONVERT_REQUIREMENTS})

@@ -1,5 +1,5 @@
 """`invoke bench`: the deployed server measured against its physical ceiling, the gate (exit 1
-when it fails), the reports and the history (steps/bench_run.py), shown as a table. Without a
+when it fails), the reports and the history (steps/measure/bench_run.py), shown as a table. Without a
 recipe (no flag, none in the configuration or the inventory) it measures the one the host's
 deployment record says it serves (conduct/deployed.py)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from playbooks.cli.render import console
 from playbooks.conduct.deploy import single_service
 from playbooks.conduct.settings import Settings
-from playbooks.steps.bench_report import compare, render_compare, render_sweep_table
-from playbooks.steps.bench_run import gate_run
+from playbooks.steps.measure.bench_report import compare, render_compare, render_sweep_table
+from playbooks.steps.measure.bench_run import gate_run
 
 
 def run_bench(

@@ -12,7 +12,7 @@ from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
 from playbooks.host.ops import Operation
-from playbooks.steps.build import LLAMACPP_TARGETS
+from playbooks.steps.build.build import LLAMACPP_TARGETS
 
 
 def run_build(

@@ -1,5 +1,5 @@
 """`invoke deploy` and `invoke stop`: the recipe's server on a host, from the rendered files and
-the verified artifact (steps/deploy.py), under systemd or as a managed process."""
+the verified artifact (steps/serve/deploy.py), under systemd or as a managed process."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from playbooks.conduct.provision import (
     resolve_targets,
 )
 from playbooks.conduct.settings import Settings
-from playbooks.steps.gate import figures_line
+from playbooks.steps.measure.gate import figures_line
 
 # ------------------------------------------------------------------------------------------
 # the summary

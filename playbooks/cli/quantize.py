@@ -23,7 +23,7 @@ from playbooks.facts import read_fact
 from playbooks.host import Host
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import EnsureDirectory, Operation, run_ops
-from playbooks.steps.artifact_copy import EnsureArtifactCopy
+from playbooks.steps.weights.artifact_copy import EnsureArtifactCopy
 
 
 def run_quantize(

@@ -12,7 +12,7 @@ from playbooks.cli import flags
 from playbooks.cli.render import console
 from playbooks.config.planning import refuse_unfit, resolve_n_cpu_moe
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
-from playbooks.steps.units import ServerLayout, render_service_files
+from playbooks.steps.serve.units import ServerLayout, render_service_files
 
 
 def output_dir(value: object) -> Path:

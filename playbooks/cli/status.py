@@ -31,10 +31,10 @@ from playbooks.facts.files import cat_command
 from playbooks.facts.fleet_units import UNITS_COMMAND, parse_units
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
-from playbooks.steps.balancer import parse_stats, stats_command
-from playbooks.steps.deploy import DeployLayout
-from playbooks.steps.gate import figures_line
-from playbooks.steps.service_manager import Manager, Running, Systemd
+from playbooks.steps.measure.gate import figures_line
+from playbooks.steps.serve.balancer import parse_stats, stats_command
+from playbooks.steps.serve.deploy import DeployLayout
+from playbooks.steps.serve.service_manager import Manager, Running, Systemd
 
 HEALTH = {200: "200 ready", 503: "503 loading", 0: "nothing listens"}
 

@@ -21,8 +21,8 @@ from playbooks.conduct.tune import Levers, TuneOptions, tune_host
 from playbooks.errors import UsageError
 from playbooks.host.output import Printer
 from playbooks.plan.gguf_size import FILE_TYPES
-from playbooks.steps import tune_report
-from playbooks.steps.tune_space import OBJECTIVES, Objective
+from playbooks.steps.measure import tune_report
+from playbooks.steps.measure.tune_space import OBJECTIVES, Objective
 
 CACHE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 #: the pinned llama.cpp's speculation types (common/speculative.cpp) tune can move: the

@@ -1,4 +1,4 @@
-"""`invoke lb`: HAProxy in front of a recipe's servers on several hosts (steps/balancer.py):
+"""`invoke lb`: HAProxy in front of a recipe's servers on several hosts (steps/serve/balancer.py):
 Debian's package, the rendered configuration and hardened unit, started and listening.
 The balancer runs under systemd only (its credential and its network filter are systemd's)."""
 
@@ -12,7 +12,8 @@ from playbooks.config.inventory import HostSpec
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
-from playbooks.steps.balancer import (
+from playbooks.steps.build.toolchain import EnsureSystemPackages
+from playbooks.steps.serve.balancer import (
     CONFIG_PATH,
     UNIT_NAME,
     Balancer,
@@ -20,10 +21,9 @@ from playbooks.steps.balancer import (
     render_haproxy_config,
     render_lb_unit,
 )
-from playbooks.steps.deploy import EnsureServiceFile, ServiceFile
-from playbooks.steps.toolchain import EnsureSystemPackages
-from playbooks.steps.unit_running import EnsureUnitRunning
-from playbooks.steps.units import UNIT_DIR
+from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
+from playbooks.steps.serve.unit_running import EnsureUnitRunning
+from playbooks.steps.serve.units import UNIT_DIR
 
 
 def same_host(a: HostSpec, b: HostSpec) -> bool:

@@ -10,13 +10,13 @@ from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
 from playbooks.host.ops import Operation
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.build import LLAMACPP_TARGETS, BuildLayout, build_ops
-from playbooks.steps.exllamav2 import EnsureExllamav2
-from playbooks.steps.fleet_cache import FleetCache
-from playbooks.steps.llamacpp_python import bindings_ops
-from playbooks.steps.llamacpp_source import fetch_sdist
-from playbooks.steps.tabbyapi import EnsureTabbyAPI
-from playbooks.steps.toolchain import venv_path
+from playbooks.steps.build.build import LLAMACPP_TARGETS, BuildLayout, build_ops
+from playbooks.steps.build.exllamav2 import EnsureExllamav2
+from playbooks.steps.build.fleet_cache import FleetCache
+from playbooks.steps.build.llamacpp_python import bindings_ops
+from playbooks.steps.build.llamacpp_source import fetch_sdist
+from playbooks.steps.build.tabbyapi import EnsureTabbyAPI
+from playbooks.steps.build.toolchain import venv_path
 
 
 def build_step(

@@ -1,5 +1,5 @@
 """The deploy step's operations: the recipe's server on a host, from the rendered files and the
-verified artifact (steps/deploy.py), under systemd or as a managed process; the server's
+verified artifact (steps/serve/deploy.py), under systemd or as a managed process; the server's
 manager and its one unit (what `invoke stop` and tune's scratch server use)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from playbooks.facts.system import SYSTEMD_COMMAND, parse_systemd
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.deploy import (
+from playbooks.steps.serve.deploy import (
     CheckPort,
     DeployLayout,
     EnsureModelLink,
@@ -30,17 +30,17 @@ from playbooks.steps.deploy import (
     require_systemd,
     systemd_only,
 )
-from playbooks.steps.exl2_convert import STAMP_NAME as EXL2_STAMP
-from playbooks.steps.exl2_convert import Exl2Layout
-from playbooks.steps.quantize import ModelLayout, manifest_path
-from playbooks.steps.service_manager import Manager, ProcessRunner, Systemd, process_argv, unit_environment
-from playbooks.steps.units import (
+from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Systemd, process_argv, unit_environment
+from playbooks.steps.serve.units import (
     RenderedFile,
     ServerLayout,
     default_gpu_indexes,
     parse_exec_start,
     render_service_files,
 )
+from playbooks.steps.weights.exl2_convert import STAMP_NAME as EXL2_STAMP
+from playbooks.steps.weights.exl2_convert import Exl2Layout
+from playbooks.steps.weights.quantize import ModelLayout, manifest_path
 
 ManagerChoice = Literal["auto", "systemd", "process"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from playbooks.config.inventory import HostSpec
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host.prefetch import Call
-from playbooks.steps.llamacpp_source import source_cache_dir
+from playbooks.steps.build.llamacpp_source import source_cache_dir
 
 VERSION = 1
 KEEP_DAYS = 30

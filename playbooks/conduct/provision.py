@@ -10,7 +10,7 @@ and a re-run after a failure resumes where it stopped: what was finished reads a
   cannot fit this GPU, with the plan's numbers; no NVIDIA driver; ...) stops the host before
   anything is downloaded or written.
 - deploy starts a changed service *gated*: the last deployment that passed stays the rollback
-  target until the gate (steps/gate.py) passes on the new one; a failed gate rolls back.
+  target until the gate (steps/measure/gate.py) passes on the new one; a failed gate rolls back.
 - The host lock is held for the whole run (a dry run only reads); Ctrl-C or a lost
   connection drops it (host/lock.py), and every step switches things in whole (builds and
   quantized files are made aside and renamed), so nothing is left half-switched.
@@ -49,9 +49,9 @@ from playbooks.host.lock import host_lock
 from playbooks.host.ops import Change, Decision, Operation, OperationError, run_ops, summarize
 from playbooks.host.output import BufferedPrinter
 from playbooks.host.prefetch import NotARead, Reads
-from playbooks.steps.deploy import EnsureServing
-from playbooks.steps.gate import EnsureGate
+from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.preflight import gather, judge, rpc_endpoints
+from playbooks.steps.serve.deploy import EnsureServing
 
 #: the built-in default: the tiny CPU recipe, which needs no GPU and no download
 DEFAULT_RECIPE = "tiny-cpu"

@@ -18,12 +18,13 @@ from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.planner import evaluate, serving_for
 from playbooks.plan.tensors import parameter_count
-from playbooks.steps.artifact_copy import Artifact
-from playbooks.steps.build import BuildLayout
-from playbooks.steps.exl2_convert import STAMP_NAME as EXL2_STAMP
-from playbooks.steps.exl2_convert import Exl2Layout, exl2_ops
-from playbooks.steps.llamacpp_source import source_cache_dir
-from playbooks.steps.quantize import (
+from playbooks.steps.build.build import BuildLayout
+from playbooks.steps.build.llamacpp_source import source_cache_dir
+from playbooks.steps.build.toolchain import venv_path
+from playbooks.steps.weights.artifact_copy import Artifact
+from playbooks.steps.weights.exl2_convert import STAMP_NAME as EXL2_STAMP
+from playbooks.steps.weights.exl2_convert import Exl2Layout, exl2_ops
+from playbooks.steps.weights.quantize import (
     EnsureConvertDeps,
     EnsureFp16Range,
     EnsureGguf,
@@ -38,7 +39,6 @@ from playbooks.steps.quantize import (
     generated_weights,
     path_weights,
 )
-from playbooks.steps.toolchain import venv_path
 
 #: the fixed prompt every GGUF is run on (words of the tiny model's syllables are real text to
 #: a real tokenizer too)

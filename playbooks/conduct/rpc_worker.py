@@ -1,6 +1,6 @@
 """`invoke rpc-worker`: the operations that make a host an RPC worker of a recipe: the same
 toolchain and llama.cpp build as any host (the worker's protocol is its build's), then one
-hardened ggml-rpc-server unit per endpoint the recipe gives this host (steps/rpc_worker.py).
+hardened ggml-rpc-server unit per endpoint the recipe gives this host (steps/serve/rpc_worker.py).
 Workers run under systemd only: their network filter (IPAddressAllow) is systemd's."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from playbooks.conduct.toolchain import toolchain_step
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
 from playbooks.host.ops import Operation
-from playbooks.steps.deploy import EnsureServiceFile, ServiceFile
-from playbooks.steps.rpc_worker import RpcLayout, render_rpc_unit, rpc_worker_op, unit_path, workers_on
+from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
+from playbooks.steps.serve.rpc_worker import RpcLayout, render_rpc_unit, rpc_worker_op, unit_path, workers_on
 
 
 def rpc_worker_ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:

@@ -6,7 +6,7 @@ from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
 from playbooks.host.ops import Operation
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.toolchain import toolchain_ops
+from playbooks.steps.build.toolchain import toolchain_ops
 
 
 def toolchain_step(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:

@@ -3,7 +3,7 @@ keep what measurably wins.
 
 The loop, per host (compute first, act second):
 
-1. The space (steps/tune_space.py): the recipe's levers, each candidate planned; what cannot
+1. The space (steps/measure/tune_space.py): the recipe's levers, each candidate planned; what cannot
    fit or breaks a rule is pruned with a count per reason; the rest is ordered by predicted
    speed.
 2. The live service: when the plan says a candidate fits beside it (its memory and the
@@ -14,7 +14,7 @@ The loop, per host (compute first, act second):
 3. Each candidate: its artifact reused (made by the quantize step only when missing), served
    by the deploy step's own operations under a scratch unit (``voltaforge-tune``) on a
    scratch port, benched with the bench's repeats (steps/bench_run.measure_level), stopped.
-   Successive halving (steps/tune_search.py) measures the promising ones longer, within the
+   Successive halving (steps/measure/tune_search.py) measures the promising ones longer, within the
    budget. A measurement is kept by its inputs (the build, the artifact's sha256, the unit's
    command line, the workload), so a re-run measures nothing it already has.
 4. The winner (ties to the simpler configuration) is written as a recipe with a comment saying
@@ -55,13 +55,13 @@ from playbooks.host.lock import host_lock
 from playbooks.host.ops import Change, Command, run_command, run_ops
 from playbooks.host.output import Printer
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps import tune_report
-from playbooks.steps.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
-from playbooks.steps.deploy import DeployLayout
-from playbooks.steps.quantize import ModelLayout, manifest_path
-from playbooks.steps.tune_search import Measured, Verdict, choose, objective_figure, successive_halving
-from playbooks.steps.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
-from playbooks.steps.units import ServerLayout, render_service_files
+from playbooks.steps.measure import tune_report
+from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
+from playbooks.steps.measure.tune_search import Measured, Verdict, choose, objective_figure, successive_halving
+from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
+from playbooks.steps.serve.deploy import DeployLayout
+from playbooks.steps.serve.units import ServerLayout, render_service_files
+from playbooks.steps.weights.quantize import ModelLayout, manifest_path
 
 SCRATCH_UNIT = "voltaforge-tune.service"
 SCRATCH_SERVICE = SCRATCH_UNIT.removesuffix(".service")

@@ -45,7 +45,7 @@ def parse_list_dir(output: str) -> tuple[str, ...]:
 CCACHE_COMMAND = "command -v ccache 2>/dev/null || true"
 
 # The build tools on the host's own PATH, found once and then run by absolute path: a compile
-# runs with a PATH of the system directories and the chosen CUDA only (steps/buildenv.py), so a
+# runs with a PATH of the system directories and the chosen CUDA only (steps/build/buildenv.py), so a
 # cmake in /usr/local/bin or a venv (pip's cmake, Kitware's installer) is not on it.
 BUILD_TOOLS = ("cmake", "make", "ninja")
 BUILD_TOOLS_COMMAND = "; ".join(f'echo "{t}=$(command -v {t} 2>/dev/null)"' for t in BUILD_TOOLS)

@@ -301,7 +301,7 @@ def draft_vram(draft: DraftPlan, s: Serving, ctx: int, gpu: Gpu) -> tuple[int, i
     common_speculative_init_result) llama-server gives the draft its own context with the
     target's parameters except: n_ctx = llama_n_ctx(ctx_tgt), the target's whole context (all
     slots); the KV cache types of -ctkd/-ctvd (f16 unless given: voltaforge renders the recipe's
-    cache types there, steps/units.py); one output row per slot. The same -ub, -fa and slots, so
+    cache types there, steps/serve/units.py); one output row per slot. The same -ub, -fa and slots, so
     its compute buffer is the same worst-case graph walked for the draft's shape."""
     tokens = ctx * s.parallel
     weights = _weights(draft.shape, draft.quant, s)[1]

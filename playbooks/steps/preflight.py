@@ -22,7 +22,7 @@ from playbooks.host.base import Host
 from playbooks.plan.gpus import GIB, Gpu, get_gpu, gpu_from_nvidia_name, size_text
 from playbooks.plan.planner import Plan
 from playbooks.plan.tensors import parameter_count
-from playbooks.steps.deploy import systemd_only
+from playbooks.steps.serve.deploy import systemd_only
 
 # Minimum Linux driver per CUDA major release (NVIDIA's CUDA compatibility table, minor
 # version compatibility): 11.x needs >= 450.80.02, 12.x needs >= 525.60.13.
@@ -421,7 +421,7 @@ def check_cuda(cx: Context) -> list[Check]:
                 "mixed-toolkits",
                 "warn",
                 mixed,
-                "voltaforge's build environment pins one toolkit (playbooks/steps/buildenv.py); by hand: "
+                "voltaforge's build environment pins one toolkit (playbooks/steps/build/buildenv.py); by hand: "
                 "PATH=<toolkit>/bin:/usr/sbin:/usr/bin:/sbin:/bin CUDA_HOME=<root> CUDAToolkit_ROOT=<root> "
                 "CUDACXX=<nvcc> (root /usr for Debian's package)",
             )

@@ -43,7 +43,7 @@ from playbooks.host.ops import (
     Shell,
 )
 from playbooks.plan.gpus import size_text
-from playbooks.steps.buildenv import (
+from playbooks.steps.build.buildenv import (
     BuildFacts,
     env_prefix,
     generator_flags,
@@ -51,9 +51,9 @@ from playbooks.steps.buildenv import (
     read_compile_facts,
     require_cmake,
 )
-from playbooks.steps.fleet_cache import FleetCache
-from playbooks.steps.llamacpp_source import Source, file_sha256
-from playbooks.steps.proven_build import Probe, inputs_id, run_proven, stamp_bytes
+from playbooks.steps.build.fleet_cache import FleetCache
+from playbooks.steps.build.llamacpp_source import Source, file_sha256
+from playbooks.steps.build.proven_build import Probe, inputs_id, run_proven, stamp_bytes
 
 #: What the later steps run: serve, quantize (+ imatrix), measure quality and speed.
 LLAMACPP_TARGETS = (

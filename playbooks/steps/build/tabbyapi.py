@@ -13,7 +13,7 @@ first way that works:
 The tree lands in ``<prefix>/tabbyAPI`` with a marker holding the sha; its Python
 dependencies go into the toolchain venv with the pinned torch named, so the resolver can
 not move it (TabbyAPI's own torch/exllamav2 pins live in extras we do not install: exllamav2
-is built for the host by ``steps/exllamav2.py``). Proof: its ExLlamaV2 backend imports in the
+is built for the host by ``steps/build/exllamav2.py``). Proof: its ExLlamaV2 backend imports in the
 venv.
 """
 
@@ -27,9 +27,9 @@ from playbooks.config.recipe import Toolchain
 from playbooks.facts import read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, PushFile, Shell
-from playbooks.steps.llamacpp_source import file_sha256, source_cache_dir
-from playbooks.steps.proven_build import Probe, run_proven
-from playbooks.steps.toolchain import pip_install_keeping_torch
+from playbooks.steps.build.llamacpp_source import file_sha256, source_cache_dir
+from playbooks.steps.build.proven_build import Probe, run_proven
+from playbooks.steps.build.toolchain import pip_install_keeping_torch
 
 MARKER = ".voltaforge-ref"
 PROOF = "import main, backends.exllamav2.model; print('tabbyAPI', 'ok')"

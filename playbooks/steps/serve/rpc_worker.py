@@ -8,7 +8,7 @@ loopback and the entry's `allow_from` (the protocol has no authentication; READM
 one card"). One unit per endpoint: `voltaforge-rpc-<port>.service`.
 
 rpc_worker_op: the unit runs what was rendered on the build `current` points at
-(steps/unit_running.py), else it is (re)started and must accept connections.
+(steps/serve/unit_running.py), else it is (re)started and must accept connections.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from playbooks.config.recipe import Recipe, RpcWorker
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.unit_running import EnsureUnitRunning
-from playbooks.steps.units import UNIT_DIR, exec_line, template_env
+from playbooks.steps.serve.unit_running import EnsureUnitRunning
+from playbooks.steps.serve.units import UNIT_DIR, exec_line, template_env
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ from playbooks.host.base import Host
 from playbooks.host.commands import check_path
 from playbooks.host.ops import Command, Decision, Operation, OperationError, Record, Shell, Upload
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
-from playbooks.steps.buildenv import env_prefix
-from playbooks.steps.proven_build import Probe, run_proven
+from playbooks.steps.build.buildenv import env_prefix
+from playbooks.steps.build.proven_build import Probe, run_proven
 
 #: ``python -m`` target: the converter module of the installed wheel (see the module doc).
 CONVERTER = "exllamav2.conversion.convert_exl2"

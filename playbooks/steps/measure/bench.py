@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from playbooks.steps.bench_client import Sample
-from playbooks.steps.bench_stats import arrivals, estimate
+from playbooks.steps.measure.bench_client import Sample
+from playbooks.steps.measure.bench_stats import arrivals, estimate
 
 #: the client's decode rate must agree with the server's own this closely
 CROSSCHECK_TOLERANCE = 0.05

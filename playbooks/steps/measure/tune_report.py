@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from playbooks.steps.tune_search import Measured, Verdict, latest
-from playbooks.steps.tune_space import Planned, Space
+from playbooks.steps.measure.tune_search import Measured, Verdict, latest
+from playbooks.steps.measure.tune_space import Planned, Space
 
 #: below this share of the single-stream roofline a candidate is named with a likely cause
 FAR_BELOW = 0.3

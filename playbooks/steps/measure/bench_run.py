@@ -34,11 +34,11 @@ from playbooks.plan.gpus import get_gpu
 from playbooks.plan.moe import two_sided_tok_s
 from playbooks.plan.tensors import parameter_count
 from playbooks.resources import resource_dir
-from playbooks.steps import bench, bench_client
-from playbooks.steps.bench_report import append_history, read_history, write_reports
-from playbooks.steps.bench_stats import estimate, settled
-from playbooks.steps.deploy import DeployLayout, read_record
-from playbooks.steps.llamacpp_source import source_cache_dir
+from playbooks.steps.build.llamacpp_source import source_cache_dir
+from playbooks.steps.measure import bench, bench_client
+from playbooks.steps.measure.bench_report import append_history, read_history, write_reports
+from playbooks.steps.measure.bench_stats import estimate, settled
+from playbooks.steps.serve.deploy import DeployLayout, read_record
 
 #: per request: generous for a slow host, short enough that a hung server fails the run
 REQUEST_TIMEOUT_S = 300.0

@@ -45,11 +45,11 @@ from typing import Any
 from playbooks.facts import builds, gpu, python, read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell
-from playbooks.steps.build import BuildLayout
-from playbooks.steps.buildenv import SYSTEM_PATH, env_prefix
-from playbooks.steps.llamacpp_source import Source
-from playbooks.steps.proven_build import Probe, inputs_id, run_proven
-from playbooks.steps.toolchain import EnsureVenv
+from playbooks.steps.build.build import BuildLayout
+from playbooks.steps.build.buildenv import SYSTEM_PATH, env_prefix
+from playbooks.steps.build.llamacpp_source import Source
+from playbooks.steps.build.proven_build import Probe, inputs_id, run_proven
+from playbooks.steps.build.toolchain import EnsureVenv
 
 DIST = "llama_cpp_python"
 STAMP_NAME = "voltaforge-llama-cpp-python.json"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from playbooks.steps.llamacpp_source import source_cache_dir
+from playbooks.steps.build.llamacpp_source import source_cache_dir
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from playbooks.steps.bench_client import Sample
+from playbooks.steps.measure.bench_client import Sample
 
 #: two-sided 95% Student t quantiles (t_{0.975, df}) for df = 1..30, from the standard tables
 _T975 = (

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from playbooks.steps.bench_stats import distinct
-from playbooks.steps.tune_space import Candidate, Objective, Planned, simplicity
+from playbooks.steps.measure.bench_stats import distinct
+from playbooks.steps.measure.tune_space import Candidate, Objective, Planned, simplicity
 
 
 @dataclass

@@ -52,7 +52,7 @@ from playbooks.host.base import Host
 from playbooks.host.commands import check_path
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell, Upload, run_command
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.service_manager import Manager, ProcessRunner, Running
+from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Running
 
 #: the fingerprint's format: bump when what it covers changes
 FINGERPRINT_VERSION = 1

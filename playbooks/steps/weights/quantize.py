@@ -54,11 +54,11 @@ from playbooks.plan.gguf_size import estimate_gguf
 from playbooks.plan.gpus import size_text
 from playbooks.plan.model_config import ModelShape
 from playbooks.resources import resource_dir
-from playbooks.steps.build import BuildLayout
-from playbooks.steps.buildenv import env_prefix
-from playbooks.steps.llamacpp_source import file_sha256
-from playbooks.steps.proven_build import Probe, build_failure
-from playbooks.steps.toolchain import pip_install_keeping_torch, read_local_wheels, run_pip
+from playbooks.steps.build.build import BuildLayout
+from playbooks.steps.build.buildenv import env_prefix
+from playbooks.steps.build.llamacpp_source import file_sha256
+from playbooks.steps.build.proven_build import Probe, build_failure
+from playbooks.steps.build.toolchain import pip_install_keeping_torch, read_local_wheels, run_pip
 
 SOURCE_MANIFEST = ".voltaforge-source.json"
 #: convert_hf_to_gguf.py's imports (vendor/llama.cpp/requirements/requirements-convert_hf_to_gguf.txt),

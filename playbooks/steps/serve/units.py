@@ -21,7 +21,7 @@ from playbooks.config.recipe import Recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import get_gpu
 from playbooks.resources import resource_dir
-from playbooks.steps.toolchain import venv_path
+from playbooks.steps.build.toolchain import venv_path
 
 TEMPLATES = resource_dir("templates")
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
@@ -150,7 +150,7 @@ class ServerLayout:
 
     @property
     def tabbyapi_dir(self) -> str:
-        # where steps/tabbyapi.py installs the pinned tree
+        # where steps/build/tabbyapi.py installs the pinned tree
         return f"{self.prefix}/tabbyAPI"
 
     @property

@@ -1,5 +1,5 @@
 """The smoke-benchmark gate as the last operation of a provision: the deployment that just
-started is measured (steps/bench_run.py) and either becomes the one later failures roll back
+started is measured (steps/measure/bench_run.py) and either becomes the one later failures roll back
 to, or is rolled back itself.
 
 Idempotent like every operation: the verdict is kept in the deployment record on the host,
@@ -23,9 +23,9 @@ from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import HostError
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, Record
-from playbooks.steps import bench
-from playbooks.steps.bench_run import gate_run
-from playbooks.steps.deploy import EnsureServing, good_of, read_record, write_record
+from playbooks.steps.measure import bench
+from playbooks.steps.measure.bench_run import gate_run
+from playbooks.steps.serve.deploy import EnsureServing, good_of, read_record, write_record
 
 
 def criteria_hash(loaded: LoadedRecipe) -> str:

@@ -32,9 +32,9 @@ from playbooks.config.recipe import Toolchain
 from playbooks.facts import builds, cuda, python, read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell
-from playbooks.steps.buildenv import BuildFacts, compile_env, env_prefix, read_compile_facts, torch_arch_list
-from playbooks.steps.proven_build import Probe, inputs_id, run_proven
-from playbooks.steps.toolchain import pip_install_keeping_torch
+from playbooks.steps.build.buildenv import BuildFacts, compile_env, env_prefix, read_compile_facts, torch_arch_list
+from playbooks.steps.build.proven_build import Probe, inputs_id, run_proven
+from playbooks.steps.build.toolchain import pip_install_keeping_torch
 
 EXT = "exllamav2_ext"
 STAMP_NAME = "voltaforge-exllamav2.json"

@@ -33,7 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from playbooks.errors import VoltaforgeError
-from playbooks.steps.bench_stats import distinct
+from playbooks.steps.measure.bench_stats import distinct
 
 REPORT_FILES = {"json": "bench.json", "markdown": "bench.md", "png": "bench.png"}
 

@@ -20,7 +20,7 @@ from playbooks.facts import read_fact
 from playbooks.facts.server_log import journal_command
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, Shell
-from playbooks.steps.service_manager import Systemd
+from playbooks.steps.serve.service_manager import Systemd
 
 #: how long a started unit may take to accept connections (it loads no model)
 LISTEN_TIMEOUT_S = 60

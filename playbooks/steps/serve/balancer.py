@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from playbooks.config.recipe import Recipe
 from playbooks.errors import VoltaforgeError
-from playbooks.steps.units import ServerLayout, template_env
+from playbooks.steps.serve.units import ServerLayout, template_env
 
 UNIT_NAME = "voltaforge-lb.service"
 CONFIG_PATH = "/etc/voltaforge/lb/haproxy.cfg"
