@@ -2,13 +2,14 @@
 # Builds the Debian 12 (bookworm) root filesystem that tests/testhosts.py boots with
 # systemd-nspawn (the `nspawn_host` fixture), and caches it as a zstd tarball:
 #
-#     ${VOLTAFORGE_CACHE:-$HOME/.cache/voltaforge}/rootfs-bookworm-v2.tar.zst
+#     ${VOLTAFORGE_CACHE:-$HOME/.cache/voltaforge}/rootfs-bookworm-v3.tar.zst
 #
 # The name carries the image's version: bump it whenever the package list or the changes
 # below change, so every cache (developer machines, CI) builds the new image instead of
 # booting the old one (tests/testhosts.py names the same file: ROOTFS_TARBALL).
 # v1 (rootfs-bookworm.tar.zst): a bootable host; v2: plus what provisioning the tiny-cpu
-# recipe needs on a host without internet (build-essential, cmake, ccache, python3-venv).
+# recipe needs on a host without internet (build-essential, cmake, ccache, python3-venv);
+# v3: plus haproxy, the package `invoke lb` installs (the container has no apt source to reach).
 #
 # Idempotent: if the tarball exists, nothing is done (pass --force to rebuild).
 # Needs root, debootstrap, zstd and network access to a Debian mirror. Measured for v2 on
@@ -35,6 +36,8 @@
 #   build-essential            gcc, g++, make, libc6-dev: compiles llama.cpp (make is cmake's
 #                              generator for the server) and the llama-cpp-python bindings;
 #                              `gcc --version` is a build input
+#   haproxy                    what `invoke lb` apt-installs (Debian's package), already here
+#                              because the container reaches no apt source
 #   cmake                      configures llama.cpp (3.25; the bindings' scikit-build-core
 #                              wants >= 3.21, else it would pip-install a cmake wheel)
 #   ccache                     the build step uses it when present (CCACHE_DIR under the
@@ -65,10 +68,13 @@ case "${1:-}" in
 esac
 
 cache="${VOLTAFORGE_CACHE:-$HOME/.cache/voltaforge}"
-tarball="$cache/rootfs-bookworm-v2.tar.zst"
+tarball="$cache/rootfs-bookworm-v3.tar.zst"
 suite=bookworm
 packages="systemd,systemd-sysv,dbus,openssh-server,python3,curl,iproute2,sudo,libnss-myhostname,ca-certificates"
 packages="$packages,build-essential,cmake,ccache,python3-venv"
+# installed by apt after debootstrap: in --include, haproxy's dependency on adduser made
+# debootstrap extract adduser twice ("Tried to extract package, but file already exists")
+late_packages="haproxy"
 
 if [ -s "$tarball" ] && [ "$force" = 0 ]; then
     echo "build-test-rootfs: $tarball exists, nothing to do"
@@ -99,7 +105,7 @@ mirror="${VOLTAFORGE_DEBIAN_MIRROR:-$(detect_mirror)}"
 
 mkdir -p "$cache"
 # One builder at a time (parallel CI jobs sharing a cache wait for the first one).
-exec 9>"$cache/.rootfs-bookworm-v2.lock"
+exec 9>"$cache/.rootfs-bookworm-v3.lock"
 flock 9
 if [ -s "$tarball" ] && [ "$force" = 0 ]; then
     echo "build-test-rootfs: $tarball was built meanwhile, nothing to do"
@@ -124,6 +130,13 @@ start=$(date +%s)
 echo "build-test-rootfs: debootstrap $suite from $mirror into $rootfs"
 debootstrap --variant=minbase --include="$packages" "$suite" "$rootfs" "$mirror"
 boot_done=$(date +%s)
+# no service starts inside the chroot while packages install (policy-rc.d: 101 = refused)
+printf '#!/bin/sh\nexit 101\n' >"$rootfs/usr/sbin/policy-rc.d"
+chmod 0755 "$rootfs/usr/sbin/policy-rc.d"
+chroot "$rootfs" apt-get update -qq
+# shellcheck disable=SC2086
+DEBIAN_FRONTEND=noninteractive chroot "$rootfs" apt-get install -y -qq --no-install-recommends $late_packages
+rm -f "$rootfs/usr/sbin/policy-rc.d"
 
 rm -f "$rootfs/etc/hostname"
 : >"$rootfs/etc/machine-id"

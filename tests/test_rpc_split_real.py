@@ -7,7 +7,10 @@
 2. `invoke provision` of the recipe whose server dials them: its deploy holds the load log to
    the plan device by device (layers, weights, KV cache) and fails otherwise, then the gate
    runs. The record's buffers equal the plan here too, and a chat completion answers.
-3. `invoke status` lists both workers beside the server; one stopped: status says so, and
+3. `invoke lb` puts HAProxy in front of that server, as a systemd unit (DynamicUser, the
+   hardened unit as rendered), answering through it; a second run changes nothing.
+4. `invoke status` lists both workers and the balancer with its backend up and its requests
+   beside the server; a worker stopped: status says so, and
    provision's preflight refuses in one line, naming the endpoint, before anything changes.
 """
 
@@ -28,6 +31,7 @@ from tests.test_provision_real import answers, inventory, provision, record, see
 
 pytestmark = pytest.mark.slow
 UNITS = ("voltaforge-rpc-18152.service", "voltaforge-rpc-18153.service")
+LB = "voltaforge-lb.service"
 
 
 def rpc_recipe(tmp_path: Path, host) -> Path:
@@ -49,6 +53,14 @@ def rpc_worker(inv: Path, *extra: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "invoke", "-r", str(ROOT), "rpc-worker", "--host", "box", "--inventory", str(inv),
          *extra],
         cwd=inv.parent, capture_output=True, text=True, timeout=3000,
+    )  # fmt: skip
+
+
+def lb(inv: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "lb", "--host", "box", "--hosts", "box", "--port", "18000",
+         "--inventory", str(inv), *extra],
+        cwd=inv.parent, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
 
 
@@ -104,12 +116,30 @@ def test_a_model_split_across_two_rpc_workers(seeded_ccache, provisionable_nspaw
     reply = answers(host, 18090)
     assert reply["choices"][0]["message"]["content"]
 
-    # the workers in `invoke status`, beside the server
-    listed = status(inv)
-    assert [(u["unit"], u["running"]) for u in listed["units"]] == [(u, True) for u in UNITS], listed
-    assert [s["service"] for s in listed["services"]] == ["voltaforge-llama-server"]
+    # the balancer in front of it, under systemd: a dry run installs nothing; then HAProxy runs
+    # as a DynamicUser unit and answers; a second run changes nothing
+    dry = lb(inv, "--dry-run")
+    assert dry.returncode == 0 and not active(host, LB), dry.stdout[-3000:] + dry.stderr[-2000:]
+    run = lb(inv)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert active(host, LB) and host.run_inside(f"systemctl show -p User --value {LB}").stdout.strip() != "root"
+    body = json.dumps({"prompt": "Hello", "max_tokens": 4})
+    through = host.run_inside(
+        f"curl -sf -m 30 http://127.0.0.1:18000/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+    ).stdout
+    assert json.loads(through)["choices"][0]["text"] is not None
+    again = lb(inv)
+    assert again.returncode == 0 and ": 0 changed," in again.stdout, again.stdout[-4000:]
 
-    # 3. a worker gone: preflight refuses in one line before anything changes; the unit stays
+    # the workers and the balancer in `invoke status`, beside the server
+    listed = status(inv)
+    units = {u["unit"]: u for u in listed["units"]}
+    assert [(u, units[u]["running"]) for u in UNITS] == [(u, True) for u in UNITS], listed
+    assert [s["service"] for s in listed["services"]] == ["voltaforge-llama-server"]
+    (backend,) = units[LB]["backends"]
+    assert backend["name"] == "box" and backend["up"] and backend["requests"] >= 1, units[LB]
+
+    # 4. a worker gone: preflight refuses in one line before anything changes; the unit stays
     unit_file = host.run_inside("cat /etc/systemd/system/voltaforge-llama-server.service").stdout
     host.run_inside(f"systemctl stop {UNITS[1]}")
     stopped = {u["unit"]: u for u in status(inv)["units"]}

@@ -101,7 +101,7 @@ SUDOERS_DIR = Path("/etc/sudoers.d")
 #: /30 subnets for veth pairs are taken from here (checked against addresses in use).
 VETH_POOL = ipaddress.ip_network("10.213.0.0/16")
 #: The cached image ci/build-test-rootfs.sh builds; its version is in the name (see there).
-ROOTFS_TARBALL = "rootfs-bookworm-v2.tar.zst"
+ROOTFS_TARBALL = "rootfs-bookworm-v3.tar.zst"
 #: Inside a provisionable container: the wheelhouse (read-only) and the shared ccache.
 CONTAINER_WHEELHOUSE = PurePosixPath("/opt/voltaforge-wheels")
 CONTAINER_CCACHE = PurePosixPath("/var/cache/voltaforge-ccache")
@@ -808,7 +808,7 @@ def _unpacked_rootfs(tarball: Path) -> Path:
     after unpacking and can be shared by parallel sessions. Unpacks to a temp dir and
     renames, so a half-unpacked tree is never used; stale trees of older tarballs are
     removed when no overlay uses them. Each image version unpacks under its own directory
-    (``rootfs-bookworm-v2.d``), so sessions of older checkouts booting the older image never
+    (``rootfs-bookworm-v3.d``), so sessions of older checkouts booting the older image never
     see their tree removed by this one.
     """
     st = tarball.stat()
