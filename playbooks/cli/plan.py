@@ -19,6 +19,7 @@ from playbooks.plan.kv_cache import LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory
 from playbooks.plan.planner import Serving, make_plan, quant_names, serving_for
+from playbooks.plan.split import device_count
 
 #: --parallel: more llama-server slots than any GPU's memory serves (the planner's arithmetic
 #: overflows a float long before a number of slots stops being a number)
@@ -105,7 +106,7 @@ def run_plan(
         cpu = get_gpu(gpu or r.gpu).is_cpu
         if cpu and count > 1:
             raise UsageError(f"--gpu-count {count}: {r.gpu if gpu is None else gpu} is a CPU target, it has no cards")
-        devices = len(r.rpc) + (0 if cpu else count)
+        devices = device_count(len(r.rpc), count, cpu)
         split = _split(devices, tensor_split if tensor_split is not None else r.tensor_split)
         if count > 1 and loaded.shape.is_moe:
             raise UsageError(f"--gpu-count {count}: a split of a mixture-of-experts model is not planned")

@@ -22,7 +22,7 @@ from playbooks.host.ops import Change
 from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
 from playbooks.plan.moe import OffloadStep
 from playbooks.plan.planner import Option, Plan
-from playbooks.plan.split import DeviceShare
+from playbooks.plan.split import DeviceShare, worst
 from playbooks.plan.tensors import active_parameter_count, parameter_count
 from playbooks.steps.preflight import Verdict
 
@@ -319,7 +319,7 @@ def _render_split(plan: Plan, c: Option, console: Console) -> None:
     elif c.fits:
         verdict = f"[green]fits: the fullest device has {c.headroom_bytes / MIB:,.0f} MiB left[/]"
     else:
-        full = next(d for d in c.devices if d.headroom_bytes == c.headroom_bytes)
+        full = worst(c.devices)
         over = -full.headroom_bytes / MIB
         verdict = f"[red]does not fit: device {full.index} ({escape(full.name)}) overflows by {over:,.0f} MiB[/]"
     console.print(

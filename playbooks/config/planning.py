@@ -16,6 +16,7 @@ from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, NCpuMoe, RamSource
 from playbooks.plan.objective import Objective
 from playbooks.plan.planner import DraftPlan, Plan, Serving, make_plan
+from playbooks.plan.split import worst
 
 #: a speed floor given as "none": no floor, the fastest quant of at least min_bpw
 NO_SPEED_FLOOR = "none"
@@ -162,7 +163,7 @@ def unfit_text(plan: Plan) -> str | None:
         return c.unfit_reason
     over = -c.headroom_bytes / 2**20
     if c.devices:
-        card = next(d for d in c.devices if d.headroom_bytes == c.headroom_bytes)
+        card = worst(c.devices)
         return (
             f"device {card.index} of {len(c.devices)} ({card.name}, layers {card.layers_text}) needs "
             f"{card.total_bytes / GIB:.2f} GiB "

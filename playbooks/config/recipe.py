@@ -22,6 +22,7 @@ from playbooks.plan.gpus import get_gpu, gpu_names
 from playbooks.plan.kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file, shape_from_config
 from playbooks.plan.objective import MIN_BPW, MIN_TOK_S
+from playbooks.plan.split import device_count
 from playbooks.resources import resource_dir
 
 RECIPES_DIR = resource_dir("recipes")
@@ -551,7 +552,7 @@ class Recipe(_Strict):
     def device_count(self) -> int:
         """The devices llama.cpp spreads the layers over: the RPC workers, then the local cards
         (none on a CPU target)."""
-        return len(self.rpc) + (0 if get_gpu(self.gpu).is_cpu else self.gpu_count)
+        return device_count(len(self.rpc), self.gpu_count, get_gpu(self.gpu).is_cpu)
 
     @property
     def split(self) -> bool:

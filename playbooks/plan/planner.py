@@ -14,6 +14,7 @@ Units: bytes everywhere inside; GiB (2^30) and GB (1e9) are labelled wherever sh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -44,7 +45,16 @@ from playbooks.plan.moe import (
     two_sided_tok_s,
 )
 from playbooks.plan.objective import Objective
-from playbooks.plan.split import CPU_ALIGNMENT, CUDA_ALIGNMENT, Device, DeviceShare, split_model, split_tok_s, worst
+from playbooks.plan.split import (
+    CPU_ALIGNMENT,
+    CUDA_ALIGNMENT,
+    Device,
+    DeviceShare,
+    device_count,
+    split_model,
+    split_tok_s,
+    worst,
+)
 from playbooks.plan.tensors import model_tensors, parameter_count
 
 CTX_STEP = 256  # llama.cpp pads its KV cache to 256 cells; contexts are planned in these steps
@@ -172,8 +182,8 @@ class Serving:
         return self.gpu_count > 1 or self.rpc_devices > 0
 
     def device_count(self, gpu: Gpu) -> int:
-        """Devices the layers go to: the RPC workers, then the local cards (none on a CPU)."""
-        return self.rpc_devices + (0 if gpu.is_cpu else self.gpu_count)
+        """Devices the layers go to (plan/split.py device_count)."""
+        return device_count(self.rpc_devices, self.gpu_count, gpu.is_cpu)
 
     def split_weights(self, gpu: Gpu) -> tuple[float, ...]:
         """--tensor-split as rendered: the given shares, or one part per device."""
@@ -530,10 +540,6 @@ def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: 
     def fits(ctx: int) -> bool:
         return all(d.headroom_bytes >= 0 for d in plan_split(shape, quant, gpu, s, ctx))
 
-    lo, hi = 0, shape.max_position_embeddings // CTX_STEP
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid * CTX_STEP) else (lo, mid - 1)
     per_layer_kv = kv_tok // shape.num_hidden_layers * s.context
     return Option(
         quant=quant,
@@ -548,7 +554,7 @@ def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: 
         overhead_bytes=sum(d.overhead_bytes for d in shares),
         vram_bytes=w.total_bytes,
         gpu_bytes=w.capacity_bytes,
-        max_ctx=lo * CTX_STEP,
+        max_ctx=largest_ctx(shape, fits),
         roofline_tok_s=split_tok_s(shares, network_s=network_s(s)),
         roofline_full_ctx_tok_s=split_tok_s(
             shares, [per_layer_kv * len(d.layers) for d in shares], network_s=network_s(s)
@@ -570,8 +576,14 @@ def _max_ctx(
     def fits(ctx: int) -> bool:
         return gpu_w + sum(_vram_at(shape, s, ctx, gpu, draft, expert_copy)) <= gpu.memory_bytes
 
+    return largest_ctx(shape, fits)
+
+
+def largest_ctx(shape: ModelShape, fits: Callable[[int], bool]) -> int:
+    """The largest per-slot context, a multiple of CTX_STEP up to the model's maximum, for which
+    `fits` holds (0: not even CTX_STEP). Memory grows with context, so bisection finds it."""
     lo, hi = 0, shape.max_position_embeddings // CTX_STEP
-    while lo < hi:  # VRAM grows with context, so the last fitting step is found by bisection
+    while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid * CTX_STEP):
             lo = mid

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from playbooks.errors import VoltaforgeError
 from playbooks.plan.gguf_size import assign_types, tensor_bytes
 from playbooks.plan.kv_cache import llamacpp_kv_bytes_per_token, llamacpp_kv_cells
 from playbooks.plan.model_config import ModelShape, is_swa_layer
@@ -51,14 +50,10 @@ CUDA_ALIGNMENT = 128
 CPU_ALIGNMENT = 32
 
 
-def check_tensor_split(weights: Sequence[float], n_devices: int) -> tuple[float, ...]:
-    """--tensor-split as given: one non-negative share per device, not all zero."""
-    w = tuple(float(x) for x in weights)
-    if len(w) != n_devices:
-        raise VoltaforgeError(f"tensor_split {list(w)} has {len(w)} part(s) for {n_devices} device(s)")
-    if any(not np.isfinite(x) or x < 0 for x in w) or not any(w):
-        raise VoltaforgeError(f"tensor_split {list(w)}: want non-negative shares, at least one above 0")
-    return w
+def device_count(rpc_workers: int, gpu_count: int, cpu: bool) -> int:
+    """The devices a split spreads layers over: the RPC workers, then the local cards (a CPU
+    target has none of its own: its layers go to the workers or stay on the CPU)."""
+    return rpc_workers + (0 if cpu else gpu_count)
 
 
 def layer_devices(n_layer: int, weights: Sequence[float]) -> list[int]:
@@ -199,7 +194,7 @@ def split_model(
 
 def worst(shares: Sequence[DeviceShare]) -> DeviceShare:
     """The device with the least headroom: the one a split fits or fails on."""
-    return min(shares, key=lambda s: (s.headroom_bytes, -s.index))
+    return min(shares, key=lambda s: (s.headroom_bytes, s.index))  # a tie: the first such device
 
 
 def split_tok_s(shares: Sequence[DeviceShare], extra_bytes: Sequence[int] = (), network_s: float = 0.0) -> float:
