@@ -80,3 +80,15 @@ def test_lb_on_a_host_without_systemd_is_refused_in_one_line(sshd_host, tmp_path
     with pytest.raises(VoltaforgeError, match="lb-01: systemd is not running there"):
         run_lb("lb-01", ["lb-01"], recipe="tiny-cpu", settings=Settings(inventory=inv))
     assert not (tmp_path / "prefix").exists()
+
+
+def test_the_running_check_probes_where_the_balancer_listens(tmp_path):
+    """A balancer bound to every address is checked on loopback; one bound to an address
+    (IPv6 loopback too) is checked there, not on 127.0.0.1 where nothing listens."""
+    r = load_recipe("tiny-cpu").recipe
+    keyed = load_recipe(recipe_with(tmp_path, "tiny-cpu", KEYED)).recipe
+    assert two(r).probe_address == "127.0.0.1"
+    assert two(r, bind="::1").probe_address == "::1"
+    assert two(keyed, bind="0.0.0.0").probe_address == "127.0.0.1"
+    assert two(keyed, bind="::").probe_address == "::1"
+    assert two(keyed, bind="10.0.0.9").probe_address == "10.0.0.9"

@@ -46,8 +46,8 @@ def balancer_ops_maker(lb_spec: HostSpec, backend_specs: Sequence[HostSpec], bin
             EnsureUnitRunning(
                 UNIT_NAME,
                 [config, unit],
-                f"{prefix}/deploy/voltaforge-lb/started.sha256",
-                ("127.0.0.1" if lb.loopback_only or bind in ("0.0.0.0", "::") else bind, port),
+                prefix,
+                (lb.probe_address, port),
                 sudo=sudo,
                 what=f"the load balancer on {bind}:{port}",
             ),

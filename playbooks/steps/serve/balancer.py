@@ -4,11 +4,12 @@ a hardened systemd unit (`invoke lb`).
 Why HAProxy and not nginx: its health checks are active (it asks each server's /health every
 couple of seconds, so a dead or still-loading server leaves the rotation before a user's
 request finds it, and comes back on its own), open source nginx checks passively only (a
-server is marked down after requests to it failed). Both relay a streamed response as it
-comes; HAProxy does so by default in HTTP mode, and it retries a connection a server refused
+server is marked down after requests to it failed). HAProxy relays a streamed response event by
+event with `option http-no-delay` (without it, measured: bursts; scripts/bench_lb_stream.py),
+and it retries a connection a server refused
 on another server (`retries` + `option redispatch`), which is what a restarting llama-server
 does. Its stats page (loopback only) gives each server's state and request count, which
-`invoke status` and `invoke bench --via-lb` read.
+`invoke status` reads.
 
 The API key, when the recipe has one, is checked at the edge from a systemd credential (never
 in the configuration), and passed on to the servers, which check it again.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from playbooks.config.recipe import Recipe
 from playbooks.errors import VoltaforgeError
-from playbooks.steps.serve.units import ServerLayout, template_env
+from playbooks.steps.serve.units import ServerLayout, render_template
 
 UNIT_NAME = "voltaforge-lb.service"
 CONFIG_PATH = "/etc/voltaforge/lb/haproxy.cfg"
@@ -86,6 +87,14 @@ class Balancer:
         return ServerLayout().api_key_file(self.recipe)
 
     @property
+    def probe_address(self) -> str:
+        """Where a check on its own host reaches it: its address, or loopback when it binds all."""
+        ip = ipaddress.ip_address(self.bind)
+        if ip.is_unspecified:
+            return "::1" if ip.version == 6 else "127.0.0.1"
+        return self.bind
+
+    @property
     def loopback_only(self) -> bool:
         return ipaddress.ip_address(self.bind).is_loopback
 
@@ -117,33 +126,27 @@ def backends_for(recipe: Recipe, hosts: Sequence[tuple[str, str, bool]]) -> tupl
 
 
 def render_haproxy_config(lb: Balancer) -> str:
-    return (
-        template_env()
-        .get_template("haproxy.cfg.j2")
-        .render(
-            name=lb.config_path,
-            bind=lb.bind,
-            port=lb.port,
-            api_key=bool(lb.api_key_file),
-            check_interval_ms=CHECK_INTERVAL_MS,
-            backends=lb.backends,
-            stats_port=lb.stats_port,
-        )
+    return render_template(
+        "haproxy.cfg.j2",
+        name=lb.config_path,
+        bind=lb.bind,
+        port=lb.port,
+        api_key=bool(lb.api_key_file),
+        check_interval_ms=CHECK_INTERVAL_MS,
+        backends=lb.backends,
+        stats_port=lb.stats_port,
     )
 
 
 def render_lb_unit(lb: Balancer) -> str:
-    return (
-        template_env()
-        .get_template("haproxy-lb.service.j2")
-        .render(
-            unit_name=UNIT_NAME,
-            recipe=lb.recipe.name,
-            config=lb.config_path,
-            api_key_file=lb.api_key_file,
-            loopback_only=lb.loopback_only,
-            peers=lb.peers,
-        )
+    return render_template(
+        "haproxy-lb.service.j2",
+        unit_name=UNIT_NAME,
+        recipe=lb.recipe.name,
+        config=lb.config_path,
+        api_key_file=lb.api_key_file,
+        loopback_only=lb.loopback_only,
+        peers=lb.peers,
     )
 
 

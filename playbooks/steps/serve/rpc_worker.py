@@ -20,7 +20,7 @@ from playbooks.config.recipe import Recipe, RpcWorker
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.serve.unit_running import EnsureUnitRunning
-from playbooks.steps.serve.units import UNIT_DIR, exec_line, template_env
+from playbooks.steps.serve.units import UNIT_DIR, exec_line, render_template
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,6 @@ class RpcLayout:
     @property
     def current(self) -> str:
         return f"{self.prefix}/llama.cpp/current"
-
-    @property
-    def fingerprint_file(self) -> str:
-        return f"{self.prefix}/deploy/{self.unit_name.removesuffix('.service')}/started.sha256"
 
 
 def workers_on(recipe: Recipe, host_name: str) -> list[RpcWorker]:
@@ -68,19 +64,16 @@ def render_rpc_unit(recipe: Recipe, worker: RpcWorker, layout: RpcLayout) -> str
     gpu = not get_gpu(recipe.gpu).is_cpu
     # PCI_BUS_ID: CUDA's index is nvidia-smi's and /dev/nvidia<i>'s (as for llama-server)
     environment = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", str(worker.gpu))] if gpu else []
-    return (
-        template_env()
-        .get_template("rpc-server.service.j2")
-        .render(
-            unit_name=layout.unit_name,
-            recipe=recipe.name,
-            endpoint=worker.endpoint,
-            exec_start=exec_line(rpc_argv(recipe, worker, layout)),
-            environment=environment,
-            allow_from=worker.allow_from,
-            gpu=gpu,
-            gpu_index=worker.gpu,
-        )
+    return render_template(
+        "rpc-server.service.j2",
+        unit_name=layout.unit_name,
+        recipe=recipe.name,
+        endpoint=worker.endpoint,
+        exec_start=exec_line(rpc_argv(recipe, worker, layout)),
+        environment=environment,
+        allow_from=worker.allow_from,
+        gpu=gpu,
+        gpu_index=worker.gpu,
     )
 
 
@@ -94,7 +87,7 @@ def rpc_worker_op(worker: RpcWorker, layout: RpcLayout, unit_text: str, sudo: bo
     return EnsureUnitRunning(
         layout.unit_name,
         [unit_text],
-        layout.fingerprint_file,
+        layout.prefix,
         (worker.address, worker.port),
         sudo=sudo,
         extra_command=f"readlink -f -- {shlex.quote(layout.current)} || true",

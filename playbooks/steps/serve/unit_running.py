@@ -6,7 +6,8 @@ a change of the unit, its configuration or the build it runs restarts it, and a 
 does not end listening fails with the unit's last log lines.
 
 What the unit was started from is a fingerprint (sha256 of the rendered texts and, when given,
-a fact such as the build `current` resolves to), kept in a state file once the start worked.
+a fact such as the build `current` resolves to), kept once the start worked in
+`<prefix>/deploy/<unit>/started.sha256`, beside deploy's own state.
 """
 
 from __future__ import annotations
@@ -41,14 +42,15 @@ class EnsureUnitRunning(Operation):
         self,
         unit: str,
         texts: Sequence[str],
-        state_file: str,
+        prefix: str,
         listen: tuple[str, int],
         *,
         sudo: bool = False,
         extra_command: str | None = None,
         what: str = "",
     ):
-        self.unit, self.texts, self.state_file, self.listen = unit, tuple(texts), state_file, listen
+        self.unit, self.texts, self.listen = unit, tuple(texts), listen
+        self.state_file = f"{prefix}/deploy/{unit.removesuffix('.service')}/started.sha256"
         self.sudo, self.extra_command = sudo, extra_command
         self.manager = Systemd(unit)
         self.name = f"Ensure {what or unit} runs ({unit})"

@@ -10,6 +10,7 @@ starts exactly the argv systemd would.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -300,7 +301,9 @@ class RenderedFile:
     kind: Literal["unit", "config", "env"]
 
 
-def template_env() -> jinja2.Environment:
+@functools.cache
+def _environment() -> jinja2.Environment:
+    # one environment for the process: it keeps each template compiled after its first render
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
@@ -309,6 +312,11 @@ def template_env() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
+
+
+def render_template(template: str, /, **values: object) -> str:
+    """templates/TEMPLATE rendered with these values (an undefined one is an error, not blank)."""
+    return _environment().get_template(template).render(**values)
 
 
 def _check_gpu_indexes(gpu_indexes: tuple[int, ...]) -> None:
@@ -357,21 +365,18 @@ def render_llama_server_unit(
     gpu = not get_gpu(recipe.gpu).is_cpu
     environment = _cuda_environment(gpu_indexes) if gpu else []
     _check_environment(environment)
-    text = (
-        template_env()
-        .get_template("llama-server.service.j2")
-        .render(
-            unit_name=layout.unit_name,
-            recipe=recipe.name,
-            exec_start=exec_line(argv, raw),
-            api_key_file=layout.api_key_file(recipe),
-            environment=environment,
-            environment_file=None,
-            gpu=gpu,
-            gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
-            loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
-            rpc_peers=rpc_peers(recipe),
-        )
+    text = render_template(
+        "llama-server.service.j2",
+        unit_name=layout.unit_name,
+        recipe=recipe.name,
+        exec_start=exec_line(argv, raw),
+        api_key_file=layout.api_key_file(recipe),
+        environment=environment,
+        environment_file=None,
+        gpu=gpu,
+        gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
+        loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+        rpc_peers=rpc_peers(recipe),
     )
     return RenderedUnit(layout.unit_name, text, argv)
 
@@ -387,21 +392,18 @@ def render_llama_server_template(
         raise VoltaforgeError(f"recipe {recipe.name}: one instance per GPU needs a GPU recipe, not {recipe.gpu}")
     argv, raw = llama_server_argv(recipe, layout, port="${VOLTAFORGE_PORT}", n_cpu_moe=n_cpu_moe)
     name = layout.template_unit_name
-    text = (
-        template_env()
-        .get_template("llama-server.service.j2")
-        .render(
-            unit_name=name,
-            recipe=recipe.name,
-            exec_start=exec_line(argv, raw),
-            api_key_file=layout.api_key_file(recipe),
-            environment=[("CUDA_DEVICE_ORDER", "PCI_BUS_ID")],
-            environment_file=layout.instance_env_file("%i"),
-            gpu=True,
-            gpu_devices=["/dev/nvidia%i"],
-            loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
-            rpc_peers=rpc_peers(recipe),
-        )
+    text = render_template(
+        "llama-server.service.j2",
+        unit_name=name,
+        recipe=recipe.name,
+        exec_start=exec_line(argv, raw),
+        api_key_file=layout.api_key_file(recipe),
+        environment=[("CUDA_DEVICE_ORDER", "PCI_BUS_ID")],
+        environment_file=layout.instance_env_file("%i"),
+        gpu=True,
+        gpu_devices=["/dev/nvidia%i"],
+        loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
+        rpc_peers=rpc_peers(recipe),
     )
     return RenderedUnit(name, text, argv)
 
@@ -432,22 +434,19 @@ def render_tabbyapi_config(recipe: Recipe, layout: ServerLayout = ServerLayout()
         raise VoltaforgeError(f"recipe {recipe.name}: cache {recipe.cache.k!r} is not a TabbyAPI cache mode")
     model_dir, model_name = layout.tabbyapi_model_link.rsplit("/", 1)
     total = recipe.context * recipe.parallel
-    return (
-        template_env()
-        .get_template("tabbyapi-config.yml.j2")
-        .render(
-            recipe=recipe.name,
-            host=recipe.service.bind,
-            port=recipe.service.port,
-            disable_auth=not recipe.service.api_key_ref,
-            model_dir=model_dir,
-            model_name=model_name,
-            max_seq_len=recipe.context,
-            # a multiple of 256 (TabbyAPI); ignored by ExLlamaV2 before Ampere, which sizes by max_seq_len
-            cache_size=-(-total // 256) * 256,
-            cache_mode=mode,
-            max_batch_size=recipe.parallel,
-        )
+    return render_template(
+        "tabbyapi-config.yml.j2",
+        recipe=recipe.name,
+        host=recipe.service.bind,
+        port=recipe.service.port,
+        disable_auth=not recipe.service.api_key_ref,
+        model_dir=model_dir,
+        model_name=model_name,
+        max_seq_len=recipe.context,
+        # a multiple of 256 (TabbyAPI); ignored by ExLlamaV2 before Ampere, which sizes by max_seq_len
+        cache_size=-(-total // 256) * 256,
+        cache_mode=mode,
+        max_batch_size=recipe.parallel,
     )
 
 
@@ -476,21 +475,17 @@ def render_tabbyapi_unit(
     environment = _cuda_environment(gpu_indexes)
     _check_environment(environment)
     name = layout.tabbyapi_unit_name
-    text = (
-        template_env()
-        .get_template("tabbyapi.service.j2")
-        .render(
-            unit_name=name,
-            recipe=recipe.name,
-            exec_start=exec_line(argv),
-            working_directory=layout.tabbyapi_serve_dir,
-            service=name.removesuffix(".service"),
-            tokens_file=layout.tabbyapi_tokens if recipe.service.api_key_ref else None,
-            environment=environment,
-            gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
-            loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
-            rpc_peers=rpc_peers(recipe),
-        )
+    text = render_template(
+        "tabbyapi.service.j2",
+        unit_name=name,
+        recipe=recipe.name,
+        exec_start=exec_line(argv),
+        working_directory=layout.tabbyapi_serve_dir,
+        service=name.removesuffix(".service"),
+        tokens_file=layout.tabbyapi_tokens if recipe.service.api_key_ref else None,
+        environment=environment,
+        gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
+        loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
     )
     return RenderedUnit(name, text, argv)
 
