@@ -104,15 +104,16 @@ def test_the_worker_runs_what_was_rendered_on_the_current_build():
 
 
 def test_preflight_refuses_a_worker_it_cannot_reach():
-    from playbooks.facts.rpc import parse_reach, reach_command
+    from playbooks.facts.rpc import parse_reach_timed, reach_command
     from playbooks.steps.preflight import judge
     from tests.test_preflight_judge import facts
 
     loaded = load_recipe("tiny-rpc-cpu")
     cmd = reach_command([w.endpoint for w in loaded.recipe.rpc])
     assert "/dev/tcp/127.0.0.1/18152" in cmd and cmd.count("timeout 3 bash -c") == 2
-    seen = parse_reach("127.0.0.1:18152 open\n127.0.0.1:18153 refused\ngarbage\n")
-    assert seen == {"127.0.0.1:18152": "open", "127.0.0.1:18153": "refused"}
+    timed = parse_reach_timed("127.0.0.1:18152 open 210\n127.0.0.1:18153 refused 90\ngarbage\n")
+    assert timed == {"127.0.0.1:18152": ("open", 0.21), "127.0.0.1:18153": ("refused", 0.09)}
+    seen = {e: state for e, (state, _) in timed.items()}
     v = judge(facts(rpc=seen), loaded, "/opt/voltaforge/models", "/opt/voltaforge")
     checks = [c for c in v.checks if c.name == "rpc-worker"]
     assert [c.status for c in checks] == ["pass", "fail"] and not v.ok
@@ -128,7 +129,7 @@ def test_the_probe_tells_refused_from_open_for_real():
     import socket
     import subprocess
 
-    from playbooks.facts.rpc import parse_reach, parse_reach_timed, reach_command
+    from playbooks.facts.rpc import parse_reach_timed, reach_command
 
     with socket.socket() as listening, socket.socket() as closed:
         listening.bind(("127.0.0.1", 0))
@@ -136,6 +137,7 @@ def test_the_probe_tells_refused_from_open_for_real():
         closed.bind(("127.0.0.1", 0))  # bound, not listening: the kernel refuses
         a, b = (f"127.0.0.1:{s.getsockname()[1]}" for s in (listening, closed))
         out = subprocess.run(["bash", "-c", reach_command([a, b])], capture_output=True, text=True, timeout=30)
-    assert parse_reach(out.stdout) == {a: "open", b: "refused"}
-    state, ms = parse_reach_timed(out.stdout)[a]
+    found = parse_reach_timed(out.stdout)
+    assert {e: state for e, (state, _) in found.items()} == {a: "open", b: "refused"}
+    state, ms = found[a]
     assert state == "open" and ms is not None and 0 < ms < 3000  # the connect time, for the plan's network hop

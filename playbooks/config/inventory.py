@@ -19,7 +19,7 @@ from playbooks.plan.gpus import get_gpu, gpu_names
 
 DEFAULT_INVENTORY = Path("inventory.yaml")
 DEFAULT_PREFIX = "/opt/voltaforge"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")
 _PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]*$")
 
@@ -64,7 +64,7 @@ class HostSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v):
-        if not _NAME_RE.match(v):
+        if not HOST_NAME_RE.match(v):
             raise ValueError("host names may hold letters, digits and . _ - (max 63)")
         return v
 

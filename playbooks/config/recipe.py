@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from playbooks.config.inventory import HOST_NAME_RE
 from playbooks.config.yamlfile import Lines, explain_validation, line_of, load_yaml
 from playbooks.errors import RecipeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
@@ -253,7 +254,7 @@ class RpcWorker(_Strict):
     @field_validator("worker")
     @classmethod
     def _worker(cls, v):
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", v):
+        if v is not None and not HOST_NAME_RE.match(v):
             raise ValueError("must be an inventory host name (letters, digits, . _ -)")
         return v
 

@@ -2,7 +2,7 @@
 a TCP connection to each endpoint (bash's /dev/tcp, 3 s each) and prints one line per endpoint:
 open, refused (nothing listens there) or timeout (no answer: a filter drops it, or the worker
 is busy: ggml-rpc-server serves one client at a time, and a running llama-server holds its
-connection, measured in tests/test_rpc_split_real.py). Garbage parses to "refused", never an
+connection, measured in tests/test_rpc_split_real.py). Garbage parses to nothing, never an
 exception."""
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ def reach_command(endpoints: Sequence[str]) -> str:
             f"echo {shlex.quote(e)} $s $(( ($(date +%s%N) - t) / 1000 ))"
         )
     return "; ".join(parts) or "true"
-
-
-def parse_reach(output: str) -> dict[str, str]:
-    """endpoint -> open | refused | timeout."""
-    return {e: state for e, (state, _) in parse_reach_timed(output).items()}
 
 
 def parse_reach_timed(output: str) -> dict[str, tuple[str, float | None]]:
