@@ -5,7 +5,8 @@ over real HTTP.
 - requests reach both servers (counted from the servers' own logs and from HAProxy's stats);
 - one server killed: new requests keep succeeding (a refused connection is retried on the
   other server, the health check takes the dead one out); restarted, it gets traffic again;
-- a streamed completion arrives through the balancer event by event, not in one burst;
+- a streamed completion arrives through the balancer event by event, not in bursts (judged
+  from the stream's own gaps, not against a fixed time);
 - with the recipe's API key: a request without it gets 401 at the edge, with it 200;
 - no healthy server: 503 with one clear JSON message, and one line in HAProxy's log.
 
@@ -19,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -152,11 +154,13 @@ def test_two_servers_behind_one_endpoint_survive_one_dying(model, tmp_path):
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     arrivals.append(time.monotonic())
-        spread = arrivals[-1] - arrivals[0]
-        gaps = sum(1 for a, b in zip(arrivals, arrivals[1:], strict=False) if b - a > 0.001)
-        print(f"\nstream: {len(arrivals)} events over {spread * 1000:.1f} ms, {gaps} apart by > 1 ms")
-        # one burst would arrive within a read or two; token by token, most are apart
-        assert len(arrivals) >= 48 and gaps >= 24, (len(arrivals), gaps)
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+        mean, median = sum(gaps) / len(gaps), statistics.median(gaps)
+        print(f"\nstream: {len(arrivals)} events, gaps: median {median * 1000:.1f} ms, mean {mean * 1000:.1f} ms")
+        # judged from the stream itself, whatever the machine's speed: events relayed one by one
+        # arrive about evenly (median gap near the mean); gathered into bursts, most arrive
+        # together (median gap 0.0 ms without http-no-delay: reports/local/lb-stream.json)
+        assert len(arrivals) >= 48 and median >= mean / 2, (len(arrivals), median, mean)
 
         # 5. nobody healthy: 503 now, one clear message, one log line
         for s in servers:
