@@ -26,12 +26,14 @@ def reach_command(endpoints: Sequence[str]) -> str:
             continue
         addr, port = m.groups()
         probe = f"exec 3<>/dev/tcp/{addr}/{port}"
+        # each endpoint in its own subshell, all at once: busy workers (one client at a time)
+        # cost one timeout together, not one each; a line is one short write, never interleaved
         parts.append(
-            f"t=$(date +%s%N); timeout {CONNECT_TIMEOUT_S} bash -c {shlex.quote(probe)} 2>/dev/null; "
+            f"( t=$(date +%s%N); timeout {CONNECT_TIMEOUT_S} bash -c {shlex.quote(probe)} 2>/dev/null; "
             f"case $? in 0) s=open;; 124) s=timeout;; *) s=refused;; esac; "
-            f"echo {shlex.quote(e)} $s $(( ($(date +%s%N) - t) / 1000 ))"
+            f"echo {shlex.quote(e)} $s $(( ($(date +%s%N) - t) / 1000 )) ) &"
         )
-    return "; ".join(parts) or "true"
+    return " ".join(parts) + " wait" if parts else "true"
 
 
 def parse_reach_timed(output: str) -> dict[str, tuple[str, float | None]]:
