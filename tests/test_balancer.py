@@ -65,10 +65,15 @@ def test_what_cannot_work_is_refused(tmp_path):
         Backend("a", "10.0.0.1;rm", 1)
     # a server on loopback is reachable from its own host only
     with pytest.raises(VoltaforgeError, match="gpu-02: recipe tiny-cpu serves on 127.0.0.1 only"):
-        backends_for(r, [("gpu-01", "10.0.0.1", True), ("gpu-02", "10.0.0.2", False)])
+        backends_for(r, [("gpu-01", "10.0.0.1", True, [8080]), ("gpu-02", "10.0.0.2", False, [8080])])
     keyed = load_recipe(recipe_with(tmp_path, "tiny-cpu", KEYED)).recipe
-    got = backends_for(keyed, [("gpu-01", "10.0.0.1", True), ("gpu-02", "10.0.0.2", False)])
-    assert [(b.address, b.port) for b in got] == [("127.0.0.1", 9000), ("10.0.0.2", 9000)]
+    got = backends_for(keyed, [("gpu-01", "10.0.0.1", True, [9000]), ("gpu-02", "10.0.0.2", False, [9002, 9003])])
+    # a host running one instance per GPU gives one backend per instance, named by its port
+    assert [(b.name, b.address, b.port) for b in got] == [
+        ("gpu-01", "127.0.0.1", 9000),
+        ("gpu-02-9002", "10.0.0.2", 9002),
+        ("gpu-02-9003", "10.0.0.2", 9003),
+    ]
 
 
 def test_lb_on_a_host_without_systemd_is_refused_in_one_line(sshd_host, tmp_path, capsys):
@@ -92,3 +97,22 @@ def test_the_running_check_probes_where_the_balancer_listens(tmp_path):
     assert two(keyed, bind="0.0.0.0").probe_address == "127.0.0.1"
     assert two(keyed, bind="::").probe_address == "::1"
     assert two(keyed, bind="10.0.0.9").probe_address == "10.0.0.9"
+
+
+def test_bench_lb_shares_are_the_counters_moved_between_two_reads():
+    """steps/measure/bench_lb.py: what HAProxy sent each backend during a level (its stats read
+    before and after); a backend new in between counts from zero, a restarted counter from its
+    value now. The real run against HAProxy is in tests/test_balancer_real.py."""
+    from playbooks.steps.measure.bench_lb import shares
+    from playbooks.steps.serve.balancer import ServerStat
+
+    before = [ServerStat("a", "UP", 10, "L7OK"), ServerStat("b", "UP", 4, "L7OK")]
+    after = [ServerStat("a", "UP", 16, "L7OK"), ServerStat("b", "DOWN", 6, "L4CON"), ServerStat("c", "UP", 4, "L7OK")]
+    got = shares(before, after)
+    assert {k: (v["requests"], v["share"], v["up"]) for k, v in got.items()} == {
+        "a": (6, 0.5, True),
+        "b": (2, 0.167, False),
+        "c": (4, 0.333, True),
+    }
+    assert shares(before, [ServerStat("a", "UP", 3, "L7OK")])["a"]["requests"] == 3  # restarted
+    assert shares([], [ServerStat("a", "UP", 0, "")])["a"]["share"] is None  # nothing sent

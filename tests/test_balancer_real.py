@@ -29,6 +29,8 @@ import httpx
 import pytest
 
 from playbooks.config.recipe import load_recipe
+from playbooks.host.local import LocalHost
+from playbooks.steps.measure.bench_lb import bench_through_balancer
 from playbooks.steps.serve.balancer import Backend, Balancer, parse_stats, render_haproxy_config
 from tests import llamacpp_tools, sparse_gguf
 from tests.helpers import recipe_with
@@ -145,6 +147,21 @@ def test_two_servers_behind_one_endpoint_survive_one_dying(model, tmp_path):
         for _ in range(8):
             assert complete(base).status_code == 200
         assert servers[0].requests() > before
+
+        # 3b. `invoke bench --lb`'s measurement through it: each backend's share, from HAProxy's
+        # counters, is what each server's own log says it ran in that time, plus the one /health
+        # request the bench sends first (HAProxy counts every request; the log, completions)
+        before = [s.requests() for s in servers]
+        with LocalHost() as host:
+            result = bench_through_balancer(load_recipe("tiny-cpu"), host, lb_port, stats_port, levels=[2])
+        (level,) = result["levels"]
+        assert not level.get("error") and level["aggregate_tok_s"] > 0, level
+        ran = {f"box{i}": s.requests() - before[i] for i, s in enumerate(servers)}
+        sent = {name: b["requests"] for name, b in level["backends"].items()}
+        assert set(sent) == set(ran) and all(sent[k] - ran[k] in (0, 1) for k in ran), (sent, ran)
+        assert sum(sent.values()) == sum(ran.values()) + 1, (sent, ran)
+        assert all(n >= 1 for n in ran.values()) and sum(ran.values()) >= level["requests"], ran
+        assert abs(sum(b["share"] for b in level["backends"].values()) - 1) < 0.01
 
         # 4. a stream arrives event by event, through the balancer
         body = {"prompt": "Hello", "max_tokens": 48, "ignore_eos": True, "stream": True}

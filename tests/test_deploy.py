@@ -243,7 +243,8 @@ class _NoSystemd:
     [
         ("tiny-cpu", "", (0,), None),
         ("qwen2.5-14b-v100-16gb", "", (0,), None),
-        ("qwen2.5-14b-v100-16gb", "", (0, 1), "one server per GPU is a systemd instance template"),
+        ("qwen2.5-14b-v100-16gb", "", (0, 1), "one server per GPU (or CPU instance) is a systemd instance template"),
+        ("tiny-cpu", "", (0, 1), "one server per GPU (or CPU instance) is a systemd instance template"),
         ("qwen2.5-32b-exl2-v100-16gb", "", (0,), "TabbyAPI (EXL2) runs as a systemd unit only"),
         ("tiny-cpu", "  api_key_ref: k\n", (0,), "an API key reaches the server as a systemd credential"),
     ],

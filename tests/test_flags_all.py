@@ -74,6 +74,8 @@ ACCEPTED = {
     ("lb", "hosts"): {"abc", "1e999"},
     # port 5: well-formed, lb then fails on its host, exit 2
     ("lb", "port"): {"5"},
+    # a balancer on port 5: well-formed, bench then fails on its host, exit 2
+    ("bench", "lb"): {"5"},
 }
 # what a flag needs beside it for its own value to be the one judged (default: see context())
 CONTEXT = {

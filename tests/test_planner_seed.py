@@ -1,4 +1,4 @@
-"""The seed report's own arithmetic, reproduced exactly (docs/docs/knowledge.md, section 1)."""
+"""The seed report's own arithmetic, reproduced exactly (docs/knowledge.md, section 1)."""
 
 from fractions import Fraction
 

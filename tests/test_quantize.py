@@ -165,7 +165,7 @@ def test_fp16_overflow_found_earlier_is_refused_with_its_summary():
 
 def test_reference_is_keyed_by_the_f16_file():
     op = EnsureReference(LAYOUT, BUILD, imatrix=True)
-    key = op.key("ab" * 32)
+    key = op.reference_key("ab" * 32)
     assert op.decide(("ab" * 32, key)).commands == ()
     d = op.decide(("cd" * 32, key))
     assert d.reason == "not computed for this F16 file"

@@ -40,6 +40,8 @@ def cases():
         yield name, (0,)
         if not get_gpu(r.gpu).is_cpu:
             yield name, (0, 1, 3)
+        elif r.backend == "llamacpp" and not r.rpc:
+            yield name, (0, 1)  # a layout's CPU instances: the template without a GPU
 
 
 def units(files: list[RenderedFile]) -> list[RenderedFile]:
@@ -167,8 +169,26 @@ def test_bad_gpu_indexes_are_refused():
     for bad in [(), (0, 0), (-1,), (64,)]:
         with pytest.raises(VoltaforgeError):
             render_service_files(r, gpu_indexes=bad)
-    with pytest.raises(VoltaforgeError, match="CPU recipe"):
-        render_service_files(load_recipe("tiny-cpu").recipe, gpu_indexes=(0, 1))
+
+
+def test_a_cpu_recipe_s_instances_are_the_template_without_a_gpu():
+    """A layout's `instances: 2` of a CPU recipe: the same template, a port each, no device."""
+    r = load_recipe("tiny-cpu").recipe
+    layout = ServerLayout(unit_name="voltaforge-tiny-cpu.service")
+    files = render_service_files(r, layout, gpu_indexes=(0, 1))
+    assert [f.path for f in files] == [
+        "/etc/systemd/system/voltaforge-tiny-cpu@.service",
+        "/etc/voltaforge/voltaforge-tiny-cpu@0.env",
+        "/etc/voltaforge/voltaforge-tiny-cpu@1.env",
+    ]
+    unit = files[0].text
+    directives = [line for line in unit.splitlines() if not line.startswith("#")]
+    assert "PrivateDevices=yes" in directives
+    assert not [d for d in directives if "nvidia" in d or "CUDA" in d]
+    assert "instance %i" in unit
+    assert files[2].text.splitlines()[1:] == [f"VOLTAFORGE_PORT={r.service.port + 1}"]
+    # each recipe of a layout has its own model link
+    assert flag(parse_exec_start(unit), "--model") == "/opt/voltaforge/serve/voltaforge-tiny-cpu/model.gguf"
 
 
 def test_layout_paths():

@@ -12,6 +12,7 @@ served over two RPC servers, its load log held to the plan device by device.
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.kv_cache import llamacpp_kv_bytes
 from playbooks.plan.model_config import load_config_file
 from playbooks.plan.planner import Serving, evaluate
-from playbooks.plan.split import CUDA_ALIGNMENT, layer_devices, layer_kv_bytes, layer_weights
+from playbooks.plan.split import CUDA_ALIGNMENT, layer_devices, layer_kv_bytes, layer_weights, split_mode_refusal
 from playbooks.steps.serve.units import render_service_files
 from tests.helpers import ROOT, recipe_with
 
@@ -207,3 +208,33 @@ def test_each_rpc_worker_adds_its_round_trip_to_every_token(tmp_path):
     measured = plan_recipe(load_recipe("tiny-rpc-cpu"), rpc_rtt_ms=2.0)
     assert 1 / measured.chosen.roofline_tok_s == pytest.approx(1 / base.roofline_tok_s + 2 * 2.0e-3)
     assert any("2 x 2 ms of network per token" in n and "measured" in n for n in measured.notes)
+
+
+@pytest.mark.parametrize("mode", ["row", "tensor", "none", "diagonal"])
+def test_only_the_layer_split_is_planned_and_the_others_say_why(tmp_path, mode):
+    """A recipe's split_mode and `invoke plan --split-mode`: one rule (plan/split.py)."""
+    why = split_mode_refusal(mode)
+    assert why and (mode in why) and ("use layer" in why or "unknown" in why)
+    path = recipe_with(tmp_path, "llama3.1-70b-2xv100-32gb", f"split_mode: {mode}\n", name="split-mode")
+    with pytest.raises(RecipeError, match=r"split_mode: "):
+        load_recipe(path)
+    assert split_mode_refusal("layer") is None
+    with pytest.raises(UsageError, match=f"split mode '?{mode}'?|--split-mode {mode} is not planned"):
+        run_plan(recipe="llama3.1-70b-2xv100-32gb", split_mode=mode, out=io.StringIO())
+
+
+@pytest.mark.slow
+def test_row_split_is_gone_from_the_pinned_cuda_backend():
+    """What the row refusal says, held to the pinned source (the llama-cpp-python sdist's tree):
+    llama.cpp asks a device's backend for ggml_backend_split_buffer_type and throws when it is
+    absent; ggml-cuda no longer exports it (SYCL still does)."""
+    from tests.llamacpp_tools import llamacpp_tree
+
+    tree = llamacpp_tree()
+    model = (tree / "src" / "llama-model.cpp").read_text()
+    assert '"ggml_backend_split_buffer_type"' in model and "does not support split buffers" in model
+    cuda = "\n".join(p.read_text(errors="replace") for p in (tree / "ggml" / "src" / "ggml-cuda").glob("*.cu"))
+    assert "ggml_backend_split_buffer_type" not in cuda
+    assert '"ggml_backend_get_features"' in cuda  # the proc-address table is there, without it
+    sycl = (tree / "ggml" / "src" / "ggml-sycl" / "ggml-sycl.cpp").read_text(errors="replace")
+    assert "ggml_backend_split_buffer_type" in sycl

@@ -24,4 +24,6 @@ def run_lb(
         raise UsageError(f"--hosts {','.join(backends)}: a host is named twice")
     lb_spec = settings.host_spec(host_name)
     specs = [settings.host_spec(n) for n in backends]  # an unknown name: one line before connecting
-    return converge(settings, host_name, recipe, balancer_ops_maker(lb_spec, specs, bind, port), dry_run)
+    return converge(
+        settings, host_name, recipe, balancer_ops_maker(lb_spec, specs, bind, port, settings.load_recipe), dry_run
+    )

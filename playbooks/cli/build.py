@@ -8,6 +8,7 @@ from pathlib import Path
 
 from playbooks.cli.converge import converge
 from playbooks.conduct.build import build_step
+from playbooks.conduct.converge import per_recipe
 from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
@@ -29,4 +30,4 @@ def run_build(
     def ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         return build_step(loaded, host, prefix, sudo, targets, extra_flags, no_cache, bindings)
 
-    return converge(settings or Settings(inventory=Path(inventory)), host_name, recipe, ops, dry_run)
+    return converge(settings or Settings(inventory=Path(inventory)), host_name, recipe, per_recipe(ops), dry_run)

@@ -1,4 +1,5 @@
-"""The shape every changing task shares: resolve the host and its recipe, connect, decide whether
+"""The shape every changing task shares: resolve the host and its recipe (or its layout's
+recipes, conduct/placements.py), connect, decide whether
 the prefix needs sudo, build the step's operations, run them (under the host lock unless it is
 a dry run) and print the per-host report. Exit 1 when an operation failed."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 from playbooks.cli.edge import write_details
 from playbooks.cli.render import render_report
-from playbooks.conduct.converge import MakeOps, prefix_needs_sudo
+from playbooks.conduct.converge import MakeOps, prefix_needs_sudo, unique_ops
 from playbooks.conduct.settings import Settings
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import run_ops
@@ -14,10 +15,11 @@ from playbooks.host.ops import run_ops
 
 def converge(settings: Settings, host_name: str, recipe: str | None, make_ops: MakeOps, dry_run: bool) -> int:
     spec = settings.host_spec(host_name)
-    loaded = settings.load_recipe(settings.recipe_for(host_name, recipe))
+    served = settings.serves(host_name, recipe)
     with settings.connect(spec) as host:
         sudo = prefix_needs_sudo(host, spec.prefix)
-        ops = make_ops(loaded, host, spec.prefix, sudo)
+        # a host's layout: every recipe's operations, each shared one once
+        ops = unique_ops([op for s in served for op in make_ops(s, host, spec.prefix, sudo)])
         if dry_run:
             changes = run_ops(host, ops, dry_run=True)
         else:

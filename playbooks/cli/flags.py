@@ -58,6 +58,19 @@ def shares(flag: str, value: object) -> tuple[float, ...] | None:
     return parts
 
 
+def split_mode(flag: str, value: object) -> str | None:
+    """``--split-mode layer``; another mode: one line saying why it is not planned (plan/split.py)."""
+    if value is None:
+        return None
+    from playbooks.plan.split import split_mode_refusal
+
+    text = str(value).strip()
+    why = split_mode_refusal(text)
+    if why:
+        raise UsageError(f"{flag} {_short(text)!r} {why.removeprefix(f'--split-mode {text} ')}")
+    return text
+
+
 def _short(text: str, limit: int = 40) -> str:
     """A value as a message quotes it: a 400-digit number is not read, it is recognised."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

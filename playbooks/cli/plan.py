@@ -19,7 +19,7 @@ from playbooks.plan.kv_cache import LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory
 from playbooks.plan.planner import Serving, make_plan, quant_names, serving_for
-from playbooks.plan.split import device_count
+from playbooks.plan.split import device_count, split_mode_refusal
 
 #: --parallel: more llama-server slots than any GPU's memory serves (the planner's arithmetic
 #: overflows a float long before a number of slots stops being a number)
@@ -58,6 +58,7 @@ def run_plan(
     min_tok_s: SpeedFloor = None,
     gpu_count: int | None = None,
     tensor_split: tuple[float, ...] | None = None,
+    split_mode: str | None = None,
 ) -> int:
     """Returns the exit code: 0 when the planned configuration fits, 1 when it does not.
 
@@ -66,8 +67,12 @@ def run_plan(
     cache_type_k/_v: llama-server's -ctk/-ctv for a --model-config plan (f16 unless given; EXL2
     rows get the matching ExLlamaV2 cache mode). min_tok_s: the recommendation's speed floor
     instead of planner.min_tok_s ("none": no floor). gpu_count / tensor_split: a layer split
-    over that many cards of the GPU, instead of the recipe's."""
+    over that many cards of the GPU, instead of the recipe's. split_mode: layer, the one planned
+    (another: one line saying why not, plan/split.py)."""
     out = out or sys.stdout
+    refusal = split_mode_refusal(split_mode) if split_mode else None
+    if refusal:
+        raise UsageError(refusal)
     # given but empty is a mistake, not "use the default"
     model_config = name_or_path("--model-config", model_config)
     gpu = word("--gpu", gpu, "a GPU name, e.g. v100-16gb")

@@ -63,6 +63,8 @@ def render_summary(outcomes: Sequence[HostOutcome], out: Console, dry_run: bool 
                 out.print(Text(f"reports: {o.reports.get('markdown')}"))
         out.print(Text(f"log: {o.log}", style="dim"))
     if len(outcomes) > 1:
+        # a host's layout gives it a row per recipe
+        layout = len({o.host for o in outcomes}) < len(outcomes)
         fleet = Table(title="provision: every host", title_justify="left")
         for col in ("host", *STEPS, "time", "result"):
             fleet.add_column(col, overflow="fold")
@@ -70,12 +72,15 @@ def render_summary(outcomes: Sequence[HostOutcome], out: Console, dry_run: bool 
             failed = o.failure()
             result = f"failed at {failed.step}" if failed else figures_line(o.gate) if o.gate else "done"
             cells = [Text(s.status, style=_STYLE.get(s.status, "")) for s in o.steps]
-            fleet.add_row(Text(o.host), *cells, Text(f"{o.seconds:.1f} s"), Text(result))
+            fleet.add_row(
+                Text(f"{o.host} {o.recipe}" if layout else o.host), *cells, Text(f"{o.seconds:.1f} s"), Text(result)
+            )
         out.print(fleet)
-        bad = [o.host for o in outcomes if o.failed]
-        ok = [o.host for o in outcomes if not o.failed]
+        bad = [f"{o.host} ({o.recipe})" if layout else o.host for o in outcomes if o.failed]
+        ok = [o for o in outcomes if not o.failed]
+        what = "recipes" if layout else "hosts"
         out.print(
-            Text(f"{len(ok)} of {len(outcomes)} hosts provisioned" + (f"; failed: {', '.join(bad)}" if bad else ""))
+            Text(f"{len(ok)} of {len(outcomes)} {what} provisioned" + (f"; failed: {', '.join(bad)}" if bad else ""))
         )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from playbooks.cli.converge import converge
 from playbooks.cli.edge import write_details
 from playbooks.cli.render import console, render_artifacts, render_report
-from playbooks.conduct.converge import prefix_needs_sudo
+from playbooks.conduct.converge import per_recipe, prefix_needs_sudo
 from playbooks.conduct.quantize import (
     made_artifacts,
     parse_bpw,
@@ -53,10 +53,10 @@ def run_quantize(
         parse_quants(quant, "")
     settings = settings or Settings()
     if not on or on == host_name:
-        return converge(settings, host_name, recipe, ops, dry_run)
+        return converge(settings, host_name, recipe, per_recipe(ops), dry_run)
     # the serving host's recipe, made on the other host
     name = settings.recipe_for(host_name, recipe)
-    code = converge(settings, on, name, ops, dry_run)
+    code = converge(settings, on, name, per_recipe(ops), dry_run)
     if code and not dry_run:
         return code
     return copy_artifacts(settings, on, host_name, name, quant, bpw, dry_run) or code

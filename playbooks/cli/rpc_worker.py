@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from playbooks.cli.converge import converge
+from playbooks.conduct.converge import per_recipe
 from playbooks.conduct.rpc_worker import rpc_worker_ops
 from playbooks.conduct.settings import Settings
 
@@ -10,4 +11,4 @@ from playbooks.conduct.settings import Settings
 def run_rpc_worker(
     host_name: str, recipe: str | None = None, dry_run: bool = False, settings: Settings | None = None
 ) -> int:
-    return converge(settings or Settings(), host_name, recipe, rpc_worker_ops, dry_run)
+    return converge(settings or Settings(), host_name, recipe, per_recipe(rpc_worker_ops), dry_run)

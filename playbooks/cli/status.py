@@ -20,39 +20,20 @@ from rich.table import Table
 from rich.text import Text
 
 from playbooks.cli.render import console
-from playbooks.conduct.deploy import make_manager
-from playbooks.conduct.deployed import read_deployments
+from playbooks.conduct.deployed import deployment_manager, read_deployments
 from playbooks.conduct.settings import Settings
 from playbooks.config.inventory import HostSpec
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, parse_process_age, process_age_command
-from playbooks.facts.files import cat_command
 from playbooks.facts.fleet_units import UNITS_COMMAND, parse_units
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.steps.measure.gate import figures_line
 from playbooks.steps.serve.balancer import parse_stats, stats_command
-from playbooks.steps.serve.deploy import DeployLayout
-from playbooks.steps.serve.service_manager import Manager, Running, Systemd
+from playbooks.steps.serve.service_manager import Running
 
 HEALTH = {200: "200 ready", 503: "503 loading", 0: "nothing listens"}
-
-
-def _manager(host: Host, prefix: str, d: Deployment) -> Manager | None:
-    """Who runs the deployment, as deploy made it: its unit, or the unit's command line as a
-    process (read back from the unit file kept in its state directory)."""
-    if d.manager == "systemd":
-        return Systemd(f"{d.service}.service")
-    if d.manager != "process" or not d.unit_file:
-        return None
-    text = read_fact(host, cat_command(d.unit_file))
-    if not text.strip():
-        return None
-    try:
-        return make_manager("process", DeployLayout(prefix, d.service), d.unit_file.rsplit("/", 1)[1], text)
-    except VoltaforgeError:
-        return None
 
 
 def _since(at: str | None) -> int | None:
@@ -73,7 +54,7 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
         note = "deployed before voltaforge recorded its recipe"
     else:
         note = None
-    mgr = _manager(host, prefix, d)
+    mgr = deployment_manager(host, prefix, d)
     running: Running | None = None
     if mgr is not None:
         running = mgr.running(read_fact(host, mgr.state_command()))

@@ -99,6 +99,8 @@ INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.
         "gpu-count": "split the model by layers over this many cards of the GPU (default: the recipe's gpu_count, 1)",
         "tensor-split": "each card's share of the layers, as llama-server's --tensor-split (e.g. 3,1; default: "
         "the recipe's, else equal shares)",
+        "split-mode": "how the cards share the model, as llama-server's --split-mode: layer (the default and "
+        "the one planned; row and tensor get the reason they are not)",
         "json": "print JSON instead of tables",
     },
 )
@@ -118,6 +120,7 @@ def plan(
     min_tok_s: str | None = None,
     gpu_count: str | None = None,
     tensor_split: str | None = None,
+    split_mode: str | None = None,
     json: bool = False,
 ) -> None:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
@@ -146,6 +149,7 @@ def plan(
             min_tok_s=flags.speed_floor("--min-tok-s", min_tok_s),
             gpu_count=flags.positive_int("--gpu-count", gpu_count, "cards", maximum=16),  # plan.split.MAX_DEVICES
             tensor_split=flags.shares("--tensor-split", tensor_split),
+            split_mode=flags.split_mode("--split-mode", split_mode),
             as_json=json,
             recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
         )
@@ -552,6 +556,7 @@ def tune(
         "json": "print the whole result as JSON instead of the table",
         "compare": "show the change against the last and the best run of this host and recipe",
         "remeasure": "measure the host's memory bandwidth again instead of reusing the stored figure",
+        "lb": "measure through the balancer on --host (invoke lb) on this port, with each backend's share",
         "inventory": INVENTORY_HELP,
     },
 )
@@ -562,17 +567,27 @@ def bench(
     json: bool = False,
     compare: bool = False,
     remeasure: bool = False,
+    lb: str | None = None,
     inventory: str | None = None,
 ) -> None:
     """Measure the deployed server against its roofline and judge the gate (exit 1: failed).
 
     A concurrency sweep with confidence intervals, telemetry, JSON/Markdown/PNG reports and a
     history on this machine. Without a recipe: the one the host's deployment record says it
-    serves."""
+    serves (a host's serve: layout: each of its servers). --lb PORT: the same workload through
+    the host's balancer, with each backend's share of the requests (no gate)."""
 
     def go() -> int:
-        from playbooks.cli.bench import run_bench
+        from playbooks.cli.bench import run_bench, run_bench_lb
 
+        if lb is not None:
+            return run_bench_lb(
+                flags.one_host("--host", _cfg(c, "host", host)),
+                port=flags.positive_int("--lb", lb, "a TCP port", maximum=65535) or 8000,
+                recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+                as_json=json,
+                settings=_settings(c, inventory),
+            )
         return run_bench(
             flags.one_host("--host", _cfg(c, "host", host)),
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),

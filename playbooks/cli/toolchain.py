@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from playbooks.cli.converge import converge
+from playbooks.conduct.converge import per_recipe
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.toolchain import toolchain_step
 
@@ -16,4 +17,6 @@ def run_toolchain(
     inventory: str | Path = "inventory.yaml",
     settings: Settings | None = None,
 ) -> int:
-    return converge(settings or Settings(inventory=Path(inventory)), host_name, recipe, toolchain_step, dry_run)
+    return converge(
+        settings or Settings(inventory=Path(inventory)), host_name, recipe, per_recipe(toolchain_step), dry_run
+    )

@@ -4,10 +4,11 @@ The balancer runs under systemd only (its credential and its network filter are 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from playbooks.conduct.converge import MakeOps
 from playbooks.conduct.deploy import choose_manager
+from playbooks.conduct.placements import Served, host_serves
 from playbooks.config.inventory import HostSpec
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
@@ -30,11 +31,20 @@ def same_host(a: HostSpec, b: HostSpec) -> bool:
     return a.name == b.name or a.host == b.host or (a.local and b.local)
 
 
-def balancer_ops_maker(lb_spec: HostSpec, backend_specs: Sequence[HostSpec], bind: str, port: int) -> MakeOps:
-    """The operations of `invoke lb` on the balancer's host, for converge()."""
+def balancer_ops_maker(
+    lb_spec: HostSpec, backend_specs: Sequence[HostSpec], bind: str, port: int, load: Callable[[str], LoadedRecipe]
+) -> MakeOps:
+    """The operations of `invoke lb` on the balancer's host, for converge(). Each backend host
+    serves the recipe as it places it (conduct/placements.py): on its layout's port, and once
+    per instance where it runs one per GPU."""
 
-    def make(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:
-        backends = backends_for(loaded.recipe, [(s.name, s.host, same_host(s, lb_spec)) for s in backend_specs])
+    def make(served: Served, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+        loaded = served.loaded
+        hosts = []
+        for s in backend_specs:
+            [there] = host_serves(s, loaded.recipe.name, load, loaded.recipe.name)
+            hosts.append((s.name, s.host, same_host(s, lb_spec), there.ports()))
+        backends = backends_for(loaded.recipe, hosts)
         lb = Balancer(loaded.recipe, backends, bind=bind, port=port)
         choose_manager(host, "systemd")  # no systemd there: one line
         config, unit = render_haproxy_config(lb), render_lb_unit(lb)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from playbooks.conduct.placements import Served
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.facts import read_fact
 from playbooks.facts.files import parse_writable, writable_command
@@ -13,7 +14,30 @@ from playbooks.host import Host
 from playbooks.host.ops import Operation
 
 #: (the recipe, the connected host, its install prefix, whether that needs sudo) -> the operations
-MakeOps = Callable[[LoadedRecipe, Host, str, bool], list[Operation]]
+RecipeOps = Callable[[LoadedRecipe, Host, str, bool], list[Operation]]
+#: the same for one recipe as a host serves it (its GPUs, port and units: conduct/placements.py)
+MakeOps = Callable[[Served, Host, str, bool], list[Operation]]
+
+
+def per_recipe(step: RecipeOps) -> MakeOps:
+    """A step that needs only the recipe (toolchain, build, quantize), as a MakeOps."""
+
+    def make(served: Served, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+        return step(served.loaded, host, prefix, sudo)
+
+    return make
+
+
+def unique_ops(ops: list[Operation]) -> list[Operation]:
+    """Several recipes of a host's layout share operations (the build, the serve directory):
+    one of each key (what it makes, host/ops.py) runs."""
+    seen: set[str] = set()
+    out = []
+    for op in ops:
+        if op.key not in seen:
+            seen.add(op.key)
+            out.append(op)
+    return out
 
 
 def prefix_needs_sudo(host: Host, prefix: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from playbooks.conduct.placements import Served
 from playbooks.conduct.quantize import draft_artifact, recipe_weights
 from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
 from playbooks.config.recipe import LoadedRecipe
@@ -65,6 +66,24 @@ def single_service(
     return unit, unit_name, DeployLayout(prefix, unit_name.removesuffix(".service"))
 
 
+def instances_of(unit_path: str, port: int, gpus: tuple[int, ...], prefix: str) -> list[tuple[str, DeployLayout, int]]:
+    """Each server a rendered unit starts: (its systemd unit, where its state lives, its port).
+    An instance template starts one per GPU index (port + index); a plain unit, itself."""
+    unit_name = unit_path.rsplit("/", 1)[1]
+    service = unit_name.removesuffix(".service").removesuffix("@")
+    if unit_name.endswith("@.service"):
+        return [(f"{service}@{i}.service", DeployLayout(prefix, f"{service}@{i}"), port + i) for i in gpus]
+    return [(unit_name, DeployLayout(prefix, service), port)]
+
+
+def served_instances(served: Served, prefix: str) -> tuple[RenderedFile, list[tuple[str, DeployLayout, int]]]:
+    """A recipe as the host serves it: its unit (or instance template) and every instance."""
+    r = served.loaded.recipe
+    gpus = default_gpu_indexes(r) if served.gpus is None else served.gpus
+    unit = render_service_files(r, served.layout(prefix), gpus, resolve_n_cpu_moe(served.loaded))[0]
+    return unit, instances_of(unit.path, r.service.port, gpus, prefix)
+
+
 def make_manager(kind: str, state: DeployLayout, unit_name: str, unit_text: str) -> Manager:
     if kind == "systemd":
         return Systemd(unit_name)
@@ -102,7 +121,6 @@ def deploy_ops(
         raise VoltaforgeError(f"{host.name}: {why}, and this host runs no systemd")
     unit = rendered[0]
     unit_name = unit.path.rsplit("/", 1)[1]
-    template = unit_name.endswith("@.service")
     service = unit_name.removesuffix(".service").removesuffix("@")
     model = ModelLayout(prefix, recipe_weights(loaded).model_id)
     hint = f"run `invoke quantize --host {host.name} --recipe {r.name}` first"
@@ -121,12 +139,7 @@ def deploy_ops(
         else ServiceFile(f"{state_root}/{service}/{f.path.rsplit('/', 1)[1]}", f.text, f.mode)
         for f in rendered
     ]
-    # (the systemd unit it runs, where its state lives, its port)
-    instances = (
-        [(f"{service}@{i}.service", DeployLayout(prefix, f"{service}@{i}"), r.service.port + i) for i in gpus]
-        if template
-        else [(unit_name, DeployLayout(prefix, service), r.service.port)]
-    )
+    instances = instances_of(unit.path, r.service.port, gpus, prefix)
     plan = plan_recipe(loaded)
     option = next((o for o in plan.options if o.quant == r.quant_name), None)
     gpu = not get_gpu(r.gpu).is_cpu

@@ -14,12 +14,16 @@ import os
 import re
 from pathlib import Path
 
+from playbooks.conduct.deploy import make_manager
 from playbooks.config.recipe import load_recipe
 from playbooks.config.recorded import recipe_record
 from playbooks.errors import RecipeError, VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, RecordedRecipe, deployments_command, parse_deployments
+from playbooks.facts.files import cat_command
 from playbooks.host import Host
+from playbooks.steps.serve.deploy import DeployLayout
+from playbooks.steps.serve.service_manager import Manager, Systemd
 
 
 def read_deployments(host: Host, prefix: str) -> list[Deployment]:
@@ -91,3 +95,19 @@ def deployed_recipe(host: Host, prefix: str) -> str:
         )
     [recorded] = recipes.values()  # several instances of one recipe (one per GPU): that recipe
     return recipe_file(recorded, host.name)
+
+
+def deployment_manager(host: Host, prefix: str, d: Deployment) -> Manager | None:
+    """Who runs the deployment, as deploy made it: its unit, or the unit's command line as a
+    process (read back from the unit file kept in its state directory)."""
+    if d.manager == "systemd":
+        return Systemd(f"{d.service}.service")
+    if d.manager != "process" or not d.unit_file:
+        return None
+    text = read_fact(host, cat_command(d.unit_file))
+    if not text.strip():
+        return None
+    try:
+        return make_manager("process", DeployLayout(prefix, d.service), d.unit_file.rsplit("/", 1)[1], text)
+    except VoltaforgeError:
+        return None

@@ -36,11 +36,11 @@ from playbooks.conduct.converge import prefix_needs_sudo
 from playbooks.conduct.deploy import deploy_ops
 from playbooks.conduct.known_reads import KnownReads
 from playbooks.conduct.logs import log_dir
+from playbooks.conduct.placements import Served
 from playbooks.conduct.quantize import quantize_step
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.toolchain import toolchain_step
 from playbooks.config.inventory import HostSpec
-from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import HostError, VoltaforgeError
 from playbooks.host import Host
 from playbooks.host.base import Printer
@@ -190,15 +190,16 @@ class Provisioner:
 
     # -- per host ----------------------------------------------------------------------------
 
-    def run_host(self, spec: HostSpec, loaded: LoadedRecipe) -> HostOutcome:
+    def run_host(self, spec: HostSpec, served: Served) -> HostOutcome:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.run_dir / f"{spec.name}.log"
-        outcome = HostOutcome(spec.name, loaded.recipe.name, log_path)
+        # a host's layout: a log per recipe, run one after the other
+        log_path = self.run_dir / (f"{spec.name}-{served.name}.log" if spec.serve else f"{spec.name}.log")
+        outcome = HostOutcome(spec.name, served.name, log_path)
         t0 = time.monotonic()
         with open(log_path, "w", encoding="utf-8") as log:
             printer = HostPrinter(log, self.console)
             try:
-                self._provision(spec, loaded, printer, outcome)
+                self._provision(spec, served, printer, outcome)
             except (HostError, VoltaforgeError) as exc:
                 # connecting (unreachable, host key changed, sudo) or a step that could not
                 # even be planned: one line, on the step it happened in
@@ -221,7 +222,7 @@ class Provisioner:
         outcome.seconds = time.monotonic() - t0
         return outcome
 
-    def _provision(self, spec: HostSpec, loaded: LoadedRecipe, printer: Printer, outcome: HostOutcome) -> None:
+    def _provision(self, spec: HostSpec, served: Served, printer: Printer, outcome: HostOutcome) -> None:
         opts = self.options
         with self.settings.connect(spec, printer) as host:
             with self._lock:
@@ -229,12 +230,12 @@ class Provisioner:
             if self.cancel.is_set():
                 raise Interrupted("interrupted before it started")
             try:
-                if not opts.dry_run and self._settled(host, spec, loaded, printer, outcome):
+                if not opts.dry_run and self._settled(host, spec, served, printer, outcome):
                     return  # nothing to do, known from one round trip: no lock taken, nothing written
-                self._run_steps(host, spec, loaded, printer, outcome, opts.dry_run)
+                self._run_steps(host, spec, served, printer, outcome, opts.dry_run)
                 if not opts.dry_run and not outcome.failed:
                     # the reads of the host as it is now, for the next run's one round trip
-                    self._read_pass(host, spec, loaded, outcome)
+                    self._read_pass(host, spec, served, outcome)
             finally:
                 outcome.remote_calls = host.remote_calls
 
@@ -242,7 +243,7 @@ class Provisioner:
         self,
         host: Host,
         spec: HostSpec,
-        loaded: LoadedRecipe,
+        served: Served,
         printer: Printer,
         outcome: HostOutcome,
         dry_run: bool,
@@ -254,8 +255,9 @@ class Provisioner:
         t = time.monotonic()
         printer.line(spec.name, "== preflight ==")
         model_dir = f"{spec.prefix}/models"
+        loaded = served.loaded
         facts = gather(host, spec.prefix, model_dir, rpc_endpoints(loaded))
-        verdict = judge(facts, loaded, model_dir, spec.prefix, spec.gpu)
+        verdict = judge(facts, loaded, model_dir, spec.prefix, spec.gpu, served.gpus if spec.serve else None)
         blocking = [c for c in verdict.checks if c.status == "fail" and c.blocking]
         if blocking:
             # every blocking check, not the first only: a user fixes them all in one go
@@ -266,7 +268,7 @@ class Provisioner:
             if dry_run:
                 # the plan of work goes on: what each later step would run once fixed
                 sudo = prefix_needs_sudo(host, spec.prefix)
-                self._steps(host, spec, loaded, sudo, printer, outcome, dry_run, blocked=True, probing=probing)
+                self._steps(host, spec, served, sudo, printer, outcome, dry_run, blocked=True, probing=probing)
             return
         warned = [c for c in verdict.checks if c.status == "warn"]
         why = f"{len(verdict.checks)} checks pass" + (
@@ -277,19 +279,17 @@ class Provisioner:
         outcome.steps.append(StepOutcome("preflight", "ok", time.monotonic() - t, why))
         sudo = prefix_needs_sudo(host, spec.prefix)
         if dry_run:
-            self._steps(host, spec, loaded, sudo, printer, outcome, dry_run, probing=probing)
+            self._steps(host, spec, served, sudo, printer, outcome, dry_run, probing=probing)
         else:
             with host_lock(host, spec.prefix, sudo=sudo):
-                self._steps(host, spec, loaded, sudo, printer, outcome, dry_run)
+                self._steps(host, spec, served, sudo, printer, outcome, dry_run)
 
-    def _settled(
-        self, host: Host, spec: HostSpec, loaded: LoadedRecipe, printer: Printer, outcome: HostOutcome
-    ) -> bool:
+    def _settled(self, host: Host, spec: HostSpec, served: Served, printer: Printer, outcome: HostOutcome) -> bool:
         """Whether the host has nothing to do, decided from its reads fetched in one round trip
         (``_read_pass``). True (the outcome filled, the lines printed) when every step is ok;
         False when anything would change, and the run goes on the normal way, under the lock,
         reading afresh."""
-        found = self._read_pass(host, spec, loaded, outcome)
+        found = self._read_pass(host, spec, served, outcome)
         if found is None:
             return False
         trial, buffered = found
@@ -300,14 +300,14 @@ class Provisioner:
         return True
 
     def _read_pass(
-        self, host: Host, spec: HostSpec, loaded: LoadedRecipe, outcome: HostOutcome
+        self, host: Host, spec: HostSpec, served: Served, outcome: HostOutcome
     ) -> tuple[HostOutcome, BufferedPrinter] | None:
         """Every step checked as a dry run checks it, every read answered from a batch
         (host/prefetch.py): the reads the last pass of this host and recipe made are fetched
         first, and any read a pass still lacks is fetched and the pass run again. Returns the
         checked outcome and its lines, and keeps the reads for the next run; None when the
         reads could not be settled this way (the normal run finds the cause and says it)."""
-        known = KnownReads.of(spec, loaded)
+        known = KnownReads.of(spec, served.loaded)
         reads = Reads()
         buffered = BufferedPrinter()
         printer = host.printer
@@ -322,7 +322,7 @@ class Provisioner:
                 trial = HostOutcome(outcome.host, outcome.recipe, outcome.log)
                 try:
                     with host.reading(reads):
-                        self._run_steps(host, spec, loaded, buffered, trial, dry_run=True, probing=True)
+                        self._run_steps(host, spec, served, buffered, trial, dry_run=True, probing=True)
                 except NotARead:
                     return None
                 except Exception:
@@ -346,7 +346,7 @@ class Provisioner:
         self,
         host: Host,
         spec: HostSpec,
-        loaded: LoadedRecipe,
+        served: Served,
         sudo: bool,
         printer: Printer,
         outcome: HostOutcome,
@@ -356,11 +356,11 @@ class Provisioner:
     ) -> None:
         """The steps after preflight. ``blocked``: a dry run past a failed preflight, where
         each step shows what it would run once the blocking checks are fixed."""
-        opts, prefix = self.options, spec.prefix
+        opts, prefix, loaded = self.options, spec.prefix, served.loaded
         gates: list[EnsureGate] = []
 
         def deploy_and_gate() -> list[Operation]:
-            ops = deploy_ops(loaded, host, prefix, "auto", gated=True)
+            ops = deploy_ops(loaded, host, prefix, "auto", served.gpus, gated=True, server=served.layout(prefix))
             for op in ops:
                 if isinstance(op, EnsureServing):
                     gates.append(EnsureGate(op, loaded, prefix, force=opts.rebench, out_dir=opts.reports))
@@ -419,11 +419,19 @@ class Provisioner:
 
     # -- all hosts ---------------------------------------------------------------------------
 
-    def run(self, targets: Sequence[tuple[HostSpec, LoadedRecipe]]) -> list[HostOutcome]:
-        if len(targets) == 1:
-            return [self.run_host(*targets[0])]
-        pool = ThreadPoolExecutor(max_workers=min(len(targets), 16), thread_name_prefix="provision")
-        futures = [pool.submit(self.run_host, spec, loaded) for spec, loaded in targets]
+    def run_layout(self, targets: Sequence[tuple[HostSpec, Served]]) -> list[HostOutcome]:
+        """One host's recipes, one after the other (a layout shares the host's build and lock)."""
+        return [self.run_host(spec, served) for spec, served in targets]
+
+    def run(self, targets: Sequence[tuple[HostSpec, Served]]) -> list[HostOutcome]:
+        """Hosts in parallel, each host's recipes in turn; outcomes in the order given."""
+        by_host: dict[str, list[tuple[HostSpec, Served]]] = {}
+        for spec, served in targets:
+            by_host.setdefault(spec.name, []).append((spec, served))
+        if len(by_host) == 1:
+            return self.run_layout(targets)
+        pool = ThreadPoolExecutor(max_workers=min(len(by_host), 16), thread_name_prefix="provision")
+        futures = [pool.submit(self.run_layout, group) for group in by_host.values()]
         try:
             while True:
                 done, rest = wait_futures(futures, timeout=0.5)
@@ -434,7 +442,7 @@ class Provisioner:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown()
-        return [f.result() for f in futures]
+        return [o for f in futures for o in f.result()]
 
     def interrupt(self) -> None:
         """Ctrl-C: no new operation starts; open connections close, which ends the commands
@@ -451,13 +459,14 @@ class Provisioner:
 
 def resolve_targets(
     settings: Settings, hosts: Sequence[str], recipe: str | None, default_recipe: str
-) -> list[tuple[HostSpec, LoadedRecipe]]:
-    """Every host's inventory entry and recipe (the flag's, else the inventory's for that
-    host, else the default), loaded and checked before anything connects."""
+) -> list[tuple[HostSpec, Served]]:
+    """Every host's inventory entry and recipes (the flag's, else the inventory's for that
+    host: its one recipe or each of its layout, else the default), loaded and checked before
+    anything connects."""
     if len(set(hosts)) != len(hosts):
         raise VoltaforgeError(f"--host {','.join(hosts)}: a host is named twice")
     targets = []
     for name in hosts:
         spec = settings.host_spec(name)
-        targets.append((spec, settings.load_recipe(recipe or spec.recipe or default_recipe)))
+        targets += [(spec, s) for s in settings.serves(name, recipe, default_recipe)]
     return targets

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from playbooks.conduct.deployed import deployed_recipe
+from playbooks.conduct.placements import Served, host_serves
 from playbooks.config.inventory import HostSpec, resolve_host
 from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError
@@ -35,9 +36,21 @@ class Settings:
         name = recipe or spec.recipe
         if name:
             return name
+        if spec.serve:
+            raise VoltaforgeError(
+                f"{host_name} serves several recipes ({', '.join(p.recipe for p in spec.serve)}): pass --recipe"
+            )
         if host is None:
             raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
         return deployed_recipe(host, spec.prefix)
+
+    def serves(self, host_name: str, recipe: str | None, default: str | None = None) -> list[Served]:
+        """What the host serves (conduct/placements.py), loaded and checked before connecting;
+        one line when no recipe is named anywhere."""
+        served = host_serves(self.host_spec(host_name), recipe, self.load_recipe, default)
+        if not served:
+            raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
+        return served
 
     def load_recipe(self, name: str) -> LoadedRecipe:
         return load_recipe(name, self.recipes_dir or RECIPES_DIR)

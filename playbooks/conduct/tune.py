@@ -39,7 +39,8 @@ from typing import Any
 import yaml
 
 from playbooks.conduct.deploy import choose_manager, deploy_ops, make_manager, single_service
-from playbooks.conduct.deployed import recipe_file
+from playbooks.conduct.deployed import deployment_manager, recipe_file
+from playbooks.conduct.placements import Served, host_serves
 from playbooks.conduct.quantize import draft_artifact, quantize_step, recipe_weights
 from playbooks.conduct.settings import Settings
 from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
@@ -493,20 +494,26 @@ def tune_host(
         loaded = preloaded or settings.load_recipe(settings.recipe_for(host_name, None, host))
         sudo = not parse_writable(host.run(writable_command(spec.prefix), check=False, stream=False).stdout)
         tuner = Tuner(host, spec.prefix, loaded, opts, tune_ops(), say=lambda line: say(host.name, line))
-        # what the live services are, from the same read the search checks them by
-        live = [
-            load_recipe(recipe_file(d.recipe, f"{host.name}:{d.service}"))
-            for d in tuner.live_services()
-            if d.recipe is not None
-        ]
+        # what the live services are, from the same read the search checks them by: each
+        # stopped by its own unit, each recipe deployed again as the host serves it (a layout:
+        # its GPUs, port and units)
+        live = [d for d in tuner.live_services() if d.recipe is not None]
+        layout = {s.name: s for s in host_serves(spec, None, settings.load_recipe)} if spec.serve else {}
+        again: dict[str, Served] = {}
+        for d in live:
+            assert d.recipe is not None
+            lr = load_recipe(recipe_file(d.recipe, f"{host.name}:{d.service}"))
+            again.setdefault(lr.recipe.name, layout.get(lr.recipe.name) or Served(lr))
 
         def take_over() -> None:
-            for lr in live:
-                run_command(host, _stop(lr, host, spec.prefix, None))
+            for d in live:
+                mgr = deployment_manager(host, spec.prefix, d)
+                if mgr is not None:
+                    run_command(host, mgr.stop())
 
         def restore() -> None:
-            for lr in live:
-                run_ops(host, deploy_ops(lr, host, spec.prefix, "auto"))
+            for s in again.values():
+                run_ops(host, deploy_ops(s.loaded, host, spec.prefix, "auto", s.gpus, server=s.layout(spec.prefix)))
 
         with host_lock(host, spec.prefix, sudo=sudo):
             try:

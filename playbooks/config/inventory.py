@@ -1,4 +1,5 @@
-"""inventory.yaml: host names -> SSH target, user, port, GPU kind, recipe.
+"""inventory.yaml: host names -> SSH target, user, port, GPU kind, and what it serves: one
+``recipe``, or a ``serve`` layout placing several recipes on disjoint GPU sets.
 
 A host that is not listed falls back to the user's ~/.ssh/config (and then to plain DNS),
 as Fabric does. The name `local` means this machine, without SSH.
@@ -11,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from playbooks.config.yamlfile import explain_validation, load_yaml
 from playbooks.errors import RecipeError
@@ -44,6 +45,40 @@ def is_host_address(value: str) -> bool:
     return all(_LABEL_RE.match(label) for label in labels)
 
 
+class Placement(BaseModel):
+    """One recipe of a host's ``serve:`` layout: on which GPUs, on which port.
+
+    ``gpus``: the GPU indexes it owns (nvidia-smi's numbering). A recipe with ``gpu_count: N``
+    is one server split over its N indexes; a one-card recipe given several runs one instance
+    per GPU (the instance template, ports port, port+1, ...). Omitted: 0..gpu_count-1.
+    ``instances``: a CPU recipe's replicas (the same template, one port each); GPU recipes
+    take theirs from ``gpus``. ``port``: the first port, instead of the recipe's.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recipe: str
+    gpus: tuple[int, ...] | None = None
+    instances: int | None = Field(None, ge=1, le=64)
+    port: int | None = Field(None, ge=1, le=65535)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v):
+        if v is not None:
+            if not v or len(set(v)) != len(v) or any(not 0 <= i < 64 for i in v):
+                raise ValueError("give one or more distinct GPU indexes from 0 to 63")
+        return v
+
+    @model_validator(mode="after")
+    def _one_way(self):
+        if self.gpus is not None and self.instances is not None:
+            raise ValueError(
+                "give gpus (a GPU recipe: one instance per GPU, or a split) or instances (a CPU recipe), not both"
+            )
+        return self
+
+
 class HostSpec(BaseModel):
     """Everything needed to reach and describe one host."""
 
@@ -55,6 +90,7 @@ class HostSpec(BaseModel):
     port: int = Field(22, ge=1, le=65535)
     gpu: str | None = None
     recipe: str | None = None
+    serve: tuple[Placement, ...] = Field((), description="several recipes on disjoint GPU sets (instead of recipe)")
     key_file: str | None = None
     known_hosts: str | None = Field(None, description="known_hosts file to trust (default ~/.ssh/known_hosts)")
     host_key: str | None = Field(None, description="pinned public host key: 'ssh-ed25519 AAAA...'")
@@ -98,6 +134,21 @@ class HostSpec(BaseModel):
         if v is not None and not re.match(r"^(ssh-ed25519|ecdsa-sha2-nistp\d+|ssh-rsa) [A-Za-z0-9+/=]+$", v.strip()):
             raise ValueError("must be '<type> <base64>', e.g. 'ssh-ed25519 AAAA...'")
         return v.strip() if v else v
+
+    @model_validator(mode="after")
+    def _layout(self):
+        if self.serve and self.recipe:
+            raise ValueError("give recipe (one) or serve (a layout of several), not both")
+        seen: dict[int, str] = {}
+        for p in self.serve:
+            for i in p.gpus or ():
+                if i in seen:
+                    raise ValueError(f"GPU {i} is placed twice in serve: {seen[i]} and {p.recipe}")
+                seen[i] = p.recipe
+        names = [p.recipe for p in self.serve]
+        if len(set(names)) != len(names):
+            raise ValueError("a recipe is placed twice in serve: place it once, with all its GPUs")
+        return self
 
 
 class _InventoryFile(BaseModel):

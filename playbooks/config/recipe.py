@@ -23,7 +23,7 @@ from playbooks.plan.gpus import get_gpu, gpu_names
 from playbooks.plan.kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file, shape_from_config
 from playbooks.plan.objective import MIN_BPW, MIN_TOK_S
-from playbooks.plan.split import device_count
+from playbooks.plan.split import device_count, split_mode_refusal
 from playbooks.resources import resource_dir
 
 RECIPES_DIR = resource_dir("recipes")
@@ -383,6 +383,11 @@ class Recipe(_Strict):
         le=16,
         description="cards of that kind one server spreads the model over (llama-server --split-mode layer)",
     )
+    split_mode: str = Field(
+        "layer",
+        description="how llama-server splits the model over the cards: layer (the one planned; row and "
+        "tensor are refused with the reason, plan/split.py)",
+    )
     tensor_split: list[float] | None = Field(
         None,
         description="each device's share of the layers (llama-server --tensor-split), RPC workers first; "
@@ -529,6 +534,9 @@ class Recipe(_Strict):
     def _check_split(self) -> None:
         """gpu_count, rpc and tensor_split: what voltaforge plans and renders a split for."""
         cpu = get_gpu(self.gpu).is_cpu
+        refusal = split_mode_refusal(self.split_mode)
+        if refusal:
+            raise ValueError(f"split_mode: {refusal}")
         if cpu and self.gpu_count > 1:
             raise ValueError(f"gpu_count: {self.gpu_count} cards of {self.gpu}: a CPU target has no cards to split")
         if self.tensor_split is not None and len(self.tensor_split) != self.device_count:

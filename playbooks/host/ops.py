@@ -185,6 +185,13 @@ class Operation:
     idempotent: bool = True
     notify: tuple[str, ...] = ()
 
+    @property
+    def key(self) -> str:
+        """What the operation makes: two with one key are one (a host serving several recipes
+        runs a shared build once, conduct/converge.py). The name, which names its target, unless
+        the name leaves the target out."""
+        return self.name
+
     def read(self, host: Host) -> Any:
         """The facts ``decide`` needs, read from the host (read-only)."""
         return None

@@ -19,7 +19,7 @@ active expert bytes over the host's memory bandwidth (the CPU reads them in its 
 1-token matmul is below the CUDA backend's op-offload batch of 32, so it is not copied to the
 GPU). That is the two-sided roofline. Not in it: the per-layer hand-offs (two tiny activation
 copies over PCIe and a synchronisation per offloaded layer) and the CPU's arithmetic, which
-on few cores can bind before its memory does (docs/docs/knowledge.md section 8). It stays a
+on few cores can bind before its memory does (docs/knowledge.md section 8). It stays a
 ceiling.
 
 Prefill is different: a micro-batch of >= 32 tokens makes the scheduler copy each host-resident
@@ -45,7 +45,7 @@ from playbooks.plan.tensors import Cat
 
 #: Host memory bandwidth assumed when neither the host (a measurement) nor the user (a flag or
 #: the recipe's planner.host_membw_gb_s) gives one: the ~50 GB/s DDR4 read rate of the seed
-#: report's host (docs/docs/knowledge.md section 1: 17 GB of Q8_0 read at ~50 GB/s -> 4 tok/s).
+#: report's host (docs/knowledge.md section 1: 17 GB of Q8_0 read at ~50 GB/s -> 4 tok/s).
 #: Dual-socket Xeon hosts of V100s reach more on paper; one llama.cpp process on one NUMA node
 #: usually does not. Conservative on purpose: the plan says when it used this default.
 HOST_MEMBW_DEFAULT_GB_S = 50.0

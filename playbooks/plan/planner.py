@@ -1,4 +1,4 @@
-"""The physical ceiling, computed before anything is installed (docs/docs/knowledge.md, section 1).
+"""The physical ceiling, computed before anything is installed (docs/knowledge.md, section 1).
 
 Pure functions: model shape + GPU + serving settings in, bytes and tokens per second out.
 
@@ -895,7 +895,7 @@ def make_plan(
     if gpu.is_cpu:
         plan.notes.append(
             "on a CPU, quantized decode is often compute-bound, not bandwidth-bound: the roofline is "
-            "a loose ceiling here (docs/docs/knowledge.md section 8: Q4_K_M and Q8_0 on 2 cores)"
+            "a loose ceiling here (docs/knowledge.md section 8: Q4_K_M and Q8_0 on 2 cores)"
         )
     elif not gpu.bf16 and shape.torch_dtype == "bfloat16":
         plan.notes.append(f"{gpu.name} has no BF16: the BF16 weights are converted to FP16 before quantizing")

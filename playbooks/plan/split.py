@@ -50,6 +50,28 @@ CUDA_ALIGNMENT = 128
 CPU_ALIGNMENT = 32
 
 
+#: llama.cpp's --split-mode values other than ``layer``, and why voltaforge plans none of them
+#: (read at the pinned ref, 0c1e570)
+SPLIT_MODES_NOT_PLANNED = {
+    "row": "the pinned llama.cpp's CUDA backend has no row-split buffers any more (ggml-cuda exports no "
+    "ggml_backend_split_buffer_type; SYCL's alone does), so llama-server stops at load with \"device CUDA0 does "
+    'not support split buffers" (src/llama-model.cpp make_gpu_buft_list)',
+    "tensor": "llama.cpp calls it experimental (flash attention required, a few architectures, no --fit, "
+    "backend sampling off) and voltaforge does not plan its per-card buffers",
+    "none": "it uses one card only: that is gpu_count 1",
+}
+
+
+def split_mode_refusal(mode: str) -> str | None:
+    """Why a --split-mode is not planned (None: ``layer``, the one that is)."""
+    if mode == "layer":
+        return None
+    why = SPLIT_MODES_NOT_PLANNED.get(mode)
+    if why is None:
+        return f"unknown split mode {mode!r}: llama.cpp has none, layer, row, tensor"
+    return f"--split-mode {mode} is not planned: {why}; use layer"
+
+
 def device_count(rpc_workers: int, gpu_count: int, cpu: bool) -> int:
     """The devices a split spreads layers over: the RPC workers, then the local cards (a CPU
     target has none of its own: its layers go to the workers or stay on the CPU)."""

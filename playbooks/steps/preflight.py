@@ -27,7 +27,7 @@ from playbooks.steps.serve.deploy import systemd_only
 # Minimum Linux driver per CUDA major release (NVIDIA's CUDA compatibility table, minor
 # version compatibility): 11.x needs >= 450.80.02, 12.x needs >= 525.60.13.
 MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13)}
-# R580 is the last driver branch that supports Volta (docs/docs/knowledge.md section 3).
+# R580 is the last driver branch that supports Volta (docs/knowledge.md section 3).
 LAST_VOLTA_DRIVER_BRANCH = 580
 MIN_RAM_BYTES = 16 * GIB  # HF -> GGUF conversion and EXL2 measurement hold a layer plus buffers
 
@@ -202,6 +202,7 @@ class Context:
     model_dir: str
     prefix: str
     inventory_gpu: str | None
+    gpu_indexes: tuple[int, ...] | None = None  # the GPUs a layout gives the recipe
 
     @property
     def recipe(self) -> Recipe | None:
@@ -571,16 +572,42 @@ def fit_summary(cx: Context, plan: Plan) -> tuple[str, Check]:
     )
 
 
+def check_gpu_indexes(cx: Context) -> list[Check]:
+    """The GPUs a host's layout gives the recipe are on the host (nvidia-smi's numbering)."""
+    gpus = cx.facts.gpus
+    if cx.gpu_indexes is None or not cx.wants_gpu or not gpus.available:
+        return []
+    missing = [i for i in cx.gpu_indexes if i >= gpus.gpu_count]
+    if not missing:
+        return [Check("gpu-indexes", "pass", f"GPU {', '.join(map(str, cx.gpu_indexes))} of {gpus.gpu_count}")]
+    return [
+        Check(
+            "gpu-indexes",
+            "fail",
+            f"the layout gives GPU {', '.join(map(str, missing))}; the host has {gpus.gpu_count} "
+            f"(0-{gpus.gpu_count - 1})",
+            "place the recipe on GPUs the host has (serve: in inventory.yaml)",
+            blocking=True,
+        )
+    ]
+
+
 def judge(
-    facts: HostFacts, loaded: LoadedRecipe | None, model_dir: str, prefix: str, inventory_gpu: str | None = None
+    facts: HostFacts,
+    loaded: LoadedRecipe | None,
+    model_dir: str,
+    prefix: str,
+    inventory_gpu: str | None = None,
+    gpu_indexes: tuple[int, ...] | None = None,
 ) -> Verdict:
     """Pure: turn facts (and the recipe, when given) into checks with fixes, one area at a time.
 
     The GPU the plan is judged against: the one the host reports; else the inventory's `gpu`;
-    else the recipe's. An inventory entry that disagrees with the host is flagged."""
-    cx = Context(facts, loaded, model_dir, prefix, inventory_gpu)
+    else the recipe's. An inventory entry that disagrees with the host is flagged.
+    ``gpu_indexes``: the GPUs a host's layout gives the recipe, which must be there."""
+    cx = Context(facts, loaded, model_dir, prefix, inventory_gpu, gpu_indexes)
     v = Verdict(facts)
-    for area in (check_os, check_systemd, check_python, check_gpu, check_cuda, check_rpc):
+    for area in (check_os, check_systemd, check_python, check_gpu, check_gpu_indexes, check_cuda, check_rpc):
         v.checks += area(cx)
     plan = plan_for_host(cx)
     v.checks += check_disk_and_ram(cx, plan)

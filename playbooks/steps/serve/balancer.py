@@ -104,14 +104,15 @@ class Balancer:
         return sorted({b.address for b in self.backends if b.address != "127.0.0.1"})
 
 
-def backends_for(recipe: Recipe, hosts: Sequence[tuple[str, str, bool]]) -> tuple[Backend, ...]:
-    """One backend per host (inventory name, address, whether it is the balancer's own host):
-    the recipe's server on its port. The balancer's own host is reached on loopback; another
+def backends_for(recipe: Recipe, hosts: Sequence[tuple[str, str, bool, Sequence[int]]]) -> tuple[Backend, ...]:
+    """One backend per server: each host (inventory name, address, whether it is the balancer's
+    own host, the ports its instances of the recipe listen on: one, or one per GPU) gives one
+    per port, named ``host`` or ``host-port``. The balancer's own host is reached on loopback; another
     host at its inventory address, which needs the server to listen beyond loopback (and so
     an API key: the recipe schema asks for one)."""
     bind = ipaddress.ip_address(recipe.service.bind)
     out = []
-    for name, address, same_host in hosts:
+    for name, address, same_host, ports in hosts:
         if same_host:
             target = "127.0.0.1" if bind.is_loopback or bind.is_unspecified else str(bind)
         elif bind.is_loopback:
@@ -121,7 +122,7 @@ def backends_for(recipe: Recipe, hosts: Sequence[tuple[str, str, bool]]) -> tupl
             )
         else:
             target = address
-        out.append(Backend(name, target, recipe.service.port))
+        out += [Backend(name if len(ports) == 1 else f"{name}-{port}", target, port) for port in ports]
     return tuple(out)
 
 

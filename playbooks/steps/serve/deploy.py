@@ -51,7 +51,6 @@ from playbooks.facts.service import health_command, listeners_command, parse_hea
 from playbooks.host.base import Host
 from playbooks.host.commands import check_path
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell, Upload, run_command
-from playbooks.plan.gpus import get_gpu
 from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Running
 
 #: the fingerprint's format: bump when what it covers changes
@@ -617,8 +616,8 @@ def systemd_only(recipe: Recipe, gpu_indexes: Sequence[int] = (0,)) -> str | Non
         return "TabbyAPI (EXL2) runs as a systemd unit only"
     if recipe.service.api_key_ref:
         return "an API key reaches the server as a systemd credential"
-    if len(gpu_indexes) > 1 and recipe.gpu_count == 1 and not get_gpu(recipe.gpu).is_cpu:
-        return "one server per GPU is a systemd instance template"
+    if len(gpu_indexes) > 1 and recipe.gpu_count == 1:
+        return "one server per GPU (or CPU instance) is a systemd instance template"
     return None
 
 

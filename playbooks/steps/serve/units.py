@@ -385,11 +385,12 @@ def render_llama_server_template(
     recipe: Recipe, layout: ServerLayout = ServerLayout(), n_cpu_moe: int = 0
 ) -> RenderedUnit:
     """The instance template ``<service>@.service``: instance %i serves GPU %i on the port its
-    environment file names (recipe port + i); every instance loads the same model link."""
+    environment file names (recipe port + i); every instance loads the same model link. A CPU
+    recipe's instances are replicas on the host's cores (a layout's ``instances:``): the same
+    template without a GPU."""
     if not _UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
         raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
-    if get_gpu(recipe.gpu).is_cpu:
-        raise VoltaforgeError(f"recipe {recipe.name}: one instance per GPU needs a GPU recipe, not {recipe.gpu}")
+    gpu = not get_gpu(recipe.gpu).is_cpu
     argv, raw = llama_server_argv(recipe, layout, port="${VOLTAFORGE_PORT}", n_cpu_moe=n_cpu_moe)
     name = layout.template_unit_name
     text = render_template(
@@ -398,10 +399,10 @@ def render_llama_server_template(
         recipe=recipe.name,
         exec_start=exec_line(argv, raw),
         api_key_file=layout.api_key_file(recipe),
-        environment=[("CUDA_DEVICE_ORDER", "PCI_BUS_ID")],
+        environment=[("CUDA_DEVICE_ORDER", "PCI_BUS_ID")] if gpu else [],
         environment_file=layout.instance_env_file("%i"),
-        gpu=True,
-        gpu_devices=["/dev/nvidia%i"],
+        gpu=gpu,
+        gpu_devices=["/dev/nvidia%i"] if gpu else [],
         loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
         rpc_peers=rpc_peers(recipe),
     )
@@ -409,13 +410,15 @@ def render_llama_server_template(
 
 
 def instance_environment(recipe: Recipe, index: int) -> str:
-    """The environment file of instance ``index``: its GPU and its port (recipe port + index)."""
+    """The environment file of instance ``index``: its port (recipe port + index) and, on a
+    GPU recipe, its GPU."""
     port = recipe.service.port + index
     if port > 65535:
-        raise VoltaforgeError(f"recipe {recipe.name}: GPU {index} would listen on port {port}, above 65535")
+        raise VoltaforgeError(f"recipe {recipe.name}: instance {index} would listen on port {port}, above 65535")
+    gpu = "" if get_gpu(recipe.gpu).is_cpu else f"CUDA_VISIBLE_DEVICES={index}\n"
     return (
         f"# rendered by voltaforge for {recipe.name}: instance {index} of the llama-server template\n"
-        f"CUDA_VISIBLE_DEVICES={index}\nVOLTAFORGE_PORT={port}\n"
+        f"{gpu}VOLTAFORGE_PORT={port}\n"
     )
 
 
@@ -503,8 +506,9 @@ def render_service_files(
     ``n_cpu_moe``: the resolved --n-cpu-moe of a MoE recipe (llama_server_argv).
 
     llamacpp, one GPU index: the plain unit. Several: the instance template and one environment
-    file per instance (GPU i on recipe port + i); a recipe with gpu_count N and N indexes: one
-    plain unit over all N (a layer split). exllamav2: TabbyAPI's unit and config.yml.
+    file per instance (GPU i on recipe port + i; a CPU recipe's indexes are replica slots); a
+    recipe with gpu_count N and N indexes: one plain unit over all N (a layer split).
+    exllamav2: TabbyAPI's unit and config.yml.
     No indexes: default_gpu_indexes.
     """
     gpu_indexes = default_gpu_indexes(recipe) if gpu_indexes is None else gpu_indexes
@@ -523,9 +527,7 @@ def render_service_files(
             RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit"),
             RenderedFile(layout.tabbyapi_config, render_tabbyapi_config(recipe, layout), 0o644, "config"),
         ]
-    if len(gpu_indexes) == 1 or get_gpu(recipe.gpu).is_cpu:
-        if len(gpu_indexes) > 1:
-            raise VoltaforgeError(f"recipe {recipe.name}: a CPU recipe runs one server, not one per GPU")
+    if len(gpu_indexes) == 1:
         unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
         return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
     template = render_llama_server_template(recipe, layout, n_cpu_moe)

@@ -279,6 +279,10 @@ class EnsureFp16Range(Operation):
         self.result = f"{layout.root}/fp16-range.json"
         self.name = "Ensure every weight fits FP16 (V100 has no BF16)"
 
+    @property
+    def key(self) -> str:
+        return f"{self.name} for {self.layout.root}"
+
     def read(self, host: Host) -> dict[str, Any] | None:
         text = read_fact(host, f"cat -- {shlex.quote(self.result)} 2>/dev/null || true")
         try:
@@ -702,6 +706,10 @@ class EnsureReference(Operation):
         self.marker = f"{layout.gguf_dir}/reference.source"
         self.name = "Ensure the F16 reference (KL divergence base" + (", importance matrix)" if imatrix else ")")
 
+    @property
+    def key(self) -> str:
+        return f"{self.name} for {self.layout.root}"
+
     def read(self, host: Host) -> tuple[str | None, str | None]:
         text = read_fact(host, f"cat -- {shlex.quote(manifest_path(self.layout.gguf('F16')))} 2>/dev/null || true")
         try:
@@ -711,7 +719,7 @@ class EnsureReference(Operation):
         made = read_fact(host, f"cat -- {shlex.quote(self.marker)} 2>/dev/null || true").strip()
         return f16, made or None
 
-    def key(self, f16_sha: str) -> str:
+    def reference_key(self, f16_sha: str) -> str:
         return f"f16 {f16_sha} ctx {CALIBRATION_CTX} chunks {CALIBRATION_CHUNKS} imatrix {int(self.imatrix)}"
 
     def decide(self, facts: tuple[str | None, str | None]) -> Decision:
@@ -719,7 +727,7 @@ class EnsureReference(Operation):
         if f16 is None:
             # a dry run before the F16 file exists: say what would run after it
             f16 = "(the F16 file made above)"
-        if made == self.key(f16):
+        if made == self.reference_key(f16):
             return Decision.ok("computed for this F16 file")
         bin_dir = f"{self.build.current}/bin"
         common = f"-c {CALIBRATION_CTX} --chunks {CALIBRATION_CHUNKS}"
@@ -739,7 +747,7 @@ class EnsureReference(Operation):
                     f"{common} && mv -f -- {out}.partial.gguf {out}"
                 )
             )
-        cmds.append(Shell(f"echo {shlex.quote(self.key(f16))} > {shlex.quote(self.marker)}"))
+        cmds.append(Shell(f"echo {shlex.quote(self.reference_key(f16))} > {shlex.quote(self.marker)}"))
         return Decision.act("not computed for this F16 file" if made else "not computed yet", *cmds)
 
     def apply(self, host: Host, decision: Decision) -> None:
@@ -757,6 +765,10 @@ class EnsureTexts(Operation):
         self.layout = layout
         self.files = {layout.calibration: calibration.encode(), layout.prompt: prompt.encode()}
         self.name = "Ensure the calibration text and the test prompt are on the host"
+
+    @property
+    def key(self) -> str:
+        return f"{self.name} for {self.layout.root}"
 
     def read(self, host: Host) -> dict[str, str | None]:
         return {p: files.parse_sha256(read_fact(host, files.sha256_command(p))) for p in self.files}

@@ -1,0 +1,79 @@
+"""`invoke bench --lb`: the gate's workload sent through a host's load balancer (`invoke lb`), one
+concurrency level after another, with each backend's share of the requests.
+
+The shares come from HAProxy's own counters (its loopback stats page, read before and after each
+level), not from the client: they count every request the balancer sent where, retries and the
+level's first /health request included (tests/test_balancer_real.py holds them to each server's
+own log). The
+levels are the recipe's gate levels (``levels`` to choose others); a level's figures are the
+bench's own (steps/measure/bench.py level_summary), measured through the balancer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from playbooks.config.recipe import LoadedRecipe
+from playbooks.errors import VoltaforgeError
+from playbooks.facts import read_fact
+from playbooks.host import Host
+from playbooks.steps.measure.bench_run import bench_health, measure_level
+from playbooks.steps.serve.balancer import STATS_PORT, ServerStat, parse_stats, stats_command
+
+
+def shares(before: Sequence[ServerStat], after: Sequence[ServerStat]) -> dict[str, dict[str, Any]]:
+    """Each backend's requests between two reads of the counters, and its share of them. A
+    backend that appeared in between counts from zero; one whose counter went back (HAProxy
+    restarted) counts what it shows now."""
+    old = {s.name: s.requests for s in before}
+    got = {s.name: s.requests - old.get(s.name, 0) for s in after}
+    got = {name: n if n >= 0 else next(s.requests for s in after if s.name == name) for name, n in got.items()}
+    total = sum(got.values())
+    return {
+        s.name: {"requests": got[s.name], "share": round(got[s.name] / total, 3) if total else None, "up": s.up}
+        for s in after
+    }
+
+
+def read_stats(host: Host, stats_port: int) -> list[ServerStat]:
+    return parse_stats(read_fact(host, stats_command(stats_port)))
+
+
+def bench_through_balancer(
+    loaded: LoadedRecipe,
+    host: Host,
+    port: int,
+    stats_port: int = STATS_PORT,
+    levels: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Every level through the balancer on ``host``'s ``port``: the result, or one line why not."""
+    r = loaded.recipe
+    if r.service.api_key_ref:
+        raise VoltaforgeError(
+            f"recipe {r.name} has an API key: the bench client sends none, and the balancer would refuse it"
+        )
+    if bench_health(host, port) == 0:
+        raise VoltaforgeError(f"nothing answers on {host.name}:{port}: is the balancer there (`invoke lb`)?")
+    if not read_stats(host, stats_port):
+        raise VoltaforgeError(
+            f"{host.name}: the balancer's stats page (127.0.0.1:{stats_port}) lists no backend: is it voltaforge's?"
+        )
+    kind = "llama-server" if r.backend == "llamacpp" else "tabbyapi"
+    result: dict[str, Any] = {
+        "version": 1,
+        "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": host.name,
+        "recipe": r.name,
+        "via": f"the balancer on {host.name}:{port}",
+        "levels": [],
+    }
+    for c in levels or r.gate.levels:
+        before = read_stats(host, stats_port)
+        level = measure_level(host, port, kind, c, r.gate)
+        level["backends"] = shares(before, read_stats(host, stats_port))
+        result["levels"].append(level)
+        if level.get("error"):
+            break
+    return result

@@ -1,0 +1,111 @@
+"""Two recipes on one host through its inventory `serve:` layout, for real, in a booted Debian 12
+container (systemd-nspawn, its own network namespace, no internet) over SSH, through the CLI:
+
+1. `invoke provision --host box` provisions each recipe of the layout in turn: `tiny-cpu` as two
+   instances started from the llama-server instance template (`voltaforge-tiny-cpu@0` and `@1`,
+   ports 18100 and 18101 from their environment files), and `tiny-b` (the same model under
+   another name) as its own unit on 18080. Every server runs unprivileged and answers; each
+   instance passed its own gate. A second run changes nothing.
+2. `invoke lb` in front of the two instances: one backend per instance, and requests reach both
+   (HAProxy's counters).
+3. `invoke status` lists the three servers and the balancer; `invoke stop` stops every server of
+   the layout, and nothing listens on their ports after.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT
+from tests.test_provision_real import answers, inventory, provision, recipe, seeded_ccache, statuses  # noqa: F401
+from tests.test_rpc_split_real import LB, active, lb, status
+
+pytestmark = pytest.mark.slow
+INSTANCES = ("voltaforge-tiny-cpu@0.service", "voltaforge-tiny-cpu@1.service")
+SINGLE = "voltaforge-tiny-b.service"
+
+
+def layout_inventory(tmp_path: Path, host) -> Path:
+    """box serves tiny-cpu twice (ports 18100, 18101) and tiny-b once (its own port, 18080)."""
+    # one gate level: three servers are gated one after the other, and the gate itself is
+    # tested elsewhere (tests/test_provision_real.py)
+    tiny = recipe(tmp_path, host, "a", gate={"levels": [1]})
+    b = tiny.parent / "tiny-b.yaml"
+    b.write_text(tiny.read_text())
+    inv = inventory(tmp_path, {"box": (host, tiny)})
+    data = yaml.safe_load(inv.read_text())
+    entry = data["hosts"]["box"]
+    del entry["recipe"]
+    entry["serve"] = [{"recipe": str(tiny), "instances": 2, "port": 18100}, {"recipe": str(b)}]
+    inv.write_text(yaml.safe_dump(data))
+    return inv
+
+
+def invoke(inv: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), *args, "--inventory", str(inv)],
+        cwd=inv.parent, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(3600)
+def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_nspawn_host, tmp_path):  # noqa: F811
+    host = provisionable_nspawn_host
+    inv = layout_inventory(tmp_path, host)
+
+    # 1. each recipe of the layout, in turn, from nothing
+    code, summary, out, _ = provision(inv, "box")
+    assert code == 0, out[-6000:]
+    assert [s["recipe"] for s in summary] == ["tiny-cpu", "tiny-b"], summary
+    first, second = summary
+    assert statuses(first)["deploy"] == "changed" and statuses(first)["gate"] == "changed", first
+    # the second shares the first's build and weights: only its own server is new
+    assert statuses(second)["build"] == "ok" and statuses(second)["quantize"] == "ok", second
+    assert statuses(second)["deploy"] == "changed" and statuses(second)["gate"] == "changed", second
+    assert "2 of 2 recipes provisioned" in out
+    for unit in (*INSTANCES, SINGLE):
+        assert active(host, unit), host.run_inside(f"journalctl -u {unit} -o cat | tail -20", check=False).stdout
+        assert host.run_inside(f"systemctl show -p User --value {unit}").stdout.strip() != "root"
+    listening = host.run_inside("ss -Hltn").stdout
+    for port in (18100, 18101, 18080):
+        assert f"127.0.0.1:{port}" in listening, listening
+        assert answers(host, port)["choices"][0]["message"]["content"]
+    # each instance was gated on its own port
+    for i, port in enumerate((18100, 18101)):
+        rec = json.loads(host.run_inside(f"cat {host.prefix}/deploy/voltaforge-tiny-cpu@{i}/deployed.json").stdout)
+        assert rec["port"] == port and rec["gate"]["status"] == "passed", rec
+    # a second run changes nothing, for either recipe
+    code, summary, out, _ = provision(inv, "box")
+    assert code == 0 and [set(statuses(s).values()) for s in summary] == [{"ok"}, {"ok"}], out[-4000:]
+
+    # 2. a balancer in front of the two instances: one backend each, both get requests
+    run = lb(inv, "--recipe", "tiny-cpu")
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert active(host, LB)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2})
+    for _ in range(6):
+        host.run_inside(
+            f"curl -sf -m 30 http://127.0.0.1:18000/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+        )
+
+    # 3. everything in `invoke status`; `invoke stop` stops every server of the layout
+    listed = status(inv)
+    assert sorted(s["service"] for s in listed["services"]) == [
+        "voltaforge-tiny-b",
+        "voltaforge-tiny-cpu@0",
+        "voltaforge-tiny-cpu@1",
+    ], listed
+    backends = {u["unit"]: u for u in listed["units"]}[LB]["backends"]
+    assert [(b["name"], b["up"]) for b in backends] == [("box-18100", True), ("box-18101", True)], backends
+    assert all(b["requests"] >= 1 for b in backends), backends
+    stopped = invoke(inv, "stop", "--host", "box")
+    assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-2000:]
+    assert not any(active(host, u) for u in (*INSTANCES, SINGLE))
+    listening = host.run_inside("ss -Hltn").stdout
+    assert not any(f"127.0.0.1:{p}" in listening for p in (18100, 18101, 18080)), listening
