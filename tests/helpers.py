@@ -79,7 +79,7 @@ def put_gguf(host, local: Path, remote: str, quant: str, manifest_extra: dict | 
     import hashlib
     import json
 
-    from playbooks.steps.weights.quantize import manifest_path
+    from playbooks.steps.weights.model_layout import manifest_path
 
     host.run(f"mkdir -p {remote.rsplit('/', 1)[0]}", stream=False)
     host.put(str(local), remote, mode=0o644)
@@ -97,7 +97,7 @@ def stage_served_model(
     manifest under models/<id>/gguf/ (quantize's own run of it: tests/test_quantize_real.py)."""
     from playbooks.conduct.quantize import recipe_weights
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.weights.quantize import ModelLayout
+    from playbooks.steps.weights.model_layout import ModelLayout
     from tests import llamacpp_tools
 
     loaded = load_recipe(str(recipe))

@@ -30,7 +30,7 @@ from playbooks.host.local import LocalHost
 from playbooks.host.ops import run_ops
 from playbooks.steps.weights.artifact_copy import Artifact, EnsureArtifactCopy, parse_files_with_sha256
 from playbooks.steps.weights.exl2_convert import STAMP_NAME
-from playbooks.steps.weights.quantize import ModelLayout, manifest_path
+from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model

@@ -33,7 +33,7 @@ from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import connect
-from playbooks.steps.weights.quantize import ModelLayout, manifest_path
+from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model

@@ -17,18 +17,12 @@ from playbooks.host.ops import OperationError, PushFile, Record, Upload
 from playbooks.plan.model_config import shape_from_config
 from playbooks.steps.build.build import BuildLayout
 from playbooks.steps.build.proven_build import Probe
-from playbooks.steps.weights.quantize import (
-    ArtifactFacts,
-    EnsureFp16Range,
-    EnsureGguf,
-    EnsureHubWeights,
-    EnsureReference,
-    EnsureWeights,
-    HubFacts,
-    HubWeights,
-    LocalWeights,
-    ModelLayout,
-)
+from playbooks.steps.weights.fetch import EnsureHubWeights, EnsureWeights, HubFacts
+from playbooks.steps.weights.fp16_range import EnsureFp16Range
+from playbooks.steps.weights.gguf import ArtifactFacts, EnsureGguf
+from playbooks.steps.weights.model_layout import ModelLayout
+from playbooks.steps.weights.reference import EnsureReference
+from playbooks.steps.weights.sources import HubWeights, LocalWeights
 from tests.helpers import ROOT, fixture_body
 
 TINY = load_recipe("tiny-cpu", ROOT / "recipes")
@@ -341,7 +335,7 @@ def test_an_architecture_the_converter_does_not_know_is_one_line_before_any_work
 
 
 def test_calibration_text_is_the_recipes_file_the_tiny_models_words_or_the_shipped_text(tmp_path):
-    from playbooks.steps.weights.quantize import calibration_text
+    from playbooks.steps.weights.sources import calibration_text
 
     tiny = LocalWeights("tiny-llama-x", tmp_path, {}, {"generate": "tiny-llama"})
     real = LocalWeights("m-x", tmp_path, {}, {"path": str(tmp_path)})
@@ -363,7 +357,7 @@ def test_calibration_text_is_the_recipes_file_the_tiny_models_words_or_the_shipp
 def test_the_generated_models_id_changes_with_the_generator_not_only_the_config(tmp_path, monkeypatch):
     """The tiny model is cached under its id and never regenerated: a generator that writes
     something new (v2: a chat template) must make a new id for the same config."""
-    from playbooks.steps.weights.quantize import generated_weights
+    from playbooks.steps.weights.sources import generated_weights
     from playbooks.weights import tinymodel
 
     made = []

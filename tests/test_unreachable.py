@@ -21,7 +21,9 @@ from playbooks.host import LocalHost
 from playbooks.host.ops import OperationError, run_ops
 from playbooks.steps.build.llamacpp_source import fetch_sdist
 from playbooks.steps.build.toolchain import EnsureTorch, index_named, run_pip
-from playbooks.steps.weights.quantize import EnsureHubWeights, HubWeights, ModelLayout
+from playbooks.steps.weights.fetch import EnsureHubWeights
+from playbooks.steps.weights.model_layout import ModelLayout
+from playbooks.steps.weights.sources import HubWeights
 from tests.helpers import FIXTURES, fixture_body
 
 PIP = {

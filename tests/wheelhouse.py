@@ -17,7 +17,7 @@ wheelhouse with it):
   the sdist itself, plus ``ninja``: scikit-build-core asks pip for the ninja wheel when no
   ``ninja`` is on the host's PATH (the image has none; make would be its fallback only where
   no ninja wheel exists for the platform);
-- the converter's requirements (``playbooks.steps.weights.quantize.CONVERT_REQUIREMENTS``).
+- the converter's requirements (``playbooks.steps.weights.gguf.CONVERT_REQUIREMENTS``).
 
 They are resolved together by ``pip download`` on the controller for the container's
 interpreter (CPython 3.11, glibc 2.36, x86_64: ``--python-version``/``--abi``/``--platform``,
@@ -79,7 +79,7 @@ def sdist_requirements() -> tuple[list[str], list[str]]:
 def requirements() -> list[str]:
     """The top-level requirements, sorted: torch pinned, the bindings' runtime and build
     requirements, the converter's."""
-    from playbooks.steps.weights.quantize import CONVERT_REQUIREMENTS
+    from playbooks.steps.weights.gguf import CONVERT_REQUIREMENTS
 
     runtime, build = sdist_requirements()
     return sorted({f"torch=={TORCH_CPU}", *runtime, *build, *BUILD_TOOLS, *CONVERT_REQUIREMENTS})

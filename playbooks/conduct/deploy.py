@@ -41,7 +41,7 @@ from playbooks.steps.serve.units import (
 )
 from playbooks.steps.weights.exl2_convert import STAMP_NAME as EXL2_STAMP
 from playbooks.steps.weights.exl2_convert import Exl2Layout
-from playbooks.steps.weights.quantize import ModelLayout, manifest_path
+from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
 ManagerChoice = Literal["auto", "systemd", "process"]
 

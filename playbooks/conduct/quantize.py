@@ -24,21 +24,12 @@ from playbooks.steps.build.toolchain import venv_path
 from playbooks.steps.weights.artifact_copy import Artifact
 from playbooks.steps.weights.exl2_convert import STAMP_NAME as EXL2_STAMP
 from playbooks.steps.weights.exl2_convert import Exl2Layout, exl2_ops
-from playbooks.steps.weights.quantize import (
-    EnsureConvertDeps,
-    EnsureFp16Range,
-    EnsureGguf,
-    EnsureHubWeights,
-    EnsureReference,
-    EnsureTexts,
-    EnsureWeights,
-    HubWeights,
-    LocalWeights,
-    ModelLayout,
-    calibration_text,
-    generated_weights,
-    path_weights,
-)
+from playbooks.steps.weights.fetch import EnsureHubWeights, EnsureWeights
+from playbooks.steps.weights.fp16_range import EnsureFp16Range
+from playbooks.steps.weights.gguf import EnsureConvertDeps, EnsureGguf
+from playbooks.steps.weights.model_layout import ModelLayout
+from playbooks.steps.weights.reference import EnsureReference, EnsureTexts
+from playbooks.steps.weights.sources import HubWeights, LocalWeights, calibration_text, generated_weights, path_weights
 
 #: the fixed prompt every GGUF is run on (words of the tiny model's syllables are real text to
 #: a real tokenizer too)

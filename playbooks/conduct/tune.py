@@ -62,7 +62,7 @@ from playbooks.steps.measure.tune_search import Measured, Verdict, choose, objec
 from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
 from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.units import ServerLayout, render_service_files
-from playbooks.steps.weights.quantize import ModelLayout, manifest_path
+from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
 SCRATCH_UNIT = "voltaforge-tune.service"
 SCRATCH_SERVICE = SCRATCH_UNIT.removesuffix(".service")

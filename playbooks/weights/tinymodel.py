@@ -50,7 +50,7 @@ _HF_EXPERT = {
     "ffn_up_exps.weight": "w3",
 }
 
-# What the generator writes: part of the generated model's id (steps/weights/quantize.py
+# What the generator writes: part of the generated model's id (steps/weights/sources.py
 # generated_weights), so a changed generator never reuses a model an older one cached.
 # 1: weights, config and tokenizer; 2: a chat template in tokenizer_config.json.
 GENERATOR_VERSION = 2
