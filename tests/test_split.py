@@ -16,8 +16,10 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from playbooks.cli.plan import run_plan
 from playbooks.config.planning import plan_recipe, refuse_unfit, unfit_text
@@ -28,6 +30,7 @@ from playbooks.plan.gguf_size import estimate_gguf
 from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.kv_cache import llamacpp_kv_bytes
 from playbooks.plan.model_config import load_config_file
+from playbooks.plan.moe import expert_layout
 from playbooks.plan.planner import Serving, evaluate
 from playbooks.plan.split import CUDA_ALIGNMENT, layer_devices, layer_kv_bytes, layer_weights, split_mode_refusal
 from playbooks.steps.serve.units import render_service_files
@@ -153,8 +156,8 @@ def test_bad_splits_are_refused_at_the_recipe(tmp_path):
         with pytest.raises(RecipeError, match=match):
             load_recipe(recipe_with(tmp_path, SPLIT, extra))
     moe = recipe_with(tmp_path, "qwen3-30b-a3b-v100-32gb", "gpu_count: 2\n", name="moe")
-    with pytest.raises(RecipeError, match="mixture-of-experts"):
-        load_recipe(moe)
+    # a MoE with n_cpu_moe 0 splits like a dense model (test_a_moe_split_keeps_every_expert_on_a_device)
+    assert load_recipe(moe).recipe.split
 
 
 def test_a_gpu_name_that_matches_several_cards_is_refused():
@@ -189,6 +192,56 @@ def test_a_real_rpc_split_load_equals_the_plan_device_by_device():
     estimate = c.devices[0].compute_bytes / 2**20
     print(f"\ncompute buffers: real {got} MiB, estimate {estimate:.2f} MiB per device")
     assert sum(got) <= sum(d.compute_bytes for d in c.devices) / 2**20 * 1.10  # the deploy check's margin
+
+
+MOE_RPC_LOG = ROOT / "tests" / "fixtures" / "thishost-llamacpp-0c1e570-llama-server-rpc-split-moe-2-workers.log"
+
+
+def moe_rpc_recipe(tmp_path: Path) -> Path:
+    """tiny-moe-cpu with tiny-rpc-cpu's two workers and every expert on them (no n_cpu_moe)."""
+    data = yaml.safe_load((ROOT / "recipes" / "tiny-moe-cpu.yaml").read_text())
+    data.pop("n_cpu_moe")
+    data["rpc"] = yaml.safe_load((ROOT / "recipes" / "tiny-rpc-cpu.yaml").read_text())["rpc"]
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    path = tmp_path / "tiny-moe-rpc-cpu.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_real_moe_split_load_equals_the_plan_device_by_device(tmp_path):
+    """Held-out data: a mixture of experts split over two RPC servers by the pinned build
+    (captured after the MoE split was planned; the header has the command). Each device's
+    weights (its experts included) and KV cache equal the plan."""
+    log = parse_load_log(MOE_RPC_LOG.read_text())
+    c = plan_recipe(load_recipe(moe_rpc_recipe(tmp_path))).chosen
+    assert c is not None and c.quant == "Q4_K_M" and [len(d.layers) for d in c.devices] == [3, 1]
+    planned = tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in c.devices)
+    assert log.offloaded == (5, 5)
+    assert [round(m, 2) for m, _ in planned] == [v for k, v in log.model_mib.items() if k.startswith("RPC")]
+    assert [round(k, 2) for _, k in planned] == list(log.kv_mib.values())
+    assert judge_split(log, planned) == []
+    got = [v for k, v in log.compute_mib.items() if k.startswith("RPC")]
+    print(f"\ncompute buffers: real {got} MiB, estimate {c.devices[0].compute_bytes / 2**20:.2f} MiB per device")
+    # a token reads its active experts only, device by device: the sum is the one-card figure
+    assert sum(d.streamed_bytes for d in c.devices) == c.streamed_bytes
+    assert all(d.streamed_bytes < d.weights_bytes for d in c.devices)
+
+
+def test_a_moe_split_keeps_every_expert_on_a_device(tmp_path):
+    """Qwen3-30B-A3B over two 16 GB cards: no expert in host RAM, the roofline on active bytes;
+    n_cpu_moe beside a split is refused at the recipe's line."""
+    two = recipe_with(tmp_path, "qwen3-30b-a3b-v100-16gb", "gpu_count: 2\n", name="moe-two")
+    text = two.read_text()
+    two.write_text("\n".join(x for x in text.splitlines() if not x.startswith("n_cpu_moe:")) + "\n")
+    c = plan_recipe(load_recipe(two)).chosen
+    assert c is not None and c.fits and c.n_cpu_moe == 0 and len(c.devices) == 2
+    # a token reads 8 of 128 experts: what the one-card MoE path counts (plan/moe.py per_token(0))
+    lay = expert_layout(load_recipe(two).shape, c.quant, True)
+    assert sum(d.streamed_bytes for d in c.devices) == c.streamed_bytes == sum(lay.per_token(0))
+    assert c.streamed_bytes < sum(d.weights_bytes for d in c.devices) / 4
+    keyed = recipe_with(tmp_path, "qwen3-30b-a3b-v100-16gb", "gpu_count: 2\n", name="moe-offload")
+    with pytest.raises(RecipeError, match=r"n_cpu_moe: .* beside a split is not planned"):
+        load_recipe(keyed)
 
 
 def test_judge_split_names_the_device_whose_share_moved():

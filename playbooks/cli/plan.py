@@ -113,8 +113,13 @@ def run_plan(
             raise UsageError(f"--gpu-count {count}: {r.gpu if gpu is None else gpu} is a CPU target, it has no cards")
         devices = device_count(len(r.rpc), count, cpu)
         split = _split(devices, tensor_split if tensor_split is not None else r.tensor_split)
-        if count > 1 and loaded.shape.is_moe:
-            raise UsageError(f"--gpu-count {count}: a split of a mixture-of-experts model is not planned")
+        if (count > 1 or r.rpc) and loaded.shape.is_moe:
+            # a split keeps every expert on a device (plan/split.py): the recipe's "auto" is moot
+            if n_cpu_moe not in (None, 0):
+                raise UsageError(
+                    f"--n-cpu-moe {n_cpu_moe} beside a split is not planned: it keeps every expert on a device"
+                )
+            n_cpu_moe = 0
         plan = plan_recipe(
             loaded,
             gpu,

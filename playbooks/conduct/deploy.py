@@ -152,7 +152,7 @@ def deploy_ops(
         compute_mib=option.loaded_compute_bytes / 2**20 if option and llama else None,
         # a MoE: the experts in host RAM are exactly the planned ones (the layer count cannot tell)
         device_model_mib=(option.gpu_weights_bytes + option.draft_weights_bytes) / 2**20
-        if option and llama and gpu and loaded.shape.is_moe
+        if option and llama and gpu and loaded.shape.is_moe and not r.split
         else None,
         devices=tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in option.devices) if option else (),
     )

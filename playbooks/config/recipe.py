@@ -653,11 +653,10 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
             f"(max_position_embeddings {shape.max_position_embeddings})"
         )
     _check_n_cpu_moe(recipe, shape, path, lines)
-    if recipe.split and shape.is_moe:
-        key = "rpc" if recipe.rpc else "gpu_count"
+    if recipe.split and shape.is_moe and recipe.n_cpu_moe not in (None, 0):
         raise RecipeError(
-            f"{path}:{line_of(lines, (key,))}: {key}: a split of a mixture-of-experts model is not "
-            "planned; serve it on one card (n_cpu_moe keeps experts in host RAM)"
+            f"{path}:{line_of(lines, ('n_cpu_moe',))}: n_cpu_moe: {recipe.n_cpu_moe} beside a split is not "
+            "planned: a split keeps every expert on a device; remove n_cpu_moe, or serve it on one card"
         )
     if recipe.backend == "llamacpp" and (why := quant_refusal(shape, recipe.quant_name)):
         raise RecipeError(f"{path}:{line_of(lines, ('quant',))}: quant: {why}")

@@ -102,7 +102,8 @@ def llamacpp_compute_buffer_bytes(
     build_moe_ffn's tensors as transcribed from its source (router logits and argsort
     n_expert x n_ubatch, up/gate/GLU n_ff_exp x n_expert_used x n_ubatch, down
     n_embd x n_expert_used x n_ubatch); CPU-only loads of the pinned build agree to the printed
-    0.01 MiB (27 of 28; one is 32 bytes over), a device split of a MoE has not been measured.
+    0.01 MiB (27 of 28; one is 32 bytes over). A device split of a MoE is the split's estimate
+    (split_compute_bytes), checked on one load over two RPC devices (tests/test_split.py).
     `expert_copy` is an ESTIMATE from the source: with --n-cpu-moe, the up/gate/down weight of
     an offloaded layer is copied into the device buffer for a prefill-sized batch (moe.py),
     which adds at most the largest such tensor.
@@ -461,8 +462,8 @@ def split_unfit_reason(shape: ModelShape, quant: str, gpu: Gpu, draft: DraftPlan
         return "a CPU target has no cards to split over"
     if quant.startswith("EXL2-"):
         return "no split planned for EXL2"
-    if shape.is_moe:
-        return "no split planned for MoE"
+    if shape.is_moe and s.n_cpu_moe != 0:
+        return "no split planned with experts in host RAM (n_cpu_moe): a split keeps every expert on a device"
     if draft is not None:
         return "no split planned with a draft"
     return ""
@@ -527,7 +528,8 @@ def network_s(s: Serving) -> float:
 
 
 def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None) -> Option:
-    """A GGUF quant of a dense model split by layers over s.gpu_count cards (playbooks/plan/split.py)."""
+    """A GGUF quant split by layers over s.gpu_count cards and the RPC workers (playbooks/plan/split.py);
+    a MoE model with every expert on a device."""
     one = replace(s, gpu_count=1, tensor_split=(), rpc_devices=0)
     why = split_unfit_reason(shape, quant, gpu, draft, s)
     if why:

@@ -26,7 +26,9 @@ The RPC test on this machine holds weights and KV per device to equality (a real
 pinned build) and shows the compute estimate beside the real buffers.
 
 Decode with a layer split runs the devices one after the other for each token, so the
-roofline's time per token is the sum of each device's bytes over its bandwidth.
+roofline's time per token is the sum of each device's bytes over its bandwidth. A mixture of
+experts splits the same way (its experts are tensors of their layer), every expert on a device
+(no --n-cpu-moe beside a split); a token reads only its active experts' slices of each layer.
 """
 
 from __future__ import annotations
@@ -163,6 +165,27 @@ def layer_weights(shape: ModelShape, quant: str, imatrix: bool, alignment: int) 
     return per_layer, output
 
 
+def layer_streamed(shape: ModelShape, quant: str, imatrix: bool) -> tuple[list[int], int]:
+    """(bytes a decoded token reads of each repeating layer, of the output layer): every tensor,
+    except that of a stacked expert tensor it reads only its n_expert_used experts' slices (each
+    expert's slice is bytes / n_expert exactly, as plan/moe.py ExpertLayout.active reads them).
+    A dense model reads its layers whole."""
+    per_layer = [0] * shape.num_hidden_layers
+    output = 0
+    for t, ttype in assign_types(shape, quant, imatrix=imatrix):
+        size = tensor_bytes(t.ne, ttype)
+        if t.experts and shape.num_experts:
+            size = size // shape.num_experts * shape.num_experts_per_tok
+        if t.layer >= 0:
+            per_layer[t.layer] += size
+        elif t.cat is not Cat.TOKEN_EMBD:
+            output += size
+    if shape.tie_word_embeddings:  # the output reads its copy of token_embd whole
+        output += sum(tensor_bytes(t.ne, tt) for t, tt in assign_types(shape, quant, imatrix=imatrix)
+                      if t.cat is Cat.TOKEN_EMBD)  # fmt: skip
+    return per_layer, output
+
+
 def layer_kv_bytes(shape: ModelShape, n_ctx: int, cache_k: str, cache_v: str, n_ubatch: int) -> list[int]:
     """Each layer's KV cache in bytes (a sliding-window layer holds its window's cells)."""
     per_token = llamacpp_kv_bytes_per_token(shape, cache_k, cache_v) // shape.num_hidden_layers
@@ -186,6 +209,8 @@ def split_model(
     """Every device's share of the model: layers, weights, KV cache, compute buffer, overhead."""
     assign = layer_devices(shape.num_hidden_layers, weights)
     kv = layer_kv_bytes(shape, n_ctx, cache_k, cache_v, n_ubatch)
+    # what a token reads: all of a dense layer; of a MoE layer, its active experts only
+    read_layer, read_output = layer_streamed(shape, quant, imatrix) if shape.is_moe else (None, 0)
     cache: dict[int, tuple[list[int], int]] = {}
     shares = []
     for d, dev in enumerate(devices):
@@ -195,6 +220,7 @@ def split_model(
         layers = tuple(il for il in range(shape.num_hidden_layers) if assign[il] == d)
         has_output = assign[-1] == d
         w = sum(per_layer[il] for il in layers) + (output if has_output else 0)
+        read = w if read_layer is None else sum(read_layer[il] for il in layers) + (read_output if has_output else 0)
         shares.append(
             DeviceShare(
                 index=d,
@@ -208,7 +234,7 @@ def split_model(
                 overhead_bytes=dev.overhead_bytes,
                 capacity_bytes=dev.capacity_bytes,
                 bandwidth_gb_s=dev.bandwidth_gb_s,
-                streamed_bytes=w,
+                streamed_bytes=read,
             )
         )
     return tuple(shares)
