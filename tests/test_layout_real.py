@@ -1,11 +1,12 @@
 """Two recipes on one host through its inventory `serve:` layout, for real, in a booted Debian 12
 container (systemd-nspawn, its own network namespace, no internet) over SSH, through the CLI:
 
-1. `invoke provision --host box` provisions each recipe of the layout in turn: `tiny-cpu` as two
+1. `invoke provision --host box --dry-run` shows both recipes and changes nothing; then
+   `invoke provision --host box` provisions each recipe of the layout in turn: `tiny-cpu` as two
    instances started from the llama-server instance template (`voltaforge-tiny-cpu@0` and `@1`,
    ports 18100 and 18101 from their environment files), and `tiny-b` (the same model under
    another name) as its own unit on 18080. Every server runs unprivileged and answers; each
-   instance passed its own gate. A second run changes nothing.
+   instance passed its own gate. A second run changes nothing, nor does `invoke deploy`.
 2. `invoke lb` in front of the two instances: one backend per instance, and requests reach both
    (HAProxy's counters).
 3. `invoke status` lists the three servers and the balancer; `invoke stop` stops every server of
@@ -15,6 +16,7 @@ container (systemd-nspawn, its own network namespace, no internet) over SSH, thr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,9 +50,10 @@ def layout_inventory(tmp_path: Path, host) -> Path:
 
 
 def invoke(inv: Path, *args: str) -> subprocess.CompletedProcess:
+    # a wide table (rich reads COLUMNS when piped): each operation's name on one line
     return subprocess.run(
         [sys.executable, "-m", "invoke", "-r", str(ROOT), *args, "--inventory", str(inv)],
-        cwd=inv.parent, capture_output=True, text=True, timeout=600,
+        cwd=inv.parent, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "400"},
     )  # fmt: skip
 
 
@@ -59,7 +62,14 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     host = provisionable_nspawn_host
     inv = layout_inventory(tmp_path, host)
 
-    # 1. each recipe of the layout, in turn, from nothing
+    # 1. a dry run of the layout shows both recipes and starts or writes nothing
+    code, summary, out, _ = provision(inv, "box", "--dry-run")
+    assert code == 0 and [s["recipe"] for s in summary] == ["tiny-cpu", "tiny-b"], out[-4000:]
+    assert all(statuses(s)["deploy"] in ("would change", "not reached") for s in summary), summary
+    assert not any(active(host, u) for u in (*INSTANCES, SINGLE))
+    assert host.run_inside(f"ls {host.prefix}/deploy 2>/dev/null || true").stdout.strip() == ""
+
+    # each recipe of the layout, in turn, from nothing
     code, summary, out, _ = provision(inv, "box")
     assert code == 0, out[-6000:]
     assert [s["recipe"] for s in summary] == ["tiny-cpu", "tiny-b"], summary
@@ -80,9 +90,14 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     for i, port in enumerate((18100, 18101)):
         rec = json.loads(host.run_inside(f"cat {host.prefix}/deploy/voltaforge-tiny-cpu@{i}/deployed.json").stdout)
         assert rec["port"] == port and rec["gate"]["status"] == "passed", rec
-    # a second run changes nothing, for either recipe
+    # a second run changes nothing, for either recipe; nor does `invoke deploy` of the layout
+    # (both recipes' operations in one converge, the shared ones once)
     code, summary, out, _ = provision(inv, "box")
     assert code == 0 and [set(statuses(s).values()) for s in summary] == [{"ok"}, {"ok"}], out[-4000:]
+    again = invoke(inv, "deploy", "--host", "box")
+    assert again.returncode == 0 and ": 0 changed," in again.stdout, again.stdout[-4000:] + again.stderr[-2000:]
+    for unit in (*INSTANCES, SINGLE):
+        assert unit in again.stdout, again.stdout[-4000:]
 
     # 2. a balancer in front of the two instances: one backend each, both get requests
     run = lb(inv, "--recipe", "tiny-cpu")
