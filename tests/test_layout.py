@@ -164,3 +164,23 @@ def test_the_example_inventory_s_layout_is_the_one_tested_here(tmp_path):
     split, moe, replicas = served(tmp_path, "hosts:\n" + "\n".join(block) + "\n")
     assert (split.gpus, moe.gpus, replicas.gpus) == ((0, 1), (2,), (3, 4))
     assert replicas.ports() == [8103, 8104] and moe.ports() == [8090]
+
+
+def test_the_tasks_that_serve_one_recipe_refuse_a_layout_of_several_before_connecting(tmp_path):
+    """`invoke lb` and `invoke bench --lb` act on one recipe: a layout of two without --recipe
+    is one line, and nothing is reached (the host's address would not answer)."""
+    from playbooks.cli.balancer import run_lb
+    from playbooks.cli.bench import run_bench_lb
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        "hosts:\n  h:\n    host: 192.0.2.1\n    serve:\n      - {recipe: tiny-cpu, instances: 2, port: 18300}\n"
+        "      - {recipe: tiny-moe-cpu}\n"
+    )
+    settings = Settings(inventory=inv, connect_timeout=0.5)
+    for call in (lambda: run_lb("h", ["h"], settings=settings), lambda: run_bench_lb("h", 8000, settings=settings)):
+        with pytest.raises(
+            VoltaforgeError, match=r"^h serves several recipes \(tiny-cpu, tiny-moe-cpu\): pass --recipe$"
+        ):
+            call()
+    assert settings.one_recipe("h", "tiny-moe-cpu").ports() == [18081]

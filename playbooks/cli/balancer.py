@@ -23,6 +23,7 @@ def run_lb(
     if len(set(backends)) != len(backends):
         raise UsageError(f"--hosts {','.join(backends)}: a host is named twice")
     lb_spec = settings.host_spec(host_name)
+    settings.one_recipe(host_name, recipe)  # a layout of several: one line, before connecting
     specs = [settings.host_spec(n) for n in backends]  # an unknown name: one line before connecting
     return converge(
         settings, host_name, recipe, balancer_ops_maker(lb_spec, specs, bind, port, settings.load_recipe), dry_run

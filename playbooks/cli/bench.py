@@ -66,10 +66,9 @@ def run_bench_lb(
     a row per level and a row per backend with its share. Exit 1 when a level failed."""
     settings = settings or Settings()
     spec = settings.host_spec(host_name)
+    one = settings.one_recipe(host_name, recipe)  # a bad name or a layout of several: before connecting
     with settings.connect(spec) as host:
-        loaded = settings.serves(host_name, recipe)[0].loaded if recipe or spec.recipe or spec.serve else None
-        if loaded is None:
-            loaded = settings.load_recipe(settings.recipe_for(host_name, recipe, host))
+        loaded = one.loaded if one else settings.load_recipe(settings.recipe_for(host_name, recipe, host))
         result = bench_through_balancer(loaded, host, port)
     path = bench_dir() / host.name / f"{loaded.recipe.name}-lb" / f"{result['at'].replace(':', '')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,20 @@ class Settings:
             raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
         return served
 
+    def one_recipe(self, host_name: str, recipe: str | None) -> Served | None:
+        """The one recipe a task that serves one (lb, bench --lb) acts on: the flag's, the
+        inventory's, or the layout's only one; one line when the layout has several. None when
+        no recipe is named anywhere (the caller may ask the host's deployment records)."""
+        spec = self.host_spec(host_name)
+        if not (recipe or spec.recipe or spec.serve):
+            return None
+        served = self.serves(host_name, recipe)
+        if len(served) > 1:
+            raise VoltaforgeError(
+                f"{host_name} serves several recipes ({', '.join(s.name for s in served)}): pass --recipe"
+            )
+        return served[0]
+
     def load_recipe(self, name: str) -> LoadedRecipe:
         return load_recipe(name, self.recipes_dir or RECIPES_DIR)
 
