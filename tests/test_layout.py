@@ -85,7 +85,7 @@ def test_recipe_picks_one_placement_and_a_recipe_outside_the_layout_is_refused(t
 def test_a_host_without_a_layout_serves_its_one_recipe_as_before(tmp_path):
     text = "hosts:\n  v100-01:\n    host: 10.0.0.21\n    recipe: tiny-cpu\n"
     (one,) = served(tmp_path, text)
-    assert one.server is None and one.gpus is None and one.ports() == [18080]
+    assert one.unit_name is None and one.gpus is None and one.ports() == [18080]
     unit, _ = served_instances(one, "/opt/voltaforge")
     assert unit.path == "/etc/systemd/system/voltaforge-llama-server.service"
 

@@ -176,21 +176,28 @@ def test_a_gpu_name_that_matches_several_cards_is_refused():
 RPC_LOG = ROOT / "tests" / "fixtures" / "thishost-llamacpp-0c1e570-llama-server-rpc-split-2-workers.log"
 
 
-def test_a_real_rpc_split_load_equals_the_plan_device_by_device():
-    """Held-out data: a real load of the pinned build over two RPC servers (the fixture's
-    header has the command). Weights and KV cache per device equal the plan of the recipe that
-    argv came from; the compute buffers are the plan's estimate, shown beside the real ones."""
-    log = parse_load_log(RPC_LOG.read_text())
-    c = plan_recipe(load_recipe("tiny-rpc-cpu")).chosen
-    assert c is not None and [len(d.layers) for d in c.devices] == [3, 1] and c.devices[1].output
+def assert_load_is_the_plan(log_path: Path, c) -> list[float]:
+    """A real split load against the plan: every layer offloaded, each device's weights and KV
+    cache equal to the plan's (to the log's 0.01 MiB), judge_split silent. Returns the real
+    compute buffers, which the plan only estimates."""
+    log = parse_load_log(log_path.read_text())
     planned = tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in c.devices)
     assert log.offloaded == (5, 5)
     assert [round(m, 2) for m, _ in planned] == [v for k, v in log.model_mib.items() if k.startswith("RPC")]
     assert [round(k, 2) for _, k in planned] == list(log.kv_mib.values())
     assert judge_split(log, planned) == []
     got = [v for k, v in log.compute_mib.items() if k.startswith("RPC")]
-    estimate = c.devices[0].compute_bytes / 2**20
-    print(f"\ncompute buffers: real {got} MiB, estimate {estimate:.2f} MiB per device")
+    print(f"\ncompute buffers: real {got} MiB, estimate {c.devices[0].compute_bytes / 2**20:.2f} MiB per device")
+    return got
+
+
+def test_a_real_rpc_split_load_equals_the_plan_device_by_device():
+    """Held-out data: a real load of the pinned build over two RPC servers (the fixture's
+    header has the command). Weights and KV cache per device equal the plan of the recipe that
+    argv came from; the compute buffers are the plan's estimate, shown beside the real ones."""
+    c = plan_recipe(load_recipe("tiny-rpc-cpu")).chosen
+    assert c is not None and [len(d.layers) for d in c.devices] == [3, 1] and c.devices[1].output
+    got = assert_load_is_the_plan(RPC_LOG, c)
     assert sum(got) <= sum(d.compute_bytes for d in c.devices) / 2**20 * 1.10  # the deploy check's margin
 
 
@@ -212,16 +219,9 @@ def test_a_real_moe_split_load_equals_the_plan_device_by_device(tmp_path):
     """Held-out data: a mixture of experts split over two RPC servers by the pinned build
     (captured after the MoE split was planned; the header has the command). Each device's
     weights (its experts included) and KV cache equal the plan."""
-    log = parse_load_log(MOE_RPC_LOG.read_text())
     c = plan_recipe(load_recipe(moe_rpc_recipe(tmp_path))).chosen
     assert c is not None and c.quant == "Q4_K_M" and [len(d.layers) for d in c.devices] == [3, 1]
-    planned = tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in c.devices)
-    assert log.offloaded == (5, 5)
-    assert [round(m, 2) for m, _ in planned] == [v for k, v in log.model_mib.items() if k.startswith("RPC")]
-    assert [round(k, 2) for _, k in planned] == list(log.kv_mib.values())
-    assert judge_split(log, planned) == []
-    got = [v for k, v in log.compute_mib.items() if k.startswith("RPC")]
-    print(f"\ncompute buffers: real {got} MiB, estimate {c.devices[0].compute_bytes / 2**20:.2f} MiB per device")
+    assert_load_is_the_plan(MOE_RPC_LOG, c)
     # a token reads its active experts only, device by device: the sum is the one-card figure
     assert sum(d.streamed_bytes for d in c.devices) == c.streamed_bytes
     assert all(d.streamed_bytes < d.weights_bytes for d in c.devices)

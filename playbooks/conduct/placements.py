@@ -26,18 +26,18 @@ from playbooks.steps.serve.units import ServerLayout, default_gpu_indexes
 @dataclass(frozen=True)
 class Served:
     """One recipe on a host: the recipe as served there (its port the placement's), the GPU
-    indexes (a CPU recipe's instance slots), and its unit names (None: the defaults)."""
+    indexes (a CPU recipe's instance slots), and its unit name (None: the default)."""
 
     loaded: LoadedRecipe
     gpus: tuple[int, ...] | None = None
-    server: ServerLayout | None = None
+    unit_name: str | None = None
 
     @property
     def name(self) -> str:
         return self.loaded.recipe.name
 
     def layout(self, prefix: str) -> ServerLayout:
-        return ServerLayout(prefix=prefix, unit_name=self.server.unit_name) if self.server else ServerLayout(prefix)
+        return ServerLayout(prefix, self.unit_name) if self.unit_name else ServerLayout(prefix)
 
     def ports(self) -> list[int]:
         r = self.loaded.recipe
@@ -76,8 +76,7 @@ def placed(spec: HostSpec, p: Placement, loaded: LoadedRecipe) -> Served:
         raise VoltaforgeError(f"{where}: a recipe with RPC workers runs one server (the workers serve one client each)")
     if p.port is not None:
         loaded = with_port(loaded, p.port)
-    server = None if r.backend == "exllamav2" else ServerLayout(spec.prefix, unit_name=f"voltaforge-{r.name}.service")
-    served = Served(loaded, gpus, server)
+    served = Served(loaded, gpus, None if r.backend == "exllamav2" else f"voltaforge-{r.name}.service")
     if served.ports()[-1] > 65535:
         raise VoltaforgeError(f"{where}: its last instance would listen on port {served.ports()[-1]}, above 65535")
     return served

@@ -171,19 +171,19 @@ def layer_streamed(shape: ModelShape, quant: str, imatrix: bool) -> tuple[list[i
     expert's slice is bytes / n_expert exactly, as plan/moe.py ExpertLayout.active reads them).
     A dense model reads its layers whole."""
     per_layer = [0] * shape.num_hidden_layers
-    output = 0
+    output = embd = 0
     for t, ttype in assign_types(shape, quant, imatrix=imatrix):
         size = tensor_bytes(t.ne, ttype)
         if t.experts and shape.num_experts:
             size = size // shape.num_experts * shape.num_experts_per_tok
         if t.layer >= 0:
             per_layer[t.layer] += size
-        elif t.cat is not Cat.TOKEN_EMBD:
+        elif t.cat is Cat.TOKEN_EMBD:
+            embd = size
+        else:
             output += size
-    if shape.tie_word_embeddings:  # the output reads its copy of token_embd whole
-        output += sum(tensor_bytes(t.ne, tt) for t, tt in assign_types(shape, quant, imatrix=imatrix)
-                      if t.cat is Cat.TOKEN_EMBD)  # fmt: skip
-    return per_layer, output
+    # a tied model's output reads its copy of token_embd whole
+    return per_layer, output + (embd if shape.tie_word_embeddings else 0)
 
 
 def layer_kv_bytes(shape: ModelShape, n_ctx: int, cache_k: str, cache_v: str, n_ubatch: int) -> list[int]:
