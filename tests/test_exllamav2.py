@@ -12,9 +12,6 @@ for another arch where a CUDA torch is reachable (docs/knowledge.md, section 9).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,7 @@ from playbooks.steps.build.exllamav2 import EnsureExllamav2, ExtFacts, cubin_arc
 from playbooks.steps.build.proven_build import Probe, check_cubins
 from playbooks.steps.build.tabbyapi import EnsureTabbyAPI, TabbyFacts
 from tests.helpers import fixture_body
-from tests.llamacpp_tools import cache_dir
+from tests.pypi_wheels import exllamav2_source, pypi_wheel, unpacked
 
 TOOLKITS = tuple(cuda.parse_toolkits(fixture_body("thishost-toolkits-cuda13-and-debian-cuda11.8.txt")))
 GCC12 = cuda.parse_gcc_version(fixture_body("thishost-gcc-12-version.txt"))
@@ -201,30 +198,6 @@ TORCH_NVCC_FLAGS = (
 )
 
 
-def _pypi_wheel(requirement: str, name_glob: str) -> Path:
-    """A wheel from the package index into the test cache, once (the pinned versions)."""
-    where = cache_dir() / "wheels"
-    found = sorted(where.glob(name_glob))
-    if not found:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "--python-version",
-             "3.11", "--platform", "manylinux_2_28_x86_64", "-d", str(where), requirement],
-            check=True,
-            timeout=900,
-        )  # fmt: skip
-        found = sorted(where.glob(name_glob))
-    return found[0]
-
-
-def _unpacked(wheel: Path, member_prefix: str) -> Path:
-    out = cache_dir() / "unpacked" / wheel.stem
-    if not (out / ".done").exists():
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(out, [n for n in z.namelist() if n.startswith(member_prefix)])
-        (out / ".done").write_text("")
-    return out
-
-
 @pytest.mark.slow
 def test_exl2_kernels_compile_for_sm70_in_the_steps_environment(tmp_path):
     """The step's plan on this machine's real facts (CUDA 13 first on PATH where the image has
@@ -234,8 +207,8 @@ def test_exl2_kernels_compile_for_sm70_in_the_steps_environment(tmp_path):
     from playbooks.host import LocalHost
     from playbooks.steps.build.buildenv import env_prefix, read_compile_facts
 
-    ext = _unpacked(_pypi_wheel("exllamav2==0.3.2", "exllamav2-0.3.2-*.whl"), "exllamav2/") / "exllamav2"
-    torch_inc = _unpacked(_pypi_wheel("torch==2.7.1", "torch-2.7.1-cp311-*.whl"), "torch/include/") / "torch/include"
+    ext = exllamav2_source() / "exllamav2"
+    torch_inc = unpacked(pypi_wheel("torch==2.7.1", "torch-2.7.1-cp311-*.whl"), "torch/include/") / "torch/include"
     host = LocalHost()
     step = op()
     inputs, env, cuobjdump = step.plan(facts(compile=read_compile_facts(host, cuda_build=True)))

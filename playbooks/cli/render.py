@@ -214,12 +214,9 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
         f"{'CPU' if plan.gpu.is_cpu else 'GPU'}: {plan.gpu.name}, {plan.gpu.memory_gib:g} GiB "
         f"({plan.gpu.memory_bytes / 1e9:.2f} GB), {plan.gpu.bandwidth_gb_s:g} GB/s, {arch}"
     )
-    split = (
-        f", split by layers over {s.device_count(plan.gpu)} devices (--tensor-split "
-        f"{','.join(f'{x:g}' for x in s.split_weights(plan.gpu))})"
-        if s.split
-        else ""
-    )
+    shares = ",".join(f"{x:g}" for x in s.split_weights(plan.gpu))
+    how = f"gpu_split planned for shares {shares}" if s.backend == "exllamav2" else f"--tensor-split {shares}"
+    split = f", split by layers over {s.device_count(plan.gpu)} devices ({how})" if s.split else ""
     console.print(
         f"Serving: {s.backend}, {s.context} tokens x {s.parallel} slot(s), cache K={s.cache_k} V={s.cache_v}, "
         f"flash attention {'on' if s.flash_attn else 'off'}{split}"
@@ -353,6 +350,14 @@ def _render_split(plan: Plan, c: Option, console: Console) -> None:
         f"{c.roofline_tok_s:.0f} tok/s ({c.roofline_full_ctx_tok_s:.0f} tok/s with a full "
         f"{plan.serving.context}-token cache); a layer split adds memory, not speed"
     )
+    if c.gpu_split:
+        split = ", ".join(f"{a:g}" for a in c.gpu_split)
+        console.print(
+            f"TabbyAPI: gpu_split [{split}] (GB each card gives weights and scratch; its layers' cache comes on "
+            "top), rendered with gpu_split_auto: false"
+        )
+    if c.unfit_reason and c.devices:
+        console.print(f"[red]{escape(c.unfit_reason)}[/]")
 
 
 def _roofline_text(plan: Plan, c: Option) -> str:

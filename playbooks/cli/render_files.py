@@ -10,9 +10,9 @@ from rich.text import Text
 
 from playbooks.cli import flags
 from playbooks.cli.render import console
-from playbooks.config.planning import refuse_unfit, resolve_n_cpu_moe
+from playbooks.config.planning import refuse_unfit
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
-from playbooks.steps.serve.units import ServerLayout, render_service_files
+from playbooks.steps.serve.units import ServerLayout, planned_service_files
 
 
 def output_dir(value: object) -> Path:
@@ -31,7 +31,7 @@ def run_render(
     loaded = load_recipe(recipe, recipes_dir or RECIPES_DIR)
     layout = ServerLayout(prefix=prefix) if prefix else ServerLayout()
     refuse_unfit(loaded)
-    files = render_service_files(loaded.recipe, layout, gpus, resolve_n_cpu_moe(loaded))
+    files = planned_service_files(loaded, layout, gpus)
     show = console()
     for f in files:
         target = out / f.path.lstrip("/")

@@ -8,7 +8,7 @@ from typing import Literal
 
 from playbooks.conduct.placements import Served
 from playbooks.conduct.quantize import draft_artifact, recipe_weights
-from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
+from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.config.recorded import recipe_record
 from playbooks.errors import VoltaforgeError
@@ -37,7 +37,7 @@ from playbooks.steps.serve.units import (
     ServerLayout,
     default_gpu_indexes,
     parse_exec_start,
-    render_service_files,
+    planned_service_files,
 )
 from playbooks.steps.weights.exl2_convert import STAMP_NAME as EXL2_STAMP
 from playbooks.steps.weights.exl2_convert import Exl2Layout
@@ -61,7 +61,7 @@ def single_service(
     """The recipe's one server (GPU 0 or the CPU): its rendered unit, unit name and state.
     ``server``: another unit name than the recipe's own (tune's scratch server)."""
     layout = server or ServerLayout(prefix=prefix)
-    unit = render_service_files(loaded.recipe, layout, n_cpu_moe=resolve_n_cpu_moe(loaded))[0]
+    unit = planned_service_files(loaded, layout)[0]
     unit_name = unit.path.rsplit("/", 1)[1]
     return unit, unit_name, DeployLayout(prefix, unit_name.removesuffix(".service"))
 
@@ -80,7 +80,7 @@ def served_instances(served: Served, prefix: str) -> tuple[RenderedFile, list[tu
     """A recipe as the host serves it: its unit (or instance template) and every instance."""
     r = served.loaded.recipe
     gpus = default_gpu_indexes(r) if served.gpus is None else served.gpus
-    unit = render_service_files(r, served.layout(prefix), gpus, resolve_n_cpu_moe(served.loaded))[0]
+    unit = planned_service_files(served.loaded, served.layout(prefix), gpus)[0]
     return unit, instances_of(unit.path, r.service.port, gpus, prefix)
 
 
@@ -113,9 +113,8 @@ def deploy_ops(
     r = loaded.recipe
     kind = choose_manager(host, manager_choice)
     server = server or ServerLayout(prefix=prefix)
-    n_cpu_moe = resolve_n_cpu_moe(loaded)
     gpus = default_gpu_indexes(r) if gpus is None else gpus
-    rendered = render_service_files(r, server, gpus, n_cpu_moe)
+    rendered = planned_service_files(loaded, server, gpus)
     why = systemd_only(r, gpus)
     if why and kind != "systemd":
         raise VoltaforgeError(f"{host.name}: {why}, and this host runs no systemd")

@@ -48,7 +48,7 @@ from playbooks.conduct.tune_candidates import (
     winner_recipe_text,
     write_winner,
 )
-from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
+from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds as build_facts
@@ -65,7 +65,7 @@ from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_memb
 from playbooks.steps.measure.tune_search import Measured, Verdict, choose, objective_figure, successive_halving
 from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
 from playbooks.steps.serve.deploy import DeployLayout
-from playbooks.steps.serve.units import ServerLayout, render_service_files
+from playbooks.steps.serve.units import ServerLayout, planned_service_files
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
 SCRATCH_UNIT = "voltaforge-tune.service"
@@ -284,7 +284,7 @@ class Tuner:
 
     def _unit_text(self, cand: LoadedRecipe) -> str:
         """The scratch unit as rendered: its command line is part of what a measurement is of."""
-        files = render_service_files(cand.recipe, self.scratch, n_cpu_moe=resolve_n_cpu_moe(cand))
+        files = planned_service_files(cand, self.scratch)
         return files[0].text
 
     def _stored(self, key: str) -> dict[str, Any] | None:

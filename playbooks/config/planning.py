@@ -216,3 +216,15 @@ def resolve_n_cpu_moe(
             f"(at --n-cpu-moe {c.n_cpu_moe}: {why})"
         )
     return c.n_cpu_moe
+
+
+def resolve_gpu_split(loaded: LoadedRecipe) -> tuple[float, ...]:
+    """TabbyAPI's gpu_split for an EXL2 recipe over several cards: the allotments its plan chose
+    (plan/exl2_split.py); () for anything else. What does not fit is refused before this
+    (refuse_unfit), so the allotments rendered are always ones the plan fitted."""
+    r = loaded.recipe
+    if r.backend != "exllamav2" or r.gpu_count < 2:
+        return ()
+    c = plan_recipe(loaded).chosen
+    assert c is not None  # a recipe always names its quant
+    return c.gpu_split

@@ -552,8 +552,8 @@ class Recipe(_Strict):
         if not self.split:
             return
         key = "rpc" if self.rpc else "gpu_count"
-        if self.backend != "llamacpp":
-            raise ValueError(f"{key}: a split is planned for llama.cpp (ExLlamaV2's gpu_split is not)")
+        if self.backend != "llamacpp" and self.rpc:
+            raise ValueError("rpc: RPC workers are llama.cpp's (an EXL2 recipe splits over local cards: gpu_count)")
         if self.draft is not None:
             raise ValueError(f"{key}: a draft model beside a split is not planned (remove draft:)")
 

@@ -131,6 +131,18 @@ def exl2_scratch_bytes(shape: ModelShape, max_input_len: int = EXL2_MAX_INPUT_LE
     return max(attention, mlp, head)
 
 
+def exl2_chunk_bytes(
+    shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN, batch: int = 1
+) -> int:
+    """What model.py set_device_map counts once per card besides modules and scratch: the RoPE
+    sin/cos tables for max_seq_len (device.py prepare_sincos), one chunk's hidden state and its
+    attention mask (state_size, mask_size)."""
+    rope = shape.head_dim * max_seq_len * 2 * 2
+    state = shape.hidden_size * max_input_len * batch * 2
+    mask = max_input_len**2 * batch * 2
+    return rope + state + mask
+
+
 def exl2_attention_bytes(
     shape: ModelShape, max_seq_len: int, max_input_len: int = EXL2_MAX_INPUT_LEN, batch: int = 1
 ) -> int:

@@ -24,9 +24,12 @@ from playbooks.plan.exl2_size import (
     EXL2_MAX_INPUT_LEN,
     estimate_exl2,
     exl2_attention_bytes,
+    exl2_chunk_bytes,
     exl2_quant_name,
     exl2_scratch_bytes,
+    head_bits_per_weight,
 )
+from playbooks.plan.exl2_split import Exl2Limits, Exl2Memory, Exl2Split, exl2_modules, split_exl2
 from playbooks.plan.gguf_size import FILE_TYPES, estimate_gguf, quant_refusal
 from playbooks.plan.gpus import MIB, Gpu
 from playbooks.plan.kv_cache import (
@@ -139,13 +142,11 @@ def exl2_compute_bytes(
     the scratch allocated at load (exl2_scratch_bytes: for most models the head's 1 GiB
     dequant buffer), attention's per-forward working set without flash-attn
     (exl2_attention_bytes) and the last token's logits in FP32 (generator/base.py .float())."""
-    rope = shape.head_dim * max_seq_len * 2 * 2
-    state = shape.hidden_size * max_input_len * batch * 2
-    mask = max_input_len**2 * batch * 2
+    chunk = exl2_chunk_bytes(shape, max_seq_len, max_input_len, batch)
     scratch = exl2_scratch_bytes(shape, max_input_len, batch)
     attention = exl2_attention_bytes(shape, max_seq_len, max_input_len, batch)
     logits = shape.vocab_size * 4 * batch
-    return rope + state + mask + scratch + attention + logits
+    return chunk + scratch + attention + logits
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,8 @@ class Option:
     # vram_bytes and gpu_bytes are the worst card's (the one with the least headroom), so
     # `fits` and `headroom_bytes` speak of the card that decides.
     devices: tuple[DeviceShare, ...] = ()
+    # An EXL2 split: the allotment of each card in GB, TabbyAPI's gpu_split (plan/exl2_split.py)
+    gpu_split: tuple[float, ...] = ()
 
     @property
     def draft_weights_bytes(self) -> int:
@@ -460,8 +463,10 @@ def split_unfit_reason(shape: ModelShape, quant: str, gpu: Gpu, draft: DraftPlan
     """Why a split over several devices is not planned for this ("": it is)."""
     if gpu.is_cpu and not s.rpc_devices:
         return "a CPU target has no cards to split over"
-    if quant.startswith("EXL2-"):
-        return "no split planned for EXL2"
+    if quant.startswith("EXL2-") and s.rpc_devices:
+        return "RPC workers are llama.cpp's: an EXL2 quant splits over local cards only"
+    if quant.startswith("EXL2-") and shape.is_moe:
+        return "no split planned for an EXL2 mixture of experts (ExLlamaV2's MoE module is not planned)"
     if shape.is_moe and s.n_cpu_moe != 0:
         return "no split planned with experts in host RAM (n_cpu_moe): a split keeps every expert on a device"
     if draft is not None:
@@ -528,24 +533,47 @@ def network_s(s: Serving) -> float:
 
 
 def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None) -> Option:
-    """A GGUF quant split by layers over s.gpu_count cards and the RPC workers (playbooks/plan/split.py);
-    a MoE model with every expert on a device."""
+    """A quant split by layers: GGUF over s.gpu_count cards and the RPC workers
+    (playbooks/plan/split.py), a MoE model with every expert on a device; EXL2 over the cards as
+    ExLlamaV2 places it (plan/exl2_split.py)."""
     one = replace(s, gpu_count=1, tensor_split=(), rpc_devices=0)
     why = split_unfit_reason(shape, quant, gpu, draft, s)
     if why:
         return replace(evaluate(shape, quant, gpu, one, draft), unfit_reason=why)
-    file_b, gpu_w, streamed = _weights(shape, quant, s)
-    kv_tok = _kv_per_token(shape, s)
-    shares = plan_split(shape, quant, gpu, s, s.context)
-    w = worst(shares)
+    if quant.startswith("EXL2-"):
+        planned = plan_exl2_split(shape, quant, gpu, s, s.context)
+
+        def exl2_fits(ctx: int) -> bool:
+            at = plan_exl2_split(shape, quant, gpu, s, ctx)
+            return not at.refusal and all(d.headroom_bytes >= 0 for d in at.shares)
+
+        unfit = unfit_reason("exllamav2", gpu, shape, draft) or planned.refusal
+        return _split_option(shape, quant, s, planned.shares, exl2_fits, unfit=unfit, gpu_split=planned.gpu_split)
 
     def fits(ctx: int) -> bool:
         return all(d.headroom_bytes >= 0 for d in plan_split(shape, quant, gpu, s, ctx))
 
+    return _split_option(shape, quant, s, plan_split(shape, quant, gpu, s, s.context), fits, network_s(s))
+
+
+def _split_option(
+    shape: ModelShape,
+    quant: str,
+    s: Serving,
+    shares: tuple[DeviceShare, ...],
+    fits: Callable[[int], bool],
+    network: float = 0.0,
+    unfit: str = "",
+    gpu_split: tuple[float, ...] = (),
+) -> Option:
+    """A split's option: the model's sums over its devices, the worst device's fit."""
+    file_b, _, streamed = _weights(shape, quant, s)
+    kv_tok = _kv_per_token(shape, s)
+    w = worst(shares)
     per_layer_kv = kv_tok // shape.num_hidden_layers * s.context
     return Option(
         quant=quant,
-        backend="llamacpp",
+        backend="exllamav2" if quant.startswith("EXL2-") else "llamacpp",
         weights_bytes=file_b,
         params=parameter_count(shape),
         gpu_weights_bytes=sum(d.weights_bytes for d in shares),
@@ -556,13 +584,34 @@ def _evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: 
         overhead_bytes=sum(d.overhead_bytes for d in shares),
         vram_bytes=w.total_bytes,
         gpu_bytes=w.capacity_bytes,
-        max_ctx=largest_ctx(shape, fits),
-        roofline_tok_s=split_tok_s(shares, network_s=network_s(s)),
-        roofline_full_ctx_tok_s=split_tok_s(
-            shares, [per_layer_kv * len(d.layers) for d in shares], network_s=network_s(s)
-        ),
+        max_ctx=0 if unfit else largest_ctx(shape, fits),
+        roofline_tok_s=split_tok_s(shares, network_s=network),
+        roofline_full_ctx_tok_s=split_tok_s(shares, [per_layer_kv * len(d.layers) for d in shares], network_s=network),
+        unfit_reason=unfit,
         devices=shares,
+        gpu_split=gpu_split,
     )
+
+
+_exl2_modules = lru_cache(maxsize=256)(exl2_modules)
+
+
+def plan_exl2_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, ctx: int) -> Exl2Split:
+    """An EXL2 quant over s.gpu_count cards at `ctx` tokens per slot: ExLlamaV2's placement for
+    the allotments planned (plan/exl2_split.py), each card's cache, scratch and working set by
+    the one-card formulas (exl2_compute_bytes) at the recipe's slots."""
+    bpw = float(quant.removeprefix("EXL2-"))
+    lim = Exl2Limits(max_seq_len=ctx)
+    tokens = ctx * s.parallel
+    mem = Exl2Memory(
+        kv_per_layer=_kv_per_token(shape, s) // shape.num_hidden_layers * tokens,
+        cache_scratch=exl2_cache_scratch_bytes(shape, s.cache_k, tokens),
+        attention_work=exl2_attention_bytes(shape, ctx, batch=s.parallel),
+        per_card=exl2_chunk_bytes(shape, ctx, batch=s.parallel),
+        logits=shape.vocab_size * 4 * s.parallel,
+    )
+    modules = _exl2_modules(shape, lim, bpw, head_bits_per_weight(s.head_bits))
+    return split_exl2(shape, modules, lim, split_devices(gpu, s), s.split_weights(gpu), mem)
 
 
 def _max_ctx(
@@ -825,7 +874,7 @@ def make_plan(
     # GGUF types llama.cpp cannot make for this model (gpt-oss's MXFP4 experts: MXFP4_MOE only)
     refused = {q: why for q in quant_names("llamacpp") if (why := quant_refusal(shape, q))}
     names = [q for q in quant_names() if q not in refused and (shape.is_moe or q != "MXFP4_MOE")]
-    if serving.split:  # a split is llama.cpp's (split_unfit_reason)
+    if serving.rpc_devices:  # RPC workers are llama.cpp's (split_unfit_reason)
         names = [q for q in names if not q.startswith("EXL2-")]
     options = [evaluate(shape, q, gpu, serving_for(q, serving), draft, host) for q in names]
     chosen = evaluate(shape, quant, gpu, serving, draft, host) if quant else None
@@ -839,11 +888,8 @@ def make_plan(
         plan.notes.append(
             f"EXL2 is left out: ExLlamaV2 {EXL2_NEEDS_CUDA} (it has no CPU path); a CPU serves GGUF through llama.cpp"
         )
-    elif serving.split:
-        plan.notes.append(
-            f"EXL2 is left out: the split over {serving.device_count(gpu)} devices is planned for llama.cpp's "
-            "--split-mode layer (ExLlamaV2's gpu_split is not planned)"
-        )
+    elif serving.rpc_devices:
+        plan.notes.append("EXL2 is left out: RPC workers are llama.cpp's (ExLlamaV2 splits over local cards only)")
     elif draft is not None:
         plan.notes.append(f"EXL2 is left out: {EXL2_NO_DRAFT} (--model-draft)")
     elif serving.parallel > 1 and gpu.compute_capability < (8, 0):
@@ -914,6 +960,13 @@ def _split_notes(plan: Plan) -> None:
         "inputs (llama.cpp's pipeline parallelism), checked on CPU-backed RPC devices only"
     )
     s = plan.serving
+    if not s.rpc_devices and not plan.gpu.is_cpu:
+        plan.notes.append(
+            "EXL2 split: ExLlamaV2's own placement (set_device_map: modules in order, each card up to its "
+            "gpu_split allotment, the cache with its layer's attention), ported and held to ExLlamaV2's code on "
+            "generated checkpoints; module sizes spread the bpw target evenly over the layers, and the rendered "
+            "gpu_split is the plan's. Not run on two GPUs"
+        )
     if s.rpc_devices:
         hop = (
             f"the roofline adds {s.rpc_devices} x {s.rpc_rtt_ms:g} ms of network per token (one round trip per "

@@ -18,7 +18,8 @@ from typing import Literal
 import jinja2
 import yaml
 
-from playbooks.config.recipe import Recipe
+from playbooks.config.planning import resolve_gpu_split, resolve_n_cpu_moe
+from playbooks.config.recipe import LoadedRecipe, Recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import get_gpu
 from playbooks.resources import resource_dir
@@ -426,15 +427,29 @@ def instance_environment(recipe: Recipe, index: int) -> str:
 TABBYAPI_CACHE_MODES = {"FP16": "FP16", "Q8": "Q8", "Q6": "Q6", "Q4": "Q4"}
 
 
-def render_tabbyapi_config(recipe: Recipe, layout: ServerLayout = ServerLayout()) -> str:
+def render_tabbyapi_config(
+    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_split: tuple[float, ...] = ()
+) -> str:
     """TabbyAPI's config.yml for an EXL2 recipe. No key in it: with an api_key_ref, auth is on
     and the keys come from api_tokens.yml (a credential); without one the service is loopback
-    only (the recipe refuses an open port without a key) and auth is off, like llama-server."""
+    only (the recipe refuses an open port without a key) and auth is off, like llama-server.
+
+    Over several cards (gpu_count > 1) it gives the plan's ``gpu_split`` with
+    ``gpu_split_auto: false``: ExLlamaV2 places the modules by those allotments, as planned
+    (plan/exl2_split.py). One card: autosplit stays on, and TabbyAPI turns it off itself when it
+    sees one GPU."""
     if recipe.backend != "exllamav2" or isinstance(recipe.quant, str):
         raise VoltaforgeError(f"recipe {recipe.name}: TabbyAPI serves exllamav2 recipes, not {recipe.backend}")
     mode = TABBYAPI_CACHE_MODES.get(recipe.cache.k)
     if mode is None:
         raise VoltaforgeError(f"recipe {recipe.name}: cache {recipe.cache.k!r} is not a TabbyAPI cache mode")
+    if recipe.gpu_count > 1 and len(gpu_split) != recipe.gpu_count:
+        raise VoltaforgeError(
+            f"recipe {recipe.name}: an EXL2 split over {recipe.gpu_count} cards needs the plan's gpu_split "
+            f"(one allotment per card), got {list(gpu_split)}"
+        )
+    if any(not 0 < a < 1024 for a in gpu_split):
+        raise VoltaforgeError(f"recipe {recipe.name}: gpu_split {list(gpu_split)}: want GB figures above 0")
     model_dir, model_name = layout.tabbyapi_model_link.rsplit("/", 1)
     total = recipe.context * recipe.parallel
     return render_template(
@@ -450,6 +465,7 @@ def render_tabbyapi_config(recipe: Recipe, layout: ServerLayout = ServerLayout()
         cache_size=-(-total // 256) * 256,
         cache_mode=mode,
         max_batch_size=recipe.parallel,
+        gpu_split=", ".join(f"{a:.2f}" for a in gpu_split) if recipe.gpu_count > 1 else "",
     )
 
 
@@ -501,14 +517,16 @@ def render_service_files(
     layout: ServerLayout = ServerLayout(),
     gpu_indexes: tuple[int, ...] | None = None,
     n_cpu_moe: int = 0,
+    gpu_split: tuple[float, ...] = (),
 ) -> list[RenderedFile]:
     """Every file deploy installs for a recipe (not the secrets, nor the links in serve_dir).
-    ``n_cpu_moe``: the resolved --n-cpu-moe of a MoE recipe (llama_server_argv).
+    ``n_cpu_moe``: the resolved --n-cpu-moe of a MoE recipe (llama_server_argv); ``gpu_split``:
+    the planned allotments of an EXL2 recipe over several cards (render_tabbyapi_config).
 
     llamacpp, one GPU index: the plain unit. Several: the instance template and one environment
     file per instance (GPU i on recipe port + i; a CPU recipe's indexes are replica slots); a
     recipe with gpu_count N and N indexes: one plain unit over all N (a layer split).
-    exllamav2: TabbyAPI's unit and config.yml.
+    exllamav2: TabbyAPI's unit (over all of the recipe's cards) and config.yml.
     No indexes: default_gpu_indexes.
     """
     gpu_indexes = default_gpu_indexes(recipe) if gpu_indexes is None else gpu_indexes
@@ -519,14 +537,16 @@ def render_service_files(
                 f"recipe {recipe.name} splits one server over {recipe.gpu_count} GPUs: give {recipe.gpu_count} GPU "
                 f"indexes (--gpus {','.join(map(str, range(recipe.gpu_count)))}), not {len(gpu_indexes)}"
             )
-        unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
-        return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
     if recipe.backend == "exllamav2":
         unit = render_tabbyapi_unit(recipe, layout, gpu_indexes)
+        config = render_tabbyapi_config(recipe, layout, gpu_split)
         return [
             RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit"),
-            RenderedFile(layout.tabbyapi_config, render_tabbyapi_config(recipe, layout), 0o644, "config"),
+            RenderedFile(layout.tabbyapi_config, config, 0o644, "config"),
         ]
+    if recipe.gpu_count > 1:
+        unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
+        return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
     if len(gpu_indexes) == 1:
         unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
         return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
@@ -534,3 +554,13 @@ def render_service_files(
     return [RenderedFile(f"{UNIT_DIR}/{template.name}", template.text, 0o644, "unit")] + [
         RenderedFile(layout.instance_env_file(i), instance_environment(recipe, i), 0o644, "env") for i in gpu_indexes
     ]
+
+
+def planned_service_files(
+    loaded: LoadedRecipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] | None = None
+) -> list[RenderedFile]:
+    """render_service_files with what the recipe's plan decides: a MoE's --n-cpu-moe, an EXL2
+    split's gpu_split."""
+    return render_service_files(
+        loaded.recipe, layout, gpu_indexes, resolve_n_cpu_moe(loaded), resolve_gpu_split(loaded)
+    )
