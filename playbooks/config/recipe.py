@@ -381,7 +381,8 @@ class Recipe(_Strict):
         1,
         ge=1,
         le=16,
-        description="cards of that kind one server spreads the model over (llama-server --split-mode layer)",
+        description="cards of that kind one server spreads the model over (llama-server --split-mode layer; "
+        "an EXL2 recipe: TabbyAPI's gpu_split, planned)",
     )
     split_mode: str = Field(
         "layer",
@@ -391,7 +392,7 @@ class Recipe(_Strict):
     tensor_split: list[float] | None = Field(
         None,
         description="each device's share of the layers (llama-server --tensor-split), RPC workers first; "
-        "unset: equal shares",
+        "an EXL2 recipe: each card's share of the weights its gpu_split is planned for; unset: equal shares",
     )
     rpc: list[RpcWorker] = Field(
         default_factory=list,
