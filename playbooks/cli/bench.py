@@ -14,7 +14,6 @@ from rich.text import Text
 
 from playbooks.cli.render import console
 from playbooks.conduct.deploy import served_instances
-from playbooks.conduct.placements import Served
 from playbooks.conduct.settings import Settings
 from playbooks.steps.measure.bench_lb import bench_through_balancer
 from playbooks.steps.measure.bench_report import compare, render_compare, render_sweep_table
@@ -35,12 +34,10 @@ def run_bench(
     (each alone on the host, as its gate measured it); the JSON is then a list."""
     settings = settings or Settings()
     spec = settings.host_spec(host_name)
-    named = recipe or spec.recipe or spec.serve
-    served = settings.serves(host_name, recipe) if named else []  # a bad name: one line before connecting
+    served = settings.named_serves(host_name, recipe)
     runs = []
     with settings.connect(spec) as host:
-        if not served:
-            served = [Served(settings.load_recipe(settings.recipe_for(host_name, recipe, host)))]
+        served = served or settings.deployed_serves(host_name, recipe, host)
         for s in served:
             for _, layout, _ in served_instances(s, spec.prefix)[1]:
                 runs.append(gate_run(s.loaded, host, spec.prefix, layout, out_dir, remeasure=remeasure))
@@ -68,7 +65,7 @@ def run_bench_lb(
     spec = settings.host_spec(host_name)
     one = settings.one_recipe(host_name, recipe)  # a bad name or a layout of several: before connecting
     with settings.connect(spec) as host:
-        loaded = one.loaded if one else settings.load_recipe(settings.recipe_for(host_name, recipe, host))
+        loaded = (one or settings.deployed_serves(host_name, recipe, host)[0]).loaded
         result = bench_through_balancer(loaded, host, port)
     path = bench_dir() / host.name / f"{loaded.recipe.name}-lb" / f"{result['at'].replace(':', '')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -41,12 +41,10 @@ def run_stop(host_name: str, recipe: str | None = None, settings: Settings | Non
     the host's deployment record says it serves."""
     settings = settings or Settings()
     spec = settings.host_spec(host_name)
-    named = recipe or spec.recipe or spec.serve
-    served = settings.serves(host_name, recipe) if named else []  # a bad name: one line before connecting
+    served = settings.named_serves(host_name, recipe)
     changes = []
     with settings.connect(spec) as host:
-        if not served:
-            served = [Served(settings.load_recipe(settings.recipe_for(host_name, recipe, host)))]
+        served = served or settings.deployed_serves(host_name, recipe, host)
         kind = choose_manager(host, "auto")
         for s in served:
             unit, instances = served_instances(s, spec.prefix)

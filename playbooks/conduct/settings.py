@@ -52,14 +52,24 @@ class Settings:
             raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
         return served
 
+    def named_serves(self, host_name: str, recipe: str | None) -> list[Served]:
+        """What the host serves by name: the flag's recipe, the inventory's, or its layout,
+        loaded and checked before connecting (a bad name is one line then). [] when no recipe
+        is named anywhere: once connected, deployed_serves asks the host."""
+        spec = self.host_spec(host_name)
+        return self.serves(host_name, recipe) if recipe or spec.recipe or spec.serve else []
+
+    def deployed_serves(self, host_name: str, recipe: str | None, host: Host) -> list[Served]:
+        """The connected host's one recipe as its deployment record names it (no name given)."""
+        return [Served(self.load_recipe(self.recipe_for(host_name, recipe, host)))]
+
     def one_recipe(self, host_name: str, recipe: str | None) -> Served | None:
         """The one recipe a task that serves one (lb, bench --lb) acts on: the flag's, the
         inventory's, or the layout's only one; one line when the layout has several. None when
         no recipe is named anywhere (the caller may ask the host's deployment records)."""
-        spec = self.host_spec(host_name)
-        if not (recipe or spec.recipe or spec.serve):
+        served = self.named_serves(host_name, recipe)
+        if not served:
             return None
-        served = self.serves(host_name, recipe)
         if len(served) > 1:
             raise VoltaforgeError(
                 f"{host_name} serves several recipes ({', '.join(s.name for s in served)}): pass --recipe"
