@@ -1,6 +1,7 @@
 """`invoke plan` as a user runs it: a real subprocess, real output, real exit codes."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -227,3 +228,24 @@ def test_the_readmes_plan_output_is_the_real_one():
     real = invoke("plan", "--recipe", m.group(1))
     assert real.returncode == 0, real.stderr
     assert shown == [line.rstrip() for line in real.stdout.splitlines()]
+
+
+def test_the_readmes_plan_excerpts_are_in_the_real_output():
+    """Every README block `$ invoke plan ...  # (excerpt)`: each line it shows is in what that
+    command prints now (whitespace aside: the README joins lines the terminal wrapped)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```\n\$ invoke plan (.*?)\s+# \(excerpt\)\n(.*?)```\n", readme, re.S)
+    assert len(blocks) >= 2, "the README's plan excerpts (the 70B split, the EXL2 split)"
+    for args, body in blocks:
+        real = subprocess.run(
+            [*INVOKE, "plan", *args.split()],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        assert real.returncode == 0, real.stderr
+        printed = " ".join(real.stdout.split())
+        for line in body.splitlines():
+            assert " ".join(line.split()) in printed, f"invoke plan {args}: {line!r} is not printed"
