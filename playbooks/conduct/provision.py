@@ -38,6 +38,7 @@ from playbooks.conduct.known_reads import KnownReads
 from playbooks.conduct.logs import log_dir
 from playbooks.conduct.placements import Served
 from playbooks.conduct.quantize import quantize_step
+from playbooks.conduct.read_pass import read_pass
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.toolchain import toolchain_step
 from playbooks.config.inventory import HostSpec
@@ -48,7 +49,6 @@ from playbooks.host.local import LocalHost
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import Change, Decision, Operation, OperationError, run_ops, summarize
 from playbooks.host.output import BufferedPrinter
-from playbooks.host.prefetch import NotARead, Reads
 from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.preflight import gather, judge, rpc_endpoints
 from playbooks.steps.serve.deploy import EnsureServing
@@ -58,9 +58,6 @@ DEFAULT_RECIPE = "tiny-cpu"
 
 
 STEPS = ("preflight", "toolchain", "build", "quantize", "deploy", "gate")
-#: reads passes before a run gives up on settling in a few round trips (a pass per level of
-#: reads that depend on other reads' answers; the known reads make it one)
-MAX_READ_PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -302,45 +299,15 @@ class Provisioner:
     def _read_pass(
         self, host: Host, spec: HostSpec, served: Served, outcome: HostOutcome
     ) -> tuple[HostOutcome, BufferedPrinter] | None:
-        """Every step checked as a dry run checks it, every read answered from a batch
-        (host/prefetch.py): the reads the last pass of this host and recipe made are fetched
-        first, and any read a pass still lacks is fetched and the pass run again. Returns the
-        checked outcome and its lines, and keeps the reads for the next run; None when the
-        reads could not be settled this way (the normal run finds the cause and says it)."""
-        known = KnownReads.of(spec, served.loaded)
-        reads = Reads()
-        buffered = BufferedPrinter()
-        printer = host.printer
-        host.printer = buffered
-        try:
-            calls = known.load()
-            for _ in range(MAX_READ_PASSES):
-                if calls:
-                    host.fetch_reads(reads, calls)
-                reads.new_pass()
-                buffered.lines.clear()
-                trial = HostOutcome(outcome.host, outcome.recipe, outcome.log)
-                try:
-                    with host.reading(reads):
-                        self._run_steps(host, spec, served, buffered, trial, dry_run=True, probing=True)
-                except NotARead:
-                    return None
-                except Exception:
-                    # a parser given an empty answer for a read not fetched yet; with every
-                    # read answered it is a real error, which the normal run reports
-                    if not reads.misses:
-                        return None
-                calls = list(reads.misses)
-                if not calls:
-                    break
-            else:
-                return None
-        except (HostError, VoltaforgeError):
-            return None  # the batch itself failed: the normal run meets the cause and says it
-        finally:
-            host.printer = printer
-        known.save(reads.asked)
-        return trial, buffered
+        """Every step checked as a dry run checks it, from batched reads (conduct/read_pass.py)."""
+
+        def fresh() -> HostOutcome:
+            return HostOutcome(outcome.host, outcome.recipe, outcome.log)
+
+        def check(printer: BufferedPrinter, trial: HostOutcome) -> None:
+            self._run_steps(host, spec, served, printer, trial, dry_run=True, probing=True)
+
+        return read_pass(host, KnownReads.of(spec, served.loaded), fresh, check)
 
     def _steps(
         self,
