@@ -15,7 +15,7 @@ from playbooks.plan.gpus import GIB, Gpu, get_gpu
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, NCpuMoe, RamSource
 from playbooks.plan.objective import Objective
-from playbooks.plan.planner import DraftPlan, Plan, Serving, make_plan
+from playbooks.plan.planner import DraftPlan, Plan, Serving, make_plan, plan_exl2_split
 from playbooks.plan.split import worst
 
 #: a speed floor given as "none": no floor, the fastest quant of at least min_bpw
@@ -225,6 +225,6 @@ def resolve_gpu_split(loaded: LoadedRecipe) -> tuple[float, ...]:
     r = loaded.recipe
     if r.backend != "exllamav2" or r.gpu_count < 2:
         return ()
-    c = plan_recipe(loaded).chosen
-    assert c is not None  # a recipe always names its quant
-    return c.gpu_split
+    # the chosen quant's split only, as the plan computes it (not the whole fit table)
+    serving = serving_from_recipe(loaded)
+    return plan_exl2_split(loaded.shape, r.quant_name, get_gpu(r.gpu), serving, serving.context).gpu_split

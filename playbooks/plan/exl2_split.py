@@ -164,7 +164,6 @@ class DeviceMap:
     device: tuple[int, ...]  # per module of exl2_modules, the card's index
     free_gib: tuple[float, ...]  # set_device_map's return: allotment left, in GB
     scratch_fixed: tuple[int, ...]  # the scratch tensor each card allocates (0: none)
-    weights: tuple[int, ...]  # bytes of weights per card
 
 
 def set_device_map(
@@ -176,7 +175,6 @@ def set_device_map(
     reserve = [0] * len(allocation)
     reserve_attn = [0] * len(allocation)
     fixed = [0] * len(allocation)
-    weights = [0] * len(allocation)
     placed = []
     current = 0
     for m in modules:
@@ -192,10 +190,9 @@ def set_device_map(
         reserve[current] = scratch
         reserve_attn[current] = scratch_attn
         left[current] -= m.footprint
-        weights[current] += m.footprint
         placed.append(current)
     free = tuple((a - r - ra) / 1024**3 for a, r, ra in zip(left, reserve, reserve_attn, strict=True))
-    return DeviceMap(tuple(placed), free, tuple(fixed), tuple(weights))
+    return DeviceMap(tuple(placed), free, tuple(fixed))
 
 
 @dataclass(frozen=True)
@@ -227,6 +224,7 @@ def _shares(
         mine = [m for m, at in zip(modules, dmap.device, strict=True) if at == d]
         layers = tuple(m.layer for m in mine if m.kind == "attention")
         head = any(m.kind == "head" for m in mine)
+        weights = sum(m.footprint for m in mine)
         compute = 0
         if mine:
             compute = mem.per_card + dmap.scratch_fixed[d]
@@ -238,13 +236,13 @@ def _shares(
                 name=dev.name,
                 layers=layers,
                 output=head,
-                weights_bytes=dmap.weights[d],
+                weights_bytes=weights,
                 kv_bytes=mem.kv_per_layer * len(layers),
                 compute_bytes=compute,
                 overhead_bytes=dev.overhead_bytes,
                 capacity_bytes=dev.capacity_bytes,
                 bandwidth_gb_s=dev.bandwidth_gb_s,
-                streamed_bytes=dmap.weights[d],
+                streamed_bytes=weights,
             )
         )
     return tuple(out)
@@ -279,7 +277,7 @@ def split_exl2(
     alloc = [_up((total * w / whole + reserve) / GIB) for w in weights[:-1]]
     last = devices[-1]
     # the last card first takes whatever reaches it (a model too big shows as its overflow)
-    alloc.append(float(max(1.0, total / GIB) * 4 + last.capacity_bytes / GIB))
+    alloc.append(math.inf)
     while True:
         dmap = set_device_map(modules, alloc, shape, lim)
         shares = _shares(modules, dmap, devices, mem)
@@ -288,7 +286,8 @@ def split_exl2(
             break
         for i, o in enumerate(over):
             if o > 0:
-                alloc[i] = max(0.0, _down(alloc[i] - o / GIB) if o / GIB >= SPLIT_STEP else alloc[i] - SPLIT_STEP)
+                # down by the overflow, and by one step at least
+                alloc[i] = max(0.0, min(_down(alloc[i] - o / GIB), alloc[i] - SPLIT_STEP))
     # the last card's allotment: its memory less what it holds outside the allotment (its
     # layers' cache, a quantized cache's copy, the logits, the CUDA context and margin)
     s_last = shares[-1]
