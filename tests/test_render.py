@@ -198,7 +198,8 @@ def test_layout_paths():
     assert layout.serve_dir == "/srv/vf/serve/voltaforge-llama-server"
     assert layout.model_file(r) == "/srv/vf/serve/voltaforge-llama-server/model.gguf"
     assert layout.draft_file(r) == "/srv/vf/serve/voltaforge-llama-server/draft.gguf"
-    assert layout.tabbyapi_model_link == "/srv/vf/serve/voltaforge-tabbyapi/model"
+    # TabbyAPI names the model by its directory: the link carries the served name
+    assert layout.tabbyapi_model_link(r) == "/srv/vf/serve/voltaforge-tabbyapi/models/tiny-llama"
     with pytest.raises(AttributeError):
         layout.prefix = "/x"  # type: ignore[misc]
 
@@ -221,7 +222,9 @@ def test_tabbyapi_config_and_unit(name):
         "api_servers": ["OAI"],
     }
     m = cfg["model"]
-    assert (m["model_dir"], m["model_name"]) == ("/opt/voltaforge/serve/voltaforge-tabbyapi", "model")
+    assert (m["model_dir"], m["model_name"]) == ("/opt/voltaforge/serve/voltaforge-tabbyapi/models", r.served_name)
+    # a shipped recipe: its repo's last part, or its local directory's name; never a path
+    assert r.served_name == (r.model.repo or r.model.path or "").rstrip("/").rsplit("/", 1)[-1]
     assert m["max_seq_len"] == r.context and m["cache_mode"] == r.cache.k and m["max_batch_size"] == r.parallel
     assert m["cache_size"] % 256 == 0 and m["cache_size"] >= r.context * r.parallel
     assert parse_exec_start(files[0].text) == [

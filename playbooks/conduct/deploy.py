@@ -31,6 +31,7 @@ from playbooks.steps.serve.deploy import (
     require_systemd,
     systemd_only,
 )
+from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy, secret_path
 from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Systemd, process_argv, unit_environment
 from playbooks.steps.serve.units import (
     RenderedFile,
@@ -126,7 +127,7 @@ def deploy_ops(
     if r.backend == "exllamav2":
         assert not isinstance(r.quant, str)  # the recipe schema: an exllamav2 recipe gives bpw
         artifact = Exl2Layout(model.root).output(Exl2Layout.tag(r.quant.bpw, r.quant.head_bits))
-        manifest, link = f"{artifact}/{EXL2_STAMP}", server.tabbyapi_model_link
+        manifest, link = f"{artifact}/{EXL2_STAMP}", server.tabbyapi_model_link(r)
     else:
         artifact = model.gguf(r.quant_name)
         manifest, link = manifest_path(artifact), server.model_file(r)
@@ -157,9 +158,19 @@ def deploy_ops(
     )
     managers = [make_manager(kind, state, name, unit.text) for name, state, _ in instances]
     ports = [port for _, _, port in instances]
-    ops: list[Operation] = [CheckPort(p, m, sudo=kind == "systemd") for m, p in zip(managers, ports, strict=True)]
+    secret = secret_path(r)
+    # a missing or open key stops the deployment before anything changes
+    ops: list[Operation] = [CheckSecret(secret)] if secret else []
+    ops += [CheckPort(p, m, sudo=kind == "systemd") for m, p in zip(managers, ports, strict=True)]
     ops += [EnsureDirectory(f"{prefix}/serve", 0o755), EnsureDirectory(state_root, 0o755)]
     ops += [EnsureDirectory(state.state_dir, 0o700) for _, state, _ in instances]
+    if secret and kind != "systemd" and r.backend == "llamacpp":
+        # systemd's LoadCredential= as a process gets it: a private copy where %d points
+        # (service_manager.process_argv), owned by the user the process runs as
+        ops += [
+            EnsureCredentialCopy(secret, f"{state.state_dir}/credentials/api-key", host.user)
+            for _, state, _ in instances
+        ]
     ops.append(EnsureModelLink(link, artifact, manifest, hint))
     draft = draft_artifact(loaded, prefix) if r.backend == "llamacpp" else None
     if draft:  # the unit's --model-draft reads it through its own link beside the model's
@@ -170,7 +181,6 @@ def deploy_ops(
     if r.backend == "exllamav2":
         # TabbyAPI opens these relative to its working directory (ServerLayout.tabbyapi_links)
         ops += [EnsureSymlink(f"{server.tabbyapi_serve_dir}/{n}", t) for n, t in server.tabbyapi_links().items()]
-        secret = server.api_key_file(r)
         if secret:
             ops.append(EnsureTabbyTokens(secret, server.tabbyapi_tokens))
     ops += [EnsureServiceFile(f) for f in files]

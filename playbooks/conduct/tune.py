@@ -65,6 +65,7 @@ from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_memb
 from playbooks.steps.measure.tune_search import Measured, Verdict, choose, objective_figure, successive_halving
 from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
 from playbooks.steps.serve.deploy import DeployLayout
+from playbooks.steps.serve.secrets import api_key_for
 from playbooks.steps.serve.units import ServerLayout, planned_service_files
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
@@ -274,7 +275,7 @@ class Tuner:
                 level: dict[str, Any] = {"error": f"the server did not come up: {failed}"}
             else:
                 kind = "llama-server" if cand.recipe.backend == "llamacpp" else "tabbyapi"
-                level = measure_level(self.host, self.port, kind, conc, g)
+                level = measure_level(self.host, self.port, kind, conc, g, api_key_for(self.host, cand.recipe))
         finally:
             self.stop_scratch(cand)
         self.check_live(f"after {c.key()} rung {rung}")

@@ -187,10 +187,36 @@ class Toolchain(_Strict):
         return v
 
 
+#: a served model name every backend can carry: llama-server's --alias, TabbyAPI's model
+#: directory (a file name), an OpenAI model id in a URL path
+SERVED_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def served_name_of(model: ModelSource, chosen: str | None) -> str:
+    """The model's name as clients see it: ``chosen``, else the last part of the repo id, the
+    generated model's name, or the local directory's name (characters outside the served set
+    become ``-``)."""
+    if chosen:
+        return chosen
+    if model.repo:
+        name = model.repo.rsplit("/", 1)[-1]
+    elif model.generate:
+        name = model.generate
+    else:
+        name = (model.path or "model").rstrip("/").rsplit("/", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip(".-")[:128]
+    return name or "model"
+
+
 class Service(_Strict):
     bind: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
     api_key_ref: str | None = Field(None, description="name of a secret file on the host (never the key itself)")
+    model_name: str | None = Field(
+        None,
+        description="the name clients ask for (/v1/models, every answer's `model`); unset: the last part of "
+        "the Hugging Face repo id, the generated model's name, or the local directory's name",
+    )
 
     @field_validator("bind")
     @classmethod
@@ -208,6 +234,17 @@ class Service(_Strict):
         # no path, no space, no specifier, nothing a unit file would read as syntax
         if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", v):
             raise ValueError("must be a secret's file name: letters, digits, _ and - (no path)")
+        return v
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, v):
+        # llama-server's --alias, TabbyAPI's model directory name and a URL-safe id alike
+        if v is not None and not SERVED_NAME_RE.fullmatch(v):
+            raise ValueError(
+                f"{v!r} cannot be served as a model name: use letters, digits, . _ and - "
+                "(at most 128, not starting with . or -)"
+            )
         return v
 
     @model_validator(mode="after")
@@ -572,6 +609,11 @@ class Recipe(_Strict):
     @property
     def quant_name(self) -> str:
         return self.quant if isinstance(self.quant, str) else self.quant.name
+
+    @property
+    def served_name(self) -> str:
+        """The model's name on the API (service.model_name, else one from the model's source)."""
+        return served_name_of(self.model, self.service.model_name)
 
 
 class LoadedRecipe(BaseModel):

@@ -145,13 +145,27 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
     return s
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """A keyed server's header (the key held in memory, from the host's secret file:
+    steps/serve/secrets.py); none for a server without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def run_level(
-    base_url: str, prompts: Sequence[str], concurrency: int, max_tokens: int, seed: int, kind: str, timeout: float
+    base_url: str,
+    prompts: Sequence[str],
+    concurrency: int,
+    max_tokens: int,
+    seed: int,
+    kind: str,
+    timeout: float,
+    api_key: str | None = None,
 ) -> tuple[list[Sample], float]:
     """Every prompt once, ``concurrency`` in flight at a time; the samples and the wall time."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, trust_env=False) as client:
+    headers = auth_headers(api_key)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, trust_env=False, headers=headers) as client:
 
         async def one(i: int, prompt: str) -> Sample:
             async with gate:
@@ -162,11 +176,11 @@ async def run_level(
         return list(samples), time.monotonic() - t0
 
 
-def probe_prompt_tokens(base_url: str, prompt: str, kind: str, timeout: float) -> Sample:
+def probe_prompt_tokens(base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None = None) -> Sample:
     """One short request: does the server answer, and how many tokens is this prompt?"""
-    return asyncio.run(_probe(base_url, prompt, kind, timeout))
+    return asyncio.run(_probe(base_url, prompt, kind, timeout, api_key))
 
 
-async def _probe(base_url: str, prompt: str, kind: str, timeout: float) -> Sample:
-    async with httpx.AsyncClient(base_url=base_url, trust_env=False) as client:
+async def _probe(base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None) -> Sample:
+    async with httpx.AsyncClient(base_url=base_url, trust_env=False, headers=auth_headers(api_key)) as client:
         return await stream_one(client, COMPLETIONS, request_body(prompt, 2, 1, kind), timeout)

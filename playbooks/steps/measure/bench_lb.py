@@ -21,6 +21,7 @@ from playbooks.facts import read_fact
 from playbooks.host import Host
 from playbooks.steps.measure.bench_run import bench_health, measure_level
 from playbooks.steps.serve.balancer import STATS_PORT, ServerStat, parse_stats, stats_command
+from playbooks.steps.serve.secrets import api_key_for
 
 
 def shares(before: Sequence[ServerStat], after: Sequence[ServerStat]) -> dict[str, dict[str, Any]]:
@@ -50,10 +51,9 @@ def bench_through_balancer(
 ) -> dict[str, Any]:
     """Every level through the balancer on ``host``'s ``port``: the result, or one line why not."""
     r = loaded.recipe
-    if r.service.api_key_ref:
-        raise VoltaforgeError(
-            f"recipe {r.name} has an API key: the bench client sends none, and the balancer would refuse it"
-        )
+    # the key the edge checks: the balancer host's copy of the recipe's secret (its unit loads
+    # the same file), read over the connection and held in memory
+    api_key = api_key_for(host, r)
     if bench_health(host, port) == 0:
         raise VoltaforgeError(f"nothing answers on {host.name}:{port}: is the balancer there (`invoke lb`)?")
     if not read_stats(host, stats_port):
@@ -71,7 +71,7 @@ def bench_through_balancer(
     }
     for c in levels or r.gate.levels:
         before = read_stats(host, stats_port)
-        level = measure_level(host, port, kind, c, r.gate)
+        level = measure_level(host, port, kind, c, r.gate, api_key)
         level["backends"] = shares(before, read_stats(host, stats_port))
         result["levels"].append(level)
         if level.get("error"):

@@ -39,6 +39,7 @@ from playbooks.steps.measure import bench, bench_client
 from playbooks.steps.measure.bench_report import append_history, read_history, write_reports
 from playbooks.steps.measure.bench_stats import estimate, settled
 from playbooks.steps.serve.deploy import DeployLayout, read_record
+from playbooks.steps.serve.secrets import api_key_for
 
 #: per request: generous for a slow host, short enough that a hung server fails the run
 REQUEST_TIMEOUT_S = 300.0
@@ -209,7 +210,7 @@ def request_bounds(g: Gate, concurrency: int) -> tuple[int, int]:
 
 
 def sweep_level(
-    url: str, text: bench.Corpus, words: int, c: int, g: Gate, kind: str
+    url: str, text: bench.Corpus, words: int, c: int, g: Gate, kind: str, api_key: str | None = None
 ) -> tuple[dict[str, Any], list[Any]]:
     """One concurrency level: a warm-up round (every stream once, left out), then rounds of one
     request per stream until the per-stream decode's 95% half-width is within the gate's
@@ -218,14 +219,14 @@ def sweep_level(
     samples."""
     least, most = request_bounds(g, c)
     warm = bench.prompts_for(text, words, c, seed=100_000 + c)
-    asyncio.run(bench_client.run_level(url, warm, c, g.max_tokens, 100_000, kind, REQUEST_TIMEOUT_S))
+    asyncio.run(bench_client.run_level(url, warm, c, g.max_tokens, 100_000, kind, REQUEST_TIMEOUT_S, api_key))
     samples: list[bench_client.Sample] = []
     wall, rounds = 0.0, 0
     cpu0 = time.process_time()
     while True:
         prompts = bench.prompts_for(text, words, c, seed=1000 * c + rounds)
         got, took = asyncio.run(
-            bench_client.run_level(url, prompts, c, g.max_tokens, 1 + rounds * c, kind, REQUEST_TIMEOUT_S)
+            bench_client.run_level(url, prompts, c, g.max_tokens, 1 + rounds * c, kind, REQUEST_TIMEOUT_S, api_key)
         )
         samples += got
         wall += took
@@ -249,28 +250,33 @@ def workload_text(workload: str = "chat") -> bench.Corpus:
     return bench.Corpus.of(text, layout)
 
 
-def prompt_words(url: str, text: bench.Corpus, kind: str, prompt_tokens: int) -> tuple[int, str | None]:
+def prompt_words(
+    url: str, text: bench.Corpus, kind: str, prompt_tokens: int, api_key: str | None = None
+) -> tuple[int, str | None]:
     """Words per prompt for about ``prompt_tokens`` tokens, from one probe request's own token
     count; or why the server does not serve completions."""
     probe_words = 64
-    first = bench_client.probe_prompt_tokens(url, text.cut(0, probe_words), kind, 60)
+    first = bench_client.probe_prompt_tokens(url, text.cut(0, probe_words), kind, 60, api_key)
     if first.error:
         return 0, first.error
     return bench.words_for(prompt_tokens, probe_words, first.prompt_tokens or probe_words), None
 
 
-def measure_level(host: Host, port: int, kind: str, concurrency: int, g: Gate) -> dict[str, Any]:
+def measure_level(
+    host: Host, port: int, kind: str, concurrency: int, g: Gate, api_key: str | None = None
+) -> dict[str, Any]:
     """One concurrency level against a server on ``host``'s loopback ``port`` (tune's scratch
-    server): the level's summary (:func:`sweep_level`), or ``{"error": ...}``."""
+    server, a balancer): the level's summary (:func:`sweep_level`), or ``{"error": ...}``.
+    ``api_key``: a keyed server's key (steps/serve/secrets.py api_key_for)."""
     if bench_health(host, port) == 0:
         return {"error": f"the server on {host.name}:{port} does not answer: nothing listens there"}
     text = workload_text(g.workload)
     with host.forward(port) as local_port:
         url = f"http://127.0.0.1:{local_port}"
-        words, why = prompt_words(url, text, kind, g.prompt_tokens)
+        words, why = prompt_words(url, text, kind, g.prompt_tokens, api_key)
         if why:
             return {"error": f"the server on {host.name}:{port} does not serve completions: {why}"}
-        summary, samples = sweep_level(url, text, words, concurrency, g, kind)
+        summary, samples = sweep_level(url, text, words, concurrency, g, kind, api_key)
     if all(s.error for s in samples):
         summary["error"] = f"every request failed at concurrency {concurrency}: {samples[0].error}"
     return summary
@@ -371,9 +377,11 @@ def measure(
     if bench_health(host, port) == 0:
         result["error"] = f"the server on {host.name}:{port} does not answer: nothing listens there (is it stopped?)"
         return result, seen
+    # a keyed server: its key from the host's secret, as the server gets it (held in memory)
+    api_key = api_key_for(host, r)
     with host.forward(port) as local_port:
         url = f"http://127.0.0.1:{local_port}"
-        words, why = prompt_words(url, text, kind, g.prompt_tokens)
+        words, why = prompt_words(url, text, kind, g.prompt_tokens, api_key)
         if why:
             result["error"] = f"the server on {host.name}:{port} does not serve completions: {why}"
             return result, seen
@@ -389,7 +397,7 @@ def measure(
         samples_all = []
         try:
             for c in levels:
-                summary, samples = sweep_level(url, text, words, c, g, kind)
+                summary, samples = sweep_level(url, text, words, c, g, kind, api_key)
                 samples_all += samples
                 result["levels"].append(summary)
                 if all(s.error for s in samples):

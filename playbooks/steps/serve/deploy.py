@@ -240,7 +240,8 @@ _KEY_CHARS = "A-Za-z0-9._~+/=-"
 class EnsureTabbyTokens(Operation):
     """TabbyAPI's api_tokens.yml (root, 0600) holds the recipe's API key and an admin key of
     its own, generated on the host. The key is read from its secret file on the host and never
-    crosses the wire, argv or a log; the facts say only missing / same / differs."""
+    crosses the wire, argv or a log (the comparison feeds grep its pattern on stdin; printf is
+    the shell's builtin); the facts say only missing / same / differs."""
 
     def __init__(self, secret: str, tokens: str):
         self.secret, self.tokens = check_path(secret), check_path(tokens)
@@ -250,8 +251,9 @@ class EnsureTabbyTokens(Operation):
         s, t = shlex.quote(self.secret), shlex.quote(self.tokens)
         return host.sudo(
             f"if [ ! -s {s} ]; then echo no-secret; elif [ ! -f {t} ]; then echo missing; "
-            f'else key=$(head -n1 -- {s}); if grep -qxF "api_key: \\"$key\\"" -- {t}; then echo same; '
-            "else echo differs; fi; fi",
+            # the key goes to grep as a pattern on stdin (-f -), never in its argv (`ps` shows argv)
+            f"""elif head -n1 -- {s} | sed 's/.*/api_key: "&"/' | grep -qxF -f - -- {t}; then echo same; """
+            "else echo differs; fi",
             check=False,
             stream=False,
         ).stdout.strip()
@@ -334,6 +336,7 @@ class EnsureServiceFile(Operation):
 class ServingFacts:
     running: Running
     record: dict[str, Any] | None
+    health: int = 200  # GET /health's status now (0: nothing answered within curl's 5 s)
 
 
 @dataclass
@@ -377,7 +380,9 @@ class EnsureServing(Operation):
         return host.sudo if self.sudo else host.run
 
     def read(self, host: Host) -> ServingFacts:
-        return ServingFacts(self._running(host), read_record(host, self.layout))
+        # /health too, in the same batch of reads: a hung server is not "running, unchanged"
+        health = parse_health(read_fact(host, health_command(self.port)))
+        return ServingFacts(self._running(host), read_record(host, self.layout), health)
 
     def _running(self, host: Host) -> Running:
         return self.manager.running(self._run(host)(self.manager.state_command(), check=False, stream=False).stdout)
@@ -385,7 +390,8 @@ class EnsureServing(Operation):
     def decide(self, facts: ServingFacts) -> Decision:
         rec = facts.record or {}
         same_run = rec.get("run") == facts.running.ident
-        if facts.running.up and rec.get("fingerprint") == self.want and same_run:
+        healthy = facts.health == 200
+        if facts.running.up and rec.get("fingerprint") == self.want and same_run and healthy:
             unchanged = f"running, unchanged ({facts.running.detail}, deployed {rec.get('at', '?')})"
             if self.recipe and (rec.get("recipe") or {}).get("sha256") != self.recipe["sha256"]:
                 # the same service from another recipe text (a gate threshold, a description, or a
@@ -401,6 +407,9 @@ class EnsureServing(Operation):
             why = "not running"
         elif rec.get("fingerprint") != self.want:
             why = self._what_changed(rec)
+        elif same_run:
+            answer = f"answers {facts.health}" if facts.health else "does not answer within 5 s"
+            why = f"running, unchanged, but /health on 127.0.0.1:{self.port} {answer}"
         else:
             why = "running, but not the run that was checked (restarted outside voltaforge)"
         restart = self.manager.restart()
@@ -614,8 +623,6 @@ def systemd_only(recipe: Recipe, gpu_indexes: Sequence[int] = (0,)) -> str | Non
     on a host without systemd; preflight judges a host's missing systemd by it."""
     if recipe.backend == "exllamav2":
         return "TabbyAPI (EXL2) runs as a systemd unit only"
-    if recipe.service.api_key_ref:
-        return "an API key reaches the server as a systemd credential"
     if len(gpu_indexes) > 1 and recipe.gpu_count == 1:
         return "one server per GPU (or CPU instance) is a systemd instance template"
     return None

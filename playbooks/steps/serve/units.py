@@ -24,6 +24,7 @@ from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import get_gpu
 from playbooks.resources import resource_dir
 from playbooks.steps.build.toolchain import venv_path
+from playbooks.steps.serve.secrets import secret_path
 
 TEMPLATES = resource_dir("templates")
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
@@ -133,8 +134,7 @@ class ServerLayout:
         return f"{self.serve_dir}/draft.gguf"
 
     def api_key_file(self, recipe: Recipe) -> str | None:
-        ref = recipe.service.api_key_ref
-        return f"/etc/voltaforge/secrets/{ref}" if ref else None
+        return secret_path(recipe)
 
     @property
     def template_unit_name(self) -> str:
@@ -159,10 +159,11 @@ class ServerLayout:
     def tabbyapi_serve_dir(self) -> str:
         return f"{self.prefix}/serve/{self.tabbyapi_unit_name.removesuffix('.service')}"
 
-    @property
-    def tabbyapi_model_link(self) -> str:
-        """The link to the recipe's EXL2 directory: TabbyAPI's model_dir/model_name."""
-        return f"{self.tabbyapi_serve_dir}/model"
+    def tabbyapi_model_link(self, recipe: Recipe) -> str:
+        """The link to the recipe's EXL2 directory: TabbyAPI's model_dir/model_name. TabbyAPI
+        names a model by its directory's base name, so the link carries the served name; it
+        lives in models/ of its own so no name meets TabbyAPI's other links."""
+        return f"{self.tabbyapi_serve_dir}/models/{recipe.served_name}"
 
     @property
     def tabbyapi_config(self) -> str:
@@ -267,6 +268,8 @@ def llama_server_argv(
         # the split the planner planned (plan/split.py): never llama.cpp's default by free memory
         shares = recipe.tensor_split or [1.0] * recipe.device_count
         argv += ["--split-mode", "layer", "--tensor-split", ",".join(f"{x:g}" for x in shares)]
+    # the name clients list and ask for (/v1/models, each answer's `model`), never the file's path
+    argv += ["--alias", recipe.served_name]
     argv += ["--host", recipe.service.bind, "--port", port or str(recipe.service.port)]
     raw: set[int] = {len(argv) - 1} if port else set()
     # -lv 4: at the pinned ref the load lines deploy checks (offloaded N/M layers, the KV and
@@ -450,7 +453,7 @@ def render_tabbyapi_config(
         )
     if any(not 0 < a < 1024 for a in gpu_split):
         raise VoltaforgeError(f"recipe {recipe.name}: gpu_split {list(gpu_split)}: want GB figures above 0")
-    model_dir, model_name = layout.tabbyapi_model_link.rsplit("/", 1)
+    model_dir, model_name = layout.tabbyapi_model_link(recipe).rsplit("/", 1)
     total = recipe.context * recipe.parallel
     return render_template(
         "tabbyapi-config.yml.j2",
