@@ -74,6 +74,7 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
         "recipe_sha256": recipe.sha256 if recipe else None,
         "note": note,
         "model": d.model,
+        "model_name": d.served_name,
         "port": d.port,
         "health": health,
         "health_text": HEALTH.get(health, str(health)),
@@ -207,7 +208,7 @@ def render_status(hosts: Sequence[dict[str, Any]], out: Console) -> None:
             details.add_column("what", style="bold")
             details.add_column("value", overflow="fold")
             rows = [
-                ("model", s["model"] or ""),
+                ("model", (f"{s['model_name']}: " if s.get("model_name") else "") + (s["model"] or "")),
                 ("manager", _manager_text(s)),
                 ("recipe", s["recipe_path"] or s["note"] or ""),
                 ("deployed", s["deployed_at"] or ""),

@@ -188,7 +188,7 @@ def deploy_ops(
     size = int(facts.get("bytes") or 0)
     recorded = recipe_record(loaded)
     ops += [
-        EnsureServing(m, state, files, link, artifact, sha, size, port, expect, gated, recorded)
+        EnsureServing(m, state, files, link, artifact, sha, size, port, expect, gated, recorded, r.served_name)
         for m, (_, state, port) in zip(managers, instances, strict=True)
     ]
     return ops

@@ -76,6 +76,12 @@ class Deployment:
         return path if isinstance(path, str) else None
 
     @property
+    def served_name(self) -> str | None:
+        """The model's name on the API (llama-server --alias, TabbyAPI's model directory)."""
+        name = self._get("served_name")
+        return name if isinstance(name, str) else None
+
+    @property
     def at(self) -> str | None:
         at = self._get("at")
         return at if isinstance(at, str) else None

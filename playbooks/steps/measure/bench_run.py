@@ -356,7 +356,9 @@ def measure(
     result["server"] = {
         "port": port,
         "kind": "llama-server" if r.backend == "llamacpp" else "tabbyapi",
-        "model": model,
+        # the name clients ask for (llama-server --alias, TabbyAPI's model directory), and the file
+        "model": r.served_name,
+        "model_file": model,
         "deployed_at": record.get("at"),
         "build": build or ("not recorded" if r.backend == "llamacpp" else "TabbyAPI (no llama.cpp build)"),
         "url": f"http://127.0.0.1:{port}/v1 on {host.name}",

@@ -364,12 +364,15 @@ class EnsureServing(Operation):
         expect: Expectations,
         gated: bool = False,
         recipe: dict[str, str] | None = None,
+        served_name: str | None = None,
     ):
         self.manager, self.layout, self.files, self.link = manager, layout, tuple(files), link
         self.artifact, self.artifact_sha256, self.artifact_bytes = artifact, artifact_sha256, artifact_bytes
         self.port, self.expect, self.gated = port, expect, gated
         #: the recipe it serves, as the record keeps it (config/recorded.py: name, path, sha256, yaml)
         self.recipe = recipe
+        #: the model's name on the API, kept in the record for `invoke status` and bench
+        self.served_name = served_name
         self.sudo = not isinstance(manager, ProcessRunner)
         self.want = fingerprint(self.files, artifact_sha256, artifact)
         self.name = f"Ensure {manager.describe()} serves on 127.0.0.1:{port}"
@@ -521,6 +524,8 @@ class EnsureServing(Operation):
         }
         if self.recipe:
             record["recipe"] = self.recipe
+        if self.served_name:
+            record["served_name"] = self.served_name
         if self.gated:
             write_record(host, self.layout, record)
         else:
@@ -583,7 +588,9 @@ class EnsureServing(Operation):
 
 
 #: what a rollback target keeps of its deployment's record (with ``copies``: where good/'s files go)
-SNAPSHOT_KEYS = ("fingerprint", "at", "files", "artifact", "port", "ready_s", "buffers", "gate", "recipe")
+SNAPSHOT_KEYS = (
+    "fingerprint", "at", "files", "artifact", "port", "ready_s", "buffers", "gate", "recipe", "served_name",
+)  # fmt: skip
 
 
 def good_of(record: dict[str, Any]) -> dict[str, Any] | None:
