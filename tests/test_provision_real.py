@@ -12,12 +12,17 @@ host) provisioned over SSH with the tiny CPU recipe, through the real CLI in a s
 6. The connection lost mid-run: that host fails in one line; a re-run resumes.
 7. Two hosts at once, the container and a loopback sshd host whose key changed: the container
    is done, the other fails in one line, the exit code says one failed.
+8. Keyed and on the network (issue 31): the recipe bound to 0.0.0.0 with an API key (a systemd
+   credential) provisions to a passing gate; from outside the container /v1/models is 401
+   without the key, 200 with it, the model listed by name; the key is in no argv while it runs
+   (every process on this machine and in the container, sampled), nor in the run's log.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,9 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
+from tests.argv_sampler import ArgvSampler, hold_in_argv
 from tests.helpers import ROOT
 from tests.testhosts import shared_nspawn_ccache
 
@@ -279,3 +286,25 @@ def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn
     assert Path(by["other"]["log"]).exists() and Path(by["box"]["log"]).exists()
     assert list(other.prefix.iterdir()) == []
     assert os.path.dirname(by["box"]["log"]) == os.path.dirname(by["other"]["log"])  # one run, one log directory
+
+    # 8. keyed and on the network: the key reaches the unit as a credential, the gate sends it
+    key = secrets.token_urlsafe(24)
+    put_key = "install -d -m 0755 /etc/voltaforge/secrets && umask 077 && cat > /etc/voltaforge/secrets/lab-key"
+    subprocess.run(host.ssh_command(put_key), input=key + "\n", text=True, check=True, timeout=60)  # on stdin
+    keyed = recipe(tmp_path, host, "keyed", service={"bind": "0.0.0.0", "api_key_ref": "lab-key"})
+    inv = inventory(tmp_path, {"box": (host, keyed)})
+    with ArgvSampler(key) as sampler:
+        code, [s], out, _ = provision(inv, "box")
+    assert code == 0, out[-4000:]
+    assert statuses(s)["deploy"] == "changed" and statuses(s)["gate"] == "changed", s
+    assert sampler.rounds >= 20 and sampler.hits == [], sampler.hits
+    with ArgvSampler(key) as control:  # the positive control: the sampler finds a key in an argv
+        hold_in_argv(f"grep -qxF {key} -")
+    assert control.hits
+    assert key not in Path(s["log"]).read_text() and key not in out
+    assert "LoadCredential=api-key:/etc/voltaforge/secrets/lab-key" in host.run_inside(f"systemctl cat {UNIT}").stdout
+    with httpx.Client(trust_env=False, timeout=30) as web:
+        models = f"http://{host.hostname}:18080/v1/models"
+        assert web.get(models).status_code == 401
+        listed = web.get(models, headers={"Authorization": f"Bearer {key}"})
+        assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["tiny-llama"]
