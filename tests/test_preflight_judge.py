@@ -109,7 +109,7 @@ def test_disk_too_small_for_download_plus_conversion():
 
 
 def _tiny_with_api_key(tmp_path):
-    """tiny-cpu with service.api_key_ref: the key reaches the server as a systemd credential."""
+    """tiny-cpu with service.api_key_ref: a systemd credential, or a managed process's 0600 copy."""
     text = (ROOT / "recipes" / "tiny-cpu.yaml").read_text()
     assert "  port: 18080\n" in text
     (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
@@ -137,7 +137,8 @@ SYSTEMD_CASES = [
     (NOT_BOOTED, GPU_LLAMA, "warn", False, ["managed process", "one server per GPU (`--gpus 0,1`) would need it"]),
     # what only a unit does blocks, and says why
     (NOT_BOOTED, EXL2, "fail", True, [f"recipe {EXL2}: TabbyAPI (EXL2) runs as a systemd unit only"]),
-    (NOT_BOOTED, "keyed", "fail", True, ["recipe tiny-keyed: an API key reaches the server as a systemd credential"]),
+    # a key reaches a managed process as a private copy (issue 31): no unit needed
+    (NOT_BOOTED, "keyed", "warn", False, ["state offline", "managed process", "not restarted at boot"]),
     # no recipe: what a recipe would need is said, nothing blocks
     (NOT_BOOTED, None, "warn", False, ["managed process", "(EXL2), an API key or one server per GPU needs systemd"]),
     # PID 1 but unable to start units: deploy would use it, so it blocks whatever the recipe
