@@ -979,6 +979,10 @@ class NspawnHost:
             "--resolv-conf=delete",
             # Keep the journal inside the container (no links into this machine's /var/log).
             "--link-journal=no",
+            # Let the container's systemd load BPF programs: nspawn's default seccomp filter
+            # refuses bpf(), and then a unit's IPAddressAllow=/IPAddressDeny= is silently not
+            # enforced (tests/test_ip_filter_real.py proves the filter drops a connection).
+            "--system-call-filter=bpf",
             # A provisionable host's wheelhouse (read-only) and shared ccache (writable).
             *self.binds,
         ]
