@@ -9,6 +9,7 @@ from playbooks.cli.plan import run_plan
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import RECIPES_DIR, list_recipes, load_recipe
 from playbooks.errors import RecipeError
+from playbooks.steps.serve.units import ServerLayout, llama_server_argv
 
 SHIPPED = [p.stem for p in list_recipes()]
 
@@ -283,3 +284,23 @@ def test_a_draft_with_another_tokenizer_is_refused_before_anything_is_made(tmp_p
     assert ok.draft_shape is not None and ok.draft_shape.vocab_size == 151936
     msg = _error(tmp_path, GOOD + draft.format("small.json"))
     assert "r.yaml:9" in msg and "vocabulary" in msg and "llama.cpp allows at most 128" in msg
+
+
+def test_a_model_is_served_by_a_name_a_person_recognises(tmp_path):
+    """The served name (llama-server --alias, TabbyAPI's model directory): the repo's last part,
+    the generated model's name, a local directory's name made safe, or the recipe's own."""
+    assert load_recipe(_write(tmp_path, GOOD)).recipe.served_name == "Qwen2.5-14B-Instruct"
+    assert load_recipe("tiny-cpu").recipe.served_name == "tiny-llama"
+    local = GOOD.replace(
+        "  repo: Qwen/Qwen2.5-14B-Instruct\n  revision: main\n", "  path: /srv/models/My Model (v2)/\n"
+    )
+    assert load_recipe(_write(tmp_path, local)).recipe.served_name == "My-Model--v2"
+    named = load_recipe(_write(tmp_path, GOOD + "service:\n  model_name: qwen14b.lab_1\n")).recipe
+    assert named.served_name == "qwen14b.lab_1"
+    assert "--alias qwen14b.lab_1 " in " ".join(llama_server_argv(named, ServerLayout())[0]) + " "
+
+
+@pytest.mark.parametrize("name", ["qwen/14b", "../up", "-dash", "a b", "x" * 129, "ümlaut"])
+def test_a_served_name_a_backend_cannot_carry_is_one_line(tmp_path, name):
+    msg = _error(tmp_path, GOOD + f"service:\n  model_name: {json.dumps(name)}\n")
+    assert "service.model_name" in msg and "cannot be served as a model name" in msg, msg

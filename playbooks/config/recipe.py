@@ -204,7 +204,7 @@ def served_name_of(model: ModelSource, chosen: str | None) -> str:
         name = model.generate
     else:
         name = (model.path or "model").rstrip("/").rsplit("/", 1)[-1]
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip(".-")[:128]
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", name).strip(".-")[:128]
     return name or "model"
 
 
