@@ -31,6 +31,7 @@ import yaml
 
 from playbooks.cli.bench import run_bench
 from playbooks.cli.deploy import run_deploy, run_stop
+from playbooks.cli.status import run_status
 from playbooks.cli.tune import options, run_tune
 from playbooks.conduct.settings import Settings
 from playbooks.host import connect
@@ -139,6 +140,9 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, tiny_q4, api_s
             result = json.loads(capsys.readouterr().out)
             assert result["gate"]["passed"] and all(lv["errors"] == 0 for lv in result["levels"]), result["gate"]
             assert result["server"]["model"] == "tiny-llama" and result["server"]["model_file"].endswith(".gguf")
+            assert run_status("box", as_json=True, settings=settings) == 0
+            [seen] = json.loads(capsys.readouterr().out)
+            assert [s["model_name"] for s in seen["services"]] == ["tiny-llama"], seen
             opts = options("single", "Q4_K_M", "f16", None, 1, "512", "none", None, None, "10m", 1, False, None)
             opts = type(opts)(**{**opts.__dict__, "recipes_dir": tmp_path / "tuned"})
             assert run_tune("box", str(recipe), opts, as_json=True, settings=settings) == 0
