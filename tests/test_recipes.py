@@ -304,3 +304,11 @@ def test_a_model_is_served_by_a_name_a_person_recognises(tmp_path):
 def test_a_served_name_a_backend_cannot_carry_is_one_line(tmp_path, name):
     msg = _error(tmp_path, GOOD + f"service:\n  model_name: {json.dumps(name)}\n")
     assert "service.model_name" in msg and "cannot be served as a model name" in msg, msg
+
+
+@pytest.mark.parametrize("bind", ["10.0.0.5", "127.0.0.2", "::"])
+def test_a_server_binds_loopback_or_every_address(tmp_path, bind):
+    """deploy, the gate and status reach a server at 127.0.0.1 on its host: one other address
+    would leave them unanswered (the deploy would roll back after its /health wait)."""
+    msg = _error(tmp_path, GOOD + f"service:\n  bind: '{bind}'\n  api_key_ref: k\n")
+    assert f"bind {bind}: a server binds 127.0.0.1 (its host only) or 0.0.0.0" in msg, msg

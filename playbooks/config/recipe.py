@@ -208,6 +208,10 @@ def served_name_of(model: ModelSource, chosen: str | None) -> str:
     return name or "model"
 
 
+#: the addresses a server may bind (Service._reachable_on_loopback says why these)
+SERVER_BINDS = ("127.0.0.1", "0.0.0.0")
+
+
 class Service(_Strict):
     bind: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
@@ -246,6 +250,17 @@ class Service(_Strict):
                 "(at most 128, not starting with . or -)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _reachable_on_loopback(self):
+        # deploy's /health, the gate's port forward, the no-op and `invoke status` reach a server
+        # at 127.0.0.1 on its host: one bound to another single address would not answer them
+        if self.bind not in SERVER_BINDS:
+            raise ValueError(
+                f"bind {self.bind}: a server binds 127.0.0.1 (its host only) or 0.0.0.0 (the network, with "
+                "api_key_ref); voltaforge checks it at 127.0.0.1 on its host, which one other address would not answer"
+            )
+        return self
 
     @model_validator(mode="after")
     def _exposed_needs_key(self):
