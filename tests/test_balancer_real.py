@@ -8,7 +8,10 @@ over real HTTP.
 - a streamed completion arrives through the balancer event by event, not in bursts (judged
   from the stream's own gaps, not against a fixed time);
 - with the recipe's API key: a request without it gets 401 at the edge, with it 200;
-- no healthy server: 503 with one clear JSON message, and one line in HAProxy's log.
+- no healthy server: 503 with one clear JSON message, and one line in HAProxy's log;
+- every slot busy: the next request waits at the edge (HAProxy's queue, each server taking
+  maxconn = its slots), never inside a server; past the queue's timeout, a 503 JSON with
+  Retry-After.
 
 systemd does not run here, so HAProxy runs as a process with the rendered configuration
 (`haproxy -db -f`); the rendered unit is scored by systemd-analyze in tests/test_balancer.py.
@@ -48,12 +51,13 @@ KEY = "vf-test-key-7f3a"
 class Server:
     """One llama-server on a loopback port, its log in a file."""
 
-    def __init__(self, model: Path, port: int, log: Path, api_key: Path | None = None):
-        self.model, self.port, self.log, self.api_key = model, port, log, api_key
+    def __init__(self, model: Path, port: int, log: Path, api_key: Path | None = None, slots: int = 2):
+        self.model, self.port, self.log, self.api_key, self.slots = model, port, log, api_key, slots
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Server:
-        cmd = [str(llamacpp_tools.llama_server()), "-m", str(self.model), "-c", "1024", "-np", "2", "-t", "1",
+        cmd = [str(llamacpp_tools.llama_server()), "-m", str(self.model), "-c", str(512 * self.slots), "-np",
+               str(self.slots), "-t", "1",
                "--host", "127.0.0.1", "--port", str(self.port), "--fit", "off", "--no-webui"]  # fmt: skip
         if self.api_key:
             cmd += ["--api-key-file", str(self.api_key)]
@@ -223,6 +227,62 @@ def test_the_api_key_is_checked_at_the_edge(model, tmp_path):
         server.kill()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def csv_row(port: int, server: str) -> dict[str, str]:
+    """One row of HAProxy's CSV stats of the backend (a server's, or ``BACKEND``: qmax, the most
+    requests queued; smax, the most sessions held at once)."""
+    import csv
+
+    text = httpx.get(f"http://127.0.0.1:{port}/stats;csv", timeout=5).text.lstrip("# ")
+    return next(r for r in csv.DictReader(text.splitlines()) if r["pxname"] == "llama" and r["svname"] == server)
+
+
+@pytest.mark.timeout(600)
+def test_every_slot_busy_the_request_waits_at_the_edge(model, tmp_path):
+    """One server of one slot behind the balancer: three requests at once run one after another,
+    the two waiting in HAProxy's queue (the server never holds two); with a queue timeout of 1 s,
+    a request behind a long one gets 503 JSON with Retry-After instead of waiting in the server."""
+    import concurrent.futures
+
+    server = Server(model, free_port(), tmp_path / "server.log", slots=1).start()
+    lb_port, stats_port = free_port(), free_port()
+    recipe = load_recipe("tiny-cpu").recipe
+    lb = Balancer(recipe, (Backend("box", "127.0.0.1", server.port, slots=1),), port=lb_port, stats_port=stats_port)
+    assert f"server box 127.0.0.1:{server.port} maxconn 1" in render_haproxy_config(lb)
+    proc, _ = haproxy(render_haproxy_config(lb), tmp_path)
+    short = Balancer(recipe, lb.backends, port=free_port(), stats_port=free_port(), queue_timeout_s=1)
+    (tmp_path / "short").mkdir()
+    proc2, _ = haproxy(render_haproxy_config(short), tmp_path / "short")
+    base = f"http://127.0.0.1:{lb_port}"
+    try:
+        for port in (stats_port, short.stats_port):
+            wait_for(lambda p=port: csv_row(p, "box")["status"] == "UP", 30)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            codes = list(pool.map(lambda _: complete(base, n=64).status_code, range(3)))
+        row, queue = csv_row(stats_port, "box"), csv_row(stats_port, "BACKEND")
+        print(f"\nqueued at the edge at most {queue['qmax']}, in the server at once at most {row['smax']}")
+        # with every server full, HAProxy queues in the backend (any server's next free slot)
+        assert codes == [200] * 3 and int(queue["qmax"]) >= 1 and row["smax"] == "1", (queue, row)
+
+        # the queue's timeout: behind a long generation, the next request is told to come back
+        long_body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(
+                httpx.post, f"http://127.0.0.1:{short.port}/v1/completions", json=long_body, timeout=120
+            )
+            wait_for(lambda: csv_row(short.stats_port, "box")["scur"] == "1", 10)
+            t0 = time.monotonic()
+            waited = complete(f"http://127.0.0.1:{short.port}")
+            took = time.monotonic() - t0
+            assert first.result().status_code == 200
+        assert waited.status_code == 503 and waited.headers["retry-after"] == "10", (waited, waited.text)
+        assert waited.json()["error"]["type"] == "server_busy" and 0.9 <= took < 5, (waited.text, took)
+    finally:
+        server.kill()
+        for p in (proc, proc2):
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=30)
 
 
 def wait_for(condition, timeout: float) -> None:

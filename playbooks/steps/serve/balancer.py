@@ -32,6 +32,10 @@ CONFIG_PATH = "/etc/voltaforge/lb/haproxy.cfg"
 #: where the loopback-only stats page listens (per-server state and counters)
 STATS_PORT = 8404
 CHECK_INTERVAL_MS = 2000
+#: a request waits this long in the balancer's queue when every server is busy (then: 503)
+QUEUE_TIMEOUT_S = 60
+#: what the 503 after the queue tells a client to wait before trying again
+RETRY_AFTER_S = 10
 _SERVER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # an IPv4 address or a DNS name HAProxy resolves at start (IPv6 backends are not rendered)
 _ADDRESS = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$")
@@ -44,6 +48,9 @@ class Backend:
     name: str  # inventory host, with the instance: "gpu-01" or "gpu-01-gpu1"
     address: str  # an IPv4 address or host name the balancer reaches it at
     port: int
+    #: requests it runs at once (its slots, llama-server --parallel): HAProxy's maxconn, so the
+    #: next request waits in the balancer's queue for any server of the model, not in this one
+    slots: int = 1
 
     def __post_init__(self) -> None:
         if not _SERVER_NAME.match(self.name):
@@ -52,6 +59,8 @@ class Backend:
             raise VoltaforgeError(f"backend {self.name}: {self.address!r} is not an IPv4 address or a host name")
         if not 1 <= self.port <= 65535:
             raise VoltaforgeError(f"backend {self.name}: port {self.port} out of range")
+        if not 1 <= self.slots <= 4096:
+            raise VoltaforgeError(f"backend {self.name}: {self.slots} slots: want 1 to 4096")
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class Balancer:
     port: int = 8000
     stats_port: int = STATS_PORT
     config_path: str = CONFIG_PATH
+    #: how long a request may wait at the edge for a free slot before a 503 with Retry-After
+    queue_timeout_s: int = QUEUE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -122,7 +133,7 @@ def backends_for(recipe: Recipe, hosts: Sequence[tuple[str, str, bool, Sequence[
             )
         else:
             target = address
-        out += [Backend(name if len(ports) == 1 else f"{name}-{port}", target, port) for port in ports]
+        out += [Backend(name if len(ports) == 1 else f"{name}-{port}", target, port, recipe.parallel) for port in ports]
     return tuple(out)
 
 
@@ -134,6 +145,8 @@ def render_haproxy_config(lb: Balancer) -> str:
         port=lb.port,
         api_key=bool(lb.api_key_file),
         check_interval_ms=CHECK_INTERVAL_MS,
+        queue_timeout_s=lb.queue_timeout_s,
+        retry_after_s=RETRY_AFTER_S,
         backends=lb.backends,
         stats_port=lb.stats_port,
     )
