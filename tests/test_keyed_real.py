@@ -7,6 +7,8 @@ process), reached from this namespace through the veth as a colleague would reac
   ``/v1/models`` is 401 without the key and 200 with it, the model listed by its name (the
   official ``openai`` client too), never by its path.
 - The gate (`invoke bench`) and `invoke tune` measure it with the key; neither fails on 401.
+- `invoke lb` puts HAProxy in front of it as a managed process (no systemd), the key checked at
+  the edge from the balancer's own 0600 copy; `bench --lb` sends the key; a second run is `ok`.
 - A hung server (SIGSTOP) is not ``ok`` in the no-op: it is restarted and answers again.
 - Throughout, every process's argv on this machine (controller and host alike) is sampled:
   the key is never in one, and neither is it in a log, a report or the deployment's files
@@ -29,7 +31,8 @@ import httpx
 import pytest
 import yaml
 
-from playbooks.cli.bench import run_bench
+from playbooks.cli.balancer import run_lb
+from playbooks.cli.bench import run_bench, run_bench_lb
 from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.cli.status import run_status
 from playbooks.cli.tune import options, run_tune
@@ -43,6 +46,7 @@ from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
 pytestmark = pytest.mark.slow
 TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
 PORT = 18181  # the namespace has a port space of its own
+LB_PORT = 18200
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +98,9 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, tiny_q4, api_s
     ref, key, secret = api_secret
     host = make_sshd_host(sudo="nopasswd", netns=True)
     prefix = str(host.prefix / "vf")
-    settings = Settings(inventory=inventory_for(tmp_path, "box", host, prefix=prefix))
     recipe = keyed_recipe(tmp_path / "r", ref)
+    # the recipes' directory: `invoke lb` finds each backend's recipe by its name there
+    settings = Settings(inventory=inventory_for(tmp_path, "box", host, prefix=prefix), recipes_dir=recipe.parent)
     with connect(spec_for(host)) as h:
         stage_served_model(h, prefix, recipe, tiny_q4)
     monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
@@ -149,6 +154,27 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, tiny_q4, api_s
             tuned = json.loads(capsys.readouterr().out)
             assert tuned["candidates"] and all(c["error"] is None for c in tuned["candidates"]), tuned["candidates"]
 
+            # 3b. the balancer in front of it, as a managed process too: the key checked at the
+            # edge from its own private copy, and `bench --lb` sends it
+            assert run_lb("box", ["box"], str(recipe), "0.0.0.0", LB_PORT, settings=settings) == 0, capsys.readouterr().out
+            capsys.readouterr()
+            lb_state = Path(prefix) / "deploy" / "voltaforge-lb"
+            assert stat.S_IMODE((lb_state / "credentials" / "api-key").stat().st_mode) == 0o600
+            with httpx.Client(trust_env=False, timeout=30) as web:
+                assert web.get(f"http://{host.hostname}:{LB_PORT}/v1/models").status_code == 401
+                through = web.get(
+                    f"http://{host.hostname}:{LB_PORT}/v1/models", headers={"Authorization": f"Bearer {key}"}
+                )
+                assert through.status_code == 200 and through.json()["data"][0]["id"] == "tiny-llama"
+            assert run_bench_lb("box", LB_PORT, str(recipe), as_json=True, settings=settings) == 0
+            via = json.loads(capsys.readouterr().out)
+            assert (
+                all(not lv.get("error") for lv in via["levels"]) and via["levels"][0]["backends"]["box"]["requests"] > 0
+            )
+            assert run_lb("box", ["box"], str(recipe), "0.0.0.0", LB_PORT, settings=settings) == 0
+            again = capsys.readouterr().out
+            assert "box: 0 changed" in again, again[-2000:]
+
             # 4. a hung server is not `ok`: the no-op asks /health and restarts it
             assert run_deploy("box", str(recipe), settings=settings) == 0
             assert "running, unchanged" in capsys.readouterr().out
@@ -171,3 +197,6 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, tiny_q4, api_s
         assert "tiny-llama" in (state / "deployed.json").read_text()
     finally:
         run_stop("box", str(recipe), settings=settings)
+        pid_file = Path(prefix) / "deploy" / "voltaforge-lb" / "server.pid"
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)

@@ -21,7 +21,7 @@ from playbooks.facts import read_fact
 from playbooks.facts.server_log import journal_command
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, Shell
-from playbooks.steps.serve.service_manager import Systemd
+from playbooks.steps.serve.service_manager import Manager, Systemd
 
 #: how long a started unit may take to accept connections (it loads no model)
 LISTEN_TIMEOUT_S = 60
@@ -48,11 +48,13 @@ class EnsureUnitRunning(Operation):
         sudo: bool = False,
         extra_command: str | None = None,
         what: str = "",
+        manager: Manager | None = None,
     ):
         self.unit, self.texts, self.listen = unit, tuple(texts), listen
         self.state_file = f"{prefix}/deploy/{unit.removesuffix('.service')}/started.sha256"
         self.sudo, self.extra_command = sudo, extra_command
-        self.manager = Systemd(unit)
+        #: systemd, else the unit's own command line as a managed process (deploy's runner)
+        self.manager: Manager = manager or Systemd(unit)
         self.name = f"Ensure {what or unit} runs ({unit})"
 
     def read(self, host: Host) -> UnitFacts:
@@ -60,6 +62,9 @@ class EnsureUnitRunning(Operation):
         extra = read_fact(host, self.extra_command).strip() if self.extra_command else ""
         started = read_fact(host, f"cat -- {shlex.quote(self.state_file)} 2>/dev/null || true").strip()
         return UnitFacts(running.up, running.detail, extra, started)
+
+    def _log_command(self) -> str:
+        return journal_command(self.unit) if isinstance(self.manager, Systemd) else self.manager.log_command("")
 
     def fingerprint(self, extra: str) -> str:
         return hashlib.sha256("\0".join((*self.texts, extra)).encode()).hexdigest()
@@ -80,7 +85,7 @@ class EnsureUnitRunning(Operation):
             f"for i in $(seq 1 {LISTEN_TIMEOUT_S * 2}); do "
             f"if (exec 3<>/dev/tcp/{addr}/{port}) 2>/dev/null; then exit 0; fi; sleep 0.5; done; "
             f"echo '{self.unit} does not accept connections on {endpoint} after {LISTEN_TIMEOUT_S} s; "
-            f"its log:' >&2; {journal_command(self.unit)} | tail -n 12 >&2; exit 1"
+            f"its log:' >&2; {self._log_command()} | tail -n 12 >&2; exit 1"
         )
         state = shlex.quote(self.state_file.rsplit("/", 1)[0])
         record = f"mkdir -p -- {state} && printf '%s\\n' {want} > {shlex.quote(self.state_file)}"
