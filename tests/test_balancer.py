@@ -76,15 +76,18 @@ def test_what_cannot_work_is_refused(tmp_path):
     ]
 
 
-def test_lb_on_a_host_without_systemd_is_refused_in_one_line(sshd_host, tmp_path, capsys):
-    """A real host (a private sshd, no systemd there): one line, nothing installed or written."""
+def test_lb_on_a_host_without_systemd_plans_a_managed_process(sshd_host, tmp_path, capsys):
+    """A real host (a private sshd, no systemd there): the dry run plans HAProxy as a managed
+    process of the SSH user, its configuration under the prefix, and writes nothing."""
     from playbooks.cli.balancer import run_lb
     from playbooks.conduct.settings import Settings
 
-    inv = inventory_for(tmp_path, "lb-01", sshd_host, prefix=str(tmp_path / "prefix"))
-    with pytest.raises(VoltaforgeError, match="lb-01: systemd is not running there"):
-        run_lb("lb-01", ["lb-01"], recipe="tiny-cpu", settings=Settings(inventory=inv))
-    assert not (tmp_path / "prefix").exists()
+    prefix = tmp_path / "prefix"
+    inv = inventory_for(tmp_path, "lb-01", sshd_host, prefix=str(prefix))
+    assert run_lb("lb-01", ["lb-01"], recipe="tiny-cpu", dry_run=True, settings=Settings(inventory=inv)) == 0
+    out = capsys.readouterr().out
+    assert f"{prefix}/deploy/voltaforge-lb/haproxy.cfg" in out and "systemctl" not in out, out[-3000:]
+    assert not prefix.exists()
 
 
 def test_the_running_check_probes_where_the_balancer_listens(tmp_path):
