@@ -51,16 +51,28 @@ KEY = "vf-test-key-7f3a"
 class Server:
     """One llama-server on a loopback port, its log in a file."""
 
-    def __init__(self, model: Path, port: int, log: Path, api_key: Path | None = None, slots: int = 2):
+    def __init__(
+        self,
+        model: Path,
+        port: int,
+        log: Path,
+        api_key: Path | None = None,
+        slots: int = 2,
+        alias: str | None = None,
+        ctx: int = 512,
+    ):
         self.model, self.port, self.log, self.api_key, self.slots = model, port, log, api_key, slots
+        self.alias, self.ctx = alias, ctx
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Server:
-        cmd = [str(llamacpp_tools.llama_server()), "-m", str(self.model), "-c", str(512 * self.slots), "-np",
+        cmd = [str(llamacpp_tools.llama_server()), "-m", str(self.model), "-c", str(self.ctx * self.slots), "-np",
                str(self.slots), "-t", "1",
                "--host", "127.0.0.1", "--port", str(self.port), "--fit", "off", "--no-webui"]  # fmt: skip
         if self.api_key:
             cmd += ["--api-key-file", str(self.api_key)]
+        if self.alias:
+            cmd += ["--alias", self.alias]
         out = open(self.log, "a")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         wait_http(f"http://127.0.0.1:{self.port}/health")
@@ -189,7 +201,7 @@ def test_two_servers_behind_one_endpoint_survive_one_dying(model, tmp_path):
         wait_for(lambda: all(st.startswith("DOWN") for st, _ in stats(stats_port).values()), 15)
         r = complete(base)
         assert r.status_code == 503
-        assert r.json()["error"]["message"] == "no healthy llama-server behind the balancer"
+        assert r.json()["error"]["message"] == "no healthy server of tiny-llama behind the balancer"
         time.sleep(0.5)
         lines = [x for x in log.read_text().splitlines() if " 503 " in x and "/v1/completions" in x]
         assert len(lines) == 1, log.read_text()[-3000:]
@@ -229,13 +241,64 @@ def test_the_api_key_is_checked_at_the_edge(model, tmp_path):
         proc.wait(timeout=30)
 
 
-def csv_row(port: int, server: str) -> dict[str, str]:
+@pytest.mark.timeout(600)
+def test_one_endpoint_routes_by_model_name(model, tmp_path):
+    """Two models behind one endpoint (two llama-servers serving the same file under two names,
+    as two recipes of a fleet would): each request goes to the servers of the model its JSON
+    names, read from the body at the edge even after a long `messages` (the order the official
+    client sends); /v1/models is answered at the edge; an unknown model is a 404, no model a 400,
+    a body beyond the largest context a 413, each OpenAI-shaped JSON."""
+    servers = {
+        m: Server(model, free_port(), tmp_path / f"{m}.log", slots=1, alias=m, ctx=2048).start()
+        for m in ("alpha", "beta")
+    }
+    lb_port, stats_port = free_port(), free_port()
+    recipe = load_recipe("tiny-cpu").recipe
+    backends = tuple(Backend("box", "127.0.0.1", s.port, 1, m, 2048) for m, s in servers.items())
+    lb = Balancer(recipe, backends, port=lb_port, stats_port=stats_port)
+    proc, _ = haproxy(render_haproxy_config(lb), tmp_path)
+    base = f"http://127.0.0.1:{lb_port}"
+    try:
+        wait_for(lambda: all(csv_row(stats_port, "box", f"model_{m}")["status"] == "UP" for m in servers), 30)
+        listed = httpx.get(f"{base}/v1/models", timeout=10).json()
+        assert [m["id"] for m in listed["data"]] == ["alpha", "beta"] and listed["object"] == "list"
+        words = " ".join(["hello"] * 150)  # a long conversation before the model's name
+        for name in servers:
+            before = {m: x.requests() for m, x in servers.items()}
+            body = json.dumps({"messages": [{"role": "user", "content": words}], "model": name, "max_tokens": 2})
+            r = httpx.post(f"{base}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
+                           timeout=120)  # fmt: skip
+            assert r.status_code == 200 and r.json()["model"] == name, r.text[:300]
+            ran = {m: x.requests() - before[m] for m, x in servers.items()}
+            assert ran == {m: int(m == name) for m in servers}, ran
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["alpha", "beta"]
+        stream = client.chat.completions.create(
+            model="beta", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        unknown = httpx.post(f"{base}/v1/completions", json={"model": "gamma", "prompt": "x"}, timeout=10)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        nameless = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert nameless.status_code == 400 and "alpha, beta" in nameless.json()["error"]["message"]
+        huge = httpx.post(f"{base}/v1/completions", json={"model": "alpha", "prompt": "x" * (lb.body_limit + 1)})
+        assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    finally:
+        for s in servers.values():
+            s.kill()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def csv_row(port: int, server: str, backend: str = "model_tiny-llama") -> dict[str, str]:
     """One row of HAProxy's CSV stats of the backend (a server's, or ``BACKEND``: qmax, the most
     requests queued; smax, the most sessions held at once)."""
     import csv
 
     text = httpx.get(f"http://127.0.0.1:{port}/stats;csv", timeout=5).text.lstrip("# ")
-    return next(r for r in csv.DictReader(text.splitlines()) if r["pxname"] == "llama" and r["svname"] == server)
+    return next(r for r in csv.DictReader(text.splitlines()) if r["pxname"] == backend and r["svname"] == server)
 
 
 @pytest.mark.timeout(600)

@@ -26,5 +26,9 @@ def run_lb(
     settings.one_recipe(host_name, recipe)  # a layout of several: one line, before connecting
     specs = [settings.host_spec(n) for n in backends]  # an unknown name: one line before connecting
     return converge(
-        settings, host_name, recipe, balancer_ops_maker(lb_spec, specs, bind, port, settings.load_recipe), dry_run
+        settings,
+        host_name,
+        recipe,
+        balancer_ops_maker(lb_spec, specs, bind, port, settings.load_recipe, recipe),
+        dry_run,
     )

@@ -14,14 +14,17 @@ from collections.abc import Callable, Sequence
 from playbooks.conduct.converge import MakeOps
 from playbooks.conduct.deploy import choose_manager
 from playbooks.conduct.placements import Served, host_serves
+from playbooks.conduct.quantize import recipe_weights
 from playbooks.config.inventory import HostSpec
 from playbooks.config.recipe import LoadedRecipe
+from playbooks.errors import VoltaforgeError
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
 from playbooks.steps.build.toolchain import EnsureSystemPackages
 from playbooks.steps.serve.balancer import (
     CONFIG_PATH,
     UNIT_NAME,
+    Backend,
     Balancer,
     backends_for,
     render_haproxy_config,
@@ -38,20 +41,62 @@ def same_host(a: HostSpec, b: HostSpec) -> bool:
     return a.name == b.name or a.host == b.host or (a.local and b.local)
 
 
+def fleet_backends(
+    lb_spec: HostSpec,
+    backend_specs: Sequence[HostSpec],
+    load: Callable[[str], LoadedRecipe],
+    recipe: str | None,
+    key_ref: str | None,
+    default: str | None = None,
+) -> tuple[Backend, ...]:
+    """Every server the backend hosts serve, as the inventory places them (conduct/placements.py:
+    a layout's every recipe, or the host's one recipe): each on its port, once per instance,
+    under its served model name. ``recipe``: only that recipe's servers (on every host);
+    ``default``: what a host that names no recipe serves (the balancer host's own).
+
+    Refused in one line: a host that serves nothing; one model name from two different base
+    models (two quants of one model share a name, two models must not); a backend whose key
+    is not the balancer's (``key_ref``: the edge checks one key and forwards it)."""
+    backends: list[Backend] = []
+    weights: dict[str, set[str]] = {}
+    for s in backend_specs:
+        theirs = host_serves(s, recipe, load, default)
+        if not theirs:
+            raise VoltaforgeError(f"{s.name}: serves no recipe (give it one in the inventory, or pass --recipe)")
+        for there in theirs:
+            r = there.loaded.recipe
+            if r.service.api_key_ref != key_ref:
+                raise VoltaforgeError(
+                    f"{s.name}: {r.name} takes the key {r.service.api_key_ref or '(none)'}, the balancer's edge "
+                    f"checks {key_ref or '(none)'}: every backend must accept the balancer's key (one api_key_ref)"
+                )
+            weights.setdefault(r.served_name, set()).add(recipe_weights(there.loaded).model_id)
+            backends += backends_for(r, [(s.name, s.host, same_host(s, lb_spec), there.ports())])
+    for name, ids in weights.items():
+        if len(ids) > 1:
+            raise VoltaforgeError(
+                f"model name {name} is served from {len(ids)} different base models ({', '.join(sorted(ids))}): "
+                "give each its own service.model_name"
+            )
+    return tuple(backends)
+
+
 def balancer_ops_maker(
-    lb_spec: HostSpec, backend_specs: Sequence[HostSpec], bind: str, port: int, load: Callable[[str], LoadedRecipe]
+    lb_spec: HostSpec,
+    backend_specs: Sequence[HostSpec],
+    bind: str,
+    port: int,
+    load: Callable[[str], LoadedRecipe],
+    recipe: str | None = None,
 ) -> MakeOps:
-    """The operations of `invoke lb` on the balancer's host, for converge(). Each backend host
-    serves the recipe as it places it (conduct/placements.py): on its layout's port, and once
-    per instance where it runs one per GPU."""
+    """The operations of `invoke lb` on the balancer's host, for converge(): every server the
+    backend hosts serve (fleet_backends), grouped by model name; ``recipe``: that recipe's only.
+    The balancer host's own recipe gives the edge its key."""
 
     def make(served: Served, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         loaded = served.loaded
-        hosts = []
-        for s in backend_specs:
-            [there] = host_serves(s, loaded.recipe.name, load, loaded.recipe.name)
-            hosts.append((s.name, s.host, same_host(s, lb_spec), there.ports()))
-        backends = backends_for(loaded.recipe, hosts)
+        key = loaded.recipe.service.api_key_ref
+        backends = fleet_backends(lb_spec, backend_specs, load, recipe, key, str(loaded.path))
         systemd = choose_manager(host, "auto") == "systemd"
         state = f"{prefix}/deploy/{UNIT_NAME.removesuffix('.service')}"
         lb = Balancer(

@@ -38,8 +38,8 @@ def shares(before: Sequence[ServerStat], after: Sequence[ServerStat]) -> dict[st
     }
 
 
-def read_stats(host: Host, stats_port: int) -> list[ServerStat]:
-    return parse_stats(read_fact(host, stats_command(stats_port)))
+def read_stats(host: Host, stats_port: int, model: str | None = None) -> list[ServerStat]:
+    return parse_stats(read_fact(host, stats_command(stats_port)), model)
 
 
 def bench_through_balancer(
@@ -56,9 +56,10 @@ def bench_through_balancer(
     api_key = api_key_for(host, r)
     if bench_health(host, port) == 0:
         raise VoltaforgeError(f"nothing answers on {host.name}:{port}: is the balancer there (`invoke lb`)?")
-    if not read_stats(host, stats_port):
+    if not read_stats(host, stats_port, r.served_name):
         raise VoltaforgeError(
-            f"{host.name}: the balancer's stats page (127.0.0.1:{stats_port}) lists no backend: is it voltaforge's?"
+            f"{host.name}: the balancer's stats page (127.0.0.1:{stats_port}) lists no server of "
+            f"{r.served_name}: is it voltaforge's, in front of this recipe?"
         )
     kind = "llama-server" if r.backend == "llamacpp" else "tabbyapi"
     result: dict[str, Any] = {
@@ -70,9 +71,9 @@ def bench_through_balancer(
         "levels": [],
     }
     for c in levels or r.gate.levels:
-        before = read_stats(host, stats_port)
+        before = read_stats(host, stats_port, r.served_name)
         level = measure_level(host, port, kind, c, r.gate, api_key)
-        level["backends"] = shares(before, read_stats(host, stats_port))
+        level["backends"] = shares(before, read_stats(host, stats_port, r.served_name))
         result["levels"].append(level)
         if level.get("error"):
             break

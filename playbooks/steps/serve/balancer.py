@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import csv
 import ipaddress
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from playbooks.config.recipe import Recipe
+from playbooks.config.recipe import SERVED_NAME_RE, Recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.steps.serve.units import ServerLayout, render_template
 
 UNIT_NAME = "voltaforge-lb.service"
+#: each served model is one HAProxy backend, named this and the model's name
+BACKEND_PREFIX = "model_"
 CONFIG_PATH = "/etc/voltaforge/lb/haproxy.cfg"
 #: where the loopback-only stats page listens (per-server state and counters)
 STATS_PORT = 8404
@@ -36,6 +39,10 @@ CHECK_INTERVAL_MS = 2000
 QUEUE_TIMEOUT_S = 60
 #: what the 503 after the queue tells a client to wait before trying again
 RETRY_AFTER_S = 10
+#: JSON bytes per token of a request body, as the edge sizes its buffer (issue 32: about 4)
+BODY_BYTES_PER_TOKEN = 4
+#: what a request's headers (and HAProxy's rewrites) may take of the buffer besides the body
+HEADER_ROOM = 16384
 _SERVER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # an IPv4 address or a DNS name HAProxy resolves at start (IPv6 backends are not rendered)
 _ADDRESS = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$")
@@ -51,6 +58,11 @@ class Backend:
     #: requests it runs at once (its slots, llama-server --parallel): HAProxy's maxconn, so the
     #: next request waits in the balancer's queue for any server of the model, not in this one
     slots: int = 1
+    #: the model it serves, by its served name ("": the balancer recipe's); requests are routed
+    #: by the `model` their JSON names
+    model: str = ""
+    #: the tokens one slot takes (the recipe's context): sizes the request bodies the edge reads
+    context: int = 0
 
     def __post_init__(self) -> None:
         if not _SERVER_NAME.match(self.name):
@@ -61,6 +73,8 @@ class Backend:
             raise VoltaforgeError(f"backend {self.name}: port {self.port} out of range")
         if not 1 <= self.slots <= 4096:
             raise VoltaforgeError(f"backend {self.name}: {self.slots} slots: want 1 to 4096")
+        if self.model and not SERVED_NAME_RE.fullmatch(self.model):
+            raise VoltaforgeError(f"backend {self.name}: model name {self.model!r} cannot be routed")
 
 
 @dataclass(frozen=True)
@@ -79,11 +93,10 @@ class Balancer:
     def __post_init__(self) -> None:
         if not self.backends:
             raise VoltaforgeError("a balancer needs at least one backend (--hosts)")
-        names = [b.name for b in self.backends]
+        names = [(self.model_of(b), b.name) for b in self.backends]
         if len(set(names)) != len(names):
-            raise VoltaforgeError(
-                f"backends named twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}"
-            )
+            twice = sorted({n for m, n in names if names.count((m, n)) > 1})
+            raise VoltaforgeError(f"backends named twice: {', '.join(twice)}")
         ip = ipaddress.ip_address(self.bind)
         if not ip.is_loopback and not self.recipe.service.api_key_ref:
             raise VoltaforgeError(
@@ -92,6 +105,29 @@ class Balancer:
             )
         if self.port == self.stats_port:
             raise VoltaforgeError(f"port {self.port} is the stats page's; give the balancer another (--port)")
+
+    def model_of(self, backend: Backend) -> str:
+        return backend.model or self.recipe.served_name
+
+    @property
+    def models(self) -> dict[str, tuple[Backend, ...]]:
+        """The served model names, each with its servers (in the order given)."""
+        out: dict[str, list[Backend]] = {}
+        for b in self.backends:
+            out.setdefault(self.model_of(b), []).append(b)
+        return {m: tuple(bs) for m, bs in out.items()}
+
+    @property
+    def body_limit(self) -> int:
+        """The largest request body the edge reads for its `model`: about 4 bytes of JSON per
+        token of the largest context served (a full prompt), never under 16 KiB. Beyond it: 413."""
+        tokens = max(b.context or self.recipe.context for b in self.backends)
+        return max(BODY_BYTES_PER_TOKEN * tokens, 16384)
+
+    @property
+    def bufsize(self) -> int:
+        """HAProxy's tune.bufsize: the body limit and room for the headers, in 4 KiB steps."""
+        return -(-(self.body_limit + HEADER_ROOM) // 4096) * 4096
 
     @property
     def api_key_file(self) -> str | None:
@@ -133,7 +169,13 @@ def backends_for(recipe: Recipe, hosts: Sequence[tuple[str, str, bool, Sequence[
             )
         else:
             target = address
-        out += [Backend(name if len(ports) == 1 else f"{name}-{port}", target, port, recipe.parallel) for port in ports]
+        out += [
+            Backend(
+                name if len(ports) == 1 else f"{name}-{port}", target, port, recipe.parallel,
+                recipe.served_name, recipe.context,
+            )
+            for port in ports
+        ]  # fmt: skip
     return tuple(out)
 
 
@@ -147,9 +189,22 @@ def render_haproxy_config(lb: Balancer) -> str:
         check_interval_ms=CHECK_INTERVAL_MS,
         queue_timeout_s=lb.queue_timeout_s,
         retry_after_s=RETRY_AFTER_S,
-        backends=lb.backends,
+        models=lb.models,
+        models_json=_models_json(lb),
+        body_limit=lb.body_limit,
+        bufsize=lb.bufsize,
         stats_port=lb.stats_port,
     )
+
+
+def _models_json(lb: Balancer) -> str:
+    """GET /v1/models as the edge answers it (OpenAI's list shape), escaped for HAProxy's
+    double-quoted string."""
+    body = json.dumps(
+        {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "voltaforge"} for m in lb.models]},
+        separators=(",", ":"),
+    )
+    return body.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def render_lb_unit(lb: Balancer) -> str:
@@ -179,18 +234,25 @@ class ServerStat:
     status: str  # UP, DOWN, "UP 1/2" (going down), MAINT, no check
     requests: int  # HTTP requests it answered (hrsp_* summed) or sessions when absent
     check: str  # the last health check's result, e.g. L7OK, L4CON
+    model: str = ""  # the served model name whose backend it is in
 
     @property
     def up(self) -> bool:
         return self.status.startswith("UP")
 
 
-def parse_stats(output: str, backend: str = "llama") -> list[ServerStat]:
-    """The servers of `backend` from HAProxy's CSV stats (garbage: none, never an exception)."""
+def parse_stats(output: str, model: str | None = None) -> list[ServerStat]:
+    """The servers of every model's backend (``model``: of that one) from HAProxy's CSV stats
+    (garbage: none, never an exception)."""
     text = output.lstrip("# ")
     servers = []
     for row in csv.DictReader(text.splitlines()):
-        if row.get("pxname") != backend or row.get("svname") in ("FRONTEND", "BACKEND", None):
+        px = row.get("pxname") or ""
+        # "llama": the one backend of a balancer rendered before models were routed (still
+        # running on hosts until `invoke lb` runs again)
+        if not (px.startswith(BACKEND_PREFIX) or px == "llama") or row.get("svname") in ("FRONTEND", "BACKEND", None):
+            continue
+        if model is not None and px != BACKEND_PREFIX + model:
             continue
         total = row.get("stot") or "0"
         servers.append(
@@ -199,6 +261,7 @@ def parse_stats(output: str, backend: str = "llama") -> list[ServerStat]:
                 status=row.get("status") or "",
                 requests=int(total) if total.isdigit() else 0,
                 check=row.get("check_status") or "",
+                model=px.removeprefix(BACKEND_PREFIX),
             )
         )
     return servers
