@@ -119,3 +119,71 @@ def test_bench_lb_shares_are_the_counters_moved_between_two_reads():
     }
     assert shares(before, [ServerStat("a", "UP", 3, "L7OK")])["a"]["requests"] == 3  # restarted
     assert shares([], [ServerStat("a", "UP", 0, "")])["a"]["share"] is None  # nothing sent
+
+
+def _fleet(tmp_path, hosts: dict[str, dict]):
+    """An inventory of hosts, each serving tiny-cpu with some keys replaced."""
+    import yaml
+
+    from playbooks.conduct.settings import Settings
+    from tests.helpers import ROOT
+
+    entries = {}
+    for name, over in hosts.items():
+        d = tmp_path / name
+        d.mkdir(parents=True)
+        data = yaml.safe_load((ROOT / "recipes" / "tiny-cpu.yaml").read_text())
+        for key, value in over.items():
+            data[key] = {**data[key], **value} if isinstance(value, dict) else value
+        (d / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+        (d / "tiny-cpu.yaml").write_text(yaml.safe_dump(data))
+        entries[name] = {"host": f"10.0.0.{len(entries) + 1}", "recipe": str(d / "tiny-cpu.yaml")}
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": entries}))
+    settings = Settings(inventory=inv)
+    return settings, [settings.host_spec(n) for n in hosts]
+
+
+def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
+    """Two boxes with different recipes of one model (different quants, slots and context) are
+    one model behind the balancer, each server taking its own slots; another model name, another
+    group; a backend with another key, or one name over two base models: one line each."""
+    from playbooks.conduct.balancer import fleet_backends
+
+    keyed = {"service": {"bind": "0.0.0.0", "port": 9000, "api_key_ref": "lab-key"}}
+    settings, specs = _fleet(
+        tmp_path / "ok",
+        {
+            "v100-sxm": keyed | {"quant": "Q8_0", "parallel": 4},
+            "v100-pcie": keyed | {"quant": "Q4_K_M", "parallel": 2, "context": 1024},
+            "other": {"service": keyed["service"] | {"model_name": "tiny-chat"}},
+        },
+    )
+    got = fleet_backends(specs[0], specs, settings.load_recipe, None, "lab-key")
+    assert [(b.name, b.model, b.slots, b.context) for b in got] == [
+        ("v100-sxm", "tiny-llama", 4, 512),
+        ("v100-pcie", "tiny-llama", 2, 1024),
+        ("other", "tiny-chat", 2, 512),
+    ]
+    lb = Balancer(settings.load_recipe(specs[0].recipe).recipe, got, bind="0.0.0.0")
+    assert (
+        list(lb.models) == ["tiny-llama", "tiny-chat"] and lb.body_limit == 16384
+    )  # 4 x 1024 tokens, below the 16 KiB floor
+    assert lb.bufsize >= lb.body_limit + 16384 and lb.bufsize % 4096 == 0
+
+    other_key = {"service": keyed["service"] | {"api_key_ref": "other-key"}}
+    s2, bad = _fleet(tmp_path / "key", {"a": keyed, "b": other_key})
+    with pytest.raises(
+        VoltaforgeError, match=r"^b: tiny-cpu takes the key other-key, the balancer's edge checks lab-key"
+    ):
+        fleet_backends(bad[0], bad, s2.load_recipe, None, "lab-key")
+
+    import yaml
+
+    from tests.helpers import ROOT
+
+    config = yaml.safe_load((ROOT / "recipes" / "tiny-cpu.yaml").read_text())["model"]
+    deeper = {"model": config | {"config": config["config"] | {"num_hidden_layers": 6}}}
+    s3, mixed = _fleet(tmp_path / "weights", {"a": keyed, "b": keyed | deeper})
+    with pytest.raises(VoltaforgeError, match=r"^model name tiny-llama is served from 2 different base models"):
+        fleet_backends(mixed[0], mixed, s3.load_recipe, None, "lab-key")
