@@ -156,7 +156,7 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, tiny_q4, api_s
 
             # 3b. the balancer in front of it, as a managed process too: the key checked at the
             # edge from its own private copy, and `bench --lb` sends it
-            assert run_lb("box", ["box"], str(recipe), "0.0.0.0", LB_PORT, settings=settings) == 0, capsys.readouterr().out
+            assert run_lb("box", ["box"], str(recipe), "0.0.0.0", LB_PORT, settings=settings) == 0
             capsys.readouterr()
             lb_state = Path(prefix) / "deploy" / "voltaforge-lb"
             assert stat.S_IMODE((lb_state / "credentials" / "api-key").stat().st_mode) == 0o600
