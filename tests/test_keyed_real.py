@@ -7,8 +7,10 @@ process), reached from this namespace through the veth as a colleague would reac
   ``/v1/models`` is 401 without the key and 200 with it, the model listed by its name (the
   official ``openai`` client too), never by its path.
 - The gate (`invoke bench`) and `invoke tune` measure it with the key; neither fails on 401.
-- `invoke lb` puts HAProxy in front of it as a managed process (no systemd), the key checked at
-  the edge from the balancer's own 0600 copy; `bench --lb` sends the key; a second run is `ok`.
+- `invoke lb` puts HAProxy in front of it as a managed process (no systemd), TLS at the edge (a
+  self-signed pair kept on the controller, its fingerprint printed; the official client given
+  that CA lists the model, a client without it is refused), the key checked at the edge from
+  the balancer's own 0600 copy; `bench --lb` speaks TLS and sends the key; a second run is `ok`.
 - A hung server (SIGSTOP) is not ``ok`` in the no-op: it is restarted and answers again.
 - Throughout, every process's argv on this machine (controller and host alike) is sampled:
   the key is never in one, and neither is it in a log, a report or the deployment's files
@@ -24,20 +26,24 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import stat
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from openai import OpenAI
 
 from playbooks.cli.balancer import run_lb
 from playbooks.cli.bench import run_bench, run_bench_lb
 from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.cli.status import run_status
 from playbooks.cli.tune import options, run_tune
+from playbooks.conduct.balancer import tls_dir
 from playbooks.conduct.settings import Settings
 from playbooks.host import connect
+from playbooks.steps.serve.tls import TlsPair
 from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.argv_sampler import ArgvSampler, hold_in_argv
@@ -131,8 +137,6 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, tiny_q4, api_s
                 assert web.get(f"{url}/v1/models", headers={"Authorization": "Bearer not-the-key"}).status_code == 401
                 listed = web.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
                 assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["tiny-llama"]
-            from openai import OpenAI
-
             client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
             assert [m.id for m in client.models.list()] == ["tiny-llama"]
             reply = client.chat.completions.create(
@@ -157,15 +161,27 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, tiny_q4, api_s
             # 3b. the balancer in front of it, as a managed process too: the key checked at the
             # edge from its own private copy, and `bench --lb` sends it
             assert run_lb("box", ["box"], str(recipe), "0.0.0.0", LB_PORT, settings=settings) == 0
-            capsys.readouterr()
+            out = capsys.readouterr().out
+            # beyond loopback: TLS, a self-signed pair kept on the controller, its fingerprint shown
+            ca = tls_dir("box") / "cert.pem"
+            fingerprint = TlsPair(ca.read_bytes(), b"", "").fingerprint
+            said = " ".join(out.split())  # (the console wraps long lines)
+            assert f"TLS at the edge: self-signed, kept in {ca.parent}; certificate {fingerprint}" in said, out
             lb_state = Path(prefix) / "deploy" / "voltaforge-lb"
-            assert stat.S_IMODE((lb_state / "credentials" / "api-key").stat().st_mode) == 0o600
-            with httpx.Client(trust_env=False, timeout=30) as web:
-                assert web.get(f"http://{host.hostname}:{LB_PORT}/v1/models").status_code == 401
-                through = web.get(
-                    f"http://{host.hostname}:{LB_PORT}/v1/models", headers={"Authorization": f"Bearer {key}"}
-                )
+            for secret_file in ("api-key", "tls.pem"):
+                assert stat.S_IMODE((lb_state / "credentials" / secret_file).stat().st_mode) == 0o600
+            edge = f"https://{host.hostname}:{LB_PORT}"
+            trusted = ssl.create_default_context(cafile=str(ca))
+            with httpx.Client(trust_env=False, timeout=30, verify=trusted) as web:
+                assert web.get(f"{edge}/v1/models").status_code == 401
+                through = web.get(f"{edge}/v1/models", headers={"Authorization": f"Bearer {key}"})
                 assert through.status_code == 200 and through.json()["data"][0]["id"] == "tiny-llama"
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                httpx.get(f"{edge}/v1/models", timeout=10)  # not trusted without the CA
+            tls_client = OpenAI(
+                base_url=f"{edge}/v1", api_key=key, max_retries=0, http_client=httpx.Client(verify=trusted)
+            )
+            assert [m.id for m in tls_client.models.list()] == ["tiny-llama"]
             assert run_bench_lb("box", LB_PORT, str(recipe), as_json=True, settings=settings) == 0
             via = json.loads(capsys.readouterr().out)
             assert (

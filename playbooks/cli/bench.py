@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from playbooks.cli.render import console
+from playbooks.conduct.balancer import edge_client
 from playbooks.conduct.deploy import served_instances
 from playbooks.conduct.settings import Settings
 from playbooks.steps.measure.bench_lb import bench_through_balancer
@@ -66,7 +67,8 @@ def run_bench_lb(
     one = settings.one_recipe(host_name, recipe)  # a bad name or a layout of several: before connecting
     with settings.connect(spec) as host:
         loaded = (one or settings.deployed_serves(host_name, recipe, host)[0]).loaded
-        result = bench_through_balancer(loaded, host, port)
+        # TLS as `invoke lb` set it up (its self-signed certificate the CA)
+        result = bench_through_balancer(loaded, host, port, tls=edge_client(host_name))
     path = bench_dir() / host.name / f"{loaded.recipe.name}-lb" / f"{result['at'].replace(':', '')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")

@@ -9,7 +9,10 @@ voltaforge-lb/`` and the key a private 0600 copy there, named to HAProxy by the 
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from playbooks.conduct.converge import MakeOps
 from playbooks.conduct.deploy import choose_manager
@@ -20,9 +23,11 @@ from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.steps.build.llamacpp_source import source_cache_dir
 from playbooks.steps.build.toolchain import EnsureSystemPackages
 from playbooks.steps.serve.balancer import (
     CONFIG_PATH,
+    TLS_PATH,
     UNIT_NAME,
     Backend,
     Balancer,
@@ -31,8 +36,9 @@ from playbooks.steps.serve.balancer import (
     render_lb_unit,
 )
 from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
-from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy
+from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy, EnsureSecretFile
 from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Systemd
+from playbooks.steps.serve.tls import TlsPair, given_pair, kept_pair
 from playbooks.steps.serve.unit_running import EnsureUnitRunning
 from playbooks.steps.serve.units import UNIT_DIR, parse_exec_start
 
@@ -88,10 +94,12 @@ def balancer_ops_maker(
     port: int,
     load: Callable[[str], LoadedRecipe],
     recipe: str | None = None,
+    tls: TlsPair | None = None,
 ) -> MakeOps:
     """The operations of `invoke lb` on the balancer's host, for converge(): every server the
     backend hosts serve (fleet_backends), grouped by model name; ``recipe``: that recipe's only.
-    The balancer host's own recipe gives the edge its key."""
+    The balancer host's own recipe gives the edge its key; ``tls``: the pair HAProxy presents
+    (edge_tls), None for plain HTTP."""
 
     def make(served: Served, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         loaded = served.loaded
@@ -105,6 +113,7 @@ def balancer_ops_maker(
             bind=bind,
             port=port,
             config_path=CONFIG_PATH if systemd else f"{state}/haproxy.cfg",
+            tls=tls is not None,
         )
         config, unit = render_haproxy_config(lb), render_lb_unit(lb)
         secret = lb.api_key_file
@@ -113,6 +122,7 @@ def balancer_ops_maker(
         if systemd:
             ops += [
                 EnsureDirectory("/etc/voltaforge/lb", 0o755, sudo=True),
+                *([EnsureSecretFile(TLS_PATH, tls.pem, sudo=True)] if tls else []),
                 EnsureServiceFile(ServiceFile(CONFIG_PATH, config, 0o644, sudo=True)),
                 EnsureServiceFile(ServiceFile(f"{UNIT_DIR}/{UNIT_NAME}", unit, 0o644, sudo=True)),
             ]
@@ -120,16 +130,21 @@ def balancer_ops_maker(
         else:
             ops += [EnsureDirectory(f"{prefix}/deploy", 0o755), EnsureDirectory(state, 0o700)]
             env: tuple[tuple[str, str], ...] = ()
+            creds = f"{state}/credentials"
             if secret:
-                ops.append(EnsureCredentialCopy(secret, f"{state}/credentials/api-key", host.user))
-                env = (("CREDENTIALS_DIRECTORY", f"{state}/credentials"),)
+                ops.append(EnsureCredentialCopy(secret, f"{creds}/api-key", host.user))
+            if tls:
+                ops += [EnsureDirectory(creds, 0o700), EnsureSecretFile(f"{creds}/tls.pem", tls.pem, sudo=False)]
+            if secret or tls:
+                env = (("CREDENTIALS_DIRECTORY", creds),)
             ops.append(EnsureServiceFile(ServiceFile(lb.config_path, config, 0o600)))
             argv = parse_exec_start(unit)
             manager = ProcessRunner(state, argv[0], tuple(argv), env)
         ops.append(
             EnsureUnitRunning(
                 UNIT_NAME,
-                [config, unit],
+                # a new certificate restarts it too (HAProxy reads the pair at start)
+                [config, unit, tls.fingerprint if tls else ""],
                 prefix,
                 (lb.probe_address, port),
                 sudo=sudo,
@@ -140,3 +155,50 @@ def balancer_ops_maker(
         return ops
 
     return make
+
+
+def tls_dir(lb_host: str) -> Path:
+    """Where the controller keeps a balancer's self-signed pair (beside its other caches)."""
+    return source_cache_dir().parent / "lb" / lb_host
+
+
+def edge_tls(lb_spec: HostSpec, bind: str, tls: bool | None, cert: str | None, key: str | None) -> TlsPair | None:
+    """The pair the balancer presents, decided on the controller before any host is touched:
+    the operator's (``cert`` and ``key``, checked), else a self-signed one kept for this balancer
+    host; none for plain HTTP, which a bind beyond loopback gets only when asked (``tls=False``).
+    ``tls`` None: TLS beyond loopback, plain on it."""
+    if (cert is None) != (key is None):
+        raise VoltaforgeError("--cert and --key go together: the certificate and its private key")
+    use = tls if tls is not None else (cert is not None or not ipaddress.ip_address(bind).is_loopback)
+    if not use:
+        if cert:
+            raise VoltaforgeError("--cert/--key with --no-tls: plain HTTP presents no certificate")
+        return None
+    if cert and key:
+        return given_pair(Path(cert), Path(key))
+    names = [lb_spec.host or lb_spec.name, lb_spec.name, "localhost", "127.0.0.1"]
+    if not ipaddress.ip_address(bind).is_unspecified:
+        names.append(bind)
+    return kept_pair(tls_dir(lb_spec.name), names)
+
+
+def remember_edge(lb_host: str, pair: TlsPair | None) -> None:
+    """What a client of this balancer needs to know (kept beside its pair on the controller):
+    whether it speaks TLS, and the CA to verify it with (its self-signed certificate; an
+    operator's certificate: the system's trust store)."""
+    where = tls_dir(lb_host)
+    where.mkdir(parents=True, exist_ok=True)
+    ca = str(where / "cert.pem") if pair and pair.origin.startswith("self-signed") else None
+    (where / "edge.json").write_text(json.dumps({"tls": pair is not None, "ca": ca}) + "\n")
+
+
+def edge_client(lb_host: str) -> str | bool | None:
+    """How to reach this balancer (remember_edge): None for plain HTTP, else what to verify its
+    certificate with (a CA file, or True: the system's trust store)."""
+    try:
+        seen = json.loads((tls_dir(lb_host) / "edge.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not seen.get("tls"):
+        return None
+    return str(seen["ca"]) if seen.get("ca") else True

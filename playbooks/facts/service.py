@@ -138,12 +138,12 @@ def parse_listeners(output: str) -> list[Listener]:
     return found
 
 
-def health_command(port: int, path: str = "/health") -> str:
-    """The HTTP status of GET /health on loopback ('000': nothing answered)."""
-    return (
-        f"curl -s -o /dev/null -m 5 -w '%{{http_code}}' http://127.0.0.1:{int(port)}{shlex.quote(path)} "
-        "2>/dev/null; true"
-    )
+def health_command(port: int, path: str = "/health", tls: bool = False) -> str:
+    """The HTTP status of GET /health on loopback ('000': nothing answered). ``tls``: over HTTPS
+    without checking the certificate (a liveness probe on the host's own loopback, no key sent;
+    clients verify it)."""
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{int(port)}{shlex.quote(path)}"
+    return f"curl -s {'-k ' if tls else ''}-o /dev/null -m 5 -w '%{{http_code}}' {url} 2>/dev/null; true"
 
 
 def parse_health(output: str) -> int:

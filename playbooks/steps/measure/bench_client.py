@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -145,6 +146,11 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
     return s
 
 
+def tls_context(verify: str | bool) -> ssl.SSLContext | bool:
+    """A CA file as httpx wants it (an SSL context); True: the system's trust store."""
+    return ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """A keyed server's header (the key held in memory, from the host's secret file:
     steps/serve/secrets.py); none for a server without a key."""
@@ -160,12 +166,16 @@ async def run_level(
     kind: str,
     timeout: float,
     api_key: str | None = None,
+    verify: str | bool = True,
 ) -> tuple[list[Sample], float]:
     """Every prompt once, ``concurrency`` in flight at a time; the samples and the wall time."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = auth_headers(api_key)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, trust_env=False, headers=headers) as client:
+    # verify: a balancer's self-signed certificate (its CA file), else the system's trust store
+    async with httpx.AsyncClient(
+        base_url=base_url, limits=limits, trust_env=False, headers=headers, verify=tls_context(verify)
+    ) as client:
 
         async def one(i: int, prompt: str) -> Sample:
             async with gate:
@@ -176,11 +186,18 @@ async def run_level(
         return list(samples), time.monotonic() - t0
 
 
-def probe_prompt_tokens(base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None = None) -> Sample:
+def probe_prompt_tokens(
+    base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None = None, verify: str | bool = True
+) -> Sample:
     """One short request: does the server answer, and how many tokens is this prompt?"""
-    return asyncio.run(_probe(base_url, prompt, kind, timeout, api_key))
+    return asyncio.run(_probe(base_url, prompt, kind, timeout, api_key, verify))
 
 
-async def _probe(base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None) -> Sample:
-    async with httpx.AsyncClient(base_url=base_url, trust_env=False, headers=auth_headers(api_key)) as client:
+async def _probe(
+    base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None, verify: str | bool
+) -> Sample:
+    headers = auth_headers(api_key)
+    async with httpx.AsyncClient(
+        base_url=base_url, trust_env=False, headers=headers, verify=tls_context(verify)
+    ) as client:
         return await stream_one(client, COMPLETIONS, request_body(prompt, 2, 1, kind), timeout)

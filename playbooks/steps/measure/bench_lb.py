@@ -48,13 +48,14 @@ def bench_through_balancer(
     port: int,
     stats_port: int = STATS_PORT,
     levels: Sequence[int] | None = None,
+    tls: str | bool | None = None,
 ) -> dict[str, Any]:
     """Every level through the balancer on ``host``'s ``port``: the result, or one line why not."""
     r = loaded.recipe
     # the key the edge checks: the balancer host's copy of the recipe's secret (its unit loads
     # the same file), read over the connection and held in memory
     api_key = api_key_for(host, r)
-    if bench_health(host, port) == 0:
+    if bench_health(host, port, tls is not None) == 0:
         raise VoltaforgeError(f"nothing answers on {host.name}:{port}: is the balancer there (`invoke lb`)?")
     if not read_stats(host, stats_port, r.served_name):
         raise VoltaforgeError(
@@ -67,12 +68,12 @@ def bench_through_balancer(
         "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": host.name,
         "recipe": r.name,
-        "via": f"the balancer on {host.name}:{port}",
+        "via": f"the balancer on {host.name}:{port}" + (" (TLS)" if tls is not None else ""),
         "levels": [],
     }
     for c in levels or r.gate.levels:
         before = read_stats(host, stats_port, r.served_name)
-        level = measure_level(host, port, kind, c, r.gate, api_key)
+        level = measure_level(host, port, kind, c, r.gate, api_key, tls)
         level["backends"] = shares(before, read_stats(host, stats_port, r.served_name))
         result["levels"].append(level)
         if level.get("error"):

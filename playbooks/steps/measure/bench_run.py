@@ -63,8 +63,8 @@ def host_python(host: Host, prefix: str) -> str:
     return venv if host.exists(venv) else "python3"
 
 
-def bench_health(host: Host, port: int) -> int:
-    return parse_health(read_fact(host, health_command(port)))
+def bench_health(host: Host, port: int, tls: bool = False) -> int:
+    return parse_health(read_fact(host, health_command(port, tls=tls)))
 
 
 def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
@@ -210,7 +210,14 @@ def request_bounds(g: Gate, concurrency: int) -> tuple[int, int]:
 
 
 def sweep_level(
-    url: str, text: bench.Corpus, words: int, c: int, g: Gate, kind: str, api_key: str | None = None
+    url: str,
+    text: bench.Corpus,
+    words: int,
+    c: int,
+    g: Gate,
+    kind: str,
+    api_key: str | None = None,
+    verify: str | bool = True,
 ) -> tuple[dict[str, Any], list[Any]]:
     """One concurrency level: a warm-up round (every stream once, left out), then rounds of one
     request per stream until the per-stream decode's 95% half-width is within the gate's
@@ -219,14 +226,16 @@ def sweep_level(
     samples."""
     least, most = request_bounds(g, c)
     warm = bench.prompts_for(text, words, c, seed=100_000 + c)
-    asyncio.run(bench_client.run_level(url, warm, c, g.max_tokens, 100_000, kind, REQUEST_TIMEOUT_S, api_key))
+    asyncio.run(bench_client.run_level(url, warm, c, g.max_tokens, 100_000, kind, REQUEST_TIMEOUT_S, api_key, verify))
     samples: list[bench_client.Sample] = []
     wall, rounds = 0.0, 0
     cpu0 = time.process_time()
     while True:
         prompts = bench.prompts_for(text, words, c, seed=1000 * c + rounds)
         got, took = asyncio.run(
-            bench_client.run_level(url, prompts, c, g.max_tokens, 1 + rounds * c, kind, REQUEST_TIMEOUT_S, api_key)
+            bench_client.run_level(
+                url, prompts, c, g.max_tokens, 1 + rounds * c, kind, REQUEST_TIMEOUT_S, api_key, verify
+            )
         )
         samples += got
         wall += took
@@ -251,32 +260,40 @@ def workload_text(workload: str = "chat") -> bench.Corpus:
 
 
 def prompt_words(
-    url: str, text: bench.Corpus, kind: str, prompt_tokens: int, api_key: str | None = None
+    url: str, text: bench.Corpus, kind: str, prompt_tokens: int, api_key: str | None = None, verify: str | bool = True
 ) -> tuple[int, str | None]:
     """Words per prompt for about ``prompt_tokens`` tokens, from one probe request's own token
     count; or why the server does not serve completions."""
     probe_words = 64
-    first = bench_client.probe_prompt_tokens(url, text.cut(0, probe_words), kind, 60, api_key)
+    first = bench_client.probe_prompt_tokens(url, text.cut(0, probe_words), kind, 60, api_key, verify)
     if first.error:
         return 0, first.error
     return bench.words_for(prompt_tokens, probe_words, first.prompt_tokens or probe_words), None
 
 
 def measure_level(
-    host: Host, port: int, kind: str, concurrency: int, g: Gate, api_key: str | None = None
+    host: Host,
+    port: int,
+    kind: str,
+    concurrency: int,
+    g: Gate,
+    api_key: str | None = None,
+    tls: str | bool | None = None,
 ) -> dict[str, Any]:
     """One concurrency level against a server on ``host``'s loopback ``port`` (tune's scratch
     server, a balancer): the level's summary (:func:`sweep_level`), or ``{"error": ...}``.
-    ``api_key``: a keyed server's key (steps/serve/secrets.py api_key_for)."""
-    if bench_health(host, port) == 0:
+    ``api_key``: a keyed server's key (steps/serve/secrets.py api_key_for); ``tls``: HTTPS,
+    verified against this CA file (True: the system's trust store); None: plain HTTP."""
+    verify: str | bool = True if tls is None else tls
+    if bench_health(host, port, tls is not None) == 0:
         return {"error": f"the server on {host.name}:{port} does not answer: nothing listens there"}
     text = workload_text(g.workload)
     with host.forward(port) as local_port:
-        url = f"http://127.0.0.1:{local_port}"
-        words, why = prompt_words(url, text, kind, g.prompt_tokens, api_key)
+        url = f"{'http' if tls is None else 'https'}://127.0.0.1:{local_port}"
+        words, why = prompt_words(url, text, kind, g.prompt_tokens, api_key, verify)
         if why:
             return {"error": f"the server on {host.name}:{port} does not serve completions: {why}"}
-        summary, samples = sweep_level(url, text, words, concurrency, g, kind, api_key)
+        summary, samples = sweep_level(url, text, words, concurrency, g, kind, api_key, verify)
     if all(s.error for s in samples):
         summary["error"] = f"every request failed at concurrency {concurrency}: {samples[0].error}"
     return summary

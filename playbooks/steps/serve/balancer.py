@@ -32,6 +32,8 @@ UNIT_NAME = "voltaforge-lb.service"
 #: each served model is one HAProxy backend, named this and the model's name
 BACKEND_PREFIX = "model_"
 CONFIG_PATH = "/etc/voltaforge/lb/haproxy.cfg"
+#: the edge's certificate and key (one PEM, root, 0600), loaded as a credential
+TLS_PATH = "/etc/voltaforge/lb/tls.pem"
 #: where the loopback-only stats page listens (per-server state and counters)
 STATS_PORT = 8404
 CHECK_INTERVAL_MS = 2000
@@ -89,6 +91,9 @@ class Balancer:
     config_path: str = CONFIG_PATH
     #: how long a request may wait at the edge for a free slot before a 503 with Retry-After
     queue_timeout_s: int = QUEUE_TIMEOUT_S
+    #: HTTPS at the edge (the pair from steps/serve/tls.py); plain HTTP beyond loopback only
+    #: when the operator says so (``invoke lb --no-tls``)
+    tls: bool = False
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -186,6 +191,7 @@ def render_haproxy_config(lb: Balancer) -> str:
         bind=lb.bind,
         port=lb.port,
         api_key=bool(lb.api_key_file),
+        tls=lb.tls,
         check_interval_ms=CHECK_INTERVAL_MS,
         queue_timeout_s=lb.queue_timeout_s,
         retry_after_s=RETRY_AFTER_S,
@@ -214,6 +220,7 @@ def render_lb_unit(lb: Balancer) -> str:
         recipe=lb.recipe.name,
         config=lb.config_path,
         api_key_file=lb.api_key_file,
+        tls_file=TLS_PATH if lb.tls else None,
         loopback_only=lb.loopback_only,
         peers=lb.peers,
     )

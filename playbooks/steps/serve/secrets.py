@@ -27,7 +27,7 @@ from playbooks.config.recipe import Recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host.base import Host
 from playbooks.host.commands import check_path
-from playbooks.host.ops import Decision, Operation, OperationError, Shell
+from playbooks.host.ops import Decision, Operation, OperationError, Shell, Upload
 
 SECRETS_DIR = "/etc/voltaforge/secrets"
 #: what an API key may hold (it reaches YAML and HTTP headers; never a shell)
@@ -165,3 +165,29 @@ class EnsureCredentialCopy(Operation):
             facts.note,
             Shell(f"install -d -m 0700 -o {u} -- {parent} && install -m 0600 -o {u} -- {s} {d}", True),
         )
+
+
+class EnsureSecretFile(Operation):
+    """A secret voltaforge makes or is given on the controller (the balancer's TLS key and
+    certificate) written to the host, 0600: compared by sha256, sent on stdin (Upload), never
+    shown (a dry run names its size and digest only)."""
+
+    def __init__(self, path: str, content: bytes, *, sudo: bool):
+        self.path, self.sudo = check_path(path), sudo
+        self.upload = Upload(self.path, content, 0o600, None, sudo)
+        self.name = f"Ensure {path} holds the balancer's TLS pair (0600)"
+
+    def read(self, host: Host) -> tuple[str | None, str]:
+        q = shlex.quote(self.path)
+        run = host.sudo if self.sudo else host.run
+        out = run(
+            f"if [ -f {q} ]; then sha256sum < {q} | cut -c1-64; stat -c '%a' -- {q}; fi", check=False, stream=False
+        )
+        lines = out.stdout.split()
+        return (lines[0], lines[1]) if len(lines) == 2 else (None, "")
+
+    def decide(self, facts: tuple[str | None, str]) -> Decision:
+        digest, mode = facts
+        if digest == self.upload.digest and mode == "600":
+            return Decision.ok(f"current (sha256 {digest[:12]})")
+        return Decision.act("not there yet" if digest is None else "another pair, or another mode", self.upload)

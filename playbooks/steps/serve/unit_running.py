@@ -85,7 +85,7 @@ class EnsureUnitRunning(Operation):
             f"for i in $(seq 1 {LISTEN_TIMEOUT_S * 2}); do "
             f"if (exec 3<>/dev/tcp/{addr}/{port}) 2>/dev/null; then exit 0; fi; sleep 0.5; done; "
             f"echo '{self.unit} does not accept connections on {endpoint} after {LISTEN_TIMEOUT_S} s; "
-            f"its log:' >&2; {self._log_command()} | tail -n 12 >&2; exit 1"
+            f"its log:' >&2; {{ {self._log_command()}; }} | tail -n 12 >&2; exit 1"
         )
         state = shlex.quote(self.state_file.rsplit("/", 1)[0])
         record = f"mkdir -p -- {state} && printf '%s\\n' {want} > {shlex.quote(self.state_file)}"
