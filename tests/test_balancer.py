@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.steps.serve.balancer import Backend, Balancer, backends_for, render_haproxy_config, render_lb_unit
-from tests.helpers import inventory_for, recipe_with
+from tests.helpers import ROOT, inventory_for, recipe_with
 from tests.test_units import exposure
 
 KEYED = "service:\n  bind: 0.0.0.0\n  port: 9000\n  api_key_ref: lab-key\n"
@@ -187,3 +188,26 @@ def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
     s3, mixed = _fleet(tmp_path / "weights", {"a": keyed, "b": keyed | deeper})
     with pytest.raises(VoltaforgeError, match=r"^model name tiny-llama is served from 2 different base models"):
         fleet_backends(mixed[0], mixed, s3.load_recipe, None, "lab-key")
+
+
+@needs_systemd
+def test_render_lb_writes_the_fleets_balancer_from_the_inventory_alone(tmp_path):
+    """`invoke render --lb`: no host is contacted (the inventory's addresses lead nowhere), the
+    configuration groups both boxes' servers under their model with each one's slots, TLS on
+    beyond loopback (the pair a credential), and the unit still scores <= 2.0."""
+    keyed = {"service": {"bind": "0.0.0.0", "port": 9000, "api_key_ref": "lab-key"}}
+    settings, _ = _fleet(tmp_path / "f", {"lb-01": keyed, "sxm-01": keyed, "pcie-01": keyed | {"parallel": 4}})
+    r = subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "render", "--lb", "lb-01", "--hosts", "sxm-01,pcie-01",
+         "--bind", "0.0.0.0", "--port", "8443", "--out", str(tmp_path / "out"), "--inventory", str(settings.inventory)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "model tiny-llama: sxm-01 10.0.0.2:9000 (2 slots), pcie-01 10.0.0.3:9000 (4 slots)" in " ".join(
+        r.stdout.split()
+    )
+    cfg = (tmp_path / "out/etc/voltaforge/lb/haproxy.cfg").read_text()
+    assert 'bind 0.0.0.0:8443 ssl crt "${CREDENTIALS_DIRECTORY}/tls.pem"' in cfg and "maxconn 4" in cfg
+    unit = (tmp_path / "out/etc/systemd/system/voltaforge-lb.service").read_text()
+    assert "LoadCredential=tls.pem:/etc/voltaforge/lb/tls.pem" in unit
+    assert exposure(unit, tmp_path, "voltaforge-lb.service") <= 2.0

@@ -1,18 +1,23 @@
 """`invoke render`: every file `invoke deploy` would install for a recipe, written under a local
 directory that mirrors the host's paths (DIR/etc/systemd/system/...). Needs no host: for review,
-diffing and packaging."""
+diffing and packaging. ``--lb``: the balancer's configuration and unit, from the inventory's
+placements (what each host serves), without connecting to any host."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from rich.text import Text
 
 from playbooks.cli import flags
 from playbooks.cli.render import console
+from playbooks.conduct.balancer import fleet_backends
+from playbooks.conduct.settings import Settings
 from playbooks.config.planning import refuse_unfit
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
-from playbooks.steps.serve.units import ServerLayout, planned_service_files
+from playbooks.steps.serve.balancer import CONFIG_PATH, UNIT_NAME, Balancer, render_haproxy_config, render_lb_unit
+from playbooks.steps.serve.units import UNIT_DIR, ServerLayout, planned_service_files
 
 
 def output_dir(value: object) -> Path:
@@ -31,15 +36,54 @@ def run_render(
     loaded = load_recipe(recipe, recipes_dir or RECIPES_DIR)
     layout = ServerLayout(prefix=prefix) if prefix else ServerLayout()
     refuse_unfit(loaded)
-    files = planned_service_files(loaded, layout, gpus)
+    _write(out, [(f.path, f.text, f.mode, f.kind) for f in planned_service_files(loaded, layout, gpus)])
+    return 0
+
+
+def _write(out: Path, files: list[tuple[str, str, int, str]]) -> None:
+    """Each (host path, text, mode, kind) at its host path below ``out``, one line each."""
     show = console()
-    for f in files:
-        target = out / f.path.lstrip("/")
+    for path, text, mode, kind in files:
+        target = out / path.lstrip("/")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(f.text)
-            target.chmod(f.mode)
+            target.write_text(text)
+            target.chmod(mode)
         except OSError as exc:
             raise flags.UsageError(f"--out {str(out)!r}: cannot write {target}: {exc.strerror or exc}") from None
-        show.print(Text(f"wrote {target} ({f.kind}, mode {f.mode:04o}, host path {f.path})"))
+        show.print(Text(f"wrote {target} ({kind}, mode {mode:04o}, host path {path})"))
+
+
+def run_render_lb(
+    lb_host: str,
+    hosts: list[str],
+    out: Path,
+    settings: Settings,
+    recipe: str | None = None,
+    bind: str = "127.0.0.1",
+    port: int = 8000,
+    tls: bool | None = None,
+) -> int:
+    """The balancer `invoke lb --host LB_HOST --hosts ...` would run, as systemd would run it:
+    its HAProxy configuration and unit, every server grouped by model (conduct/balancer.py
+    fleet_backends), from the inventory alone."""
+    if not hosts:
+        raise flags.UsageError("--lb needs --hosts: the hosts whose servers it balances")
+    lb_spec = settings.host_spec(lb_host)
+    own = settings.one_recipe(lb_host, recipe) or settings.serves(lb_host, recipe)[0]
+    key = own.loaded.recipe.service.api_key_ref
+    specs = [settings.host_spec(n) for n in hosts]
+    backends = fleet_backends(lb_spec, specs, settings.load_recipe, recipe, key, str(own.loaded.path))
+    use_tls = tls if tls is not None else not ipaddress.ip_address(bind).is_loopback
+    lb = Balancer(own.loaded.recipe, backends, bind=bind, port=port, tls=use_tls)
+    _write(
+        out,
+        [
+            (CONFIG_PATH, render_haproxy_config(lb), 0o644, "config"),
+            (f"{UNIT_DIR}/{UNIT_NAME}", render_lb_unit(lb), 0o644, "unit"),
+        ],
+    )
+    for model, servers in lb.models.items():
+        where = ", ".join(f"{b.name} {b.address}:{b.port} ({b.slots} slots)" for b in servers)
+        console().print(Text(f"model {model}: {where}"))
     return 0

@@ -315,16 +315,44 @@ def artifacts(c: Context, host: str | None = None, json: bool = False, inventory
         "out": "directory to write into; files land at their host paths below it (DIR/etc/systemd/system/...)",
         "gpus": "GPU indexes, comma-separated (default 0, or 0..N-1 for a recipe split over N cards); several with "
         "a one-card recipe: one llama-server instance per GPU",
+        "lb": "instead: the balancer this inventory host would run (`invoke lb --host LB`), from the inventory",
+        "hosts": "with --lb: the hosts whose servers it balances, comma-separated",
+        "bind": "with --lb: the address it listens on (default 127.0.0.1)",
+        "port": "with --lb: the port it listens on (default 8000)",
+        "tls": "with --lb: on or off (default: on beyond loopback)",
+        "inventory": INVENTORY_HELP,
     },
 )
-def render(c: Context, recipe: str | None = None, out: str | None = None, gpus: str | None = None) -> None:
+def render(
+    c: Context,
+    recipe: str | None = None,
+    out: str | None = None,
+    gpus: str | None = None,
+    lb: str | None = None,
+    hosts: str | None = None,
+    bind: str = "127.0.0.1",
+    port: str = "8000",
+    tls: str | None = None,
+    inventory: str | None = None,
+) -> None:
     """Write every file deploy would install for a recipe into a local directory.
 
-    The units, env files and configs; needs no host."""
+    The units, env files and configs; needs no host. With --lb: the balancer's."""
 
     def go() -> int:
-        from playbooks.cli.render_files import output_dir, run_render
+        from playbooks.cli.render_files import output_dir, run_render, run_render_lb
 
+        if lb is not None:
+            return run_render_lb(
+                flags.one_host("--lb", lb),
+                flags.host_names("--hosts", hosts),
+                output_dir(out),
+                _settings(c, inventory),
+                recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+                bind=flags.ip_address("--bind", bind),
+                port=flags.positive_int("--port", port, "a TCP port", maximum=65535) or 8000,
+                tls=None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on",
+            )
         return run_render(
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             out=output_dir(out),
