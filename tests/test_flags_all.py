@@ -79,6 +79,10 @@ ACCEPTED = {
 }
 # what a flag needs beside it for its own value to be the one judged (default: see context())
 CONTEXT = {
+    # render's own flags, without the balancer's (--hosts and the rest go with --lb only)
+    ("render", "recipe"): ["--out", "out"],
+    ("render", "out"): ["--recipe", "tiny-cpu"],
+    ("render", "gpus"): ["--recipe", "tiny-cpu", "--out", "out"],
     ("plan", "model-config"): [],  # not with --recipe: that is refused for naming both
     ("plan", "parallel"): ["--model-config", QWEN7],  # --parallel and --quant go with a bare config
     ("plan", "quant"): ["--model-config", QWEN7],

@@ -16,6 +16,7 @@ from playbooks.conduct.balancer import fleet_backends
 from playbooks.conduct.settings import Settings
 from playbooks.config.planning import refuse_unfit
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
+from playbooks.errors import VoltaforgeError
 from playbooks.steps.serve.balancer import CONFIG_PATH, UNIT_NAME, Balancer, render_haproxy_config, render_lb_unit
 from playbooks.steps.serve.units import UNIT_DIR, ServerLayout, planned_service_files
 
@@ -69,13 +70,16 @@ def run_render_lb(
     fleet_backends), from the inventory alone."""
     if not hosts:
         raise flags.UsageError("--lb needs --hosts: the hosts whose servers it balances")
-    lb_spec = settings.host_spec(lb_host)
-    own = settings.one_recipe(lb_host, recipe) or settings.serves(lb_host, recipe)[0]
-    key = own.loaded.recipe.service.api_key_ref
-    specs = [settings.host_spec(n) for n in hosts]
-    backends = fleet_backends(lb_spec, specs, settings.load_recipe, recipe, key, str(own.loaded.path))
-    use_tls = tls if tls is not None else not ipaddress.ip_address(bind).is_loopback
-    lb = Balancer(own.loaded.recipe, backends, bind=bind, port=port, tls=use_tls)
+    try:
+        lb_spec = settings.host_spec(lb_host)
+        own = settings.one_recipe(lb_host, recipe) or settings.serves(lb_host, recipe)[0]
+        key = own.loaded.recipe.service.api_key_ref
+        specs = [settings.host_spec(n) for n in hosts]
+        backends = fleet_backends(lb_spec, specs, settings.load_recipe, recipe, key, str(own.loaded.path))
+        use_tls = tls if tls is not None else not ipaddress.ip_address(bind).is_loopback
+        lb = Balancer(own.loaded.recipe, backends, bind=bind, port=port, tls=use_tls)
+    except VoltaforgeError as exc:
+        raise type(exc)(f"--lb {lb_host}: {exc}") from None
     _write(
         out,
         [

@@ -342,16 +342,29 @@ def render(
     def go() -> int:
         from playbooks.cli.render_files import output_dir, run_render, run_render_lb
 
+        # every flag checked whatever the mode: junk is one line, never ignored
+        lb_hosts = flags.host_names("--hosts", hosts) if hosts is not None else []
+        lb_bind = flags.ip_address("--bind", bind)
+        lb_port = flags.positive_int("--port", port, "a TCP port", maximum=65535) or 8000
+        lb_tls = None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on"
+        settings = _settings(c, inventory)
         if lb is not None:
             return run_render_lb(
                 flags.one_host("--lb", lb),
-                flags.host_names("--hosts", hosts),
+                lb_hosts,
                 output_dir(out),
-                _settings(c, inventory),
+                settings,
                 recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-                bind=flags.ip_address("--bind", bind),
-                port=flags.positive_int("--port", port, "a TCP port", maximum=65535) or 8000,
-                tls=None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on",
+                bind=lb_bind,
+                port=lb_port,
+                tls=lb_tls,
+            )
+        given = {"--hosts": hosts, "--tls": tls, "--inventory": inventory}
+        given |= {"--bind": None if bind == "127.0.0.1" else bind, "--port": None if port == "8000" else port}
+        stray = [name for name, value in given.items() if value is not None]
+        if stray:
+            raise flags.UsageError(
+                f"{', '.join(stray)} {'go' if len(stray) > 1 else 'goes'} with --lb (the balancer's files)"
             )
         return run_render(
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
