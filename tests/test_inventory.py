@@ -68,3 +68,19 @@ def test_host_addresses(name, ok):
     from playbooks.config.inventory import is_host_address
 
     assert is_host_address(name) is ok
+
+
+def test_local_reads_an_entry_named_local(tmp_path):
+    """`--host local` is this machine; an entry named local gives it what it serves and where
+    (a layout of two recipes here), so a fleet's shape can be tried on one machine."""
+    from playbooks.config.inventory import resolve_host
+
+    inv = tmp_path / "inventory.yaml"
+    assert resolve_host("local", inv).local  # no inventory: this machine, nothing more
+    inv.write_text(
+        "hosts:\n  local:\n    prefix: /srv/vf\n    serve:\n"
+        "      - {recipe: tiny-cpu, instances: 2, port: 18300}\n      - {recipe: tiny-rpc-cpu, port: 18400}\n"
+    )
+    spec = resolve_host("local", inv)
+    assert spec.local and spec.host == "localhost" and spec.prefix == "/srv/vf"
+    assert [p.recipe for p in spec.serve] == ["tiny-cpu", "tiny-rpc-cpu"]

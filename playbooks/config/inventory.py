@@ -171,17 +171,24 @@ def load_inventory(path: Path = DEFAULT_INVENTORY) -> dict[str, HostSpec]:
     specs = {}
     for name, entry in parsed.hosts.items():
         try:
-            specs[name] = HostSpec.model_validate({"name": name, **(entry or {})})
+            # `local` is this machine: its entry needs no address
+            here = {"host": "localhost", "local": True} if name == "local" else {}
+            specs[name] = HostSpec.model_validate({"name": name, **here, **(entry or {})})
         except ValidationError as exc:
             raise explain_validation(exc, path, lines, HostSpec, prefix=("hosts", name)) from None
     return specs
 
 
 def resolve_host(name: str, inventory: Path = DEFAULT_INVENTORY, ssh_config: Path | None = None) -> HostSpec:
-    """Find a host: `local`, an inventory entry, or ~/.ssh/config, in that order."""
-    if name == "local":
-        return HostSpec(name="local", host="localhost", local=True)
+    """Find a host: `local`, an inventory entry, or ~/.ssh/config, in that order. `local` is
+    this machine whatever its entry says of SSH; an entry named `local` gives it a recipe, a
+    `serve:` layout or a prefix (so a whole fleet's shape can be tried on one machine)."""
     specs = load_inventory(inventory)
+    if name == "local":
+        entry = specs.get("local")
+        if entry is None:
+            return HostSpec(name="local", host="localhost", local=True)
+        return HostSpec.model_validate({**entry.model_dump(exclude_unset=True), "host": "localhost", "local": True})
     if name in specs:
         return specs[name]
     if not is_host_address(name):
