@@ -138,6 +138,7 @@ def test_a_model_split_across_two_rpc_workers(seeded_ccache, provisionable_nspaw
     assert [s["service"] for s in listed["services"]] == ["voltaforge-llama-server"]
     (backend,) = units[LB]["backends"]
     assert backend["name"] == "box" and backend["up"] and backend["requests"] >= 1, units[LB]
+    assert backend["model"] == "tiny-llama"  # the served name its backend is routed by
 
     # 4. a worker gone: preflight refuses in one line before anything changes; the unit stays
     unit_file = host.run_inside("cat /etc/systemd/system/voltaforge-llama-server.service").stdout

@@ -104,8 +104,8 @@ def fleet_units(host: Host) -> list[dict[str, Any]]:
                                  "state": f"{u.active} ({u.sub})"}  # fmt: skip
         if u.kind == "balancer":
             stats = parse_stats(read_fact(host, stats_command())) if u.running else []
-            entry["backends"] = [{"name": b.name, "up": b.up, "status": b.status, "requests": b.requests,
-                                  "check": b.check} for b in stats]  # fmt: skip
+            entry["backends"] = [{"name": b.name, "model": b.model, "up": b.up, "status": b.status,
+                                  "requests": b.requests, "check": b.check} for b in stats]  # fmt: skip
         out.append(entry)
     return out
 
@@ -157,7 +157,11 @@ def _unit_health(u: dict[str, Any]) -> str:
         return u["state"]
     backends = u.get("backends", [])
     up = sum(b["up"] for b in backends)
-    parts = [f"{b['name']} {'up' if b['up'] else 'DOWN'} ({b['requests']} requests)" for b in backends]
+    # each server under the model it serves (a fleet balancer routes by model name)
+    parts = [
+        f"{b.get('model') or '?'}/{b['name']} {'up' if b['up'] else 'DOWN'} ({b['requests']} requests)"
+        for b in backends
+    ]
     return f"{up} of {len(backends)} backends up: " + ", ".join(parts)
 
 
