@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rich.text import Text
+
 from playbooks.cli.converge import converge
 from playbooks.cli.render import console
 from playbooks.conduct.balancer import balancer_ops_maker, edge_tls, remember_edge
@@ -33,7 +35,8 @@ def run_lb(
     specs = [settings.host_spec(n) for n in backends]  # an unknown name: one line before connecting
     pair = edge_tls(lb_spec, bind, tls, cert, key)  # a bad pair: one line, before connecting
     if pair:
-        console().print(f"TLS at the edge: {pair.origin}; certificate {pair.fingerprint}")
+        # as Text: the console would read ":AB:" of a fingerprint as an emoji code
+        console().print(Text(f"TLS at the edge: {pair.origin}; certificate {pair.fingerprint}"))
     code = converge(
         settings,
         host_name,
