@@ -51,6 +51,7 @@ from playbooks.facts.service import health_command, listeners_command, parse_hea
 from playbooks.host.base import Host
 from playbooks.host.commands import check_path
 from playbooks.host.ops import Decision, Operation, OperationError, Record, Shell, Upload, run_command
+from playbooks.steps.serve.secrets import KEY_CHARS
 from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Running
 
 #: the fingerprint's format: bump when what it covers changes
@@ -233,10 +234,6 @@ class EnsureSymlink(Operation):
         )
 
 
-#: the key's characters, checked on the host before it goes into YAML (never printed)
-_KEY_CHARS = "A-Za-z0-9._~+/=-"
-
-
 class EnsureTabbyTokens(Operation):
     """TabbyAPI's api_tokens.yml (root, 0600) holds the recipe's API key and an admin key of
     its own, generated on the host. The key is read from its secret file on the host and never
@@ -268,7 +265,7 @@ class EnsureTabbyTokens(Operation):
         s, t = shlex.quote(self.secret), shlex.quote(self.tokens)
         script = (
             f"umask 077; key=$(head -n1 -- {s}); "
-            f'case "$key" in ""|*[!{_KEY_CHARS}]*) echo "the key in {self.secret} has characters an API key '
+            f'case "$key" in ""|*[!{KEY_CHARS}]*) echo "the key in {self.secret} has characters an API key '
             f'should not" >&2; exit 1;; esac; '
             "admin=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \\n'); "
             f'printf \'api_key: "%s"\\nadmin_key: "%s"\\n\' "$key" "$admin" > {t}.new && mv -T -- {t}.new {t}'
