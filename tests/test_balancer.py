@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_the_unit_is_hardened_and_holds_the_key_as_a_credential(tmp_path):
 
 def test_what_cannot_work_is_refused(tmp_path):
     r = load_recipe("tiny-cpu").recipe
-    with pytest.raises(VoltaforgeError, match="needs the recipe's service.api_key_ref"):
+    with pytest.raises(VoltaforgeError, match=r"needs an API key \(its backends' service.api_key_ref\)"):
         two(r, bind="0.0.0.0")
     with pytest.raises(VoltaforgeError, match="at least one backend"):
         Balancer(r, ())
@@ -149,7 +150,7 @@ def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
     """Two boxes with different recipes of one model (different quants, slots and context) are
     one model behind the balancer, each server taking its own slots; another model name, another
     group; a backend with another key, or one name over two base models: one line each."""
-    from playbooks.conduct.balancer import fleet_backends
+    from playbooks.conduct.fleet import placed_fleet
 
     keyed = {"service": {"bind": "0.0.0.0", "port": 9000, "api_key_ref": "lab-key"}}
     settings, specs = _fleet(
@@ -160,13 +161,15 @@ def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
             "other": {"service": keyed["service"] | {"model_name": "tiny-chat"}},
         },
     )
-    got = fleet_backends(specs[0], specs, settings.load_recipe, None, "lab-key")
+    fleet = placed_fleet(specs[0], specs, settings.load_recipe, None, "lab-key")
+    got = fleet.backends
+    assert placed_fleet(specs[0], specs, settings.load_recipe, None, None).key_ref == "lab-key"  # theirs, unnamed
     assert [(b.name, b.model, b.slots, b.context) for b in got] == [
         ("v100-sxm", "tiny-llama", 4, 512),
         ("v100-pcie", "tiny-llama", 2, 1024),
         ("other", "tiny-chat", 2, 512),
     ]
-    lb = Balancer(settings.load_recipe(specs[0].recipe).recipe, got, bind="0.0.0.0")
+    lb = Balancer(fleet.recipe, got, bind="0.0.0.0")
     assert (
         list(lb.models) == ["tiny-llama", "tiny-chat"] and lb.body_limit == 16384
     )  # 4 x 1024 tokens, below the 16 KiB floor
@@ -177,7 +180,9 @@ def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
     with pytest.raises(
         VoltaforgeError, match=r"^b: tiny-cpu takes the key other-key, the balancer's edge checks lab-key"
     ):
-        fleet_backends(bad[0], bad, s2.load_recipe, None, "lab-key")
+        placed_fleet(bad[0], bad, s2.load_recipe, None, "lab-key")
+    with pytest.raises(VoltaforgeError, match=r"^the backends take different keys \(a: lab-key, b: other-key\)"):
+        placed_fleet(bad[0], bad, s2.load_recipe, None, None)
 
     import yaml
 
@@ -187,19 +192,26 @@ def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
     deeper = {"model": config | {"config": config["config"] | {"num_hidden_layers": 6}}}
     s3, mixed = _fleet(tmp_path / "weights", {"a": keyed, "b": keyed | deeper})
     with pytest.raises(VoltaforgeError, match=r"^model name tiny-llama is served from 2 different base models"):
-        fleet_backends(mixed[0], mixed, s3.load_recipe, None, "lab-key")
+        placed_fleet(mixed[0], mixed, s3.load_recipe, None, "lab-key")
 
 
 @needs_systemd
 def test_render_lb_writes_the_fleets_balancer_from_the_inventory_alone(tmp_path):
     """`invoke render --lb`: no host is contacted (the inventory's addresses lead nowhere), the
-    configuration groups both boxes' servers under their model with each one's slots, TLS on
-    beyond loopback (the pair a credential), and the unit still scores <= 2.0."""
+    inventory's lb: entry under the flags, the configuration groups both boxes' servers under
+    their model with each one's slots, TLS on beyond loopback (the pair a credential), and the
+    unit still scores <= 2.0."""
     keyed = {"service": {"bind": "0.0.0.0", "port": 9000, "api_key_ref": "lab-key"}}
+    import yaml
+
     settings, _ = _fleet(tmp_path / "f", {"lb-01": keyed, "sxm-01": keyed, "pcie-01": keyed | {"parallel": 4}})
+    # the hosts and bind from the inventory's lb: entry, the port by flag (which wins)
+    inv = yaml.safe_load(settings.inventory.read_text())
+    inv["lb"] = {"hosts": ["sxm-01", "pcie-01"], "bind": "0.0.0.0", "port": 9999}
+    settings.inventory.write_text(yaml.safe_dump(inv))
     r = subprocess.run(
-        [sys.executable, "-m", "invoke", "-r", str(ROOT), "render", "--lb", "lb-01", "--hosts", "sxm-01,pcie-01",
-         "--bind", "0.0.0.0", "--port", "8443", "--out", str(tmp_path / "out"), "--inventory", str(settings.inventory)],
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "render", "--lb", "lb-01", "--port", "8443",
+         "--out", str(tmp_path / "out"), "--inventory", str(settings.inventory)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
@@ -211,3 +223,79 @@ def test_render_lb_writes_the_fleets_balancer_from_the_inventory_alone(tmp_path)
     unit = (tmp_path / "out/etc/systemd/system/voltaforge-lb.service").read_text()
     assert "LoadCredential=tls.pem:/etc/voltaforge/lb/tls.pem" in unit
     assert exposure(unit, tmp_path, "voltaforge-lb.service") <= 2.0
+
+
+def test_the_inventorys_lb_entry_settles_what_the_flags_leave_out(tmp_path):
+    """`lb:` names the balancer's host, hosts, bind, port, key and pair; each flag given wins;
+    `--tls off` drops the entry's pair; with neither, one line saying where to give it; a bad
+    entry is one line at its line in the file."""
+    import yaml
+
+    from playbooks.conduct.balancer import edge_settings
+    from playbooks.config.inventory import load_lb
+    from playbooks.errors import RecipeError, UsageError
+
+    inv = tmp_path / "inventory.yaml"
+    lb = {"host": "edge-01", "hosts": ["sxm-01", "pcie-01"], "bind": "0.0.0.0", "port": 8443,
+          "api_key_ref": "lab-key", "cert": "tls/cert.pem", "key": "tls/key.pem"}  # fmt: skip
+    inv.write_text(yaml.safe_dump({"hosts": {"edge-01": {"host": "10.0.0.9"}}, "lb": lb}))
+    entry = load_lb(inv)
+    assert entry.cert == str(tmp_path / "tls/cert.pem")  # beside the inventory, wherever it is read from
+    edge = edge_settings(entry)
+    assert (edge.host, edge.hosts, edge.bind, edge.port, edge.key_ref, edge.tls) == (
+        "edge-01", ("sxm-01", "pcie-01"), "0.0.0.0", 8443, "lab-key", None,
+    )  # fmt: skip
+    assert edge.cert == entry.cert and edge.key == entry.key
+    flagged = edge_settings(entry, "lb-02", ["sxm-01"], "127.0.0.1", 9443, False)
+    assert (flagged.host, flagged.hosts, flagged.bind, flagged.port, flagged.tls, flagged.cert) == (
+        "lb-02", ("sxm-01",), "127.0.0.1", 9443, False, None,
+    )  # fmt: skip
+    bare = load_lb(tmp_path / "none.yaml")
+    with pytest.raises(UsageError, match="pass --host, or give the inventory an lb: entry with host:"):
+        edge_settings(bare)
+    with pytest.raises(UsageError, match="pass --hosts, or give the inventory's lb: entry hosts:"):
+        edge_settings(bare, "edge-01")
+    assert (edge_settings(bare, "edge-01", ["a"]).bind, edge_settings(bare, "edge-01", ["a"]).port) == (
+        "127.0.0.1", 8000,
+    )  # fmt: skip
+
+    for bad, words in [
+        ({"bind": "all"}, r"inventory.yaml:3: lb.bind: must be an IP address"),
+        ({"hosts": ["a", "a"]}, r"inventory.yaml:\d+: lb.hosts: .*named twice"),
+        ({"cert": "c.pem"}, r"inventory.yaml:\d+: lb.*cert and key go together"),
+        ({"api_key_ref": "../etc/shadow"}, r"inventory.yaml:\d+: lb.api_key_ref: .*secret's file name"),
+        ({"port": 8443, "colour": "red"}, r"inventory.yaml:4: unknown key 'lb.colour'; allowed here: host, hosts"),
+    ]:
+        inv.write_text(yaml.safe_dump({"hosts": {}, "lb": bad}, sort_keys=False))
+        with pytest.raises(RecipeError, match=words) as err:
+            load_lb(inv)
+        assert "\n" not in str(err.value)
+
+
+def test_a_layout_of_two_quants_of_one_model_is_one_model_on_two_servers(tmp_path):
+    """The local fleet's shape: `local` serves two recipes of one model (different quants) in a
+    layout, another host a third: one model, three servers; the layout's two named by port."""
+    import yaml
+
+    from playbooks.conduct.fleet import placed_fleet
+    from playbooks.conduct.settings import Settings
+
+    keyed = {"service": {"bind": "0.0.0.0", "port": 9000, "api_key_ref": "lab-key"}}
+    settings, _ = _fleet(tmp_path / "f", {"q8": keyed | {"quant": "Q8_0"}, "q4": keyed | {"quant": "Q4_K_M"}})
+    inv = yaml.safe_load(settings.inventory.read_text())
+    q8, q4 = inv["hosts"]["q8"]["recipe"], inv["hosts"]["q4"]["recipe"]
+    Path(q4).rename(Path(q4).with_name("tiny-q4.yaml"))
+    q4 = str(Path(q4).with_name("tiny-q4.yaml"))
+    inv["hosts"] = {
+        "local": {"serve": [{"recipe": q8, "port": 18301}, {"recipe": q4, "port": 18302}]},
+        "box": {"host": "10.0.0.7", "recipe": q8},
+    }
+    settings.inventory.write_text(yaml.safe_dump(inv))
+    s = Settings(inventory=settings.inventory)
+    fleet = placed_fleet(s.host_spec("local"), [s.host_spec("local"), s.host_spec("box")], s.load_recipe, None, None)
+    assert [(b.name, b.address, b.port, b.model) for b in fleet.backends] == [
+        ("local-18301", "127.0.0.1", 18301, "tiny-llama"),
+        ("local-18302", "127.0.0.1", 18302, "tiny-llama"),
+        ("box", "10.0.0.7", 9000, "tiny-llama"),
+    ]
+    assert list(fleet.models) == ["tiny-llama"] and fleet.key_ref == "lab-key"

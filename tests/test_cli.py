@@ -133,7 +133,7 @@ BAD = {
     ("render", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
     ("render", "out"): [("", "is not a directory path"), ("README.md", "exists and is not a directory")],
     ("render", "gpus"): [("a,b", "give GPU indexes"), ("0,0", "distinct GPU indexes"), ("99", "distinct GPU")],
-    ("render", "lb"): [("a,b", "takes one host"), ("lb-01", "--lb needs --hosts")],
+    ("render", "lb"): [("a,b", "takes one host"), ("lb-01", "which hosts it balances: pass --hosts")],
     ("render", "hosts"): [("a,,b", "one or more host names"), ("box", "--hosts goes with --lb")],
     ("render", "bind"): [("all", "is not an IP address"), ("0.0.0.0", "--bind goes with --lb")],
     ("render", "port"): [("0", "must be a positive number"), ("9000", "--port goes with --lb")],

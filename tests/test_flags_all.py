@@ -72,6 +72,8 @@ ACCEPTED = {
     ("status", "host"): {"abc", "1e999"},
     # well-formed backend names: lb then fails on its own host (nowhere.invalid), exit 2
     ("lb", "hosts"): {"abc", "1e999"},
+    # a well-formed balancer host: lb first reads its backends' records (nowhere.invalid), exit 2
+    ("lb", "host"): {"abc", "1e999"},
     # port 5: well-formed, lb then fails on its host, exit 2
     ("lb", "port"): {"5"},
     # a balancer on port 5: well-formed, bench then fails on its host, exit 2

@@ -166,10 +166,10 @@ def test_the_example_inventory_s_layout_is_the_one_tested_here(tmp_path):
     assert replicas.ports() == [8103, 8104] and moe.ports() == [8090]
 
 
-def test_the_tasks_that_serve_one_recipe_refuse_a_layout_of_several_before_connecting(tmp_path):
-    """`invoke lb` and `invoke bench --lb` act on one recipe: a layout of two without --recipe
-    is one line, and nothing is reached (the host's address would not answer)."""
-    from playbooks.cli.balancer import run_lb
+def test_bench_lb_refuses_a_layout_of_several_before_connecting(tmp_path):
+    """`invoke bench --lb` measures one recipe's workload: a layout of two without --recipe is
+    one line, and nothing is reached (the host's address would not answer). (`invoke lb`
+    balances the whole layout: tests/test_balancer.py.)"""
     from playbooks.cli.bench import run_bench_lb
 
     inv = tmp_path / "inventory.yaml"
@@ -178,9 +178,6 @@ def test_the_tasks_that_serve_one_recipe_refuse_a_layout_of_several_before_conne
         "      - {recipe: tiny-moe-cpu}\n"
     )
     settings = Settings(inventory=inv, connect_timeout=0.5)
-    for call in (lambda: run_lb("h", ["h"], settings=settings), lambda: run_bench_lb("h", 8000, settings=settings)):
-        with pytest.raises(
-            VoltaforgeError, match=r"^h serves several recipes \(tiny-cpu, tiny-moe-cpu\): pass --recipe$"
-        ):
-            call()
+    with pytest.raises(VoltaforgeError, match=r"^h serves several recipes \(tiny-cpu, tiny-moe-cpu\): pass --recipe$"):
+        run_bench_lb("h", 8000, settings=settings)
     assert settings.one_recipe("h", "tiny-moe-cpu").ports() == [18081]

@@ -7,8 +7,9 @@ container (systemd-nspawn, its own network namespace, no internet) over SSH, thr
    ports 18100 and 18101 from their environment files), and `tiny-b` (the same model under
    another name) as its own unit on 18080. Every server runs unprivileged and answers; each
    instance passed its own gate. A second run changes nothing, nor does `invoke deploy`.
-2. `invoke lb` in front of the two instances: one backend per instance, and requests reach both
-   (HAProxy's counters).
+2. `invoke lb` in front of every server the deployment records list (no `--recipe`): the two
+   instances and tiny-b, one model by name, TLS at the edge; requests over HTTPS (curl given the
+   controller's CA) reach all three (HAProxy's counters).
 3. `invoke status` lists the three servers and the balancer; `invoke stop` stops every server of
    the layout, and nothing listens on their ports after.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from playbooks.conduct.balancer import tls_dir
 from tests.helpers import ROOT
 from tests.test_provision_real import answers, inventory, provision, recipe, seeded_ccache, statuses  # noqa: F401
 from tests.test_rpc_split_real import LB, active, lb, status
@@ -99,14 +101,20 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     for unit in (*INSTANCES, SINGLE):
         assert unit in again.stdout, again.stdout[-4000:]
 
-    # 2. a balancer in front of the two instances: one backend each, both get requests
-    run = lb(inv, "--recipe", "tiny-cpu")
+    # 2. a balancer in front of every server of the layout, as the deployment records list
+    # them (no --recipe): one model (tiny-b is tiny-cpu's model under another recipe name),
+    # three backends, TLS at the edge (the controller's self-signed pair; curl given its CA)
+    run = lb(inv, "--tls", "on")
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    said = " ".join(run.stdout.split())
+    assert "model tiny-llama: box-18080 127.0.0.1:18080, box-18100 127.0.0.1:18100, box-18101" in said, said
     assert active(host, LB)
+    (host.rootfs / "root" / "edge-ca.pem").write_bytes((tls_dir("box") / "cert.pem").read_bytes())
     body = json.dumps({"prompt": "Hello", "max_tokens": 2})
-    for _ in range(6):
+    for _ in range(9):
         host.run_inside(
-            f"curl -sf -m 30 http://127.0.0.1:18000/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+            "curl -sf -m 30 --cacert /root/edge-ca.pem https://localhost:18000/v1/completions "
+            f"-H 'Content-Type: application/json' -d '{body}'"
         )
 
     # 3. everything in `invoke status`; `invoke stop` stops every server of the layout
@@ -117,7 +125,9 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
         "voltaforge-tiny-cpu@1",
     ], listed
     backends = {u["unit"]: u for u in listed["units"]}[LB]["backends"]
-    assert [(b["name"], b["up"]) for b in backends] == [("box-18100", True), ("box-18101", True)], backends
+    assert [(b["name"], b["up"]) for b in backends] == [
+        ("box-18080", True), ("box-18100", True), ("box-18101", True),
+    ], backends  # fmt: skip
     assert all(b["requests"] >= 1 for b in backends), backends
     stopped = invoke(inv, "stop", "--host", "box")
     assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-2000:]

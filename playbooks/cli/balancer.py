@@ -1,4 +1,4 @@
-"""`invoke lb`: one load-balanced endpoint for a recipe's servers (conduct/balancer.py)."""
+"""`invoke lb`: one endpoint for a fleet's servers (conduct/balancer.py, conduct/fleet.py)."""
 
 from __future__ import annotations
 
@@ -8,42 +8,47 @@ from rich.text import Text
 
 from playbooks.cli.converge import converge
 from playbooks.cli.render import console
-from playbooks.conduct.balancer import balancer_ops_maker, edge_tls, remember_edge
+from playbooks.conduct.balancer import balancer_ops_maker, edge_settings, edge_tls, remember_edge
+from playbooks.conduct.fleet import deployed_fleet
+from playbooks.conduct.placements import Served
 from playbooks.conduct.settings import Settings
-from playbooks.errors import UsageError
 
 
 def run_lb(
-    host_name: str,
-    backends: Sequence[str],
+    host_name: str | None = None,
+    backends: Sequence[str] | None = None,
     recipe: str | None = None,
-    bind: str = "127.0.0.1",
-    port: int = 8000,
+    bind: str | None = None,
+    port: int | None = None,
     dry_run: bool = False,
     settings: Settings | None = None,
     tls: bool | None = None,
     cert: str | None = None,
     key: str | None = None,
+    default_host: str | None = None,
 ) -> int:
-    """``tls``: HTTPS at the edge (None: beyond loopback only); ``cert``/``key``: the pair to
-    present, else a self-signed one kept on this controller (its fingerprint printed)."""
+    """Every flag left out comes from the inventory's ``lb:`` entry. ``tls``: HTTPS at the edge
+    (None: beyond loopback only); ``cert``/``key``: the pair to present, else a self-signed one
+    kept on this controller (its fingerprint printed). ``recipe``: that recipe's servers only."""
     settings = settings or Settings()
-    if len(set(backends)) != len(backends):
-        raise UsageError(f"--hosts {','.join(backends)}: a host is named twice")
-    lb_spec = settings.host_spec(host_name)
-    settings.one_recipe(host_name, recipe)  # a layout of several: one line, before connecting
-    specs = [settings.host_spec(n) for n in backends]  # an unknown name: one line before connecting
-    pair = edge_tls(lb_spec, bind, tls, cert, key)  # a bad pair: one line, before connecting
+    entry = settings.lb()
+    edge = edge_settings(entry, host_name or entry.host or default_host, backends, bind, port, tls, cert, key)
+    lb_spec = settings.host_spec(edge.host)
+    specs = [settings.host_spec(n) for n in edge.hosts]  # an unknown name: one line before connecting
+    if recipe:
+        settings.load_recipe(recipe)  # a bad name: one line before connecting
+    pair = edge_tls(lb_spec, edge.bind, edge.tls, edge.cert, edge.key)  # a bad pair: the same
     if pair:
         # as Text: the console would read ":AB:" of a fingerprint as an emoji code
         console().print(Text(f"TLS at the edge: {pair.origin}; certificate {pair.fingerprint}"))
+    fleet = deployed_fleet(settings, lb_spec, specs, recipe, edge.key_ref)
+    for note in fleet.notes:
+        console().print(Text(note))
+    for model, servers in fleet.models.items():
+        console().print(Text(f"model {model}: " + ", ".join(f"{b.name} {b.address}:{b.port}" for b in servers)))
     code = converge(
-        settings,
-        host_name,
-        recipe,
-        balancer_ops_maker(lb_spec, specs, bind, port, settings.load_recipe, recipe, pair),
-        dry_run,
+        settings, edge.host, None, balancer_ops_maker(edge, fleet, pair), dry_run, served=[Served(fleet.loaded)]
     )
     if code == 0 and not dry_run:
-        remember_edge(host_name, pair)  # bench --lb reaches it the same way
+        remember_edge(edge.host, pair)  # bench --lb reaches it the same way
     return code

@@ -8,14 +8,23 @@ from __future__ import annotations
 from playbooks.cli.edge import write_details
 from playbooks.cli.render import render_report
 from playbooks.conduct.converge import MakeOps, prefix_needs_sudo, unique_ops
+from playbooks.conduct.placements import Served
 from playbooks.conduct.settings import Settings
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import run_ops
 
 
-def converge(settings: Settings, host_name: str, recipe: str | None, make_ops: MakeOps, dry_run: bool) -> int:
+def converge(
+    settings: Settings,
+    host_name: str,
+    recipe: str | None,
+    make_ops: MakeOps,
+    dry_run: bool,
+    served: list[Served] | None = None,
+) -> int:
+    """``served``: what make_ops acts on, when it is not what the host serves (a balancer)."""
     spec = settings.host_spec(host_name)
-    served = settings.serves(host_name, recipe)
+    served = served or settings.serves(host_name, recipe)
     with settings.connect(spec) as host:
         sudo = prefix_needs_sudo(host, spec.prefix)
         # a host's layout: every recipe's operations, each shared one once

@@ -12,7 +12,8 @@ from rich.text import Text
 
 from playbooks.cli import flags
 from playbooks.cli.render import console
-from playbooks.conduct.balancer import fleet_backends
+from playbooks.conduct.balancer import edge_settings
+from playbooks.conduct.fleet import placed_fleet
 from playbooks.conduct.settings import Settings
 from playbooks.config.planning import refuse_unfit
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
@@ -57,27 +58,24 @@ def _write(out: Path, files: list[tuple[str, str, int, str]]) -> None:
 
 def run_render_lb(
     lb_host: str,
-    hosts: list[str],
+    hosts: list[str] | None,
     out: Path,
     settings: Settings,
     recipe: str | None = None,
-    bind: str = "127.0.0.1",
-    port: int = 8000,
+    bind: str | None = None,
+    port: int | None = None,
     tls: bool | None = None,
 ) -> int:
-    """The balancer `invoke lb --host LB_HOST --hosts ...` would run, as systemd would run it:
-    its HAProxy configuration and unit, every server grouped by model (conduct/balancer.py
-    fleet_backends), from the inventory alone."""
-    if not hosts:
-        raise flags.UsageError("--lb needs --hosts: the hosts whose servers it balances")
+    """The balancer `invoke lb --host LB_HOST` would run, as systemd would run it: its HAProxy
+    configuration and unit, every server grouped by model (conduct/fleet.py), from the
+    inventory alone (its placements, and its lb: entry under the flags)."""
     try:
+        edge = edge_settings(settings.lb(), lb_host, hosts, bind, port, tls)
         lb_spec = settings.host_spec(lb_host)
-        own = settings.one_recipe(lb_host, recipe) or settings.serves(lb_host, recipe)[0]
-        key = own.loaded.recipe.service.api_key_ref
-        specs = [settings.host_spec(n) for n in hosts]
-        backends = fleet_backends(lb_spec, specs, settings.load_recipe, recipe, key, str(own.loaded.path))
-        use_tls = tls if tls is not None else not ipaddress.ip_address(bind).is_loopback
-        lb = Balancer(own.loaded.recipe, backends, bind=bind, port=port, tls=use_tls)
+        specs = [settings.host_spec(n) for n in edge.hosts]
+        fleet = placed_fleet(lb_spec, specs, settings.load_recipe, recipe, edge.key_ref)
+        use_tls = edge.tls if edge.tls is not None else not ipaddress.ip_address(edge.bind).is_loopback
+        lb = Balancer(fleet.recipe, fleet.backends, bind=edge.bind, port=edge.port, tls=use_tls)
     except VoltaforgeError as exc:
         raise type(exc)(f"--lb {lb_host}: {exc}") from None
     _write(

@@ -316,9 +316,9 @@ def artifacts(c: Context, host: str | None = None, json: bool = False, inventory
         "gpus": "GPU indexes, comma-separated (default 0, or 0..N-1 for a recipe split over N cards); several with "
         "a one-card recipe: one llama-server instance per GPU",
         "lb": "instead: the balancer this inventory host would run (`invoke lb --host LB`), from the inventory",
-        "hosts": "with --lb: the hosts whose servers it balances, comma-separated",
-        "bind": "with --lb: the address it listens on (default 127.0.0.1)",
-        "port": "with --lb: the port it listens on (default 8000)",
+        "hosts": "with --lb: the hosts whose servers it balances, comma-separated (default: the lb: entry's)",
+        "bind": "with --lb: the address it listens on (default: the lb: entry's, else 127.0.0.1)",
+        "port": "with --lb: the port it listens on (default: the lb: entry's, else 8000)",
         "tls": "with --lb: on or off (default: on beyond loopback)",
         "inventory": INVENTORY_HELP,
     },
@@ -330,8 +330,8 @@ def render(
     gpus: str | None = None,
     lb: str | None = None,
     hosts: str | None = None,
-    bind: str = "127.0.0.1",
-    port: str = "8000",
+    bind: str | None = None,
+    port: str | None = None,
     tls: str | None = None,
     inventory: str | None = None,
 ) -> None:
@@ -343,9 +343,9 @@ def render(
         from playbooks.cli.render_files import output_dir, run_render, run_render_lb
 
         # every flag checked whatever the mode: junk is one line, never ignored
-        lb_hosts = flags.host_names("--hosts", hosts) if hosts is not None else []
-        lb_bind = flags.ip_address("--bind", bind)
-        lb_port = flags.positive_int("--port", port, "a TCP port", maximum=65535) or 8000
+        lb_hosts = flags.host_names("--hosts", hosts) if hosts is not None else None
+        lb_bind = flags.ip_address("--bind", bind) if bind is not None else None
+        lb_port = flags.positive_int("--port", port, "a TCP port", maximum=65535) if port is not None else None
         lb_tls = None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on"
         settings = _settings(c, inventory)
         if lb is not None:
@@ -359,8 +359,7 @@ def render(
                 port=lb_port,
                 tls=lb_tls,
             )
-        given = {"--hosts": hosts, "--tls": tls, "--inventory": inventory}
-        given |= {"--bind": None if bind == "127.0.0.1" else bind, "--port": None if port == "8000" else port}
+        given = {"--hosts": hosts, "--tls": tls, "--inventory": inventory, "--bind": bind, "--port": port}
         stray = [name for name, value in given.items() if value is not None]
         if stray:
             raise flags.UsageError(
@@ -452,10 +451,10 @@ def rpc_worker(
     auto_shortflags=False,
     help={
         "host": "the host that runs the balancer",
-        "hosts": "the hosts whose servers it balances, comma-separated (inventory names)",
-        "recipe": RECIPE_HELP,
-        "bind": "the address it listens on (default 127.0.0.1; another needs the recipe's service.api_key_ref)",
-        "port": "the port it listens on (default 8000)",
+        "hosts": "the hosts whose servers it balances, comma-separated (default: the inventory's lb: hosts)",
+        "recipe": "only that recipe's servers (default: every server the hosts' deployment records name)",
+        "bind": "the address it listens on (default: lb: bind, else 127.0.0.1; another needs a key)",
+        "port": "the port it listens on (default: lb: port, else 8000)",
         "tls": "on or off: HTTPS at the edge (default: on beyond loopback, a self-signed pair unless --cert)",
         "cert": "the certificate HAProxy presents (PEM file here; with --key)",
         "key": "its private key (PEM file here, unencrypted)",
@@ -468,33 +467,36 @@ def lb(
     host: str | None = None,
     hosts: str | None = None,
     recipe: str | None = None,
-    bind: str = "127.0.0.1",
-    port: str = "8000",
+    bind: str | None = None,
+    port: str | None = None,
     tls: str | None = None,
     cert: str | None = None,
     key: str | None = None,
     dry_run: bool = False,
     inventory: str | None = None,
 ) -> None:
-    """One endpoint for a recipe's servers on several hosts: HAProxy, health-checked.
+    """One TLS endpoint for a fleet's servers, routed by model name: HAProxy, health-checked.
 
-    Debian's haproxy, the rendered configuration and a hardened unit: active checks on
-    /health, streaming kept intact, a refused connection retried on another server."""
+    Every server the hosts' deployment records say they serve, grouped by served model name,
+    each taking its slots (the rest wait at the edge). Flags left out come from the
+    inventory's lb: entry. Debian's haproxy, a hardened unit (or a managed process)."""
 
     def go() -> int:
         from playbooks.cli.balancer import run_lb
 
         return run_lb(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            flags.host_names("--hosts", hosts),
+            # --host, else the inventory's lb: host, else the configuration's host
+            flags.one_host("--host", host) if host is not None else None,
+            flags.host_names("--hosts", hosts) if hosts is not None else None,
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            bind=flags.ip_address("--bind", bind),
-            port=flags.positive_int("--port", port, "a TCP port", maximum=65535) or 8000,
+            bind=flags.ip_address("--bind", bind) if bind is not None else None,
+            port=flags.positive_int("--port", port, "a TCP port", maximum=65535) if port is not None else None,
             tls=None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on",
             cert=str(flags.existing_file("--cert", cert)) if cert is not None else None,
             key=str(flags.existing_file("--key", key)) if key is not None else None,
             dry_run=dry_run,
             settings=_settings(c, inventory),
+            default_host=flags.one_host("--host", _cfg(c, "host")),
         )
 
     run_command(go)

@@ -1,5 +1,6 @@
-"""`invoke lb`: HAProxy in front of a recipe's servers on several hosts (steps/serve/balancer.py):
-Debian's package, the rendered configuration and hardened unit, started and listening.
+"""`invoke lb`: HAProxy in front of a fleet's servers (conduct/fleet.py) on several hosts
+(steps/serve/balancer.py): Debian's package, the rendered configuration and hardened unit,
+started and listening; its settings the inventory's ``lb:`` entry with flags winning (Edge).
 
 Under systemd the unit runs it (the API key a credential, its network filter systemd's). Where
 systemd does not run, the unit's own command line runs as a managed process of the SSH user
@@ -11,16 +12,16 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from playbooks.conduct.converge import MakeOps
 from playbooks.conduct.deploy import choose_manager
-from playbooks.conduct.placements import Served, host_serves
-from playbooks.conduct.quantize import recipe_weights
-from playbooks.config.inventory import HostSpec
-from playbooks.config.recipe import LoadedRecipe
-from playbooks.errors import VoltaforgeError
+from playbooks.conduct.fleet import Fleet
+from playbooks.conduct.placements import Served
+from playbooks.config.inventory import HostSpec, LbSpec
+from playbooks.errors import UsageError, VoltaforgeError
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
 from playbooks.steps.build.llamacpp_source import source_cache_dir
@@ -29,9 +30,7 @@ from playbooks.steps.serve.balancer import (
     CONFIG_PATH,
     TLS_PATH,
     UNIT_NAME,
-    Backend,
     Balancer,
-    backends_for,
     render_haproxy_config,
     render_lb_unit,
 )
@@ -43,75 +42,68 @@ from playbooks.steps.serve.unit_running import EnsureUnitRunning
 from playbooks.steps.serve.units import UNIT_DIR, parse_exec_start
 
 
-def same_host(a: HostSpec, b: HostSpec) -> bool:
-    return a.name == b.name or a.host == b.host or (a.local and b.local)
+@dataclass(frozen=True)
+class Edge:
+    """A balancer's settings: the inventory's ``lb:`` entry, each flag given winning."""
+
+    host: str
+    hosts: tuple[str, ...]
+    bind: str = "127.0.0.1"
+    port: int = 8000
+    key_ref: str | None = None
+    tls: bool | None = None
+    cert: str | None = None
+    key: str | None = None
 
 
-def fleet_backends(
-    lb_spec: HostSpec,
-    backend_specs: Sequence[HostSpec],
-    load: Callable[[str], LoadedRecipe],
-    recipe: str | None,
-    key_ref: str | None,
-    default: str | None = None,
-) -> tuple[Backend, ...]:
-    """Every server the backend hosts serve, as the inventory places them (conduct/placements.py:
-    a layout's every recipe, or the host's one recipe): each on its port, once per instance,
-    under its served model name. ``recipe``: only that recipe's servers (on every host);
-    ``default``: what a host that names no recipe serves (the balancer host's own).
-
-    Refused in one line: a host that serves nothing; one model name from two different base
-    models (two quants of one model share a name, two models must not); a backend whose key
-    is not the balancer's (``key_ref``: the edge checks one key and forwards it)."""
-    backends: list[Backend] = []
-    weights: dict[str, set[str]] = {}
-    for s in backend_specs:
-        theirs = host_serves(s, recipe, load, default)
-        if not theirs:
-            raise VoltaforgeError(f"{s.name}: serves no recipe (give it one in the inventory, or pass --recipe)")
-        for there in theirs:
-            r = there.loaded.recipe
-            if r.service.api_key_ref != key_ref:
-                raise VoltaforgeError(
-                    f"{s.name}: {r.name} takes the key {r.service.api_key_ref or '(none)'}, the balancer's edge "
-                    f"checks {key_ref or '(none)'}: every backend must accept the balancer's key (one api_key_ref)"
-                )
-            weights.setdefault(r.served_name, set()).add(recipe_weights(there.loaded).model_id)
-            backends += backends_for(r, [(s.name, s.host, same_host(s, lb_spec), there.ports())])
-    for name, ids in weights.items():
-        if len(ids) > 1:
-            raise VoltaforgeError(
-                f"model name {name} is served from {len(ids)} different base models ({', '.join(sorted(ids))}): "
-                "give each its own service.model_name"
-            )
-    return tuple(backends)
+def edge_settings(
+    entry: LbSpec,
+    host: str | None = None,
+    hosts: Sequence[str] | None = None,
+    bind: str | None = None,
+    port: int | None = None,
+    tls: bool | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+) -> Edge:
+    """The flags over the ``lb:`` entry; one line when neither names the balancer's host or
+    its hosts. A certificate given by flag replaces the entry's pair; ``--tls off`` drops it."""
+    lb_host = host or entry.host
+    if not lb_host:
+        raise UsageError("which host runs the balancer: pass --host, or give the inventory an lb: entry with host:")
+    backends = tuple(hosts or entry.hosts)
+    if not backends:
+        raise UsageError("which hosts it balances: pass --hosts, or give the inventory's lb: entry hosts:")
+    if len(set(backends)) != len(backends):
+        raise UsageError(f"--hosts {','.join(backends)}: a host is named twice")
+    if cert is None and key is None and tls is not False:
+        cert, key = entry.cert, entry.key
+    return Edge(
+        lb_host,
+        backends,
+        bind or entry.bind or "127.0.0.1",
+        port or entry.port or 8000,
+        entry.api_key_ref,
+        tls if tls is not None else entry.tls,
+        cert,
+        key,
+    )
 
 
-def balancer_ops_maker(
-    lb_spec: HostSpec,
-    backend_specs: Sequence[HostSpec],
-    bind: str,
-    port: int,
-    load: Callable[[str], LoadedRecipe],
-    recipe: str | None = None,
-    tls: TlsPair | None = None,
-) -> MakeOps:
-    """The operations of `invoke lb` on the balancer's host, for converge(): every server the
-    backend hosts serve (fleet_backends), grouped by model name; ``recipe``: that recipe's only.
-    The balancer host's own recipe gives the edge its key; ``tls``: the pair HAProxy presents
-    (edge_tls), None for plain HTTP."""
+def balancer_ops_maker(edge: Edge, fleet: Fleet, tls: TlsPair | None = None) -> MakeOps:
+    """The operations of `invoke lb` on the balancer's host, for converge(): every server of
+    the fleet (conduct/fleet.py), grouped by model name, behind the fleet's one key; ``tls``:
+    the pair HAProxy presents (edge_tls), None for plain HTTP. What the balancer's host serves
+    itself does not matter: it may serve nothing."""
 
     def make(served: Served, host: Host, prefix: str, sudo: bool) -> list[Operation]:
-        loaded = served.loaded
-        key = loaded.recipe.service.api_key_ref
-        backends = fleet_backends(lb_spec, backend_specs, load, recipe, key, str(loaded.path))
         systemd = choose_manager(host, "auto") == "systemd"
         state = f"{prefix}/deploy/{UNIT_NAME.removesuffix('.service')}"
         lb = Balancer(
-            loaded.recipe,
-            backends,
-            bind=bind,
-            port=port,
+            fleet.recipe,
+            fleet.backends,
+            bind=edge.bind,
+            port=edge.port,
             config_path=CONFIG_PATH if systemd else f"{state}/haproxy.cfg",
             tls=tls is not None,
         )
@@ -146,9 +138,9 @@ def balancer_ops_maker(
                 # a new certificate restarts it too (HAProxy reads the pair at start)
                 [config, unit, tls.fingerprint if tls else ""],
                 prefix,
-                (lb.probe_address, port),
+                (lb.probe_address, edge.port),
                 sudo=sudo,
-                what=f"the load balancer on {bind}:{port}",
+                what=f"the load balancer on {edge.bind}:{edge.port}",
                 manager=manager,
             )
         )

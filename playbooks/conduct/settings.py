@@ -9,7 +9,7 @@ from pathlib import Path
 
 from playbooks.conduct.deployed import deployed_recipe
 from playbooks.conduct.placements import Served, host_serves
-from playbooks.config.inventory import HostSpec, resolve_host
+from playbooks.config.inventory import HostSpec, LbSpec, load_lb, resolve_host
 from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import Host, connect
@@ -75,6 +75,10 @@ class Settings:
                 f"{host_name} serves several recipes ({', '.join(s.name for s in served)}): pass --recipe"
             )
         return served[0]
+
+    def lb(self) -> LbSpec:
+        """The inventory's ``lb:`` entry (empty when it has none)."""
+        return load_lb(self.inventory)
 
     def load_recipe(self, name: str) -> LoadedRecipe:
         return load_recipe(name, self.recipes_dir or RECIPES_DIR)

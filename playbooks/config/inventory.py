@@ -1,5 +1,7 @@
 """inventory.yaml: host names -> SSH target, user, port, GPU kind, and what it serves: one
-``recipe``, or a ``serve`` layout placing several recipes on disjoint GPU sets.
+``recipe``, or a ``serve`` layout placing several recipes on disjoint GPU sets; and the fleet's
+balancer, an ``lb:`` entry (which host runs it, over which hosts, where it listens, its key and
+certificate), that `invoke lb`, `render --lb` and `bench --lb` read, flags overriding.
 
 A host that is not listed falls back to the user's ~/.ssh/config (and then to plain DNS),
 as Fabric does. The name `local` means this machine, without SSH.
@@ -14,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from playbooks.config.secret_names import check_secret_ref
 from playbooks.config.yamlfile import explain_validation, load_yaml
 from playbooks.errors import RecipeError
 from playbooks.plan.gpus import get_gpu, gpu_names
@@ -151,9 +154,71 @@ class HostSpec(BaseModel):
         return self
 
 
+class LbSpec(BaseModel):
+    """The fleet's balancer (`invoke lb`). Every field is also a flag of `invoke lb`, which wins.
+
+    ``api_key_ref``: the key the edge checks and forwards; every backend must accept it (the
+    same ``service.api_key_ref``). Unset: the backends' one key (or none). ``tls``: HTTPS at
+    the edge (unset: beyond loopback only; plain HTTP on a public bind only with ``false``);
+    ``cert``/``key``: the pair to present (files on the controller, pushed as secrets), else a
+    self-signed pair kept on the controller."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str | None = Field(None, description="the inventory host that runs HAProxy")
+    hosts: tuple[str, ...] = Field((), description="the hosts whose servers it balances")
+    bind: str | None = None
+    port: int | None = Field(None, ge=1, le=65535)
+    api_key_ref: str | None = None
+    tls: bool | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v):
+        if v is not None and not HOST_NAME_RE.match(v):
+            raise ValueError("host names may hold letters, digits and . _ - (max 63)")
+        return v
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, v):
+        bad = [h for h in v if not HOST_NAME_RE.match(h)]
+        if bad:
+            raise ValueError(f"{bad[0]!r}: host names may hold letters, digits and . _ - (max 63)")
+        if len(set(v)) != len(v):
+            raise ValueError("a host is named twice")
+        return v
+
+    @field_validator("bind")
+    @classmethod
+    def _bind(cls, v):
+        if v is not None:
+            try:
+                ipaddress.ip_address(v)
+            except ValueError:
+                raise ValueError("must be an IP address, e.g. 0.0.0.0") from None
+        return v
+
+    @field_validator("api_key_ref")
+    @classmethod
+    def _key_ref(cls, v):
+        return check_secret_ref(v)
+
+    @model_validator(mode="after")
+    def _pair(self):
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together: the certificate and its private key")
+        if self.cert and self.tls is False:
+            raise ValueError("cert/key with tls: false: plain HTTP presents no certificate")
+        return self
+
+
 class _InventoryFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     hosts: dict[str, dict] = {}
+    lb: dict | None = None
 
 
 def load_inventory(path: Path = DEFAULT_INVENTORY) -> dict[str, HostSpec]:
@@ -177,6 +242,24 @@ def load_inventory(path: Path = DEFAULT_INVENTORY) -> dict[str, HostSpec]:
         except ValidationError as exc:
             raise explain_validation(exc, path, lines, HostSpec, prefix=("hosts", name)) from None
     return specs
+
+
+def load_lb(path: Path = DEFAULT_INVENTORY) -> LbSpec:
+    """The inventory's ``lb:`` entry (an empty one when there is none or no file). Relative
+    ``cert``/``key`` paths are read from the inventory's directory."""
+    path = Path(path)
+    if not path.exists():
+        return LbSpec()
+    data, lines = load_yaml(path)
+    if data is None:
+        return LbSpec()
+    try:
+        entry = _InventoryFile.model_validate(data).lb
+        spec = LbSpec.model_validate(entry or {})
+    except ValidationError as exc:
+        raise explain_validation(exc, path, lines, LbSpec, prefix=("lb",)) from None
+    files = {k: str((path.parent / v).expanduser()) for k in ("cert", "key") if (v := getattr(spec, k))}
+    return spec.model_copy(update=files) if files else spec
 
 
 def resolve_host(name: str, inventory: Path = DEFAULT_INVENTORY, ssh_config: Path | None = None) -> HostSpec:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from playbooks.config.inventory import HOST_NAME_RE
+from playbooks.config.secret_names import check_secret_ref
 from playbooks.config.yamlfile import Lines, explain_validation, line_of, load_yaml
 from playbooks.errors import RecipeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
@@ -234,11 +235,7 @@ class Service(_Strict):
     @field_validator("api_key_ref")
     @classmethod
     def _api_key_ref(cls, v):
-        # a file name under /etc/voltaforge/secrets/ that reaches a unit's LoadCredential= line:
-        # no path, no space, no specifier, nothing a unit file would read as syntax
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", v):
-            raise ValueError("must be a secret's file name: letters, digits, _ and - (no path)")
-        return v
+        return check_secret_ref(v)
 
     @field_validator("model_name")
     @classmethod

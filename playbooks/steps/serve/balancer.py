@@ -105,8 +105,8 @@ class Balancer:
         ip = ipaddress.ip_address(self.bind)
         if not ip.is_loopback and not self.recipe.service.api_key_ref:
             raise VoltaforgeError(
-                f"a balancer on {self.bind} (not loopback) needs the recipe's service.api_key_ref: the key is "
-                "checked at the edge"
+                f"a balancer on {self.bind} (not loopback) needs an API key (its backends' service.api_key_ref): "
+                "the key is checked at the edge"
             )
         if self.port == self.stats_port:
             raise VoltaforgeError(f"port {self.port} is the stats page's; give the balancer another (--port)")

@@ -1,0 +1,167 @@
+"""What a balancer balances: every server its hosts serve, grouped by served model name.
+
+Two sources, one set of checks (``fleet_of``):
+
+- **the deployment records** (``deployed_fleet``, `invoke lb`): what each host's
+  ``<prefix>/deploy/*/deployed.json`` says it serves: every recipe, layout and instance that
+  was really deployed, each on its recorded port. A host with no record yet falls back to what
+  the inventory places there (a first `invoke lb` before the first provision), and says so.
+- **the inventory** (``placed_fleet``, `invoke render --lb`): what each host's ``recipe:`` or
+  ``serve:`` layout places there, without connecting.
+
+The checks: one model name is one base model (two quants of one model share a name; two models
+must not), and every backend accepts the balancer's one key (the edge checks it and forwards it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from playbooks.conduct.deployed import read_deployments, recipe_file
+from playbooks.conduct.placements import host_serves
+from playbooks.conduct.quantize import recipe_weights
+from playbooks.conduct.settings import Settings
+from playbooks.config.inventory import HostSpec
+from playbooks.config.recipe import LoadedRecipe, Recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.steps.serve.balancer import Backend, backends_for
+
+
+@dataclass(frozen=True)
+class HostServers:
+    """One recipe's servers on one backend host: the recipe as served, its ports."""
+
+    spec: HostSpec
+    loaded: LoadedRecipe
+    ports: tuple[int, ...]
+    source: str  # "deployed" (its records) or "inventory"
+
+
+@dataclass(frozen=True)
+class Fleet:
+    backends: tuple[Backend, ...]
+    key_ref: str | None
+    servers: tuple[HostServers, ...]
+
+    @property
+    def loaded(self) -> LoadedRecipe:
+        """One backend's recipe: the edge's defaults (its key is the fleet's one key)."""
+        return self.servers[0].loaded
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.loaded.recipe
+
+    @property
+    def models(self) -> dict[str, list[Backend]]:
+        out: dict[str, list[Backend]] = {}
+        for b in self.backends:
+            out.setdefault(b.model, []).append(b)
+        return out
+
+    @property
+    def notes(self) -> list[str]:
+        return [
+            f"{s.spec.name}: nothing deployed yet; balancing what the inventory places there ({s.loaded.recipe.name})"
+            for s in self.servers
+            if s.source == "inventory"
+        ]
+
+
+def same_host(a: HostSpec, b: HostSpec) -> bool:
+    return a.name == b.name or a.host == b.host or (a.local and b.local)
+
+
+def fleet_of(lb_spec: HostSpec, servers: Sequence[HostServers], key_ref: str | None) -> Fleet:
+    """The backends of every host's servers, checked. ``key_ref``: the balancer's own key
+    (the inventory's ``lb: api_key_ref``); None: the backends' one key, whichever it is."""
+    if not servers:
+        raise VoltaforgeError("the balancer's hosts serve nothing: deploy a recipe there first")
+    keys = {s.loaded.recipe.service.api_key_ref for s in servers}
+    if key_ref is None and len(keys) > 1:
+        taken = ", ".join(f"{s.spec.name}: {s.loaded.recipe.service.api_key_ref or '(none)'}" for s in servers)
+        raise VoltaforgeError(
+            f"the backends take different keys ({taken}): every backend of one balancer must accept its one key "
+            "(one api_key_ref)"
+        )
+    edge_key = key_ref if key_ref is not None else next(iter(keys))
+    backends: list[Backend] = []
+    weights: dict[str, set[str]] = {}
+    per_host = Counter(s.spec.name for s in servers)
+    for s in servers:
+        r = s.loaded.recipe
+        if r.service.api_key_ref != edge_key:
+            raise VoltaforgeError(
+                f"{s.spec.name}: {r.name} takes the key {r.service.api_key_ref or '(none)'}, the balancer's edge "
+                f"checks {edge_key or '(none)'}: every backend must accept the balancer's key (one api_key_ref)"
+            )
+        weights.setdefault(r.served_name, set()).add(recipe_weights(s.loaded).model_id)
+        theirs = backends_for(r, [(s.spec.name, s.spec.host, same_host(s.spec, lb_spec), s.ports)])
+        # a host with several recipes (a layout): each server named by its port
+        if per_host[s.spec.name] > 1:
+            theirs = tuple(replace(b, name=f"{s.spec.name}-{b.port}") for b in theirs)
+        backends += theirs
+    for name, ids in weights.items():
+        if len(ids) > 1:
+            raise VoltaforgeError(
+                f"model name {name} is served from {len(ids)} different base models ({', '.join(sorted(ids))}): "
+                "give each its own service.model_name"
+            )
+    return Fleet(tuple(backends), edge_key, tuple(servers))
+
+
+def placed_servers(spec: HostSpec, recipe: str | None, load: Callable[[str], LoadedRecipe]) -> list[HostServers]:
+    """What the inventory places on a host (its layout, its recipe; ``recipe``: that one)."""
+    return [HostServers(spec, s.loaded, tuple(s.ports()), "inventory") for s in host_serves(spec, recipe, load)]
+
+
+def placed_fleet(
+    lb_spec: HostSpec,
+    backend_specs: Sequence[HostSpec],
+    load: Callable[[str], LoadedRecipe],
+    recipe: str | None,
+    key_ref: str | None,
+) -> Fleet:
+    """The fleet as the inventory places it, without connecting (`invoke render --lb`)."""
+    servers: list[HostServers] = []
+    for s in backend_specs:
+        theirs = placed_servers(s, recipe, load)
+        if not theirs:
+            raise VoltaforgeError(f"{s.name}: serves no recipe (give it one in the inventory, or pass --recipe)")
+        servers += theirs
+    return fleet_of(lb_spec, servers, key_ref)
+
+
+def deployed_servers(settings: Settings, spec: HostSpec, recipe: str | None) -> list[HostServers]:
+    """What a host's deployment records say it serves (one read), each recipe with the ports
+    of its instances; ``recipe``: only the deployments of that recipe."""
+    wanted = settings.load_recipe(recipe).recipe.name if recipe else None
+    with settings.connect(spec) as host:
+        found = read_deployments(host, spec.prefix)
+    by_recipe: dict[str, tuple[LoadedRecipe, list[int]]] = {}
+    for d in found:
+        recorded = d.recipe
+        if recorded is None or d.port is None or (wanted and recorded.name != wanted):
+            continue
+        if recorded.sha256 not in by_recipe:
+            by_recipe[recorded.sha256] = (settings.load_recipe(recipe_file(recorded, spec.name)), [])
+        by_recipe[recorded.sha256][1].append(d.port)
+    # the recorded recipe keeps the file's port; each instance listens where its record says
+    return [HostServers(spec, loaded, tuple(sorted(ports)), "deployed") for loaded, ports in by_recipe.values()]
+
+
+def deployed_fleet(
+    settings: Settings, lb_spec: HostSpec, backend_specs: Sequence[HostSpec], recipe: str | None, key_ref: str | None
+) -> Fleet:
+    """The fleet as the hosts' deployment records say (`invoke lb`); a host with none yet: as
+    the inventory places it (Fleet.notes says which)."""
+    servers: list[HostServers] = []
+    for s in backend_specs:
+        theirs = deployed_servers(settings, s, recipe) or placed_servers(s, recipe, settings.load_recipe)
+        if not theirs:
+            raise VoltaforgeError(
+                f"{s.name}: nothing deployed under {s.prefix} and no recipe in the inventory: provision it first"
+            )
+        servers += theirs
+    return fleet_of(lb_spec, servers, key_ref)
