@@ -92,6 +92,30 @@ def test_lb_on_a_host_without_systemd_plans_a_managed_process(sshd_host, tmp_pat
     assert not prefix.exists()
 
 
+def test_a_balancer_host_that_serves_nothing_fronts_what_the_inventory_places(sshd_host, tmp_path, capsys):
+    """The balancer's own host serves nothing (no recipe anywhere for it); its backend has no
+    deployment record yet: `invoke lb` says it balances what the inventory places there, and
+    the dry run plans HAProxy in front of it, writing nothing on either."""
+    import yaml
+
+    from playbooks.cli.balancer import run_lb
+    from playbooks.conduct.settings import Settings
+
+    prefix, backend_prefix = tmp_path / "prefix", tmp_path / "backend"
+    inv = inventory_for(tmp_path, "edge-01", sshd_host, prefix=str(prefix))
+    data = yaml.safe_load(inv.read_text())
+    # the backend: the same machine under another name (so its loopback server is reachable)
+    data["hosts"]["box"] = {**data["hosts"]["edge-01"], "prefix": str(backend_prefix), "recipe": "tiny-cpu"}
+    data["lb"] = {"host": "edge-01", "hosts": ["box"]}
+    inv.write_text(yaml.safe_dump(data))
+    assert run_lb(dry_run=True, settings=Settings(inventory=inv)) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "box: nothing deployed yet; balancing what the inventory places there (tiny-cpu)" in said, said
+    assert "model tiny-llama: box 127.0.0.1:18080" in said, said
+    assert f"{prefix}/deploy/voltaforge-lb/haproxy.cfg" in said, said
+    assert not prefix.exists() and not backend_prefix.exists()
+
+
 def test_the_running_check_probes_where_the_balancer_listens(tmp_path):
     """A balancer bound to every address is checked on loopback; one bound to an address
     (IPv6 loopback too) is checked there, not on 127.0.0.1 where nothing listens."""

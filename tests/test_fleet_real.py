@@ -76,10 +76,10 @@ def served_by(counters: str) -> dict[str, int]:
 def test_one_tls_endpoint_over_a_mixed_fleet_without_systemd(
     make_sshd_host,
     quants,
-    api_secret,
+    api_secret,  # noqa: F811
     tmp_path,
     monkeypatch,
-    capsys,  # noqa: F811
+    capsys,
 ):
     ref, key, _ = api_secret
     box = make_sshd_host(sudo="nopasswd", netns=True)
