@@ -140,7 +140,10 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, tiny_q4, api_s
             client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
             assert [m.id for m in client.models.list()] == ["tiny-llama"]
             reply = client.chat.completions.create(
-                model="tiny-llama", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+                model="tiny-llama",
+                messages=[{"role": "user", "content": "Hello"}],
+                max_tokens=4,
+                extra_body={"ignore_eos": True},
             )
             assert reply.model == "tiny-llama" and reply.usage.completion_tokens == 4
 
