@@ -15,7 +15,7 @@ def fixture_body(name: str) -> str:
     return body if sep else text
 
 
-def _entry(host) -> dict:
+def host_entry(host) -> dict:
     return {
         "host": host.hostname,
         "port": host.port,
@@ -29,14 +29,14 @@ def spec_for(host, name: str = "test-host"):
     """A HostSpec for a test host (sshd_host, nspawn_host, ...)."""
     from playbooks.config.inventory import HostSpec
 
-    return HostSpec(name=name, **_entry(host))
+    return HostSpec(name=name, **host_entry(host))
 
 
 def inventory_for(tmp_path: Path, name: str, host, prefix: str | None = None, recipe: str | None = None) -> Path:
     """An inventory.yaml that points `name` at a test host (sshd_host, nspawn_host, ...)."""
     import yaml
 
-    entry = _entry(host)
+    entry = host_entry(host)
     if prefix:
         entry["prefix"] = prefix
     if recipe:

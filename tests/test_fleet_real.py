@@ -39,7 +39,7 @@ from playbooks.host import connect
 from playbooks.steps.serve.balancer import parse_stats, stats_command
 from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
-from tests.helpers import ROOT, _entry, spec_for, stage_served_model
+from tests.helpers import ROOT, host_entry, spec_for, stage_served_model
 from tests.test_keyed_real import api_secret  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_one_tls_endpoint_over_a_mixed_fleet_without_systemd(
             {
                 "hosts": {
                     "local": {"prefix": local_prefix, "serve": [{"recipe": str(q8)}, {"recipe": str(q4)}]},
-                    "box": {**_entry(box), "prefix": box_prefix, "recipe": str(remote)},
+                    "box": {**host_entry(box), "prefix": box_prefix, "recipe": str(remote)},
                 },
                 "lb": {"hosts": ["local", "box"], "port": LB_PORT, "api_key_ref": ref, "tls": True},
             }

@@ -31,8 +31,7 @@ def run_lb(
     (None: beyond loopback only); ``cert``/``key``: the pair to present, else a self-signed one
     kept on this controller (its fingerprint printed). ``recipe``: that recipe's servers only."""
     settings = settings or Settings()
-    entry = settings.lb()
-    edge = edge_settings(entry, host_name or entry.host or default_host, backends, bind, port, tls, cert, key)
+    edge = edge_settings(settings.lb(), host_name, backends, bind, port, tls, cert, key, default_host)
     lb_spec = settings.host_spec(edge.host)
     specs = [settings.host_spec(n) for n in edge.hosts]  # an unknown name: one line before connecting
     if recipe:

@@ -65,10 +65,12 @@ def edge_settings(
     tls: bool | None = None,
     cert: str | None = None,
     key: str | None = None,
+    default_host: str | None = None,
 ) -> Edge:
     """The flags over the ``lb:`` entry; one line when neither names the balancer's host or
-    its hosts. A certificate given by flag replaces the entry's pair; ``--tls off`` drops it."""
-    lb_host = host or entry.host
+    its hosts. The host: the flag's, else the entry's, else ``default_host`` (invoke.yaml's).
+    A certificate given by flag replaces the entry's pair; ``--tls off`` drops it."""
+    lb_host = host or entry.host or default_host
     if not lb_host:
         raise UsageError("which host runs the balancer: pass --host, or give the inventory an lb: entry with host:")
     backends = tuple(hosts or entry.hosts)

@@ -25,7 +25,7 @@ from playbooks.conduct.settings import Settings
 from playbooks.config.inventory import HostSpec
 from playbooks.config.recipe import LoadedRecipe, Recipe
 from playbooks.errors import VoltaforgeError
-from playbooks.steps.serve.balancer import Backend, backends_for
+from playbooks.steps.serve.balancer import Backend, backends_for, by_model
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,8 @@ class Fleet:
         return self.loaded.recipe
 
     @property
-    def models(self) -> dict[str, list[Backend]]:
-        out: dict[str, list[Backend]] = {}
-        for b in self.backends:
-            out.setdefault(b.model, []).append(b)
-        return out
+    def models(self) -> dict[str, tuple[Backend, ...]]:
+        return by_model(self.backends)
 
     @property
     def notes(self) -> list[str]:
@@ -133,10 +130,9 @@ def placed_fleet(
     return fleet_of(lb_spec, servers, key_ref)
 
 
-def deployed_servers(settings: Settings, spec: HostSpec, recipe: str | None) -> list[HostServers]:
+def deployed_servers(settings: Settings, spec: HostSpec, wanted: str | None) -> list[HostServers]:
     """What a host's deployment records say it serves (one read), each recipe with the ports
-    of its instances; ``recipe``: only the deployments of that recipe."""
-    wanted = settings.load_recipe(recipe).recipe.name if recipe else None
+    of its instances; ``wanted``: only the deployments of the recipe of that name."""
     with settings.connect(spec) as host:
         found = read_deployments(host, spec.prefix)
     by_recipe: dict[str, tuple[LoadedRecipe, list[int]]] = {}
@@ -156,9 +152,10 @@ def deployed_fleet(
 ) -> Fleet:
     """The fleet as the hosts' deployment records say (`invoke lb`); a host with none yet: as
     the inventory places it (Fleet.notes says which)."""
+    wanted = settings.load_recipe(recipe).recipe.name if recipe else None
     servers: list[HostServers] = []
     for s in backend_specs:
-        theirs = deployed_servers(settings, s, recipe) or placed_servers(s, recipe, settings.load_recipe)
+        theirs = deployed_servers(settings, s, wanted) or placed_servers(s, recipe, settings.load_recipe)
         if not theirs:
             raise VoltaforgeError(
                 f"{s.name}: nothing deployed under {s.prefix} and no recipe in the inventory: provision it first"

@@ -24,8 +24,16 @@ from playbooks.plan.gpus import get_gpu, gpu_names
 DEFAULT_INVENTORY = Path("inventory.yaml")
 DEFAULT_PREFIX = "/opt/voltaforge"
 HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+HOST_NAME_RULE = "host names may hold letters, digits and . _ - (max 63)"
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")
 _PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]*$")
+
+
+def check_host_name(v: str) -> str:
+    """An inventory name (a host entry's, or one the lb: entry names)."""
+    if not HOST_NAME_RE.match(v):
+        raise ValueError(HOST_NAME_RULE)
+    return v
 
 
 def is_host_address(value: str) -> bool:
@@ -103,9 +111,7 @@ class HostSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v):
-        if not HOST_NAME_RE.match(v):
-            raise ValueError("host names may hold letters, digits and . _ - (max 63)")
-        return v
+        return check_host_name(v)
 
     @field_validator("host")
     @classmethod
@@ -177,16 +183,14 @@ class LbSpec(BaseModel):
     @field_validator("host")
     @classmethod
     def _host(cls, v):
-        if v is not None and not HOST_NAME_RE.match(v):
-            raise ValueError("host names may hold letters, digits and . _ - (max 63)")
-        return v
+        return v if v is None else check_host_name(v)
 
     @field_validator("hosts")
     @classmethod
     def _hosts(cls, v):
         bad = [h for h in v if not HOST_NAME_RE.match(h)]
         if bad:
-            raise ValueError(f"{bad[0]!r}: host names may hold letters, digits and . _ - (max 63)")
+            raise ValueError(f"{bad[0]!r}: {HOST_NAME_RULE}")
         if len(set(v)) != len(v):
             raise ValueError("a host is named twice")
         return v

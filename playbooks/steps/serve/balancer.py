@@ -117,10 +117,7 @@ class Balancer:
     @property
     def models(self) -> dict[str, tuple[Backend, ...]]:
         """The served model names, each with its servers (in the order given)."""
-        out: dict[str, list[Backend]] = {}
-        for b in self.backends:
-            out.setdefault(self.model_of(b), []).append(b)
-        return {m: tuple(bs) for m, bs in out.items()}
+        return by_model(self.backends, self.recipe.served_name)
 
     @property
     def body_limit(self) -> int:
@@ -154,6 +151,15 @@ class Balancer:
     def peers(self) -> list[str]:
         """The backends' addresses a loopback-only balancer must still reach."""
         return sorted({b.address for b in self.backends if b.address != "127.0.0.1"})
+
+
+def by_model(backends: Sequence[Backend], default: str = "") -> dict[str, tuple[Backend, ...]]:
+    """The backends grouped by the model each serves (``default``: a backend that names none),
+    models and servers in the order given."""
+    out: dict[str, list[Backend]] = {}
+    for b in backends:
+        out.setdefault(b.model or default, []).append(b)
+    return {m: tuple(bs) for m, bs in out.items()}
 
 
 def backends_for(recipe: Recipe, hosts: Sequence[tuple[str, str, bool, Sequence[int]]]) -> tuple[Backend, ...]:
