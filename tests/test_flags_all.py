@@ -57,6 +57,7 @@ ACCEPTED = {
     ("plan", "host-ram"): {"5"},  # 5 GiB of host RAM
     ("plan", "min-tok-s"): {"5"},  # a speed floor of 5 tok/s
     ("quantize", "bpw"): {"5"},  # EXL2 at 5.0 bits per weight
+    ("provision", "drain-timeout"): {"5"},  # 5 s for a drained server's requests
     ("render", "gpus"): {"5"},  # GPU 5
     ("deploy", "gpus"): {"5"},
     # tune: 5 slots, a batch of 5, 5 tokens, 5 bits per weight, 5 rungs, port 5, 5 threads

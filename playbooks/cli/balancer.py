@@ -8,8 +8,9 @@ from rich.text import Text
 
 from playbooks.cli.converge import converge
 from playbooks.cli.render import console
-from playbooks.conduct.balancer import balancer_ops_maker, edge_settings, edge_tls, remember_edge
+from playbooks.conduct.balancer import BalancerOps, edge_settings, edge_tls, remember_edge
 from playbooks.conduct.fleet import deployed_fleet
+from playbooks.conduct.fronted import fronted_of, record_ops_maker
 from playbooks.conduct.placements import Served
 from playbooks.conduct.settings import Settings
 
@@ -45,9 +46,16 @@ def run_lb(
         console().print(Text(note))
     for model, servers in fleet.models.items():
         console().print(Text(f"model {model}: " + ", ".join(f"{b.name} {b.address}:{b.port}" for b in servers)))
-    code = converge(
-        settings, edge.host, None, balancer_ops_maker(edge, fleet, pair), dry_run, served=[Served(fleet.loaded)]
-    )
+    served = [Served(fleet.loaded)]
+    ops = BalancerOps(edge, fleet, pair)
+    code = converge(settings, edge.host, None, ops, dry_run, served=served)
     if code == 0 and not dry_run:
         remember_edge(edge.host, pair)  # bench --lb reaches it the same way
+    if code or ops.api is None:
+        return code
+    # each backend host learns which balancer fronts which of its servers: provision drains a
+    # server there before restarting it (conduct/roll.py)
+    for spec in specs:
+        record = record_ops_maker(fronted_of(edge.host, ops.api, fleet, spec.name))
+        code = max(code, converge(settings, spec.name, None, record, dry_run, served=served))
     return code

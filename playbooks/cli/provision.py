@@ -22,6 +22,7 @@ from playbooks.conduct.provision import (
     Provisioner,
     resolve_targets,
 )
+from playbooks.conduct.roll import Roll, Rolled, rolled_line
 from playbooks.conduct.settings import Settings
 from playbooks.steps.measure.gate import figures_line
 
@@ -84,7 +85,19 @@ def render_summary(outcomes: Sequence[HostOutcome], out: Console, dry_run: bool 
         )
 
 
-def outcome_json(o: HostOutcome) -> dict[str, Any]:
+def render_roll(roll: Roll, out: Console, dry_run: bool) -> None:
+    """The servers changed behind a balancer: in a dry run the order, per model; else each one's
+    drain, what the balancer sent it while it was out, and how it ended."""
+    for (balancer, model), servers in roll.planned.items():
+        order = ", then ".join(servers)
+        out.print(Text(f"rolling model {model} behind the balancer on {balancer}, one server at a time: {order}"))
+    for r in roll.rolled:
+        out.print(Text(rolled_line(r), style="green" if r.result == "changed" else "bold red"))
+    for note in roll.notes:
+        out.print(Text(f"note: {note}"))
+
+
+def outcome_json(o: HostOutcome, rolled: Sequence[Rolled] = ()) -> dict[str, Any]:
     return {
         "host": o.host,
         "recipe": o.recipe,
@@ -97,6 +110,7 @@ def outcome_json(o: HostOutcome) -> dict[str, Any]:
         "fix": o.fix,
         "reports": o.reports,
         "log": str(o.log),
+        "rolled": [vars(r) for r in rolled if (r.host, r.recipe) == (o.host, o.recipe)],
     }
 
 
@@ -129,7 +143,8 @@ def run_provision(
         )
         return 130
     render_summary(outcomes, console(), options.dry_run)
+    render_roll(prov.roll, console(), options.dry_run)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps([outcome_json(o) for o in outcomes], indent=2) + "\n")
+        json_out.write_text(json.dumps([outcome_json(o, prov.roll.rolled) for o in outcomes], indent=2) + "\n")
     return 1 if any(o.failed for o in outcomes) else 0

@@ -687,6 +687,8 @@ def status(c: Context, host: str | None = None, json: bool = False, inventory: s
         "json": "also write the summary as JSON to this file",
         "inventory": INVENTORY_HELP,
         "verbose": "every line live (commands, compiler, pip), as the log has them; quiet by default",
+        "drain-timeout": "seconds a server drained on its balancer may take to finish its requests before it is "
+        "changed anyway (default 300)",
     },
 )
 def provision(
@@ -698,6 +700,7 @@ def provision(
     json: str | None = None,
     inventory: str | None = None,
     verbose: bool = False,
+    drain_timeout: float | None = None,
 ) -> None:
     """Everything, in order, on one host or many, up to a passed benchmark gate.
 
@@ -708,12 +711,20 @@ def provision(
     def go() -> int:
         from playbooks.cli.provision import run_provision
         from playbooks.conduct.provision import DEFAULT_RECIPE, Options
+        from playbooks.conduct.roll import DRAIN_BOUND_S
 
         return run_provision(
             flags.host_names("--host", _cfg(c, "host", host)),
             recipe=flags.name_or_path("--recipe", recipe),
             default_recipe=flags.name_or_path("voltaforge.recipe", _cfg(c, "recipe")) or DEFAULT_RECIPE,
-            options=Options(dry_run=dry_run, rebench=rebench, command=typed_command()),
+            options=Options(
+                dry_run=dry_run,
+                rebench=rebench,
+                command=typed_command(),
+                drain_timeout_s=DRAIN_BOUND_S
+                if drain_timeout is None
+                else flags.positive_float("--drain-timeout", drain_timeout, "seconds", 3600),
+            ),
             settings=_settings(c, inventory),
             json_out=flags.output_file("--json", json),
             verbose=verbose,
@@ -725,6 +736,8 @@ def provision(
         for flag, value in (("--host", host), ("--recipe", recipe), ("--inventory", inventory)):
             if value is not None:
                 words += [flag, str(value)]
+        if drain_timeout is not None:
+            words += ["--drain-timeout", str(drain_timeout)]
         return shlex.join(words + (["--rebench"] if rebench else []))
 
     run_command(go)

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from playbooks.conduct.converge import MakeOps
 from playbooks.conduct.deploy import choose_manager
 from playbooks.conduct.fleet import Fleet
 from playbooks.conduct.placements import Served
@@ -27,6 +26,7 @@ from playbooks.host.ops import EnsureDirectory, Operation
 from playbooks.steps.build.llamacpp_source import source_cache_dir
 from playbooks.steps.build.toolchain import EnsureSystemPackages
 from playbooks.steps.serve.balancer import (
+    ADMIN_SOCKET,
     CONFIG_PATH,
     TLS_PATH,
     UNIT_NAME,
@@ -35,6 +35,7 @@ from playbooks.steps.serve.balancer import (
     render_lb_unit,
 )
 from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
+from playbooks.steps.serve.runtime_api import RuntimeApi
 from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy, EnsureSecretFile
 from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Systemd
 from playbooks.steps.serve.tls import TlsPair, given_pair, kept_pair
@@ -92,15 +93,23 @@ def edge_settings(
     )
 
 
-def balancer_ops_maker(edge: Edge, fleet: Fleet, tls: TlsPair | None = None) -> MakeOps:
-    """The operations of `invoke lb` on the balancer's host, for converge(): every server of
-    the fleet (conduct/fleet.py), grouped by model name, behind the fleet's one key; ``tls``:
-    the pair HAProxy presents (edge_tls), None for plain HTTP. What the balancer's host serves
-    itself does not matter: it may serve nothing."""
+class BalancerOps:
+    """The operations of `invoke lb` on the balancer's host, for converge() (a MakeOps): every
+    server of the fleet (conduct/fleet.py), grouped by model name, behind the fleet's one key;
+    ``tls``: the pair HAProxy presents (edge_tls), None for plain HTTP. What the balancer's host
+    serves itself does not matter: it may serve nothing. Once called, ``api`` is where its
+    runtime API listens there (the backends' records name it: conduct/fronted.py)."""
 
-    def make(served: Served, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+    def __init__(self, edge: Edge, fleet: Fleet, tls: TlsPair | None = None):
+        self.edge, self.fleet, self.tls = edge, fleet, tls
+        self.api: RuntimeApi | None = None
+
+    def __call__(self, served: Served, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+        edge, fleet, tls = self.edge, self.fleet, self.tls
         systemd = choose_manager(host, "auto") == "systemd"
         state = f"{prefix}/deploy/{UNIT_NAME.removesuffix('.service')}"
+        # under systemd root reaches the socket (sudo); a managed process's is the SSH user's
+        self.api = RuntimeApi(ADMIN_SOCKET if systemd else f"{state}/admin.sock", sudo=systemd)
         lb = Balancer(
             fleet.recipe,
             fleet.backends,
@@ -108,6 +117,7 @@ def balancer_ops_maker(edge: Edge, fleet: Fleet, tls: TlsPair | None = None) -> 
             port=edge.port,
             config_path=CONFIG_PATH if systemd else f"{state}/haproxy.cfg",
             tls=tls is not None,
+            admin_socket=self.api.socket,
         )
         config, unit = render_haproxy_config(lb), render_lb_unit(lb)
         secret = lb.api_key_file
@@ -147,8 +157,6 @@ def balancer_ops_maker(edge: Edge, fleet: Fleet, tls: TlsPair | None = None) -> 
             )
         )
         return ops
-
-    return make
 
 
 def tls_dir(lb_host: str) -> Path:

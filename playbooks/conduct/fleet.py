@@ -43,6 +43,8 @@ class Fleet:
     backends: tuple[Backend, ...]
     key_ref: str | None
     servers: tuple[HostServers, ...]
+    #: each backend's host (its inventory name), in the order of ``backends``
+    owners: tuple[str, ...] = ()
 
     @property
     def loaded(self) -> LoadedRecipe:
@@ -84,6 +86,7 @@ def fleet_of(lb_spec: HostSpec, servers: Sequence[HostServers], key_ref: str | N
         )
     edge_key = key_ref if key_ref is not None else next(iter(keys))
     backends: list[Backend] = []
+    owners: list[str] = []
     weights: dict[str, set[str]] = {}
     per_host = Counter(s.spec.name for s in servers)
     for s in servers:
@@ -99,13 +102,14 @@ def fleet_of(lb_spec: HostSpec, servers: Sequence[HostServers], key_ref: str | N
         if per_host[s.spec.name] > 1:
             theirs = tuple(replace(b, name=f"{s.spec.name}-{b.port}") for b in theirs)
         backends += theirs
+        owners += [s.spec.name] * len(theirs)
     for name, ids in weights.items():
         if len(ids) > 1:
             raise VoltaforgeError(
                 f"model name {name} is served from {len(ids)} different base models ({', '.join(sorted(ids))}): "
                 "give each its own service.model_name"
             )
-    return Fleet(tuple(backends), edge_key, tuple(servers))
+    return Fleet(tuple(backends), edge_key, tuple(servers), tuple(owners))
 
 
 def placed_servers(spec: HostSpec, recipe: str | None, load: Callable[[str], LoadedRecipe]) -> list[HostServers]:

@@ -39,6 +39,7 @@ from playbooks.conduct.logs import log_dir
 from playbooks.conduct.placements import Served
 from playbooks.conduct.quantize import quantize_step
 from playbooks.conduct.read_pass import read_pass
+from playbooks.conduct.roll import DRAIN_BOUND_S, DeployRoll, Roll
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.toolchain import toolchain_step
 from playbooks.config.inventory import HostSpec
@@ -68,6 +69,8 @@ class Options:
     # the command as typed, without --dry-run and --json: what a fix line tells the user to run
     # again (a bare `invoke provision --host H` would provision the default recipe instead)
     command: str = "invoke provision"
+    #: how long a server drained on its balancer may take to finish its requests (conduct/roll.py)
+    drain_timeout_s: float = DRAIN_BOUND_S
 
 
 @dataclass
@@ -182,6 +185,8 @@ class Provisioner:
         self.console = console or Printer()
         self.cancel = threading.Event()
         self.run_dir = log_dir() / f"provision-{time.strftime('%Y%m%d-%H%M%S')}"
+        #: servers behind a balancer change one at a time, across the run's hosts
+        self.roll = Roll(settings, options.drain_timeout_s)
         self._open: dict[str, Host] = {}
         self._lock = threading.Lock()
 
@@ -341,6 +346,7 @@ class Provisioner:
             ("gate", lambda: list(gates)),
         ]
         pending = blocked or probing  # a dry run whose earlier step would change things (or is blocked)
+        rolled: DeployRoll | None = None
         for step, make in makers:
             t = time.monotonic()
             printer.line(spec.name, f"== {step} ==")
@@ -348,6 +354,11 @@ class Provisioner:
                 raise Interrupted(f"interrupted before {step}")
             try:
                 ops = make()
+                if step == "deploy" and not pending:
+                    # a restart behind a balancer: drained first, one server at a time
+                    rolled = self.roll.deploy(host, prefix, served.name, printer, ops, gates, dry_run)
+                elif step == "gate" and rolled:
+                    ops = [g for g in ops if id(g) not in rolled.gated]
             except (VoltaforgeError, HostError) as exc:
                 text = str(exc).removeprefix(f"{spec.name}: ")
                 why = summarize(text)  # the summary's column holds one line, as run_ops's does
@@ -358,7 +369,14 @@ class Provisioner:
                 printer.line(spec.name, f"failed: {step}: {text}")  # whole, into the log too
                 outcome.steps.append(StepOutcome(step, "failed", time.monotonic() - t, why))
                 return
-            changes = run_ops(host, [_Cancellable(op, self.cancel) for op in ops], dry_run=dry_run, keep_going=probing)
+            if step == "deploy" and rolled:
+                changes = rolled.deploy
+            else:
+                changes = run_ops(
+                    host, [_Cancellable(op, self.cancel) for op in ops], dry_run=dry_run, keep_going=probing
+                )
+                if step == "gate" and rolled:
+                    changes = rolled.gate + changes
             status = step_status(changes, dry_run)
             if status == "failed" and dry_run and pending:
                 status = "not reached"

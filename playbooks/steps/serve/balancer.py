@@ -32,6 +32,11 @@ UNIT_NAME = "voltaforge-lb.service"
 #: each served model is one HAProxy backend, named this and the model's name
 BACKEND_PREFIX = "model_"
 CONFIG_PATH = "/etc/voltaforge/lb/haproxy.cfg"
+#: HAProxy's runtime API under systemd (the unit's RuntimeDirectory=, owned by its dynamic
+#: user, mode 600: root reaches it through sudo); a managed process keeps it in its state dir
+ADMIN_SOCKET = "/run/voltaforge-lb/admin.sock"
+#: what a Unix socket's path may hold (sun_path: 108 bytes with the terminating NUL)
+SOCKET_PATH_MAX = 107
 #: the edge's certificate and key (one PEM, root, 0600), loaded as a credential
 TLS_PATH = "/etc/voltaforge/lb/tls.pem"
 #: where the loopback-only stats page listens (per-server state and counters)
@@ -94,6 +99,8 @@ class Balancer:
     #: HTTPS at the edge (the pair from steps/serve/tls.py); plain HTTP beyond loopback only
     #: when the operator says so (``invoke lb --no-tls``)
     tls: bool = False
+    #: HAProxy's runtime API (drain a server, put it back: conduct/roll.py), owner-only
+    admin_socket: str = ADMIN_SOCKET
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -107,6 +114,11 @@ class Balancer:
             raise VoltaforgeError(
                 f"a balancer on {self.bind} (not loopback) needs an API key (its backends' service.api_key_ref): "
                 "the key is checked at the edge"
+            )
+        if len(self.admin_socket.encode()) > SOCKET_PATH_MAX:
+            raise VoltaforgeError(
+                f"the balancer's runtime API socket {self.admin_socket} is {len(self.admin_socket.encode())} bytes "
+                f"long, past the {SOCKET_PATH_MAX} a Unix socket's path holds: give its host a shorter prefix"
             )
         if self.port == self.stats_port:
             raise VoltaforgeError(f"port {self.port} is the stats page's; give the balancer another (--port)")
@@ -206,6 +218,7 @@ def render_haproxy_config(lb: Balancer) -> str:
         body_limit=lb.body_limit,
         bufsize=lb.bufsize,
         stats_port=lb.stats_port,
+        admin_socket=lb.admin_socket,
     )
 
 
@@ -229,6 +242,7 @@ def render_lb_unit(lb: Balancer) -> str:
         tls_file=TLS_PATH if lb.tls else None,
         loopback_only=lb.loopback_only,
         peers=lb.peers,
+        runtime_dir=lb.admin_socket == ADMIN_SOCKET,
     )
 
 
@@ -248,6 +262,7 @@ class ServerStat:
     requests: int  # HTTP requests it answered (hrsp_* summed) or sessions when absent
     check: str  # the last health check's result, e.g. L7OK, L4CON
     model: str = ""  # the served model name whose backend it is in
+    in_flight: int = 0  # requests it runs now and those queued for it (scur + qcur)
 
     @property
     def up(self) -> bool:
@@ -268,6 +283,7 @@ def parse_stats(output: str, model: str | None = None) -> list[ServerStat]:
         if model is not None and px != BACKEND_PREFIX + model:
             continue
         total = row.get("stot") or "0"
+        now = [row.get(k) or "0" for k in ("scur", "qcur")]
         servers.append(
             ServerStat(
                 name=row.get("svname") or "",
@@ -275,6 +291,7 @@ def parse_stats(output: str, model: str | None = None) -> list[ServerStat]:
                 requests=int(total) if total.isdigit() else 0,
                 check=row.get("check_status") or "",
                 model=px.removeprefix(BACKEND_PREFIX),
+                in_flight=sum(int(n) for n in now if n.isdigit()),
             )
         )
     return servers
