@@ -40,6 +40,8 @@ def test_haproxy_accepts_the_rendered_configuration(keyed, tmp_path):
     check = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "h.cfg")], capture_output=True, text=True, env=env)
     assert check.returncode == 0 and "Configuration file is valid" in check.stdout, check.stdout + check.stderr
     assert "server gpu-01 10.0.0.1:9000" in cfg and "option http-no-delay" in cfg
+    # the runtime API a rolling change drains servers through: owner-only
+    assert "stats socket /run/voltaforge-lb/admin.sock mode 600 level admin" in cfg
     assert ("api-key" in cfg) == keyed
 
 
@@ -47,6 +49,7 @@ def test_haproxy_accepts_the_rendered_configuration(keyed, tmp_path):
 def test_the_unit_is_hardened_and_holds_the_key_as_a_credential(tmp_path):
     loopback = render_lb_unit(two(load_recipe("tiny-cpu").recipe))
     assert "IPAddressDeny=any" in loopback and "IPAddressAllow=10.0.0.1" in loopback
+    assert "RuntimeDirectory=voltaforge-lb\nRuntimeDirectoryMode=0700" in loopback
     assert exposure(loopback, tmp_path, "voltaforge-lb.service") <= 2.0
     keyed = render_lb_unit(two(load_recipe(recipe_with(tmp_path, "tiny-cpu", KEYED)).recipe, bind="0.0.0.0"))
     assert "LoadCredential=api-key:/etc/voltaforge/secrets/lab-key" in keyed and "IPAddressDeny" not in keyed
@@ -89,6 +92,9 @@ def test_lb_on_a_host_without_systemd_plans_a_managed_process(sshd_host, tmp_pat
     assert run_lb("lb-01", ["lb-01"], recipe="tiny-cpu", dry_run=True, settings=Settings(inventory=inv)) == 0
     out = capsys.readouterr().out
     assert f"{prefix}/deploy/voltaforge-lb/haproxy.cfg" in out and "systemctl" not in out, out[-3000:]
+    # its runtime API in its state directory, and the backend's record of who fronts it
+    assert f"{prefix}/deploy/voltaforge-lb/admin.sock" in out, out[-3000:]
+    assert f"{prefix}/deploy/balancers/lb-01.json" in " ".join(out.split()), out[-3000:]
     assert not prefix.exists()
 
 

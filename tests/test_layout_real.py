@@ -10,16 +10,22 @@ container (systemd-nspawn, its own network namespace, no internet) over SSH, thr
 2. `invoke lb` in front of every server the deployment records list (no `--recipe`): the two
    instances and tiny-b, one model by name, TLS at the edge; requests over HTTPS (curl given the
    controller's CA) reach all three (HAProxy's counters).
+2b. A rolling change under load: tiny-cpu's context changes; `invoke provision --dry-run` shows
+   the order, then provision drains each instance on the balancer, changes, gates and puts it
+   back, one after the other, while a steady load through the edge (from inside the container)
+   loses no request; HAProxy's journal says each was drained.
 3. `invoke status` lists the three servers and the balancer; `invoke stop` stops every server of
    the layout, and nothing listens on their ports after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +55,63 @@ def layout_inventory(tmp_path: Path, host) -> Path:
     entry["serve"] = [{"recipe": str(tiny), "instances": 2, "port": 18100}, {"recipe": str(b)}]
     inv.write_text(yaml.safe_dump(data))
     return inv
+
+
+def write_recipe_context(inv: Path, recipe_name: str, context: int) -> None:
+    """The layout's recipe of that name with another context (a flag of its servers)."""
+    for entry in yaml.safe_load(inv.read_text())["hosts"]["box"]["serve"]:
+        path = Path(entry["recipe"])
+        data = yaml.safe_load(path.read_text())
+        if data.get("name", path.stem) == recipe_name:
+            path.write_text(yaml.safe_dump({**data, "context": context}))
+            return
+    raise AssertionError(f"no recipe {recipe_name} in the layout")
+
+
+# a steady load through the edge from inside the container, until /root/load.stop appears
+LOAD_SCRIPT = """
+import json, os, ssl, threading, time, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+ctx = ssl.create_default_context(cafile="/root/edge-ca.pem")
+def one(i):
+    body = json.dumps({"prompt": f"Count {i}", "max_tokens": 8, "ignore_eos": True}).encode()
+    req = urllib.request.Request("https://localhost:18000/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=90) as r:
+            return "ok" if json.load(r)["usage"]["completion_tokens"] == 8 else "short"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+futures, t0, i = [], time.monotonic(), 0
+with ThreadPoolExecutor(8) as pool:
+    while not os.path.exists("/root/load.stop"):
+        futures.append(pool.submit(one, i))
+        i += 1
+        time.sleep(max(0.0, t0 + i / 8 - time.monotonic()))
+    results = [f.result() for f in futures]
+failed = [r for r in results if r != "ok"]
+json.dump({"sent": len(results), "failed": failed[:10]}, open("/root/load.json", "w"))
+"""
+
+
+@contextlib.contextmanager
+def container_load(host):
+    """The load running while the block runs; its tally (requests sent, failures) yielded."""
+    (host.rootfs / "root" / "load.py").write_text(LOAD_SCRIPT)
+    for name in ("load.stop", "load.json"):
+        (host.rootfs / "root" / name).unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        host.ssh_command("python3 /root/load.py", user="root"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    tally: dict = {}
+    try:
+        time.sleep(1)
+        yield tally
+    finally:
+        time.sleep(1)
+        (host.rootfs / "root" / "load.stop").write_text("")
+        said = proc.communicate(timeout=180)[0]
+        done = host.rootfs / "root" / "load.json"
+        tally.update(json.loads(done.read_text()) if done.exists() else {"sent": 0, "failed": [said.decode()[-2000:]]})
 
 
 def invoke(inv: Path, *args: str) -> subprocess.CompletedProcess:
@@ -116,6 +179,29 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
             "curl -sf -m 30 --cacert /root/edge-ca.pem https://localhost:18000/v1/completions "
             f"-H 'Content-Type: application/json' -d '{body}'"
         )
+
+    # 2b. a rolling change under load (issue 33): tiny-cpu's context changes, so both of its
+    # instances restart; each is drained on the balancer (the runtime API, through sudo: the
+    # unit's dynamic user owns the socket), changed, gated and put back, one after the other,
+    # while a steady load through the edge loses nothing (tiny-b keeps serving throughout)
+    write_recipe_context(inv, "tiny-cpu", 1024)
+    code, _, out, _ = provision(inv, "box", "--dry-run")
+    said = " ".join(out.split())
+    assert (
+        code == 0
+        and ("rolling model tiny-llama behind the balancer on box, one server at a time: box-18100, then box-18101")
+        in said
+    ), out[-4000:]
+    with container_load(host) as load:
+        code, summary, out, _ = provision(inv, "box")
+    assert code == 0, out[-6000:]
+    assert statuses(summary[0])["deploy"] == "changed" and set(statuses(summary[1]).values()) == {"ok"}, summary
+    assert [(r["server"], r["result"], r["while_out"]) for r in summary[0]["rolled"]] == [
+        ("box-18100", "changed", 0), ("box-18101", "changed", 0),
+    ], summary[0]  # fmt: skip
+    assert load["sent"] >= 40 and not load["failed"], load
+    drained = host.run_inside(f"journalctl -u {LB} -o cat | grep -c 'enters drain state'", check=False).stdout
+    assert drained.strip() == "2", drained
 
     # 3. everything in `invoke status`; `invoke stop` stops every server of the layout
     listed = status(inv)

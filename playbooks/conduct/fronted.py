@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from playbooks.conduct.converge import MakeOps
+from playbooks.conduct.deploy import choose_manager
 from playbooks.conduct.fleet import Fleet
 from playbooks.conduct.placements import Served
 from playbooks.config.inventory import check_host_name
@@ -81,6 +82,9 @@ def record_ops_maker(fronted: Fronted) -> MakeOps:
     """The record on one backend host, for converge()."""
 
     def make(served: Served, host: Host, prefix: str, sudo: bool) -> list[Operation]:
+        # beside the deployment records, written as they are: as root where systemd runs the
+        # servers, as the SSH user where it runs them itself
+        sudo = choose_manager(host, "auto") == "systemd"
         where = records_dir(prefix)
         return [
             EnsureDirectory(where, 0o755, sudo=sudo),
