@@ -15,7 +15,14 @@ import pytest
 
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
-from playbooks.steps.serve.balancer import Backend, Balancer, backends_for, render_haproxy_config, render_lb_unit
+from playbooks.steps.serve.balancer import (
+    ADMIN_SOCKET,
+    Backend,
+    Balancer,
+    backends_for,
+    render_haproxy_config,
+    render_lb_unit,
+)
 from tests.helpers import ROOT, inventory_for, recipe_with
 from tests.test_units import exposure
 
@@ -25,6 +32,7 @@ needs_systemd = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="
 
 
 def two(recipe, **kw) -> Balancer:
+    kw.setdefault("admin_socket", ADMIN_SOCKET)
     return Balancer(recipe, (Backend("gpu-01", "10.0.0.1", 9000), Backend("gpu-02", "10.0.0.2", 9000)), **kw)
 
 
@@ -66,6 +74,8 @@ def test_what_cannot_work_is_refused(tmp_path):
         Balancer(r, (Backend("a", "10.0.0.1", 1), Backend("a", "10.0.0.2", 1)))
     with pytest.raises(VoltaforgeError, match="is the stats page's"):
         two(r, port=8404)
+    with pytest.raises(VoltaforgeError, match="is 102 bytes long, past the 97"):
+        two(r, admin_socket="/" + "x" * 90 + "/admin.sock")
     with pytest.raises(VoltaforgeError, match="not an IPv4 address or a host name"):
         Backend("a", "10.0.0.1;rm", 1)
     # a server on loopback is reachable from its own host only
@@ -81,13 +91,13 @@ def test_what_cannot_work_is_refused(tmp_path):
     ]
 
 
-def test_lb_on_a_host_without_systemd_plans_a_managed_process(sshd_host, tmp_path, capsys):
+def test_lb_on_a_host_without_systemd_plans_a_managed_process(sshd_host, tmp_path, tmp_path_factory, capsys):
     """A real host (a private sshd, no systemd there): the dry run plans HAProxy as a managed
     process of the SSH user, its configuration under the prefix, and writes nothing."""
     from playbooks.cli.balancer import run_lb
     from playbooks.conduct.settings import Settings
 
-    prefix = tmp_path / "prefix"
+    prefix = tmp_path_factory.mktemp("vf") / "prefix"  # short: the runtime API's socket lives under it
     inv = inventory_for(tmp_path, "lb-01", sshd_host, prefix=str(prefix))
     assert run_lb("lb-01", ["lb-01"], recipe="tiny-cpu", dry_run=True, settings=Settings(inventory=inv)) == 0
     out = capsys.readouterr().out
@@ -98,7 +108,9 @@ def test_lb_on_a_host_without_systemd_plans_a_managed_process(sshd_host, tmp_pat
     assert not prefix.exists()
 
 
-def test_a_balancer_host_that_serves_nothing_fronts_what_the_inventory_places(sshd_host, tmp_path, capsys):
+def test_a_balancer_host_that_serves_nothing_fronts_what_the_inventory_places(
+    sshd_host, tmp_path, tmp_path_factory, capsys
+):
     """The balancer's own host serves nothing (no recipe anywhere for it); its backend has no
     deployment record yet: `invoke lb` says it balances what the inventory places there, and
     the dry run plans HAProxy in front of it, writing nothing on either."""
@@ -107,7 +119,7 @@ def test_a_balancer_host_that_serves_nothing_fronts_what_the_inventory_places(ss
     from playbooks.cli.balancer import run_lb
     from playbooks.conduct.settings import Settings
 
-    prefix, backend_prefix = tmp_path / "prefix", tmp_path / "backend"
+    prefix, backend_prefix = tmp_path_factory.mktemp("vf") / "prefix", tmp_path / "backend"
     inv = inventory_for(tmp_path, "edge-01", sshd_host, prefix=str(prefix))
     data = yaml.safe_load(inv.read_text())
     # the backend: the same machine under another name (so its loopback server is reachable)

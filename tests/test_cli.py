@@ -143,6 +143,7 @@ BAD = {
     ("provision", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
     ("provision", "inventory"): [("BROKEN", "inventory")],
     ("provision", "json"): [("", "is not a file path"), ("tests", "is a directory, not a file")],
+    ("provision", "drain-timeout"): [("0", "must be a positive number of seconds"), ("soon", "is not a number")],
     ("verify-recipe", "recipe"): [("nope", "unknown recipe 'nope'"), ("", "is not a name or a path")],
     ("verify-recipe", "reports"): [("README.md", "exists and is not a directory")],
 }
@@ -204,6 +205,7 @@ CONTEXT = {
     ("render", "gpus"): ["--recipe", "tiny-cpu", "--out", "/tmp/vf-render-unused"],
     ("provision", "inventory"): ["--host", "some-host"],
     ("provision", "json"): ["--host", "nosuch-host-anywhere"],
+    ("provision", "drain-timeout"): ["--host", "nosuch-host-anywhere"],
     ("verify-recipe", "reports"): ["tiny-cpu"],
 }
 # flags that take no value to get wrong (booleans) or are not user input (the test runner's)

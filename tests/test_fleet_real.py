@@ -79,12 +79,14 @@ def test_one_tls_endpoint_over_a_mixed_fleet_without_systemd(
     quants,
     api_secret,  # noqa: F811
     tmp_path,
+    tmp_path_factory,
     monkeypatch,
     capsys,
 ):
     ref, key, _ = api_secret
     box = make_sshd_host(sudo="nopasswd", netns=True)
-    local_prefix, box_prefix = str(tmp_path / "local"), str(box.prefix / "vf")
+    # (a short prefix: HAProxy's runtime API socket lives under it, in at most 97 bytes)
+    local_prefix, box_prefix = str(tmp_path_factory.mktemp("vf") / "local"), str(box.prefix / "vf")
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     q8 = fleet_recipe(recipes, "tiny-q8", ref, "Q8_0", "127.0.0.1", LOCAL_PORTS[0])

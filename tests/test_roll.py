@@ -77,7 +77,7 @@ def test_names_that_reach_the_socket_are_checked():
         with pytest.raises(VoltaforgeError):
             server_line("m", bad, "drain")
     with pytest.raises(VoltaforgeError, match="shorter prefix"):
-        RuntimeApi("/" + "x" * 120 + "/admin.sock", sudo=False)
+        RuntimeApi("/" + "x" * 87 + "/admin.sock", sudo=False)  # 99 bytes
     with pytest.raises(VoltaforgeError, match="not an absolute path"):
         RuntimeApi("admin.sock", sudo=False)
     # the socket's path is quoted on the command line; the command itself goes on stdin

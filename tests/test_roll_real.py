@@ -123,11 +123,11 @@ def record(prefix: str, name: str) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_a_rolling_change_under_load_loses_no_request(tmp_path, monkeypatch, capsys):
+def test_a_rolling_change_under_load_loses_no_request(tmp_path, tmp_path_factory, monkeypatch, capsys):
     work = tmp_path / "w"
     f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY["model"]["config"]), work / "f16.gguf")
     q4 = llamacpp_tools.quantize(f16, work / "tiny-Q4_K_M.gguf", "Q4_K_M")
-    prefix = str(tmp_path / "p")
+    prefix = str(tmp_path_factory.mktemp("vf"))  # short: the runtime API's socket lives under it
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     paths = {n: write_recipe(recipes, n, 1024) for n in PORTS}

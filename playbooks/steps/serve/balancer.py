@@ -35,8 +35,9 @@ CONFIG_PATH = "/etc/voltaforge/lb/haproxy.cfg"
 #: HAProxy's runtime API under systemd (the unit's RuntimeDirectory=, owned by its dynamic
 #: user, mode 600: root reaches it through sudo); a managed process keeps it in its state dir
 ADMIN_SOCKET = "/run/voltaforge-lb/admin.sock"
-#: what a Unix socket's path may hold (sun_path: 108 bytes with the terminating NUL)
-SOCKET_PATH_MAX = 107
+#: what HAProxy takes for a Unix socket's path: sun_path's 108 bytes, less the NUL and the
+#: ".<pid>.tmp" it binds first and renames (measured, HAProxy 2.6: 97 parses, 98 is "too long")
+SOCKET_PATH_MAX = 97
 #: the edge's certificate and key (one PEM, root, 0600), loaded as a credential
 TLS_PATH = "/etc/voltaforge/lb/tls.pem"
 #: where the loopback-only stats page listens (per-server state and counters)
@@ -99,8 +100,9 @@ class Balancer:
     #: HTTPS at the edge (the pair from steps/serve/tls.py); plain HTTP beyond loopback only
     #: when the operator says so (``invoke lb --no-tls``)
     tls: bool = False
-    #: HAProxy's runtime API (drain a server, put it back: conduct/roll.py), owner-only
-    admin_socket: str = ADMIN_SOCKET
+    #: HAProxy's runtime API (drain a server, put it back: conduct/roll.py), owner-only; None:
+    #: none (a balancer that no rolling change drives: the benchmarks' and demos')
+    admin_socket: str | None = None
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -115,7 +117,7 @@ class Balancer:
                 f"a balancer on {self.bind} (not loopback) needs an API key (its backends' service.api_key_ref): "
                 "the key is checked at the edge"
             )
-        if len(self.admin_socket.encode()) > SOCKET_PATH_MAX:
+        if self.admin_socket and len(self.admin_socket.encode()) > SOCKET_PATH_MAX:
             raise VoltaforgeError(
                 f"the balancer's runtime API socket {self.admin_socket} is {len(self.admin_socket.encode())} bytes "
                 f"long, past the {SOCKET_PATH_MAX} a Unix socket's path holds: give its host a shorter prefix"
