@@ -108,6 +108,20 @@ def test_lb_on_a_host_without_systemd_plans_a_managed_process(sshd_host, tmp_pat
     assert not prefix.exists()
 
 
+def test_a_prefix_too_long_for_the_runtime_api_socket_serves_without_it(sshd_host, tmp_path, capsys):
+    """A prefix whose socket path HAProxy would refuse: the balancer is still planned, without
+    the runtime API, and `invoke lb` says that provision changes these servers in place."""
+    from playbooks.cli.balancer import run_lb
+    from playbooks.conduct.settings import Settings
+
+    prefix = tmp_path / ("p" * 40)
+    inv = inventory_for(tmp_path, "lb-01", sshd_host, prefix=str(prefix))
+    assert run_lb("lb-01", ["lb-01"], recipe="tiny-cpu", dry_run=True, settings=Settings(inventory=inv)) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: no runtime API: its socket" in out and "provision changes these servers in place" in out, out
+    assert "deploy/balancers/lb-01.json" not in out and not prefix.exists()
+
+
 def test_a_balancer_host_that_serves_nothing_fronts_what_the_inventory_places(
     sshd_host, tmp_path, tmp_path_factory, capsys
 ):

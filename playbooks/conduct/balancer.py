@@ -28,6 +28,7 @@ from playbooks.steps.build.toolchain import EnsureSystemPackages
 from playbooks.steps.serve.balancer import (
     ADMIN_SOCKET,
     CONFIG_PATH,
+    SOCKET_PATH_MAX,
     TLS_PATH,
     UNIT_NAME,
     Balancer,
@@ -109,7 +110,17 @@ class BalancerOps:
         systemd = choose_manager(host, "auto") == "systemd"
         state = f"{prefix}/deploy/{UNIT_NAME.removesuffix('.service')}"
         # under systemd root reaches the socket (sudo); a managed process's is the SSH user's
-        self.api = RuntimeApi(ADMIN_SOCKET if systemd else f"{state}/admin.sock", sudo=systemd)
+        socket = ADMIN_SOCKET if systemd else f"{state}/admin.sock"
+        if len(socket.encode()) <= SOCKET_PATH_MAX:
+            self.api = RuntimeApi(socket, sudo=systemd)
+        else:
+            # the balancer still runs; only a rolling change needs the socket
+            host.printer.line(
+                host.name,
+                f"note: no runtime API: its socket {socket} would be {len(socket.encode())} bytes, past the "
+                f"{SOCKET_PATH_MAX} HAProxy takes; provision changes these servers in place (a shorter prefix "
+                "on this host enables rolling changes)",
+            )
         lb = Balancer(
             fleet.recipe,
             fleet.backends,
@@ -117,7 +128,7 @@ class BalancerOps:
             port=edge.port,
             config_path=CONFIG_PATH if systemd else f"{state}/haproxy.cfg",
             tls=tls is not None,
-            admin_socket=self.api.socket,
+            admin_socket=self.api.socket if self.api else None,
         )
         config, unit = render_haproxy_config(lb), render_lb_unit(lb)
         secret = lb.api_key_file

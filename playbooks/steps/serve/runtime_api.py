@@ -77,7 +77,9 @@ class RuntimeApi:
         if not result.ok:
             raise HostError(
                 f"{host.name}: HAProxy's runtime API at {self.socket} did not answer "
-                f"({(result.stderr.strip().splitlines() or ['exit ' + str(result.exited)])[-1][:200]})"
+                f"({(result.stderr.strip().splitlines() or ['exit ' + str(result.exited)])[-1][:200]}); "
+                "nothing was changed: start the balancer again (`invoke lb`), or, where it no longer fronts "
+                "this host, remove the host's deploy/balancers/ record to change its servers in place"
             )
         return result.stdout
 
