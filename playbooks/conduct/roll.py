@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from playbooks.conduct.fronted import Fronted, FrontedServer, fronting, read_fronted
 from playbooks.conduct.settings import Settings
-from playbooks.errors import VoltaforgeError
+from playbooks.errors import HostError, VoltaforgeError
 from playbooks.host import Host
 from playbooks.host.base import Printer
 from playbooks.host.ops import Change, Decision, Operation, Shell, run_ops
@@ -118,17 +118,27 @@ class Roll:
         if not any(behind.values()):
             return None
         gate_of = {id(g.serving): g for g in gates}
-        out = DeployRoll(run_ops(host, [op for op in ops if not isinstance(op, EnsureServing)], dry_run), [], set())
-        if any(c.status == "failed" for c in out.deploy):
-            return out
         with ExitStack() as links:
+            # the balancers first: one that cannot be reached fails the step before anything here
+            # is written (a server it fronts must not restart without its drain)
+            lb_hosts: dict[str, Host | None] = {}
+            for op in servings:
+                if behind[id(op)] and restarts(op.check(host)):
+                    for f, _ in behind[id(op)]:
+                        if f.balancer not in lb_hosts:
+                            lb_hosts[f.balancer] = self._connect(links, f, printer)
+            out = DeployRoll(run_ops(host, [op for op in ops if not isinstance(op, EnsureServing)], dry_run), [], set())
+            if any(c.status == "failed" for c in out.deploy):
+                return out
             for op in servings:
                 fronts = behind[id(op)]
                 if not fronts or not restarts(op.check(host)):
                     out.deploy += run_ops(host, [op], dry_run)
                 else:
                     gate = gate_of.get(id(op))
-                    lb_hosts = {f.balancer: self._connect(links, f, printer) for f, _ in fronts}
+                    for f, _ in fronts:
+                        if f.balancer not in lb_hosts:
+                            lb_hosts[f.balancer] = self._connect(links, f, printer)
                     self._turn(host, recipe, printer, op, gate, fronts, lb_hosts, out, dry_run)
                     if gate:
                         out.gated.add(id(gate))
@@ -137,11 +147,18 @@ class Roll:
         return out
 
     def _connect(self, links: ExitStack, fronted: Fronted, printer: Printer) -> Host | None:
+        """The balancer's host, connected; None when this inventory does not know it."""
         try:
             spec = self.settings.host_spec(fronted.balancer)
         except VoltaforgeError:
             return None
-        return links.enter_context(self.settings.connect(spec, printer))
+        try:
+            return links.enter_context(self.settings.connect(spec, printer))
+        except HostError as exc:
+            raise HostError(
+                f"the balancer's host {fronted.balancer}, where its servers here are drained first, cannot be "
+                f"reached: {exc}; nothing was restarted"
+            ) from None
 
     def _turn(
         self,
