@@ -60,6 +60,7 @@ from playbooks.results import checkout_commit, describe_machine, write_result  #
 from playbooks.steps.build.build import BuildLayout, build_ops, cmake_flags  # noqa: E402
 from playbooks.steps.build.buildenv import read_compile_facts  # noqa: E402
 from playbooks.steps.build.llamacpp_source import Source, file_sha256  # noqa: E402
+from playbooks.steps.measure import roofline  # noqa: E402
 from playbooks.steps.measure.bench import decode_figure  # noqa: E402
 from playbooks.steps.serve.units import ServerLayout, llama_server_argv  # noqa: E402
 from playbooks.weights.shaped_gguf import write_shaped_gguf  # noqa: E402
@@ -516,7 +517,9 @@ def gate_results(data: dict[str, Any], run: Run) -> list[Path | None]:
         "single_stream_halfwidth_tok_s": (first.get("decode") or {}).get("halfwidth"),
         "single_stream_n": (first.get("decode") or {}).get("n"),
         "server_tok_s": first.get("server_predicted_per_second"),
-        "roofline_pct": round(mbu * 100, 2) if _number(mbu) else None,
+        # a share of the roofline only where it bounds: none above it (roofline.ABOVE_CEILING,
+        # said in extra) nor where no roofline binds (cache-resident)
+        "roofline_pct": round(mbu * 100, 2) if _number(mbu) and not roofline.above(mbu) else None,
         "ttft_p50_ms": round(first["ttft_p50_s"] * 1000, 1) if _number(first.get("ttft_p50_s")) else None,
         tg: lb.get("tg_tok_s"),
         pp: lb.get("pp_tok_s"),
@@ -548,6 +551,9 @@ def gate_results(data: dict[str, Any], run: Run) -> list[Path | None]:
                 "gate_passed": verdict.get("passed"),
                 "reasons": verdict.get("reasons"),
                 "roofline_tok_s": bench.get("roofline_tok_s"),
+                "roofline_basis": bench.get("roofline_basis"),
+                # a ceiling or measurement error (MBU above 1), or a roofline that does not bind
+                "mbu_note": roofline.mbu_note(bench),
                 "workload": work,
                 "llama_bench_command": lb.get("command"),
                 "throttled": telemetry.get("throttled"),

@@ -89,8 +89,17 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound,
         assert result["membw"]["source"].startswith("measured ") and len(result["membw"]["probe"]["trials"]) == 10
         assert result["client_on_served_host"] and result["client_cpu"]["cores"] > 0
         assert levels[0]["prompt_tokens"] == pytest.approx(64, rel=0.25)  # sized by the server's own count
-        # the ceiling beside the figures: a measured copy rate over the bytes a token streams
-        assert result["roofline_basis"].startswith("measured CPU copy") and 0 < result["mbu"] < 1.5
+        # the ceiling beside the figures: a measured copy rate over the bytes a token streams, a
+        # bound where those bytes do not fit the host's last-level cache (this one's 155 MB do not
+        # fit a 32 MiB L3); where they do, no DRAM ceiling binds and there is no MBU
+        llc = result["facts"]["last_level_cache"]
+        if result["cache_resident"]:
+            assert result["roofline_basis"].startswith("cache-resident: ") and result["roofline_tok_s"] is None
+            assert result["mbu"] is None and result["mbu_note"].startswith("none: cache-resident: ")
+        else:
+            assert result["roofline_basis"].startswith("measured CPU copy") and 0 < result["mbu"] <= 1, result
+            assert result["mbu_note"] is None
+            assert not llc["available"] or "last-level cache holds)" in result["roofline_basis"], llc
         assert result["llama_bench"]["tg_tok_s"] > 0 and result["llama_bench"]["pp_tok_s"] > 0
         assert result["gate"]["passed"] and result["gate"]["reasons"] == []
         assert result["sanity"]["skipped"] == {
@@ -115,6 +124,7 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound,
         second = json.loads(max((bench_dir() / "box" / "bench-cpu").glob("*/bench.json")).read_text())
         assert second["membw"]["source"].startswith("stored, measured ")
         assert second["roofline_tok_s"] == result["roofline_tok_s"] and second["membw_gb_s"] == result["membw_gb_s"]
+        assert second["facts"]["last_level_cache"] == llc and second["cache_resident"] == result["cache_resident"]
     finally:
         assert run_stop("box", str(passing), settings=settings) == 0
     capsys.readouterr()

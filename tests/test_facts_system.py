@@ -156,6 +156,25 @@ def test_systemd_command_without_systemctl():
     assert parse_systemd(run.stdout).systemctl_present is False
 
 
+def test_llc_this_machine():
+    """cpu0's caches as sysfs gives them: the last level is L3, 32 MiB shared by both CPUs (not
+    the 320 MiB `getconf LEVEL3_CACHE_SIZE` says here); an instruction cache never counts."""
+    got = system.parse_llc(fixture_text("thishost-llc-sysfs-cacheinfo.txt"))
+    assert got == system.LastLevelCache(available=True, level=3, size_bytes=32 * 2**20, shared_cpus="0-1")
+    # an Arm board whose last level is a 2 MiB L2 (sizes in K); a line without shared_cpu_list
+    arm = "level=1 type=Data size=32K shared=0\nlevel=2 type=Unified size=2048K\n"
+    assert system.parse_llc(arm) == system.LastLevelCache(available=True, level=2, size_bytes=2 * 2**20)
+
+
+def test_llc_absent_or_garbled_never_raises():
+    for text in ("", "voltaforge: cpu cache sizes not found\n", "level=3 type=Unified size=\n", "garbage"):
+        got = system.parse_llc(text)
+        assert not got.available and got.size_bytes is None and got.reason
+    assert "no sysfs cacheinfo" in system.parse_llc("voltaforge: cpu cache sizes not found").reason
+    only_code = "level=1 type=Instruction size=32K shared=0"
+    assert not system.parse_llc(only_code).available
+
+
 def test_nproc_and_uname_this_machine():
     text = fixture_text("thishost-nproc-uname-m.txt")
     assert parse_nproc(text) == 2
@@ -210,6 +229,18 @@ def test_meminfo_command_on_this_machine(local):
 def test_nproc_command_on_this_machine(local):
     # nproc counts the CPUs this process may run on (affinity), like sched_getaffinity
     assert parse_nproc(read_fact(local, system.NPROC_COMMAND)) == len(os.sched_getaffinity(0))
+
+
+def test_llc_command_on_this_machine(local):
+    got = system.parse_llc(read_fact(local, system.LLC_COMMAND))
+    index = [d for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*") if (d / "size").exists()]
+    if not index:
+        assert not got.available
+        return
+    kept = [d for d in index if (d / "type").read_text().strip() != "Instruction"]
+    top = max(kept, key=lambda d: (int((d / "level").read_text()), int((d / "size").read_text().strip()[:-1])))
+    assert got.level == int((top / "level").read_text())
+    assert got.size_bytes == int((top / "size").read_text().strip().removesuffix("K")) * 1024
 
 
 def test_uname_machine_command_on_this_machine(local):

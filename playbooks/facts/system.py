@@ -310,3 +310,49 @@ def parse_uname_machine(text: str) -> str | None:
         if re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", line):
             return _ARCH_ALIASES.get(line.lower(), line)
     return None
+
+
+# --------------------------------------------------------------------------- last-level cache
+
+# The caches the kernel reports for cpu0 (sysfs cacheinfo: the CPUs' own CPUID/ACPI tables, as
+# the kernel read them, and what `lscpu -C` prints). Not `getconf LEVEL3_CACHE_SIZE`: glibc
+# computes that itself, and on this machine (AMD EPYC, 2 vCPUs) it says 320 MiB where the
+# kernel's topology and lscpu say 32 MiB: ten times the cache a model would be judged to fit.
+LLC_COMMAND = (
+    "vf_found=; for vf_d in /sys/devices/system/cpu/cpu0/cache/index*; do "
+    'if [ -r "$vf_d/level" ] && [ -r "$vf_d/size" ]; then vf_found=1; '
+    'echo "level=$(cat "$vf_d/level") type=$(cat "$vf_d/type" 2>/dev/null) size=$(cat "$vf_d/size")'
+    ' shared=$(cat "$vf_d/shared_cpu_list" 2>/dev/null)"; fi; done; '
+    "[ -n \"$vf_found\" ] || echo 'voltaforge: cpu cache sizes not found'"
+)
+
+
+class LastLevelCache(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    available: bool
+    reason: str = ""
+    level: int | None = None  # 3 on most x86 servers; 2 on many Arm boards
+    size_bytes: int | None = None  # one instance: what the CPUs of ``shared_cpus`` share
+    shared_cpus: str | None = None  # '0-1', the kernel's shared_cpu_list
+
+
+_CACHE_LINE = re.compile(r"^level=(\d+) type=(\S*) size=(\d+)([KMG]?)\s*(?:shared=(\S*))?\s*$")
+_SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}  # sysfs's "32768K" is KiB
+
+
+def parse_llc(text: str) -> LastLevelCache:
+    """Parse LLC_COMMAND output: the highest-level data or unified cache cpu0 has, one instance
+    of it (a host with several, one per chiplet or socket, shares one only among its own CPUs:
+    the size a thread can count on). Never raises: absent or garbled output is ``available=False``."""
+    if _ABSENT.search(text or ""):
+        return LastLevelCache(available=False, reason="the kernel reports no CPU caches (no sysfs cacheinfo)")
+    found: list[tuple[int, int, str | None]] = []
+    for line in lines(text):
+        m = _CACHE_LINE.match(line.strip())
+        if m and m.group(2) != "Instruction" and int(m.group(3)) > 0:
+            found.append((int(m.group(1)), int(m.group(3)) * _SIZE_UNITS[m.group(4)], m.group(5) or None))
+    if not found:
+        return LastLevelCache(available=False, reason="no data or unified cache in the output")
+    level, size, shared = max(found, key=lambda c: (c[0], c[1]))
+    return LastLevelCache(available=True, level=level, size_bytes=size, shared_cpus=shared)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from playbooks.steps.measure import roofline
 from playbooks.steps.measure.bench_client import Sample
 from playbooks.steps.measure.bench_stats import arrivals, estimate
 
@@ -188,9 +189,13 @@ def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float, wa
 
 
 def decode_figure(level: dict[str, Any]) -> float:
-    """The single figure a level's decode is judged by: the mean of the client's per-stream
-    rates, or of the server's own where the client could not time the tokens (``crosscheck``
-    says why)."""
+    """The one per-stream decode figure of a level, for every reader (the gate, the MBU, the
+    reports, the chart, the history, compare, the device check): the judged estimate's mean
+    (``decode.mean``: the client's rates, or the server's own where the client could not time
+    the tokens). A level stored before the estimates has none: the server's own where
+    ``crosscheck`` says the client could not time them (its ``per_stream_decode_tok_s`` was then
+    the client's untimeable figure), else ``per_stream_decode_tok_s``. 0.0 where there is none
+    (a level whose every request failed)."""
     decode = level.get("decode") or {}
     if decode.get("mean") is not None:
         return float(decode["mean"])
@@ -292,11 +297,21 @@ def judge(result: dict[str, Any], thresholds: dict[str, float], seen: dict[str, 
     if thresholds.get("min_tok_s") and single < thresholds["min_tok_s"]:
         reasons.append(f"single-stream decode {single:.1f} tok/s is below the gate's {thresholds['min_tok_s']:g}")
     mbu = result.get("mbu")
-    if thresholds.get("min_roofline_fraction") and (mbu or 0) < thresholds["min_roofline_fraction"]:
-        reasons.append(
-            f"decode reaches {(mbu or 0):.0%} of the roofline ({result.get('roofline_tok_s')} tok/s), below the gate's "
-            f"{thresholds['min_roofline_fraction']:.0%}"
-        )
+    fraction = thresholds.get("min_roofline_fraction") or 0.0
+    # a fraction of a ceiling that does not bind (cache-resident) or that the rate exceeds (a
+    # ceiling or measurement error) says nothing: not judged, and the diagnosis says so
+    unjudged = bool(result.get("cache_resident")) or roofline.above(mbu)
+    if fraction and not unjudged:
+        if mbu is None:
+            reasons.append(
+                f"no roofline to judge the gate's {fraction:.0%} of it against: "
+                f"{result.get('roofline_basis') or 'none computed'}"
+            )
+        elif mbu < fraction:
+            reasons.append(
+                f"decode reaches {mbu:.0%} of the roofline ({result.get('roofline_tok_s')} tok/s), below the gate's "
+                f"{fraction:.0%}"
+            )
     at = int(thresholds.get("at_concurrency") or 0)
     if thresholds.get("min_aggregate_tok_s") and at:
         level = next((lv for lv in levels if lv["concurrency"] == at), None)
@@ -320,17 +335,31 @@ def judge(result: dict[str, Any], thresholds: dict[str, float], seen: dict[str, 
             )
         ratio = lv.get("crosscheck_ratio")
         if ratio is not None and abs(ratio - 1) > CROSSCHECK_TOLERANCE and thresholds.get("crosscheck_gates", 1):
+            # the client's own rate (a level stored before it had its own name: the old field)
+            client = lv.get("client_decode_tok_s")
+            client = lv.get("per_stream_decode_tok_s") if client is None else client
             reasons.append(
-                f"at concurrency {lv['concurrency']} the client's decode {lv['per_stream_decode_tok_s']} tok/s and the "
+                f"at concurrency {lv['concurrency']} the client's decode {client} tok/s and the "
                 f"server's own {lv['server_predicted_per_second']} differ by {abs(ratio - 1):.0%} (over 5%)"
             )
     reasons += list((result.get("sanity") or {}).get("failures") or [])
-    return {"passed": not reasons, "reasons": reasons, "diagnosis": diagnose(result, seen), "thresholds": thresholds}
+    diagnosis = diagnose(result, seen)
+    if fraction and unjudged:
+        why = roofline.DOES_NOT_BIND if result.get("cache_resident") else roofline.ABOVE_CEILING
+        diagnosis.append(f"the gate's min_roofline_fraction {fraction:.0%} is not judged: {why}")
+    return {"passed": not reasons, "reasons": reasons, "diagnosis": diagnosis, "thresholds": thresholds}
 
 
 def diagnose(result: dict[str, Any], seen: dict[str, Any]) -> list[str]:
     """What explains the figures, from what was seen, most decisive first."""
     notes: list[str] = []
+    mbu = result.get("mbu")
+    if roofline.above(mbu):
+        # before anything the figures may explain: the figures themselves are in doubt
+        notes.append(
+            f"decode at {mbu:.2f}x the bandwidth roofline ({result.get('roofline_tok_s')} tok/s, "
+            f"{result.get('roofline_basis')}): {roofline.ABOVE_CEILING}"
+        )
     offloaded = seen.get("offloaded")
     if offloaded and offloaded[0] < offloaded[1]:
         notes.append(
@@ -347,7 +376,8 @@ def diagnose(result: dict[str, Any], seen: dict[str, Any]) -> list[str]:
         )
     if str(result.get("scaling", "")).startswith("does not scale"):
         notes.append(f"concurrency {result['scaling']}")
-    mbu = result.get("mbu")
+    if result.get("cache_resident"):
+        notes.append(f"{result.get('roofline_basis')}: no bandwidth share (MBU) is given")
     if mbu is not None and mbu < 0.3 and not notes:
         notes.append(
             f"decode at {mbu:.0%} of the bandwidth roofline with nothing else seen: a small model is bound by "

@@ -13,7 +13,13 @@ The benchmark (client, sweep, gate) produces one result dict; this module only s
 Everything is pure except the files it is asked to write. Every decode rate stands beside the
 roofline (bandwidth / bytes streamed per token) as a percentage: per stream that is the MBU, the
 number that says whether the server or the memory is the limit. Aggregate rates above 100% are
-not an error: a batched decode step reads the weights once for every stream in the batch.
+not an error: a batched decode step reads the weights once for every stream in the batch. A
+per-stream rate above it is, and says so (:mod:`roofline`); a cache-resident model has no
+roofline and no percentage.
+
+A level's per-stream decode is one figure wherever it is shown: :func:`bench.decode_figure`
+(the judged estimate; in results and history written before it, the server's own where the
+client could not time the tokens), never the client's own rate where that could not be timed.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from rich.table import Table
 from rich.text import Text
 
 from playbooks.errors import VoltaforgeError
+from playbooks.steps.measure import roofline as ceiling
+from playbooks.steps.measure.bench import decode_figure
 from playbooks.steps.measure.bench_stats import distinct
 
 REPORT_FILES = {"json": "bench.json", "markdown": "bench.md", "png": "bench.png"}
@@ -43,6 +51,7 @@ CHART_FIGSIZE_IN = (10.0, 6.0)
 CHART_DPI = 100
 
 # The metrics history and compare track per level: the ones a regression shows in first.
+# per_stream_decode_tok_s is the judged figure (:func:`per_stream`), in old lines and new.
 TRACKED = ("aggregate_tok_s", "per_stream_decode_tok_s", "ttft_p95_s")
 # For TTFT lower is better; compare still reports the plain % change and leaves judging to people.
 
@@ -101,12 +110,16 @@ def _fmt(v: Any, spec: str = ".1f", scale: float = 1.0) -> str:
     return "-" if n is None else format(n * scale, spec)
 
 
-def _of_roofline(v: Any, roofline: Any) -> str:
-    """``61.0 (51%)``: a decode rate and its share of the single-stream roofline."""
-    n, r = _num(v), _num(roofline)
-    if n is None:
-        return "-"
-    return f"{n:.1f} ({n / r:.0%})" if r else f"{n:.1f}"
+def per_stream(level: dict[str, Any]) -> float | None:
+    """The level's one per-stream decode figure (:func:`bench.decode_figure`), None for none."""
+    return _num(decode_figure(level)) or None
+
+
+def _of_roofline(v: Any, roofline: Any, bounded: bool = True) -> str:
+    """``61.0 (51%)``: a decode rate and its share of the single-stream roofline; a per-stream
+    rate over it: ``(above the ceiling)``; ``bounded=False``: an aggregate, which may pass it."""
+    n = _num(v)
+    return "-" if n is None else f"{n:.1f}{ceiling.share_text(n, roofline, bounded)}"
 
 
 def decode_text(level: dict[str, Any], roofline: Any) -> str:
@@ -115,12 +128,12 @@ def decode_text(level: dict[str, Any], roofline: Any) -> str:
     where the client could not time the tokens."""
     decode = level.get("decode") or {}
     mean = _num(decode.get("mean"))
-    if mean is None:
-        return _of_roofline(level.get("per_stream_decode_tok_s"), roofline)
+    if mean is None:  # a level stored before the estimates
+        text = _of_roofline(per_stream(level), roofline)
+        return text + ("*" if level.get("crosscheck") and text != "-" else "")
     hw = _num(decode.get("halfwidth"))
-    r = _num(roofline)
     text = f"{mean:.1f}" + (f" ± {hw:.1f}" if hw is not None else " (n=1)")
-    text += f" ({mean / r:.0%})" if r else ""
+    text += ceiling.share_text(mean, roofline)
     return text + ("*" if decode.get("source") == "server" else "")
 
 
@@ -135,7 +148,9 @@ def crosscheck_ratio(level: dict[str, Any]) -> float | None:
         return given
     if level.get("crosscheck"):  # the client could not time tokens this fast: no ratio
         return None
-    client, server = _num(level.get("per_stream_decode_tok_s")), _num(level.get("server_predicted_per_second"))
+    # the client's own rate: client_decode_tok_s; a level stored before it had only the old field
+    own = level["client_decode_tok_s"] if "client_decode_tok_s" in level else level.get("per_stream_decode_tok_s")
+    client, server = _num(own), _num(level.get("server_predicted_per_second"))
     return client / server if client is not None and server else None
 
 
@@ -155,11 +170,19 @@ def sweep_columns(result: dict[str, Any]) -> list[str]:
 
 def roofline_note(result: dict[str, Any]) -> str:
     roof = _num(result.get("roofline_tok_s"))
-    if not roof:
-        return "no roofline in this result: rates are shown without a share"
+    basis = result.get("roofline_basis")
+    if roof:
+        head = f"(%) = share of the single-stream roofline, {roof:.1f} tok/s ({basis})"
+        rates = [(per_stream(lv), _num(lv.get("server_predicted_per_second"))) for lv in result.get("levels") or []]
+        if any(v is not None and v > roof for pair in rates for v in pair):
+            head += f"; {ceiling.ABOVE_CEILING_CELL} = a per-stream rate over it: a ceiling or measurement error"
+    elif basis:
+        head = f"no roofline, rates without a share: {basis}"
+    else:
+        head = "no roofline in this result: rates are shown without a share"
     return (
-        f"(%) = share of the single-stream roofline, {roof:.1f} tok/s ({result.get('roofline_basis')}); "
-        "± = 95% confidence half-width of the mean; * = the server's own rate (the client could not time the tokens)"
+        f"{head}; ± = 95% confidence half-width of the mean; * = the server's own rate (the client could not "
+        "time the tokens)"
     )
 
 
@@ -172,7 +195,7 @@ def sweep_rows(result: dict[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 str(lv.get("concurrency")),
-                _of_roofline(lv.get("aggregate_tok_s"), roof),
+                _of_roofline(lv.get("aggregate_tok_s"), roof, bounded=False),
                 decode_text(lv, roof),
                 _of_roofline(lv.get("server_predicted_per_second"), roof),
                 "not timeable" if lv.get("crosscheck") else _fmt(crosscheck_ratio(lv), ".2f"),
@@ -254,7 +277,7 @@ def _llama_bench_rows(result: dict[str, Any]) -> list[list[str]]:
 
     return [
         row(
-            "decode (tg) tok/s", lb.get("tg_tok_s"), first.get("per_stream_decode_tok_s"), result.get("roofline_tok_s")
+            "decode (tg) tok/s", lb.get("tg_tok_s"), per_stream(first) if first else None, result.get("roofline_tok_s")
         ),
         row("prefill (pp) tok/s", lb.get("pp_tok_s"), first.get("prefill_tok_s"), result.get("prefill_ceiling_tok_s")),
     ]
@@ -308,13 +331,15 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"- workload: {workload.get('prompt_tokens')} prompt tokens, {workload.get('max_tokens')} tokens out per "
         f"request (EOS ignored), seed {workload.get('seed')}; {_md(_requests_text(workload))}",
         f"- client: {_md(_client_text(result))}",
-        f"- roofline: {_fmt(result.get('roofline_tok_s'))} tok/s per stream ({_md(result.get('roofline_basis'))})",
+        f"- roofline: {_fmt(result.get('roofline_tok_s'))} tok/s per stream ({_md(result.get('roofline_basis'))})"
+        if _num(result.get("roofline_tok_s"))
+        else f"- roofline: none ({_md(result.get('roofline_basis') or 'not computed')})",
     ]
     if result.get("membw"):
         out.append(f"- host memory bandwidth: {_md(_membw_text(result['membw']))}")
     out += [
         f"- prefill ceiling: {_fmt(result.get('prefill_ceiling_tok_s'))} tok/s ({_md(result.get('prefill_basis'))})",
-        f"- MBU: {_fmt(result.get('mbu'), '.0%') if _num(result.get('mbu')) is not None else '-'}",
+        f"- MBU: {_md(ceiling.mbu_text(result))}",
         "",
         "## Gate",
         "",
@@ -377,14 +402,12 @@ def chart_png(result: dict[str, Any]) -> bytes:
     levels = sorted(result.get("levels") or [], key=lambda lv: lv.get("concurrency") or 0)
     conc = [lv.get("concurrency") for lv in levels]
 
-    def series(key: str) -> list[float]:
-        return [v if (v := _num(lv.get(key))) is not None else math.nan for lv in levels]
-
+    series = chart_series(result)
     fig = Figure(figsize=CHART_FIGSIZE_IN, dpi=CHART_DPI)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.plot(conc, series("aggregate_tok_s"), marker="o", color="tab:blue", label="aggregate tok/s")
-    ax.plot(conc, series("per_stream_decode_tok_s"), marker="s", color="tab:green", label="per-stream decode tok/s")
+    ax.plot(conc, series["aggregate_tok_s"], marker="o", color="tab:blue", label="aggregate tok/s")
+    ax.plot(conc, series["per_stream_decode_tok_s"], marker="s", color="tab:green", label="per-stream decode tok/s")
     roof = _num(result.get("roofline_tok_s"))
     if roof:
         ax.axhline(
@@ -393,6 +416,8 @@ def chart_png(result: dict[str, Any]) -> bytes:
             color="tab:red",
             label=f"single-stream roofline {roof:.1f} tok/s ({result.get('roofline_basis')})",
         )
+    elif result.get("roofline_basis"):  # none drawn: the legend says why (cache-resident)
+        ax.plot([], [], linestyle="none", label=f"no roofline: {result.get('roofline_basis')}")
     if conc:
         ax.set_xscale("log", base=2)  # only with data: matplotlib cannot log-scale an empty axis
         ax.xaxis.set_major_locator(FixedLocator(conc))
@@ -404,7 +429,7 @@ def chart_png(result: dict[str, Any]) -> bytes:
     ax.grid(True, alpha=0.3)
 
     ttft = ax.twinx()
-    ttft.plot(conc, series("ttft_p95_s"), marker="^", linestyle=":", color="tab:orange", label="TTFT p95 (s)")
+    ttft.plot(conc, series["ttft_p95_s"], marker="^", linestyle=":", color="tab:orange", label="TTFT p95 (s)")
     ttft.set_ylabel("TTFT p95 s")
     ttft.set_ylim(bottom=0)
 
@@ -421,6 +446,21 @@ def chart_png(result: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=CHART_DPI, metadata={"Software": None})
     return buf.getvalue()
+
+
+def chart_series(result: dict[str, Any]) -> dict[str, list[float]]:
+    """The chart's lines, by concurrency (NaN: a figure missing): the aggregate, the one
+    per-stream decode figure (:func:`per_stream`) and TTFT p95."""
+    levels = sorted(result.get("levels") or [], key=lambda lv: lv.get("concurrency") or 0)
+
+    def nan(v: float | None) -> float:
+        return math.nan if v is None else v
+
+    return {
+        "aggregate_tok_s": [nan(_num(lv.get("aggregate_tok_s"))) for lv in levels],
+        "per_stream_decode_tok_s": [nan(per_stream(lv)) for lv in levels],
+        "ttft_p95_s": [nan(_num(lv.get("ttft_p95_s"))) for lv in levels],
+    }
 
 
 def render_chart(result: dict[str, Any], path: Path) -> Path:
@@ -500,7 +540,7 @@ def history_summary(result: dict[str, Any]) -> dict[str, Any]:
         "levels": [
             {
                 "concurrency": lv.get("concurrency"),
-                **{k: lv.get(k) for k in TRACKED},
+                **tracked(lv),
                 # the interval compare judges a change by (runs before the repeats have none)
                 **({"decode": lv["decode"]} if lv.get("decode") else {}),
             }
@@ -553,15 +593,22 @@ def _pct(now: Any, then: Any) -> float | None:
     return (n - t) / t * 100 if n is not None and t else None
 
 
+def tracked(level: dict[str, Any]) -> dict[str, Any]:
+    """The TRACKED figures of a level (a result's or a history line's, old or new): the
+    per-stream decode is the judged one (:func:`per_stream`), whatever the old field held."""
+    return {k: per_stream(level) if k == "per_stream_decode_tok_s" else level.get(k) for k in TRACKED}
+
+
 def _ref(run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: Any) -> dict[str, Any]:
+    values = tracked(level)
     return {
         "at": run.get("at"),
         "build": run.get("build"),
         "recipe_sha256": run.get("recipe_sha256"),
         # an edited recipe (other flags, another quant) explains a change better than a regression
         "recipe_changed": run.get("recipe_sha256") != sha,
-        "values": {k: level.get(k) for k in TRACKED},
-        "change_pct": {k: _pct(now.get(k), level.get(k)) for k in TRACKED},
+        "values": values,
+        "change_pct": {k: _pct(now.get(k), values[k]) for k in TRACKED},
         # the per-stream decode's change against both runs' 95% intervals: True outside the
         # noise, False within it, None where a run has no interval (runs before the repeats)
         "decode_outside_noise": distinct(now.get("decode"), level.get("decode"))
@@ -586,7 +633,7 @@ def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[d
     rows = []
     for lv in result.get("levels") or []:
         c = lv.get("concurrency")
-        now = {k: lv.get(k) for k in TRACKED} | ({"decode": lv["decode"]} if lv.get("decode") else {})
+        now = tracked(lv) | ({"decode": lv["decode"]} if lv.get("decode") else {})
         measured = [(run, pl) for run in past for pl in run.get("levels") or [] if pl.get("concurrency") == c]
         sha = result.get("recipe_sha256")
         last = _ref(*measured[-1], now, sha) if measured else None

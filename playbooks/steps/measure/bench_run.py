@@ -35,7 +35,7 @@ from playbooks.plan.moe import two_sided_tok_s
 from playbooks.plan.tensors import parameter_count
 from playbooks.resources import resource_dir
 from playbooks.steps.build.llamacpp_source import source_cache_dir
-from playbooks.steps.measure import bench, bench_client
+from playbooks.steps.measure import bench, bench_client, roofline
 from playbooks.steps.measure.bench_report import append_history, read_history, write_reports
 from playbooks.steps.measure.bench_stats import estimate, settled
 from playbooks.steps.serve.deploy import DeployLayout, read_record
@@ -67,34 +67,26 @@ def bench_health(host: Host, port: int, tls: bool = False) -> int:
     return parse_health(read_fact(host, health_command(port, tls=tls)))
 
 
-def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
+def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None, llc_bytes: int | None = None) -> dict[str, Any]:
     """The decode roofline (bytes a token streams over the memory's bandwidth) and the prefill
     ceiling (2 x parameters FLOPs per token over FP16 tensor throughput), with their basis.
     A MoE with experts in host RAM (--n-cpu-moe) gets the two-sided roofline, its host side
-    divided by the measured copy rate when there is one, else by the plan's figure."""
+    divided by the measured copy rate when there is one, else by the plan's figure.
+
+    On a CPU whose last-level cache (``llc_bytes``, one instance: facts/system.py parse_llc)
+    holds a token's bytes, the DRAM copy rate bounds nothing (:mod:`roofline`): no roofline,
+    ``cache_resident`` says what fits where, with the DRAM figure it would have been."""
     plan = plan_recipe(loaded, host=host_from_recipe(loaded, membw_gb_s, membw_measured=True) if membw_gb_s else None)
     r = loaded.recipe
     option = next((o for o in plan.options if o.quant == r.quant_name), None)
     gpu = get_gpu(r.gpu)
     if option is None:
-        return {"roofline_tok_s": None, "roofline_basis": f"the planner has no {r.quant_name} option"}
+        return {
+            "roofline_tok_s": None,
+            "roofline_basis": f"the planner has no {r.quant_name} option",
+            "cache_resident": None,
+        }
     streamed = option.streamed_bytes
-    if gpu.is_cpu:
-        if not membw_gb_s:
-            return {"roofline_tok_s": None, "roofline_basis": "the host's memory bandwidth could not be measured"}
-        roof = membw_gb_s * 1e9 / streamed
-        basis = f"measured CPU copy {membw_gb_s:.1f} GB/s / {streamed / 1e6:.1f} MB per token"
-    elif option.host_bytes_per_token and option.host_membw_gb_s:
-        gpu_b, host_b, host_bw = option.gpu_bytes_per_token, option.host_bytes_per_token, option.host_membw_gb_s
-        roof = two_sided_tok_s(gpu_b, gpu.bandwidth_gb_s, host_b, host_bw)
-        basis = (
-            f"{gpu.name} datasheet {gpu.bandwidth_gb_s:g} GB/s / {gpu_b / 1e6:.0f} MB per token + host "
-            f"{option.host_membw_source} {host_bw:.1f} GB/s / {host_b / 1e6:.0f} MB per token "
-            f"(experts of {option.n_cpu_moe} layers in host RAM)"
-        )
-    else:
-        roof = gpu.bandwidth_gb_s * 1e9 / streamed
-        basis = f"{gpu.name} datasheet {gpu.bandwidth_gb_s:g} GB/s / {streamed / 1e6:.0f} MB per token"
     params = parameter_count(loaded.shape)
     prefill = (
         {
@@ -108,7 +100,36 @@ def ceilings(loaded: LoadedRecipe, membw_gb_s: float | None) -> dict[str, Any]:
             "prefill_basis": "no FP16 tensor figure: llama-bench's pp is the measured rate",
         }
     )
-    return {"roofline_tok_s": round(roof, 2), "roofline_basis": basis, **prefill}
+    if gpu.is_cpu and llc_bytes and roofline.is_cache_resident(streamed, llc_bytes):
+        dram = round(membw_gb_s * 1e9 / streamed, 2) if membw_gb_s else None
+        resident = {"bytes_per_token": streamed, "llc_bytes": llc_bytes, "dram_roofline_tok_s": dram}
+        basis = roofline.cache_resident_basis(streamed, llc_bytes)
+        if dram:
+            basis += f" (the measured CPU copy {membw_gb_s:.1f} GB/s would put it at {dram:.1f} tok/s)"
+        return {"roofline_tok_s": None, "roofline_basis": basis, "cache_resident": resident, **prefill}
+    if gpu.is_cpu:
+        if not membw_gb_s:
+            return {
+                "roofline_tok_s": None,
+                "roofline_basis": "the host's memory bandwidth could not be measured",
+                "cache_resident": None,
+            }
+        roof = membw_gb_s * 1e9 / streamed
+        basis = f"measured CPU copy {membw_gb_s:.1f} GB/s / {streamed / 1e6:.1f} MB per token"
+        if llc_bytes:
+            basis += f" (more than the {llc_bytes / 2**20:g} MiB last-level cache holds)"
+    elif option.host_bytes_per_token and option.host_membw_gb_s:
+        gpu_b, host_b, host_bw = option.gpu_bytes_per_token, option.host_bytes_per_token, option.host_membw_gb_s
+        roof = two_sided_tok_s(gpu_b, gpu.bandwidth_gb_s, host_b, host_bw)
+        basis = (
+            f"{gpu.name} datasheet {gpu.bandwidth_gb_s:g} GB/s / {gpu_b / 1e6:.0f} MB per token + host "
+            f"{option.host_membw_source} {host_bw:.1f} GB/s / {host_b / 1e6:.0f} MB per token "
+            f"(experts of {option.n_cpu_moe} layers in host RAM)"
+        )
+    else:
+        roof = gpu.bandwidth_gb_s * 1e9 / streamed
+        basis = f"{gpu.name} datasheet {gpu.bandwidth_gb_s:g} GB/s / {streamed / 1e6:.0f} MB per token"
+    return {"roofline_tok_s": round(roof, 2), "roofline_basis": basis, "cache_resident": None, **prefill}
 
 
 def _n_cpu_moe(loaded: LoadedRecipe) -> int:
@@ -388,7 +409,11 @@ def measure(
     if gpu.is_cpu or n_cpu_moe:
         result["membw"] = host_membw(host, prefix, python, remeasure)
         membw = result["membw"]["gb_s"]
-    result |= ceilings(loaded, membw)
+    llc = None
+    if gpu.is_cpu:  # the CPU's roofline is a DRAM rate: it bounds only what the cache cannot hold
+        llc = system.parse_llc(read_fact(host, system.LLC_COMMAND))
+        result["facts"]["last_level_cache"] = llc.model_dump(exclude_none=True)
+    result |= ceilings(loaded, membw, llc.size_bytes if llc else None)
     result["membw_gb_s"] = membw
     text = workload_text(g.workload)
     kind = result["server"]["kind"]
@@ -443,7 +468,10 @@ def measure(
     result["scaling"] = bench.scaling(result["levels"], r.backend, gpu.compute_capability == (7, 0))
     single = bench.decode_figure(result["levels"][0]) if result["levels"] else None
     roof = result.get("roofline_tok_s")
+    # None where no roofline binds (cache-resident); above 1 it is kept, and said to be no
+    # utilisation but a ceiling or measurement error (roofline.mbu_note)
     result["mbu"] = round(single / roof, 4) if single and roof else None
+    result["mbu_note"] = roofline.mbu_note(result)
     if r.backend == "llamacpp" and model and "error" not in result:
         crowded = no_room_for_llama_bench(loaded)
         if crowded:

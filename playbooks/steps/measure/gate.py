@@ -23,7 +23,7 @@ from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import HostError
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, Record
-from playbooks.steps.measure import bench
+from playbooks.steps.measure import bench, roofline
 from playbooks.steps.measure.bench_run import gate_run
 from playbooks.steps.serve.deploy import EnsureServing, good_of, read_record, write_record
 
@@ -44,6 +44,7 @@ def gate_figures(result: dict[str, Any]) -> dict[str, Any]:
         "single_tok_s": round(single, 1) if single else None,
         "roofline_tok_s": result.get("roofline_tok_s"),
         "mbu": result.get("mbu"),
+        "cache_resident": bool(result.get("cache_resident")),
         "peak_aggregate_tok_s": round(best["aggregate_tok_s"], 1) if best and best.get("aggregate_tok_s") else None,
         "peak_at": best["concurrency"] if best else None,
         "ttft_p95_ms": round(ttft * 1000) if ttft else None,
@@ -53,7 +54,13 @@ def gate_figures(result: dict[str, Any]) -> dict[str, Any]:
 def figures_line(fig: dict[str, Any]) -> str:
     parts = []
     if fig.get("single_tok_s") is not None:
-        mbu = f" ({fig['mbu']:.0%} of the {fig['roofline_tok_s']:g} tok/s roofline)" if fig.get("mbu") else ""
+        mbu = ""
+        if roofline.above(fig.get("mbu")):
+            mbu = f" ({roofline.ABOVE_CEILING}: {fig['mbu']:.2f}x the {fig['roofline_tok_s']:g} tok/s roofline)"
+        elif fig.get("mbu"):
+            mbu = f" ({fig['mbu']:.0%} of the {fig['roofline_tok_s']:g} tok/s roofline)"
+        elif fig.get("cache_resident"):
+            mbu = f" (cache-resident: {roofline.DOES_NOT_BIND})"
         parts.append(f"{fig['single_tok_s']:g} tok/s single stream{mbu}")
     if fig.get("peak_aggregate_tok_s") is not None:
         parts.append(f"{fig['peak_aggregate_tok_s']:g} tok/s aggregate at {fig['peak_at']}")

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from playbooks.steps.measure import roofline
 from playbooks.steps.measure.tune_search import Measured, Verdict, latest
 from playbooks.steps.measure.tune_space import Planned, Space
 
@@ -160,6 +161,9 @@ def result(
     }
 
 
+#: what a measured rate over its roofline means (roofline.ABOVE_CEILING, after its colon)
+OVER = roofline.ABOVE_CEILING.split(": ", 1)[1]
+
 COLUMNS = ["candidate", "predicted", "measured ± 95%", "MBU", "bits/w", "VRAM GiB", "rung", "pareto", "note"]
 
 
@@ -185,7 +189,11 @@ def table_cells(r: dict[str, Any]) -> list[str]:
         ("* " if r["winner"] else "") + r["label"],
         "-" if r["predicted"] is None else f"{r['predicted']:.1f}",
         measured + (" (kept)" if r["reused"] else ""),
-        "-" if r["roofline_share"] is None else f"{r['roofline_share']:.0%}",
+        "-"
+        if r["roofline_share"] is None
+        else roofline.ABOVE_CEILING_CELL
+        if roofline.above(r["roofline_share"])
+        else f"{r['roofline_share']:.0%}",
         ("-" if r["bpw"] is None else f"{r['bpw']:.2f}")
         + (f" (KLD {r['kld']:.4f})" if r.get("kld") is not None else ""),
         "-" if r["vram_gib"] is None else f"{r['vram_gib']:.2f}",
@@ -210,6 +218,8 @@ def markdown(res: dict[str, Any]) -> str:
     for r in res["candidates"]:
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in table_cells(r)) + " |")
     out += ["", "predicted: the plan's roofline (aggregate: times the slots); MBU: measured over predicted, one slot."]
+    if any(roofline.above(r["roofline_share"]) for r in res["candidates"]):
+        out.append(f"{roofline.ABOVE_CEILING_CELL}: a single stream measured faster than its roofline, {OVER}.")
     return "\n".join(out) + "\n"
 
 
