@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import statistics
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,11 +44,35 @@ def test_percentiles_match_numpy_and_levels_add_up():
     assert lv["crosscheck_ratio"] == pytest.approx(1.0, rel=1e-3) and lv["crosscheck"] is None
     assert lv["ttft_p50_s"] == pytest.approx(0.1) and lv["itl_p50_s"] == pytest.approx(0.02)
     # a spread of rates: the mean with its 95% interval (t with n - 1 degrees of freedom)
+    # one stream: each request is a round
     spread = [_sample(64, 1 / rate, server=rate) for rate in (48.0, 50.0, 52.0, 50.0)]
-    est = bench.level_summary(4, spread, wall_s=2.0)["decode"]
+    est = bench.level_summary(1, spread, wall_s=2.0)["decode"]
     sd = float(np.std([48.0, 50.0, 52.0, 50.0], ddof=1))
     assert est["n"] == 4 and est["mean"] == pytest.approx(50.0, rel=1e-3) and est["source"] == "client"
     assert est["stdev"] == pytest.approx(sd, rel=1e-3) and est["halfwidth"] == pytest.approx(3.182 * sd / 2, rel=1e-3)
+    assert est["unit"] == "round"
+
+
+def test_at_concurrency_a_round_is_one_observation_of_each_figure():
+    """The streams of a round share every batch: four of them are one observation, not four
+    (was: n = requests, so level 4's interval came from 2 rounds as if from 8 values)."""
+    rates = [(48.0, 52.0, 49.0, 51.0), (40.0, 42.0, 41.0, 41.0), (45.0, 46.0, 44.0, 45.0)]
+    rounds = [
+        ([_sample(32, 1 / r, ttft=0.1 + 0.05 * i, server=r) for i, r in enumerate(rs)], 1.0 + k)
+        for k, rs in enumerate(rates)
+    ]
+    lv = bench.level_summary(4, [s for got, _ in rounds for s in got], wall_s=6.0, rounds=rounds)
+    means = [50.0, 41.0, 45.0]
+    assert lv["rounds"] == 3 and lv["decode"]["n"] == 3
+    assert lv["decode"]["mean"] == pytest.approx(statistics.fmean(means), rel=1e-3)
+    assert lv["decode"]["stdev"] == pytest.approx(statistics.stdev(means), rel=1e-3)
+    # the aggregate: each round's tokens over its own wall time
+    aggs = [4 * 32 / 1.0, 4 * 32 / 2.0, 4 * 32 / 3.0]
+    assert lv["aggregate"]["n"] == 3 and lv["aggregate"]["mean"] == pytest.approx(statistics.fmean(aggs), rel=1e-3)
+    # the slowest stream's wait for its first token, once per round
+    assert lv["ttft_worst"]["n"] == 3 and lv["ttft_worst"]["mean"] == pytest.approx(0.25, abs=1e-4)
+    # one figure per quantity: the judged decode is the per-stream figure
+    assert lv["per_stream_decode_tok_s"] == lv["decode"]["mean"]
 
 
 def test_a_level_reports_speculations_acceptance_from_the_servers_own_counts():

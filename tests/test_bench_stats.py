@@ -52,9 +52,92 @@ def test_estimate_and_the_stopping_rule():
     assert not bench_stats.settled(noisy, 4, 16, 0.02) and bench_stats.settled(noisy, 4, 4, 0.02)
 
 
+def test_the_exact_t_distribution_gives_the_table():
+    """The series of t_two_sided and the bisection of t_quantile reproduce the table the bench
+    has used (so the table and the exact distribution cannot drift apart)."""
+    for df in range(1, 31):
+        assert bench_stats.t_quantile(0.95, df) == pytest.approx(bench_stats.t975(df), abs=1e-4)
+    # other coverages, from the standard tables (R: qt(0.995, 4), qt(0.9, 10), qt(0.999, 8))
+    assert bench_stats.t_quantile(0.99, 4) == pytest.approx(4.6041, abs=1e-4)
+    assert bench_stats.t_quantile(0.80, 10) == pytest.approx(1.3722, abs=1e-4)
+    assert bench_stats.t_quantile(0.998, 8) == pytest.approx(4.5008, abs=1e-3)
+    # a fractional df rounds down: wider, never narrower
+    assert bench_stats.t_quantile(0.95, 4.9) == bench_stats.t_quantile(0.95, 4)
+
+
+def _est(mean, sd, n):
+    return {"mean": mean, "stdev": sd, "n": n}
+
+
 def test_two_results_differ_only_beyond_their_noise():
-    a = {"mean": 163.0, "halfwidth": 3.0}
-    assert bench_stats.distinct(a, {"mean": 165.0, "halfwidth": 3.0}) is False
-    assert bench_stats.distinct(a, {"mean": 175.0, "halfwidth": 3.0}) is True
+    a = _est(163.0, 4.0, 8)
+    assert bench_stats.distinct(a, _est(165.0, 4.0, 8)) is False
+    assert bench_stats.distinct(a, _est(220.0, 4.0, 8)) is True
     assert bench_stats.distinct(a, {"mean": 175.0, "halfwidth": None}) is None
     assert bench_stats.distinct(None, a) is None
+
+
+def test_the_test_is_welchs_t_with_the_between_run_term_as_documented():
+    """The difference's variance: each side's stdev^2/n plus (RUN_NOISE x mean)^2; df by
+    Welch-Satterthwaite with the run term counted at RUN_NOISE_DF; t at 1 - alpha/2m."""
+    a, b = _est(100.0, 3.0, 6), _est(104.0, 5.0, 9)
+    d = bench_stats.difference(a, b)
+    r = bench_stats.RUN_NOISE
+    sa, sb, run = 9 / 6, 25 / 9, r**2 * (100.0**2 + 104.0**2)
+    var = sa + sb + run
+    df = var**2 / (sa**2 / 5 + sb**2 / 8 + run**2 / bench_stats.RUN_NOISE_DF)
+    assert d is not None and d.diff == 4.0 and d.se == pytest.approx(math.sqrt(var))
+    assert d.df == pytest.approx(df) and d.halfwidth == pytest.approx(bench_stats.t_quantile(0.95, df) * math.sqrt(var))
+    # three comparisons at once: each at 5%/3
+    d3 = bench_stats.difference(a, b, comparisons=3)
+    assert d3 is not None and d3.halfwidth == pytest.approx(bench_stats.t_quantile(1 - 0.05 / 3, df) * math.sqrt(var))
+    # within one time window (blocks interleaved): no run term, plain Welch
+    d0 = bench_stats.difference(a, b, run_noise=0.0)
+    assert d0 is not None and d0.se == pytest.approx(math.sqrt(sa + sb))
+    assert d0.df == pytest.approx((sa + sb) ** 2 / (sa**2 / 5 + sb**2 / 8))
+
+
+def test_the_band_where_overlap_and_the_old_rule_disagree():
+    """100 ± 2 and 103.5 ± 2 (n = 16 each): the intervals overlap (the README's old words: a tie)
+    while the old rule |d| > hypot(2, 2) = 2.83 called them different. Within one window the
+    test calls them different, as Welch's t does; across runs the between-run noise makes
+    them a tie. 100 vs 104.5 (no overlap) is still a tie across runs: overlap was never the rule."""
+    sd = 2.0 / bench_stats.t975(15) * 4  # a half-width of 2 from 16 rounds
+    a, b = _est(100.0, sd, 16), _est(103.5, sd, 16)
+    assert abs(103.5 - 100.0) < 2 + 2  # the intervals overlap
+    assert bench_stats.distinct(a, b, run_noise=0.0) is True
+    assert bench_stats.distinct(a, b) is False
+    assert bench_stats.distinct(a, _est(104.5, sd, 16)) is False
+
+
+def test_an_old_record_without_its_stdev_is_read_through_its_half_width():
+    old = {"mean": 100.0, "halfwidth": 2.0, "n": 16}
+    new = _est(100.0, 2.0 / bench_stats.t975(15) * 4, 16)
+    assert bench_stats.difference(old, old) == bench_stats.difference(new, new)
+
+
+def test_the_detectable_change_is_the_power_the_test_leaves():
+    """detectable_change: the change flagged 80% of the time. Checked by simulation: a change of
+    that size, drawn with the same noise, is flagged 75-85% of 2,000 times."""
+    rng = random.Random(11)
+    sd, n, r = 3.0, 8, bench_stats.RUN_NOISE
+    base = _est(100.0, sd, n)
+    delta = bench_stats.detectable_change(base)
+    assert delta is not None and 0.05 < delta < 0.5
+    flagged = 0
+    for _ in range(2000):
+
+        def run(true):
+            level = true * (1 + rng.gauss(0, r))
+            return bench_stats.estimate([rng.gauss(level, sd) for _ in range(n)]).as_dict(6)
+
+        flagged += bool(bench_stats.distinct(run(100.0), run(100.0 * (1 + delta))))
+    assert 0.75 <= flagged / 2000 <= 0.85
+
+
+def test_the_cap_is_said_next_to_the_interval():
+    assert bench_stats.halfwidth_text({"mean": 137.7, "halfwidth": 6.5, "rel_halfwidth": 0.0472, "capped": True}) == (
+        " ± 6.5 (4.7%, cap reached)"
+    )
+    assert bench_stats.halfwidth_text({"mean": 137.7, "halfwidth": 2.1, "rel_halfwidth": 0.015}) == " ± 2.1"
+    assert bench_stats.halfwidth_text({"mean": 1.0, "halfwidth": None}) == ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from playbooks.config.recipe import load_recipe
-from playbooks.steps.measure import tune_search, tune_space
+from playbooks.steps.measure import bench_stats, tune_search, tune_space
 from playbooks.steps.measure.tune_space import Candidate
 
 
@@ -68,15 +68,17 @@ def test_the_aggregate_objective_orders_by_slots_times_the_roofline(v100_14b):
     assert two.predicted_tok_s == pytest.approx(2 * one.predicted_tok_s, rel=0.01)
 
 
-def _measured(c: Candidate, rung: int, mean: float, hw: float = 1.0) -> tune_search.Measured:
-    return tune_search.Measured(c, rung, mean, hw)
+def _measured(c: Candidate, rung: int, mean: float, hw: float = 1.0, n: int = 8) -> tune_search.Measured:
+    """A figure with a 95% half-width ``hw`` from ``n`` rounds."""
+    return tune_search.Measured(c, rung, mean, hw, stdev=hw / bench_stats.t975(n - 1) * n**0.5, n=n)
 
 
 def test_successive_halving_measures_the_better_half_longer(v100_14b):
     base = tune_space.base_candidate(v100_14b)
     cands = tune_space.enumerate_space(base, ubatches=[64, 128, 256, 512], slots=[1, 2])
     planned = tune_space.prune(v100_14b, cands).survivors
-    truth = {p.candidate: 40.0 + i for i, p in enumerate(planned)}  # the last planned is the fastest
+    # the last planned is the fastest, each 50% faster than the one before: far outside the noise
+    truth = {p.candidate: 40.0 * 1.5**i for i, p in enumerate(planned)}
     calls: list[tuple[Candidate, int]] = []
 
     def measure(c: Candidate, rung: int) -> tune_search.Measured:
@@ -100,8 +102,8 @@ def test_a_tie_goes_to_the_simpler_configuration(v100_14b):
     verdict = tune_search.choose([_measured(f16, 0, 100.0, 2.0), _measured(q8, 0, 101.0, 2.0)], planned)
     assert verdict.winner is not None and verdict.winner.candidate == f16
     assert verdict.why.startswith("tied with the best measured") and [m.candidate for m in verdict.tied_with] == [q8]
-    # 10% faster, outside the noise: q8_0 wins
-    verdict = tune_search.choose([_measured(f16, 0, 100.0, 2.0), _measured(q8, 0, 110.0, 2.0)], planned)
+    # 30% faster, outside the noise (each within its run and the between-run noise): q8_0 wins
+    verdict = tune_search.choose([_measured(f16, 0, 100.0, 2.0), _measured(q8, 0, 130.0, 2.0)], planned)
     assert verdict.winner is not None and verdict.winner.candidate == q8 and verdict.tied_with == []
 
 
@@ -127,15 +129,25 @@ def test_failures_leave_the_race_and_the_budget_stops_it(v100_14b):
     assert tune_search.choose(done, planned).winner.candidate == planned[0].candidate
 
 
-def test_objective_figures():
+def test_objective_figures_each_have_their_own_interval():
+    """Each objective's interval from its own observations (rounds), not the decode's relative
+    half-width applied to the aggregate (was), and the latency objective has one (was: none)."""
     level = {
-        "decode": {"mean": 50.0, "halfwidth": 1.0, "rel_halfwidth": 0.02},
-        "aggregate_tok_s": 180.0,
-        "ttft_p95_s": 0.3,
+        "decode": {"mean": 50.0, "stdev": 1.0, "n": 6, "halfwidth": 1.0, "rel_halfwidth": 0.02},
+        "aggregate": {"mean": 180.0, "stdev": 9.0, "n": 6, "halfwidth": 9.4},
+        "ttft_worst": {"mean": 0.3, "stdev": 0.02, "n": 6, "halfwidth": 0.021},
+        "aggregate_tok_s": 181.0,
+        "ttft_p95_s": 0.32,
     }
-    assert tune_search.objective_figure(level, "single") == (50.0, 1.0)
-    assert tune_search.objective_figure(level, "aggregate") == (180.0, pytest.approx(3.6))
-    assert tune_search.objective_figure(level, "latency") == (-0.3, None)
+    assert tune_search.objective_figure(level, "single") == level["decode"]
+    assert tune_search.objective_figure(level, "aggregate") == level["aggregate"]
+    assert tune_search.objective_figure(level, "latency") == {**level["ttft_worst"], "mean": -0.3}
+    m = tune_search.Measured.of_level(Candidate("Q4_K_M", "f16", "f16", True, 2, 512), 0, level, "latency")
+    assert (m.figure, m.halfwidth, m.n) == (-0.3, 0.021, 6)
+    # a level stored before rounds were the unit: its figures, without an interval
+    old = {"decode": level["decode"], "aggregate_tok_s": 181.0, "ttft_p95_s": 0.32}
+    assert tune_search.objective_figure(old, "aggregate") == {"mean": 181.0, "halfwidth": None}
+    assert tune_search.objective_figure(old, "latency") == {"mean": -0.32, "halfwidth": None}
 
 
 def test_the_pareto_front_ranks_quality_by_kl_divergence_where_every_row_has_one(v100_14b):

@@ -62,7 +62,7 @@ from playbooks.host.output import Printer
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
 from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
-from playbooks.steps.measure.tune_search import Measured, Verdict, choose, objective_figure, successive_halving
+from playbooks.steps.measure.tune_search import Measured, Verdict, choose, successive_halving
 from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
 from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.secrets import api_key_for
@@ -265,8 +265,7 @@ class Tuner:
         kept = self._stored(key)
         if kept is not None:
             self.say(f"rung {rung}: {c.label()}: measured before with the same inputs")
-            fig, hw = objective_figure(kept, self.opts.objective)
-            return Measured(c, rung, fig, hw, kept, kept.get("error"), reused=True)
+            return Measured.of_level(c, rung, kept, self.opts.objective, reused=True)
         self.say(f"rung {rung}: {c.label()}: serving on port {self.port}")
         self.check_live(f"before {c.key()} rung {rung}")
         try:
@@ -280,8 +279,7 @@ class Tuner:
             self.stop_scratch(cand)
         self.check_live(f"after {c.key()} rung {rung}")
         self._keep(key, c, rung, level)
-        fig, hw = objective_figure(level, self.opts.objective)
-        return Measured(c, rung, fig, hw, level, level.get("error"))
+        return Measured.of_level(c, rung, level, self.opts.objective)
 
     def _unit_text(self, cand: LoadedRecipe) -> str:
         """The scratch unit as rendered: its command line is part of what a measurement is of."""

@@ -120,25 +120,88 @@ def judged_values(samples: Sequence[Sample]) -> tuple[list[float], str]:
     return client, "client"
 
 
-def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float, warmup: int = 0) -> dict[str, Any]:
-    """One concurrency level's figures: aggregate over its wall time, the per-stream decode as a
-    mean with its spread (:class:`bench_stats.Estimate`), the client's rate cross-checked against
-    the server's own where the arrival times allow it, latency percentiles, errors (a few
-    quoted). ``warmup``: requests run before these, left out of every figure."""
+#: one round: the samples of its streams (one request each, all at once) and its wall time
+Round = tuple[Sequence[Sample], float]
+
+
+def _request_rate(s: Sample, source: str) -> float | None:
+    if s.error is not None:
+        return None
+    if source == "server":
+        return s.timings.get("predicted_per_second")
+    return s.decode_tok_s or None
+
+
+def round_observations(rounds: Sequence[Round], source: str) -> dict[str, list[float | None]]:
+    """Per round, one observation of each figure (the unit of replication: the streams of a
+    round share every batch, so they are not independent of each other): the mean per-stream
+    decode by ``source``'s rates, the aggregate (the round's tokens over its wall time) and the
+    slowest stream's TTFT (what the last-served user of the round waited)."""
+    decode: list[float | None] = []
+    aggregate: list[float | None] = []
+    ttft: list[float | None] = []
+    for samples, took in rounds:
+        ok = [s for s in samples if s.error is None]
+        rates = [r for r in (_request_rate(s, source) for s in ok) if r]
+        decode.append(statistics.fmean(rates) if rates else None)
+        tokens = sum(s.completion_tokens or 0 for s in ok)
+        aggregate.append(tokens / took if ok and took > 0 else None)
+        waits = [t for t in (s.ttft for s in ok) if t is not None]
+        ttft.append(max(waits) if waits else None)
+    return {"decode": decode, "aggregate": aggregate, "ttft_worst": ttft}
+
+
+def judged_rounds(rounds: Sequence[Round]) -> tuple[list[float | None], str]:
+    """The per-round judged decode (:func:`round_observations`) and whose rates it averages
+    (:func:`judged_values` decides, over every request of the level)."""
+    _, source = judged_values([s for samples, _ in rounds for s in samples])
+    return round_observations(rounds, source)["decode"], source
+
+
+def as_rounds(samples: Sequence[Sample], concurrency: int, wall_s: float) -> list[Round]:
+    """Samples without their round boundaries cut into rounds of ``concurrency`` in order, the
+    wall time shared evenly (a caller that ran rounds passes them instead)."""
+    cut = [samples[i : i + concurrency] for i in range(0, len(samples), max(1, concurrency))]
+    return [(r, wall_s / len(cut)) for r in cut] if cut else []
+
+
+def level_summary(
+    concurrency: int,
+    samples: Sequence[Sample],
+    wall_s: float,
+    warmup: int = 0,
+    rounds: Sequence[Round] | None = None,
+) -> dict[str, Any]:
+    """One concurrency level's figures: aggregate over its wall time, the per-stream decode, the
+    aggregate and the slowest TTFT each as a mean over rounds with its spread
+    (:class:`bench_stats.Estimate`, n = rounds), the client's rate cross-checked against the
+    server's own where the arrival times allow it, latency percentiles over requests, errors (a
+    few quoted). ``warmup``: requests run before these, left out of every figure; ``rounds``:
+    the samples as run (default: :func:`as_rounds`).
+
+    One figure per quantity: ``decode`` (and ``per_stream_decode_tok_s``, its mean) is the
+    judged per-stream decode; the client's own rate is ``client_decode_tok_s`` only where it
+    could time the tokens, else a diagnostic under ``timing.client_rate_untimed``."""
+    rounds = list(rounds) if rounds is not None else as_rounds(samples, concurrency, wall_s)
     ok = [s for s in samples if s.error is None]
     errors = [s.error for s in samples if s.error is not None]
     out_tokens = sum(s.completion_tokens or 0 for s in ok)
     client = estimate([d for d in (s.decode_tok_s for s in ok) if d])
     server = estimate([s.timings["predicted_per_second"] for s in ok if "predicted_per_second" in s.timings])
     timing = arrivals(ok)
-    values, source = judged_values(ok)
-    judged = estimate(values)
+    _, source = judged_values(ok)
+    per_round = round_observations(rounds, source)
+    judged = estimate(per_round["decode"])
+    aggregate = estimate(per_round["aggregate"])
+    worst_ttft = estimate(per_round["ttft_worst"])
     prefill_server = [s.timings["prompt_per_second"] for s in ok if "prompt_per_second" in s.timings]
     ttft = [t for t in (s.ttft for s in ok) if t is not None]
     itl = [x for s in ok for x in s.itls]
     e2e = [t for t in (s.e2e for s in ok) if t is not None]
     prompt = [s.prompt_tokens for s in ok if s.prompt_tokens]
     checked = bool(timing["timeable"] and client and server)
+    if client and not timing["timeable"]:
+        timing = {**timing, "client_rate_untimed": _r(client.mean, 3)}
     prefill = (
         statistics.median(prefill_server)
         if prefill_server
@@ -152,6 +215,7 @@ def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float, wa
     return {
         "concurrency": concurrency,
         "requests": len(samples),
+        "rounds": len(rounds),
         "warmup_requests": warmup,
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
@@ -164,8 +228,10 @@ def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float, wa
         if drafting
         else None,
         "aggregate_tok_s": _r(out_tokens / wall_s if wall_s > 0 and ok else 0.0, 3),
-        "decode": None if judged is None else {**judged.as_dict(), "source": source},
-        "per_stream_decode_tok_s": _r(client.mean if client else None, 3),
+        "aggregate": None if aggregate is None else {**aggregate.as_dict(), "unit": "round"},
+        "decode": None if judged is None else {**judged.as_dict(), "source": source, "unit": "round"},
+        "per_stream_decode_tok_s": _r(judged.mean if judged else None, 3),
+        "client_decode_tok_s": _r(client.mean if client and timing["timeable"] else None, 3),
         "server_predicted_per_second": _r(server.mean if server else None, 3),
         "server_decode": None if server is None else server.as_dict(),
         "timing": timing,
@@ -176,6 +242,7 @@ def level_summary(concurrency: int, samples: Sequence[Sample], wall_s: float, wa
         "prefill_tok_s": _r(prefill, 3),
         "prompt_tokens": statistics.median(prompt) if prompt else None,
         "output_tokens": out_tokens,
+        "ttft_worst": None if worst_ttft is None else {**worst_ttft.as_dict(4), "unit": "round"},
         "ttft_p50_s": _r(percentile(ttft, 50)),
         "ttft_p95_s": _r(percentile(ttft, 95)),
         "ttft_p99_s": _r(percentile(ttft, 99)),

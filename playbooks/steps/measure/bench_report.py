@@ -41,7 +41,7 @@ from rich.text import Text
 from playbooks.errors import VoltaforgeError
 from playbooks.steps.measure import roofline as ceiling
 from playbooks.steps.measure.bench import decode_figure
-from playbooks.steps.measure.bench_stats import distinct
+from playbooks.steps.measure.bench_stats import detectable_change, distinct, halfwidth_text
 
 REPORT_FILES = {"json": "bench.json", "markdown": "bench.md", "png": "bench.png"}
 
@@ -132,7 +132,8 @@ def decode_text(level: dict[str, Any], roofline: Any) -> str:
         text = _of_roofline(per_stream(level), roofline)
         return text + ("*" if level.get("crosscheck") and text != "-" else "")
     hw = _num(decode.get("halfwidth"))
-    text = f"{mean:.1f}" + (f" ± {hw:.1f}" if hw is not None else " (n=1)")
+    # the cap reached short of the target: said beside the interval (``± 6.5 (4.7%, cap reached)``)
+    text = f"{mean:.1f}" + (halfwidth_text(decode) if hw is not None else " (n=1)")
     text += ceiling.share_text(mean, roofline)
     return text + ("*" if decode.get("source") == "server" else "")
 
@@ -599,8 +600,13 @@ def tracked(level: dict[str, Any]) -> dict[str, Any]:
     return {k: per_stream(level) if k == "per_stream_decode_tok_s" else level.get(k) for k in TRACKED}
 
 
+#: the comparisons one level of a compare makes together (against the last and the best run)
+COMPARED = 2
+
+
 def _ref(run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: Any) -> dict[str, Any]:
     values = tracked(level)
+    same = (now.get("decode") or {}).get("source") == (level.get("decode") or {}).get("source")
     return {
         "at": run.get("at"),
         "build": run.get("build"),
@@ -609,12 +615,21 @@ def _ref(run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: A
         "recipe_changed": run.get("recipe_sha256") != sha,
         "values": values,
         "change_pct": {k: _pct(now.get(k), values[k]) for k in TRACKED},
-        # the per-stream decode's change against both runs' 95% intervals: True outside the
-        # noise, False within it, None where a run has no interval (runs before the repeats)
-        "decode_outside_noise": distinct(now.get("decode"), level.get("decode"))
-        if (now.get("decode") or {}).get("source") == (level.get("decode") or {}).get("source")
+        # the per-stream decode's change by bench_stats' test (each run's rounds plus the
+        # between-run noise; the last and the best run are compared together, so at 5%/2 each):
+        # True outside the noise, False within it, None where a run has no interval (runs before
+        # the repeats) or the two are not the same measurement (the client's and the server's)
+        "decode_outside_noise": distinct(now.get("decode"), level.get("decode"), comparisons=COMPARED)
+        if same
         else None,
+        # what the test could have told: the smallest change flagged 80% of the time
+        "detectable_pct": _detectable_pct(level.get("decode")) if same else None,
     }
+
+
+def _detectable_pct(decode: dict[str, Any] | None) -> float | None:
+    found = detectable_change(decode, comparisons=COMPARED)
+    return None if found is None else round(found * 100, 1)
 
 
 def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -682,6 +697,8 @@ def render_compare(rows: Sequence[dict[str, Any]], console: Console) -> Table:
             pct = ((ref or {}).get("change_pct") or {}).get("per_stream_decode_tok_s")
             if noise is not None and pct is not None:
                 verdict = "outside the noise: a real change" if noise else "within the noise: no change shown"
+                if not noise and ref and ref.get("detectable_pct") is not None:
+                    verdict += f" (a change of {ref['detectable_pct']:.0f}% or more would show 80% of the time)"
                 what = f"concurrency {r['concurrency']}: per-stream decode {pct:+.1f}% against the {label} run"
                 console.print(Text(f"{what}, {verdict}"))
     refs = [r[k] for r in rows for k in ("last", "best") if r[k]]

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import ipaddress
 import json
+import math
 import shlex
 import time
 from datetime import datetime, timezone
@@ -37,7 +38,7 @@ from playbooks.resources import resource_dir
 from playbooks.steps.build.llamacpp_source import source_cache_dir
 from playbooks.steps.measure import bench, bench_client, roofline
 from playbooks.steps.measure.bench_report import append_history, read_history, write_reports
-from playbooks.steps.measure.bench_stats import estimate, settled
+from playbooks.steps.measure.bench_stats import MIN_ROUNDS, estimate, settled
 from playbooks.steps.serve.deploy import DeployLayout, read_record
 from playbooks.steps.serve.secrets import api_key_for
 
@@ -223,11 +224,21 @@ def _membw_dict(m: membw_facts.Membw) -> dict[str, Any]:
     return {k: v for k, v in m.__dict__.items() if v is not None}
 
 
+def round_bounds(g: Gate, concurrency: int) -> tuple[int, int]:
+    """The fewest and the most rounds a level runs (a round: one request per stream, all at
+    once; the unit of replication, bench_stats). The gate's request counts are rounded up to
+    whole rounds, and never fewer than MIN_ROUNDS: with fewer the t quantile alone makes the
+    interval several times the spread (12.7 at 2 rounds, 3.18 at 4)."""
+    least_req = g.requests_per_level or max(2 * concurrency, 4)
+    most_req = g.max_requests_per_level or max(8 * concurrency, 16)
+    least = max(MIN_ROUNDS, math.ceil(least_req / concurrency))
+    return least, max(least, math.ceil(most_req / concurrency))
+
+
 def request_bounds(g: Gate, concurrency: int) -> tuple[int, int]:
-    """The fewest and the most requests a level runs (rounds of one request per stream)."""
-    least = g.requests_per_level or max(2 * concurrency, 4)
-    most = max(least, g.max_requests_per_level or max(8 * concurrency, 16))
-    return least, most
+    """The fewest and the most requests a level runs (:func:`round_bounds` in requests)."""
+    least, most = round_bounds(g, concurrency)
+    return least * concurrency, most * concurrency
 
 
 def sweep_level(
@@ -241,33 +252,35 @@ def sweep_level(
     verify: str | bool = True,
 ) -> tuple[dict[str, Any], list[Any]]:
     """One concurrency level: a warm-up round (every stream once, left out), then rounds of one
-    request per stream until the per-stream decode's 95% half-width is within the gate's
-    ``ci_target`` of its mean, or the cap (:func:`request_bounds`). Returns the level's summary
+    request per stream until the judged per-stream decode's 95% half-width (over rounds) is
+    within the gate's ``ci_target`` of its mean, or the cap (:func:`round_bounds`); a level that
+    stopped at the cap short of the target says so (``capped``). Returns the level's summary
     (with the client's own CPU time: on the served host it competes with the server) and its
     samples."""
-    least, most = request_bounds(g, c)
+    least, most = round_bounds(g, c)
     warm = bench.prompts_for(text, words, c, seed=100_000 + c)
     asyncio.run(bench_client.run_level(url, warm, c, g.max_tokens, 100_000, kind, REQUEST_TIMEOUT_S, api_key, verify))
-    samples: list[bench_client.Sample] = []
-    wall, rounds = 0.0, 0
+    rounds: list[bench.Round] = []
     cpu0 = time.process_time()
     while True:
-        prompts = bench.prompts_for(text, words, c, seed=1000 * c + rounds)
+        prompts = bench.prompts_for(text, words, c, seed=1000 * c + len(rounds))
         got, took = asyncio.run(
             bench_client.run_level(
-                url, prompts, c, g.max_tokens, 1 + rounds * c, kind, REQUEST_TIMEOUT_S, api_key, verify
+                url, prompts, c, g.max_tokens, 1 + len(rounds) * c, kind, REQUEST_TIMEOUT_S, api_key, verify
             )
         )
-        samples += got
-        wall += took
-        rounds += 1
+        rounds.append((got, took))
         if all(s.error for s in got):
             break
-        values, _ = bench.judged_values(samples)
-        if len(samples) >= most or settled(estimate(values), least, most, g.ci_target):
+        values, _ = bench.judged_rounds(rounds)
+        if len(rounds) >= most or settled(estimate(values), least, most, g.ci_target):
             break
-    summary = bench.level_summary(c, samples, wall, warmup=len(warm))
-    summary["rounds"] = rounds
+    samples = [s for got, _ in rounds for s in got]
+    summary = bench.level_summary(c, samples, sum(t for _, t in rounds), warmup=len(warm), rounds=rounds)
+    decode = summary.get("decode")
+    if decode is not None:
+        rel = decode.get("rel_halfwidth")
+        decode["capped"] = len(rounds) >= most and (rel is None or rel > g.ci_target)
     summary["client_cpu_s"] = round(time.process_time() - cpu0, 3)
     return summary, samples
 
@@ -363,6 +376,7 @@ def measure(
             "seed": 1,
             "levels": levels,
             "requests_per_level": {str(c): list(request_bounds(g, c)) for c in levels},
+            "rounds_per_level": {str(c): list(round_bounds(g, c)) for c in levels},
             "ci_target": g.ci_target,
             "warmup": "one round per level (a request per stream), left out",
         },

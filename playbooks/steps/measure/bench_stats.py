@@ -1,11 +1,30 @@
-"""The benchmark's statistics (pure): how sure a figure is, and whether the client could time
-the tokens it reports on.
+"""The benchmark's statistics (pure): how sure a figure is, whether two figures differ, and
+whether the client could time the tokens it reports on.
 
-Why: `invoke tune` picks winners by comparing bench results, so a figure must say how much it
-moves when nothing changed. Each concurrency level repeats rounds of requests until the 95%
-confidence half-width of its per-stream decode is within a target share of the mean (2% by
-default) or a cap is reached; the result keeps mean, standard deviation, n and the half-width,
-and two results are told apart only when their intervals say so.
+Why: `invoke tune` picks winners and `bench --compare` says whether a change mattered, so a
+figure must say how much it moves when nothing changed, and that has two parts:
+
+- **Within a run.** A level repeats rounds (one request per stream, all streams at once) after
+  a warm-up. The unit of replication is the round: at concurrency c the streams of a round
+  share every batch, so they are one observation, not c (the round's mean per-stream decode, its
+  aggregate tokens over its wall time, its slowest stream's TTFT). A level runs at least
+  MIN_ROUNDS rounds and repeats until the 95% half-width of the judged figure is within a
+  target share of its mean or a cap is reached; a figure that stopped at the cap says so.
+- **Between runs.** The same unchanged server measured minutes apart moves more than one run's
+  interval says (measured: reports/bench/noise.json, several runs of one idle and one busy
+  server). A run's mean is the server's true rate, times a run effect of relative standard
+  deviation RUN_NOISE, plus its own sampling error. Two figures measured in different runs
+  (two bench runs, two tune candidates) carry that term on each side.
+
+The test (:func:`difference`, :func:`distinct`): Welch's t on the difference of two means, with
+each side's variance the run's squared standard error (stdev^2 / rounds) plus the between-run
+variance (RUN_NOISE x mean)^2, and Welch-Satterthwaite degrees of freedom in which the
+between-run term counts with the degrees of freedom of the data set it was estimated from
+(RUN_NOISE_DF). Two figures differ when the absolute difference exceeds t_{1-alpha/2m}(df) times
+its standard error: alpha = 5% over the m comparisons made together (Bonferroni), so the whole
+family calls an unchanged pair changed at most 5% of the time; the power this leaves is
+:func:`detectable_change` (the smallest change flagged 80% of the time), printed beside the
+verdict so a tie is never mistaken for "no change".
 
 Whether the client can time tokens is decided from the arrival times themselves, not from a
 fixed ms threshold: a streamed token arrives in its own read when the client keeps up, and
@@ -30,7 +49,13 @@ _T975 = (
     2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
     2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
 )  # fmt: skip
-_Z975 = 1.959964
+#: the fewest rounds a level's interval rests on: the t quantile is 12.7 at 2 rounds (an
+#: interval of 9 standard deviations), 3.18 at 4; a fifth round would narrow it by a further 22%
+#: for 25% more gate time on every level
+MIN_ROUNDS = 4
+
+#: beyond these degrees of freedom t_quantile uses the Cornish-Fisher expansion
+_SERIES_DF_MAX = 1000
 
 #: a gap shorter than this share of the stream's mean gap: the token came in the same read
 #: as the one before (a burst). Reads of one burst are microseconds apart, tokens one by one
@@ -45,20 +70,57 @@ MAX_BURST_SHARE = 0.10
 MIN_CHUNKS_PER_TOKEN = 0.9
 
 
-def t975(df: int) -> float:
-    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (table to 30, then the
-    Cornish-Fisher expansion, within 1e-4 of the exact value there)."""
+def t_two_sided(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with an integer ``df``: the exact finite series
+    (Abramowitz and Stegun 26.7.3 and 26.7.4)."""
     if df < 1:
         raise ValueError(f"degrees of freedom must be at least 1, got {df}")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    if df % 2:  # odd: 2/pi (theta + sin cos (1 + 2/3 cos^2 + 2.4/3.5 cos^4 ...))
+        term, total = 1.0, 1.0 if df > 1 else 0.0
+        for k in range(1, (df - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+    term, total = 1.0, 1.0  # even: sin (1 + 1/2 cos^2 + 1.3/2.4 cos^4 ...)
+    for k in range(1, df // 2):
+        term *= c2 * (2 * k - 1) / (2 * k)
+        total += term
+    return math.sin(theta) * total
+
+
+def t_quantile(coverage: float, df: float) -> float:
+    """The t that two-sided ``coverage`` of Student's t lies within (0.95: t_{0.975}), for
+    ``df`` rounded down (fewer degrees of freedom: a wider, safe interval); by bisection on the
+    exact distribution, to 1e-9."""
+    if not 0 < coverage < 1:
+        raise ValueError(f"coverage must be between 0 and 1, got {coverage}")
+    if not math.isfinite(df) or df > _SERIES_DF_MAX:
+        # the series is long there, and the Cornish-Fisher expansion is within 1e-6
+        z = statistics.NormalDist().inv_cdf((1 + coverage) / 2)
+        return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    n = max(1, math.floor(df))
+    lo, hi = 0.0, 1.0
+    while t_two_sided(hi, n) < coverage:
+        hi *= 2
+    while hi - lo > 1e-9 * max(1.0, hi):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided(mid, n) < coverage else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (the table to 30, held to
+    the exact distribution by a test; :func:`t_quantile` beyond)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
+    return _T975[df - 1] if df <= len(_T975) else t_quantile(0.95, df)
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A mean with its spread: n values, their standard deviation, the 95% half-width."""
+    """A mean with its spread: n values (rounds), their standard deviation, the 95% half-width."""
 
     mean: float
     stdev: float
@@ -80,7 +142,7 @@ class Estimate:
         }
 
 
-def estimate(values: Sequence[float]) -> Estimate | None:
+def estimate(values: Sequence[float | None]) -> Estimate | None:
     """Mean, standard deviation and 95% half-width of ``values`` (None for none)."""
     data = [float(v) for v in values if v is not None and math.isfinite(v)]
     if not data:
@@ -102,16 +164,131 @@ def settled(est: Estimate | None, n_min: int, n_max: int, target: float) -> bool
     return est.n >= n_min and est.rel_halfwidth <= target
 
 
-def distinct(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool | None:
-    """Whether two estimates (``as_dict`` form) differ beyond their noise: the difference of the
-    means exceeds the half-width of that difference (the two half-widths added in quadrature,
-    Welch's interval with each side's own t). None when either has no interval."""
-    if not a or not b:
+def halfwidth_text(d: dict[str, Any] | None, spec: str = ".1f") -> str:
+    """`` ± 6.5`` for an estimate (``as_dict`` form), with ``, cap reached`` where the level
+    stopped at its cap before the target (the interval is what the cap allowed, not the
+    target); empty without an interval."""
+    if not d or d.get("halfwidth") is None:
+        return ""
+    capped = ""
+    if d.get("capped"):
+        rel = d.get("rel_halfwidth")
+        capped = f" ({rel:.1%}, cap reached)" if rel is not None else " (cap reached)"
+    return f" ± {format(float(d['halfwidth']), spec)}{capped}"
+
+
+# ------------------------------------------------------------------------------------------
+# do two figures differ?
+# ------------------------------------------------------------------------------------------
+
+#: the relative standard deviation of a run's mean around the server's true rate, between runs
+#: of one unchanged server (the run effect: drift, the machine's other load, the server's state).
+#: From reports/bench/noise.json (scripts/bench_noise.py): the larger of the idle and busy
+#: estimates, rounded up; tests/test_bench_stats.py holds this constant to that file.
+RUN_NOISE = 0.04
+#: degrees of freedom RUN_NOISE was estimated with (runs in the data set, less one per set)
+RUN_NOISE_DF = 14
+#: the family-wise false-change rate of one search's or one compare's comparisons
+ALPHA = 0.05
+#: the power :func:`detectable_change` is stated at
+POWER = 0.80
+
+
+def _se2_df(d: dict[str, Any]) -> tuple[float, int] | None:
+    """A side's squared standard error and its degrees of freedom, from an ``as_dict`` form
+    (stdev and n; an old record with a half-width and n only is backed out through t)."""
+    n = d.get("n")
+    sd = d.get("stdev")
+    if n is None or int(n) < 2:
         return None
-    ha, hb, ma, mb = a.get("halfwidth"), b.get("halfwidth"), a.get("mean"), b.get("mean")
-    if ha is None or hb is None or ma is None or mb is None:
+    n = int(n)
+    if sd is None:
+        hw = d.get("halfwidth")
+        if hw is None:
+            return None
+        sd = float(hw) / t975(n - 1) * math.sqrt(n)
+    return float(sd) ** 2 / n, n - 1
+
+
+@dataclass(frozen=True)
+class Difference:
+    """b minus a, with its standard error, Welch-Satterthwaite degrees of freedom and the
+    half-width at the stated coverage."""
+
+    diff: float
+    se: float
+    df: float
+    halfwidth: float
+    comparisons: int
+
+    @property
+    def distinct(self) -> bool:
+        return abs(self.diff) > self.halfwidth
+
+
+def difference(
+    a: dict[str, Any] | None,
+    b: dict[str, Any] | None,
+    run_noise: float = RUN_NOISE,
+    comparisons: int = 1,
+    alpha: float = ALPHA,
+) -> Difference | None:
+    """The difference of two estimates (``as_dict`` form) measured in different runs, by the
+    test of the module docstring; ``run_noise`` 0 for two figures of one run (or of blocks
+    interleaved in one time window). None when either side has no interval."""
+    if not a or not b or a.get("mean") is None or b.get("mean") is None:
         return None
-    return abs(float(ma) - float(mb)) > math.hypot(float(ha), float(hb))
+    sa, sb = _se2_df(a), _se2_df(b)
+    if sa is None or sb is None:
+        return None
+    ma, mb = float(a["mean"]), float(b["mean"])
+    run_var = run_noise**2 * (ma**2 + mb**2)
+    var = sa[0] + sb[0] + run_var
+    if var <= 0:
+        return Difference(mb - ma, 0.0, math.inf, 0.0, comparisons)
+    denom = sa[0] ** 2 / sa[1] + sb[0] ** 2 / sb[1] + (run_var**2 / RUN_NOISE_DF if run_var else 0.0)
+    df = var**2 / denom if denom > 0 else math.inf
+    t = t_quantile(1 - alpha / max(1, comparisons), df)
+    return Difference(mb - ma, math.sqrt(var), df, t * math.sqrt(var), comparisons)
+
+
+def distinct(
+    a: dict[str, Any] | None,
+    b: dict[str, Any] | None,
+    run_noise: float = RUN_NOISE,
+    comparisons: int = 1,
+) -> bool | None:
+    """Whether two estimates (``as_dict`` form) measured in different runs differ beyond their
+    noise (:func:`difference`); None when either has no interval."""
+    d = difference(a, b, run_noise, comparisons)
+    return None if d is None else d.distinct
+
+
+def detectable_change(
+    a: dict[str, Any] | None,
+    run_noise: float = RUN_NOISE,
+    comparisons: int = 1,
+    power: float = POWER,
+) -> float | None:
+    """The smallest relative rise of ``a``'s mean that the test flags with probability
+    ``power`` when the other side is measured as ``a`` was (same spread and rounds):
+    (t_{1-alpha/2m} + t_{power}) times the difference's standard error, over the mean, solved
+    with the other side at the raised mean (its run term grows with it). None without an
+    interval."""
+    if not a or not a.get("mean"):
+        return None
+    mean = abs(float(a["mean"]))
+    delta = 0.0
+    for _ in range(20):  # a fixed point: the raised side's run term depends on the rise
+        d = difference(a, {**a, "mean": mean * (1 + delta)}, run_noise, comparisons)
+        if d is None:
+            return None
+        t_beta = t_quantile(2 * power - 1, d.df)  # the one-sided quantile at `power`
+        nxt = (d.halfwidth + t_beta * d.se) / mean
+        if abs(nxt - delta) < 1e-6:
+            break
+        delta = nxt
+    return nxt
 
 
 # ------------------------------------------------------------------------------------------

@@ -31,8 +31,10 @@ def figure_text(m: Measured, unit: str = "tok/s") -> str:
         return f"failed: {m.error}"
     if m.figure is None:
         return "-"
-    if m.figure < 0:  # latency: TTFT p95, negated for ranking
-        return f"TTFT p95 {-m.figure * 1000:.0f} ms"
+    if m.figure < 0:  # latency: the slowest stream's TTFT per round, negated for ranking
+        hw_ms = f" ± {m.halfwidth * 1000:.0f}" if m.halfwidth is not None else ""
+        what = "slowest TTFT" if m.n is not None else "TTFT p95"  # (stored before rounds were the unit)
+        return f"{what} {-m.figure * 1000:.0f}{hw_ms} ms"
     hw = f" ± {m.halfwidth:.1f}" if m.halfwidth is not None else ""
     return f"{m.figure:.1f}{hw} {unit}"
 

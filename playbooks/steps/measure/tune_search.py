@@ -8,10 +8,12 @@ requests), and so on, until one or two remain, the rungs run out or the budget d
 candidate that fails (the server would not start, every request failed) is kept in the table
 with its reason and leaves the race.
 
-The winner: the best figure of the last rung each candidate reached, where two candidates
-whose 95% intervals do not tell them apart are a tie, and a tie goes to the simpler, safer
-configuration (tune_space.simplicity: no speculation, an f16 cache, the larger quant, the
-default batch). One noisy run never decides between an f16 and a q8_0 cache.
+The winner: the best figure of the last rung each candidate reached; a candidate the test of
+bench_stats.difference cannot tell from the best (Welch's t on the two means, each side's
+variance its rounds' standard error plus the between-run noise, alpha 5% over the comparisons
+with the best) is tied with it, and a tie goes to the simpler, safer configuration
+(tune_space.simplicity: no speculation, an f16 cache, the larger quant, the default batch).
+One noisy run never decides between an f16 and a q8_0 cache.
 """
 
 from __future__ import annotations
@@ -36,32 +38,58 @@ class Measured:
     level: dict[str, Any] = field(default_factory=dict)  # the bench's level summary
     error: str | None = None
     reused: bool = False  # taken from an earlier run with the same inputs
+    stdev: float | None = None  # the spread of the figure's observations (rounds)
+    n: int | None = None  # how many observations (rounds)
+
+    @classmethod
+    def of_level(
+        cls, candidate: Candidate, rung: int, level: dict[str, Any], objective: Objective, reused: bool = False
+    ) -> Measured:
+        est = objective_figure(level, objective) or {}
+        return cls(
+            candidate,
+            rung,
+            est.get("mean"),
+            est.get("halfwidth"),
+            level,
+            level.get("error"),
+            reused,
+            est.get("stdev"),
+            est.get("n"),
+        )
 
     @property
     def estimate(self) -> dict[str, Any] | None:
         if self.figure is None:
             return None
-        return {"mean": self.figure, "halfwidth": self.halfwidth}
+        return {"mean": self.figure, "halfwidth": self.halfwidth, "stdev": self.stdev, "n": self.n}
 
 
-def objective_figure(level: dict[str, Any], objective: Objective) -> tuple[float | None, float | None]:
-    """The figure a level is ranked by and its 95% half-width.
+def objective_figure(level: dict[str, Any], objective: Objective) -> dict[str, Any] | None:
+    """The figure a level is ranked by, as an estimate over the level's rounds (mean, stdev, n,
+    95% half-width; bench_stats: a round is the unit of replication), higher is better:
 
-    - single: the per-stream decode (the bench's judged figure) at one stream, its interval;
-    - aggregate: the aggregate tok/s at as many streams as slots; its interval is the decode's
-      relative half-width applied to it (the aggregate is one wall-clock ratio per level);
-    - latency: TTFT p95, negated so higher is better, no interval (a percentile of few values).
-    """
-    decode = level.get("decode") or {}
-    mean, hw = decode.get("mean"), decode.get("halfwidth")
+    - single: the judged per-stream decode (``decode``);
+    - aggregate: the aggregate tok/s at as many streams as slots (``aggregate``: each round's
+      tokens over its wall time);
+    - latency: the slowest stream's TTFT per round (``ttft_worst``), negated.
+
+    A level stored before rounds were the unit has no ``aggregate`` or ``ttft_worst``: its
+    aggregate and TTFT p95 come without an interval (and so tie with nothing)."""
     if objective == "single":
-        return mean, hw
+        decode = level.get("decode")
+        return dict(decode) if decode and decode.get("mean") is not None else None
     if objective == "aggregate":
-        agg = level.get("aggregate_tok_s")
-        rel = decode.get("rel_halfwidth")
-        return agg, (agg * rel if agg is not None and rel is not None else None)
+        agg = level.get("aggregate")
+        if agg and agg.get("mean") is not None:
+            return dict(agg)
+        old = level.get("aggregate_tok_s")
+        return None if old is None else {"mean": old, "halfwidth": None}
+    worst = level.get("ttft_worst")
+    if worst and worst.get("mean") is not None:
+        return {**worst, "mean": -float(worst["mean"])}
     ttft = level.get("ttft_p95_s")
-    return (-ttft if ttft is not None else None), None
+    return None if ttft is None else {"mean": -ttft, "halfwidth": None}
 
 
 def successive_halving(
@@ -118,7 +146,9 @@ def choose(measured: Sequence[Measured], planned: Sequence[Planned]) -> Verdict:
     final = [m for m in final if m.rung == top_rung]
     options = {p.candidate: p.option for p in planned}
     best = max(final, key=lambda m: m.figure or 0)
-    ties = [m for m in final if m is not best and distinct(m.estimate, best.estimate) is False]
+    # the best against each other finalist: the family's false-change rate held at ALPHA
+    others = len(final) - 1
+    ties = [m for m in final if m is not best and distinct(m.estimate, best.estimate, comparisons=others) is False]
     pool = [best, *ties]
     winner = min(pool, key=lambda m: simplicity(m.candidate, options.get(m.candidate)))
     if winner is best:
@@ -127,7 +157,7 @@ def choose(measured: Sequence[Measured], planned: Sequence[Planned]) -> Verdict:
         )
     else:
         why = (
-            f"tied with the best measured ({best.candidate.label()}: the 95% intervals overlap), "
+            f"tied with the best measured ({best.candidate.label()}: the difference is within the noise), "
             "and the simpler, safer configuration"
         )
     return Verdict(winner, [m for m in pool if m is not winner], why)
