@@ -13,6 +13,7 @@ import platform
 import subprocess
 import sys
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -56,11 +57,23 @@ def test_a_stored_figure_is_reused_only_on_the_same_memory_system(tmp_path):
     subprocess.run(["sh", "-c", membw.store_command(str(tmp_path), record)], check=True)
     assert not list((tmp_path / "facts").glob("*.tmp"))
     again, stored = _read(str(tmp_path))
-    found, why = membw.reusable(stored, again)
+    now = datetime(2026, 12, 3, 7, 0, tzinfo=timezone.utc)
+    found, why = membw.reusable(stored, again, now=now)
     assert found == figure and why == "stored, measured 2026-12-01T15:00:00Z"
+    # a figure past its age is measured again; a pure-Python lower bound is never a ceiling
+    later = datetime(2027, 1, 15, tzinfo=timezone.utc)
+    assert membw.reusable(stored, again, now=later) == (None, "the stored figure is 44 days old (the limit: 30)")
+    floor = record | {"membw": record["membw"] | {"lower_bound": True, "method": "python"}}
+    assert membw.reusable(floor, again, now=now) == (
+        None,
+        "the stored figure is a pure-Python lower bound, not a ceiling",
+    )
+    refused = membw.ceiling_refusal(membw.Membw(copy_gb_s=3.1, method="python", lower_bound=True))
+    assert refused is not None and refused.startswith("not a ceiling: 3.1 GB/s from pure-Python copies")
+    assert membw.ceiling_refusal(figure) is None
     # each part of the identity, changed, means measuring again, and says which
     for field, value in (("cpu_model", "AMD EPYC 7742"), ("cpus", 64), ("mem_total_kb", 1), ("kernel", "6.1.0-99")):
-        found, why = membw.reusable(stored, replace(again, **{field: value}))
+        found, why = membw.reusable(stored, replace(again, **{field: value}), now=now)
         assert found is None and why.startswith("the host changed since it was measured (") and field in why
     assert membw.reusable(None, again) == (None, "no stored figure on the host")
     (tmp_path / "facts" / "membw.json").write_text("{torn")

@@ -540,6 +540,8 @@ def stop(c: Context, host: str | None = None, recipe: str | None = None, invento
         "rungs": "successive-halving rounds (default 3): each measures the better half twice as long",
         "take-over": "stop the live service for the search when a candidate cannot fit beside it; restored after",
         "port": "the scratch server's port (default: the recipe's + 100)",
+        "remeasure": "measure every candidate again instead of reusing kept measurements (kept ones are reused "
+        "only on the same host facts and for 7 days)",
         "json": "print the whole result as JSON instead of the table",
         "inventory": INVENTORY_HELP,
     },
@@ -562,6 +564,7 @@ def tune(
     rungs: str | None = None,
     take_over: bool = False,
     port: str | None = None,
+    remeasure: bool = False,
     json: bool = False,
     inventory: str | None = None,
 ) -> None:
@@ -588,6 +591,7 @@ def tune(
             take_over=take_over,
             port=flags.positive_int("--port", port, "a port", 65535),
             threads=threads,
+            remeasure=remeasure,
         )
         return run_tune(
             flags.one_host("--host", _cfg(c, "host", host)),

@@ -187,6 +187,7 @@ def options(
     take_over: bool,
     port: int | None,
     threads: str | None = None,
+    remeasure: bool = False,
 ) -> TuneOptions:
     """The flags, each checked (one line, exit 2, for a bad one)."""
     if objective not in OBJECTIVES:
@@ -210,4 +211,5 @@ def options(
         rungs=rungs or 3,
         take_over=take_over,
         port=port,
+        remeasure=remeasure,
     )

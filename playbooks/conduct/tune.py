@@ -16,7 +16,9 @@ The loop, per host (compute first, act second):
    scratch port, benched with the bench's repeats (steps/bench_run.measure_level), stopped.
    Successive halving (steps/measure/tune_search.py) measures the promising ones longer, within the
    budget. A measurement is kept by its inputs (the build, the artifact's sha256, the unit's
-   command line, the workload), so a re-run measures nothing it already has.
+   command line, the workload) with the host facts it depends on (kernel, CPU, GPU and driver,
+   the bandwidth fact) and its time, so a re-run measures nothing it already has, unless those
+   facts changed, it is older than ``max_age_days`` (7) or ``--remeasure``.
 4. The winner (ties to the simpler configuration) is written as a recipe with a comment saying
    how it was found, into the user's recipes directory, never the installed package; the
    table, a chart and the JSON go under ``~/.cache/voltaforge/tune/<host>/<recipe>/<time>/``.
@@ -55,6 +57,8 @@ from playbooks.facts import builds as build_facts
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, deployments_command, parse_deployments
 from playbooks.facts.files import cat_command, parse_json_object, parse_writable, writable_command
+from playbooks.facts.membw import age_days
+from playbooks.facts.provenance import Provenance, parse_provenance, provenance_command
 from playbooks.host import Host
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import Change, Command, run_command, run_ops
@@ -104,6 +108,8 @@ class TuneOptions:
     take_over: bool = False
     port: int | None = None  # the scratch port (default: the recipe's + 100)
     recipes_dir: Path | None = None  # where the winner is written (default ./recipes)
+    remeasure: bool = False  # measure every candidate again, whatever is stored
+    max_age_days: float = 7.0  # a stored measurement older than this is measured again
 
 
 @dataclass
@@ -152,6 +158,7 @@ class Tuner:
         self.deadline = time.monotonic() + opts.budget_s  # set again when the search begins
         self.live_checks: list[tuple[str, int]] = []
         self.build = ""
+        self.provenance = Provenance()  # the host facts a measurement depends on (read in run)
         self.bandwidth: float | None = None
         self.kld: dict[str, float] = {}  # quant -> mean KL divergence against F16 (its manifest)
         self._live: list[Deployment] | None = None
@@ -287,20 +294,26 @@ class Tuner:
         return files[0].text
 
     def _stored(self, key: str) -> dict[str, Any] | None:
-        if not self.store.exists():
+        """A measurement kept with the same inputs that may be reused (:func:`kept_level`); None,
+        saying why when one was kept but cannot be."""
+        if not self.store.exists() or self.opts.remeasure:
             return None
-        for line in self.store.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row.get("key") == key and not (row.get("level") or {}).get("error"):
-                return dict(row["level"])
-        return None
+        rows = [json.loads(line) for line in self.store.read_text().splitlines() if _is_json(line)]
+        level, why = kept_level(rows, key, self.provenance, datetime.now(timezone.utc), self.opts.max_age_days)
+        if why:
+            self.say(f"a measurement with the same inputs is kept, but {why}: measuring again")
+        return level
 
     def _keep(self, key: str, c: Candidate, rung: int, level: dict[str, Any]) -> None:
         self.store.parent.mkdir(parents=True, exist_ok=True)
-        row = {"key": key, "candidate": c.__dict__, "rung": rung, "level": level}
+        row = {
+            "key": key,
+            "candidate": c.__dict__,
+            "rung": rung,
+            "level": level,
+            "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "provenance": self.provenance.as_dict(),
+        }
         with self.store.open("a") as f:
             f.write(json.dumps(row, sort_keys=True) + "\n")
 
@@ -315,6 +328,8 @@ class Tuner:
         if get_gpu(r.gpu).is_cpu:
             # the bench's own probe python: the figure is stored and the bench reuses it
             self.bandwidth = host_membw(self.host, self.prefix, host_python(self.host, self.prefix))["gb_s"]
+        # after the bandwidth fact: its time of measurement is one of the facts
+        self.provenance = parse_provenance(read_fact(self.host, provenance_command(self.prefix)))
         lv = self.opts.levers
         base = base_candidate(self.loaded)
         # levers not named: the recipe's cache and an f16 one, the recipe's -ub and 64 (sm_70's
@@ -462,3 +477,31 @@ def tune_host(
                     f"interrupted: the scratch server was stopped and removed; the live service: {state}; "
                     "every measurement finished so far is kept (a re-run resumes)"
                 ) from None
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def kept_level(
+    rows: Sequence[dict[str, Any]], key: str, provenance: Provenance, now: datetime, max_age_days: float
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The kept level of ``key`` made on the same host facts (``provenance``) and younger than
+    ``max_age_days``, or None with why the one kept cannot be reused (None: none was kept)."""
+    why = None
+    for row in rows:
+        if row.get("key") != key or (row.get("level") or {}).get("error"):
+            continue
+        changed = provenance.changed(row.get("provenance"))
+        age = age_days(row.get("at"), now)
+        if changed:
+            why = "the host changed since (" + "; ".join(changed) + ")"
+        elif age is None or age > max_age_days:
+            why = f"it is older than {max_age_days:g} days" if age is not None else "it was kept without its time"
+        else:
+            return dict(row["level"]), None
+    return None, why

@@ -8,7 +8,8 @@ to 0.70 with the server's own rate moving 13%. A ceiling must hold still: the pr
 way STREAM does (the best of several trials, every core, a buffer four times the last-level
 cache and at least 256 MiB so the copy leaves the caches), and the figure is kept on the host
 (``<prefix>/facts/membw.json``) with what identifies the host's memory system (CPU model, CPUs
-online, memory size, kernel) and reused until one of those changes or ``--remeasure``.
+online, memory size, kernel) and reused until one of those changes, it is MAX_AGE_DAYS old, or
+``--remeasure``. A pure-Python copy's figure is a lower bound: never a ceiling.
 GB/s here means 1e9 bytes per second, counting read + write (2 x the buffer) per copy.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from shlex import quote
 from typing import Any, Literal
@@ -156,8 +158,25 @@ def parse_identity(output: str) -> tuple[MemoryIdentity, dict | None]:
     return ident, stored
 
 
-def reusable(stored: dict | None, ident: MemoryIdentity) -> tuple[Membw | None, str]:
-    """The stored figure when it was measured on this same memory system, with why (or why not)."""
+#: a stored figure older than this is measured again: a BIOS setting, a DIMM in another slot or
+#: a firmware update changes the memory system without changing what identifies it
+MAX_AGE_DAYS = 30
+
+
+def age_days(measured_at: Any, now: datetime) -> float | None:
+    """Days since a ``%Y-%m-%dT%H:%M:%SZ`` time (None: not such a time)."""
+    try:
+        at = datetime.strptime(str(measured_at), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+    return (now - at).total_seconds() / 86400
+
+
+def reusable(
+    stored: dict | None, ident: MemoryIdentity, now: datetime | None = None, max_age_days: float = MAX_AGE_DAYS
+) -> tuple[Membw | None, str]:
+    """The stored figure when it was measured on this same memory system, is younger than
+    ``max_age_days`` and is a ceiling (not a pure-Python lower bound), with why (or why not)."""
     if stored is None:
         return None, "no stored figure on the host"
     was = stored.get("identity") or {}
@@ -170,8 +189,26 @@ def reusable(stored: dict | None, ident: MemoryIdentity) -> tuple[Membw | None, 
     value = m.get("copy_gb_s")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         return None, "the stored figure is not a usable number"
+    if m.get("lower_bound"):
+        return None, "the stored figure is a pure-Python lower bound, not a ceiling"
+    age = age_days(stored.get("measured_at"), now or datetime.now(timezone.utc))
+    if age is None:
+        return None, "the stored figure has no time of measurement"
+    if age > max_age_days:
+        return None, f"the stored figure is {age:.0f} days old (the limit: {max_age_days:g})"
     fields: dict[str, Any] = {k: m.get(k) for k in Membw.__dataclass_fields__ if k in m}
     return Membw(**fields), f"stored, measured {stored.get('measured_at')}"
+
+
+def ceiling_refusal(m: Membw) -> str | None:
+    """Why a measured figure cannot be a roofline's ceiling (None: it can): the pure-Python copy
+    pays the interpreter on every element, so its figure is a floor under the bandwidth."""
+    if m.lower_bound:
+        return (
+            f"not a ceiling: {m.copy_gb_s:.1f} GB/s from pure-Python copies is a lower bound (the host's python "
+            "has no numpy; the toolchain venv has it)"
+        )
+    return None
 
 
 def stored_record(ident: MemoryIdentity, membw: Membw, measured_at: str) -> dict:

@@ -210,6 +210,9 @@ def host_membw(host: Host, prefix: str, python: str, remeasure: bool = False) ->
     fresh = membw_facts.read_membw(read_fact(host, membw_facts.membw_command(python, probe)))
     if fresh.copy_gb_s is None:
         return {"gb_s": None, "source": f"not measured: {fresh.error}", "probe": _membw_dict(fresh)}
+    refused = membw_facts.ceiling_refusal(fresh)
+    if refused:  # kept out of the store too: the next run measures again
+        return {"gb_s": None, "source": refused, "probe": _membw_dict(fresh)}
     at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     record = membw_facts.stored_record(ident, fresh, at)
     host.run(membw_facts.store_command(prefix, record), stream=False)
