@@ -116,17 +116,56 @@ def test_failures_leave_the_race_and_the_budget_stops_it(v100_14b):
     )
     assert tune_search.choose(done, planned).winner.candidate == planned[1].candidate
     assert tune_search.choose([crash], planned).winner is None
-    asked: list[int] = []
+    # the budget ran out before the search began: the first candidate is measured all the same
+    clock = FakeClock()
+    spent = tune_search.Budget(10.0, clock=clock)
+    spent.start()
+    clock.now += 11.0
 
-    def spent() -> bool:  # the budget ran out before the search began
-        asked.append(1)
-        return True
+    def slow(c: Candidate, r: int) -> tune_search.Measured:
+        clock.now += 30.0
+        return _measured(c, r, 50.0)
 
-    done, ran_out = tune_search.successive_halving(planned, lambda c, r: _measured(c, r, 50.0), out_of_time=spent)
-    # the first candidate is measured all the same (and the clock not asked before it), only it
-    assert len(planned) == 2 and len(asked) == 1
-    assert ran_out and [m.candidate for m in done] == [planned[0].candidate]
+    done, ran_out = tune_search.successive_halving(planned, slow, budget=spent)
+    assert len(planned) == 2 and ran_out and [m.candidate for m in done] == [planned[0].candidate]
     assert tune_search.choose(done, planned).winner.candidate == planned[0].candidate
+    assert spent.as_dict()["skipped"] == [
+        {"candidate": planned[1].candidate.label(), "rung": 0, "predicted_s": 30.0, "left_s": 0.0}
+    ]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_budget_bounds_the_search_by_each_candidates_predicted_cost(v100_14b):
+    """A candidate is skipped when its predicted cost (its rung's median so far, else twice the
+    rung before's) exceeds what is left, so the search ends inside the budget rather than one
+    whole measurement past it (was: the clock asked only before a measurement)."""
+    base = tune_space.base_candidate(v100_14b)
+    planned = tune_space.prune(v100_14b, tune_space.enumerate_space(base, ubatches=[64, 128, 256, 512])).survivors
+    clock = FakeClock()
+    budget = tune_search.Budget(100.0, clock=clock)
+    budget.start()
+    cost = {0: 30.0, 1: 60.0}  # rung 1 runs twice the requests
+
+    def measure(c: Candidate, r: int) -> tune_search.Measured:
+        clock.now += cost[r]
+        return _measured(c, r, 50.0 + planned.index(next(p for p in planned if p.candidate == c)) * 30)
+
+    done, ran_out = tune_search.successive_halving(planned, measure, rungs=2, budget=budget)
+    # rung 0: 30 s each; after three (90 s used, 10 left) the fourth (predicted 30 s) is skipped
+    assert [m.rung for m in done] == [0, 0, 0] and ran_out
+    assert budget.used() == 90.0 <= budget.total_s
+    assert budget.as_dict()["skipped"][0]["predicted_s"] == 30.0 and budget.as_dict()["skipped"][0]["left_s"] == 10.0
+    # a rung never measured before is predicted at twice the last rung's cost
+    fresh = tune_search.Budget(1000.0, clock=clock)
+    fresh.record(0, 40.0)
+    assert fresh.predict(1) == 80.0 and fresh.predict(0) == 40.0 and fresh.predict(2) is None
 
 
 def test_objective_figures_each_have_their_own_interval():

@@ -160,6 +160,8 @@ def render_tune(res: dict, report_dir: Path | None) -> None:
             else "not checked: every measurement was kept from an earlier run"
         )
         out.print(Text(f"live service ({', '.join(live['services'])}): {state}"))
+    if res.get("budget"):
+        out.print(Text(f"budget: {tune_report.budget_text(res)}"))
     if res.get("budget_ran_out"):
         out.print(Text("the budget ran out: the best so far is reported", style="yellow"))
     w = res.get("winner")

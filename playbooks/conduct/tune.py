@@ -66,7 +66,7 @@ from playbooks.host.output import Printer
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
 from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
-from playbooks.steps.measure.tune_search import Measured, Verdict, choose, successive_halving
+from playbooks.steps.measure.tune_search import Budget, Measured, Verdict, choose, successive_halving
 from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
 from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.secrets import api_key_for
@@ -129,6 +129,8 @@ class Outcome:
     measured: list[Measured] = field(default_factory=list)
     verdict: Verdict | None = None
     ran_out: bool = False
+    budget: Budget | None = None
+    quants_s: float = 0.0  # making the quants the candidates need, before the budget's clock
     live: dict[str, Any] = field(default_factory=dict)
     winner_recipe: Path | None = None
     report_dir: Path | None = None
@@ -155,7 +157,6 @@ class Tuner:
         self.scratch = ServerLayout(prefix=prefix, unit_name=SCRATCH_UNIT)
         self.root = (cache_root or bench_dir().parent / "tune") / host.name / r.name
         self.store = self.root / "measurements.jsonl"
-        self.deadline = time.monotonic() + opts.budget_s  # set again when the search begins
         self.live_checks: list[tuple[str, int]] = []
         self.build = ""
         self.provenance = Provenance()  # the host facts a measurement depends on (read in run)
@@ -238,6 +239,24 @@ class Tuner:
         if isinstance(kld, (int, float)):
             self.kld[c.quant] = float(kld)
         return path, str(facts.get("sha256") or "")
+
+    def make_quants(self, space: Space) -> float:
+        """Every quant the survivors need, verified or made now (the quantize step), before the
+        budget's clock starts; the seconds it took."""
+        t0 = time.monotonic()
+        seen: set[str] = set()
+        for p in space.survivors:
+            c = p.candidate
+            if c.quant in seen:
+                continue
+            seen.add(c.quant)
+            try:
+                self.artifact(c, candidate_recipe(self.loaded, c, self.port, self.context))
+            except VoltaforgeError:
+                pass  # the candidate's measurement reports it, in the table
+        took = time.monotonic() - t0
+        self.say(f"the quants the candidates need are ready ({took:.0f} s, outside the budget)")
+        return took
 
     def stop_scratch(self, cand: LoadedRecipe) -> None:
         try:
@@ -351,11 +370,13 @@ class Tuner:
                 self.say(f"taking over: stopping {', '.join(d.service for d in live)} for the search")
                 self.took_over = True  # before the stop: a Ctrl-C amid it must still restore
                 take_over_stop()
-            # the budget is the search's: the facts above (a first membw probe) are not in it
-            self.deadline = time.monotonic() + self.opts.budget_s
-            out.measured, out.ran_out = successive_halving(
-                space.survivors, self.measure, self.opts.rungs, lambda: time.monotonic() > self.deadline
-            )
+            # the budget is the search's: the facts above (a first membw probe) are not in it,
+            # and neither are the quants the candidates need, made first (each can take longer
+            # than a candidate's whole measurement on a large model)
+            out.quants_s = self.make_quants(space)
+            out.budget = Budget(self.opts.budget_s)
+            out.budget.start()
+            out.measured, out.ran_out = successive_halving(space.survivors, self.measure, self.opts.rungs, out.budget)
         finally:
             self.host.run(
                 f"rm -rf -- {DeployLayout(self.prefix, SCRATCH_SERVICE).state_dir} {self.scratch.serve_dir}",
@@ -393,6 +414,7 @@ class Tuner:
             out.live,
             str(out.winner_recipe) if out.winner_recipe else None,
             at,
+            None if out.budget is None else {**out.budget.as_dict(), "quants_s": round(out.quants_s, 1)},
         )
         out.report_dir = self.root / at.replace(":", "")
         tune_report.write(out.result, out.report_dir)

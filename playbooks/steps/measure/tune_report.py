@@ -138,6 +138,7 @@ def result(
     live: dict[str, Any],
     winner_recipe: str | None,
     at: str,
+    budget: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "version": 1,
@@ -159,6 +160,8 @@ def result(
             "recipe": winner_recipe,
         },
         "budget_ran_out": ran_out,
+        # planned against used, the quants made before the clock, what was skipped and why
+        "budget": budget,
         "live": live,
     }
 
@@ -205,6 +208,29 @@ def table_cells(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def budget_text(res: dict[str, Any]) -> str:
+    """``45m planned, 12m 3s used; quants made before it in 40 s; 2 candidates skipped (...)``."""
+    b = res.get("budget") or {}
+    if not b:
+        return "ran out before the search ended" if res.get("budget_ran_out") else "enough"
+    text = f"{_duration(b['planned_s'])} planned, {_duration(b['used_s'])} used"
+    if b.get("quants_s"):
+        text += f"; the quants made before it in {_duration(b['quants_s'])}"
+    skipped = b.get("skipped") or []
+    if skipped:
+        first = skipped[0]
+        text += (
+            f"; stopped before {first['candidate']} (rung {first['rung']}): predicted "
+            f"{_duration(first['predicted_s'])} with {_duration(first['left_s'])} left"
+        )
+    return text
+
+
+def _duration(seconds: float) -> str:
+    s = round(float(seconds))
+    return f"{s // 60}m {s % 60}s" if s >= 60 else f"{s} s"
+
+
 def markdown(res: dict[str, Any]) -> str:
     out = [f"# Tune: {res['recipe']} on {res['host']}, {res['at']}", ""]
     sp = res["space"]
@@ -212,7 +238,7 @@ def markdown(res: dict[str, Any]) -> str:
     out += [
         f"- objective: {res['objective']}",
         f"- space: {sp['total']} candidates, {sp['measured']} left after pruning ({pruned})",
-        f"- budget: {'ran out before the search ended' if res['budget_ran_out'] else 'enough'}",
+        f"- budget: {budget_text(res)}",
     ]
     w = res.get("winner")
     out += [f"- winner: {w['label']} ({w['why']}); recipe {w['recipe']}" if w else "- winner: none", ""]

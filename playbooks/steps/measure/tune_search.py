@@ -19,6 +19,8 @@ One noisy run never decides between an f16 and a q8_0 cache.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,14 +94,69 @@ def objective_figure(level: dict[str, Any], objective: Objective) -> dict[str, A
     return None if ttft is None else {"mean": -ttft, "halfwidth": None}
 
 
+@dataclass
+class Budget:
+    """The search's clock: ``total_s`` from :meth:`start`, and each fresh measurement's cost
+    (deploy, warm-up, the rung's requests) by rung, so the next one's can be predicted before it
+    starts: the median of its rung's so far, else twice the rung before's (twice the requests;
+    the deploy does not double, so it over-estimates). A candidate whose predicted cost exceeds
+    what is left is skipped: the budget bounds the search within one candidate's prediction
+    error, where checking the clock only before a measurement let one run for hours past it."""
+
+    total_s: float
+    clock: Callable[[], float] = time.monotonic
+    started: float | None = None
+    took: dict[int, list[float]] = field(default_factory=dict)
+    skipped: list[tuple[Candidate, int, float, float]] = field(default_factory=list)  # (c, rung, predicted, left)
+
+    def start(self) -> None:
+        self.started = self.clock()
+
+    def used(self) -> float:
+        return 0.0 if self.started is None else self.clock() - self.started
+
+    def left(self) -> float:
+        return self.total_s - self.used()
+
+    def record(self, rung: int, seconds: float) -> None:
+        self.took.setdefault(rung, []).append(seconds)
+
+    def predict(self, rung: int) -> float | None:
+        if self.took.get(rung):
+            return statistics.median(self.took[rung])
+        if self.took.get(rung - 1):
+            return 2 * statistics.median(self.took[rung - 1])
+        return None
+
+    def admits(self, c: Candidate, rung: int) -> bool:
+        """Whether the candidate's predicted cost fits what is left (no prediction yet: only
+        while any time is left); a refusal is kept in ``skipped``."""
+        left, cost = self.left(), self.predict(rung)
+        if left > 0 and (cost is None or cost <= left):
+            return True
+        self.skipped.append((c, rung, cost or 0.0, max(left, 0.0)))
+        return False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "planned_s": round(self.total_s, 1),
+            "used_s": round(self.used(), 1),
+            "skipped": [
+                {"candidate": c.label(), "rung": r, "predicted_s": round(p, 1), "left_s": round(left, 1)}
+                for c, r, p, left in self.skipped
+            ],
+        }
+
+
 def successive_halving(
     planned: Sequence[Planned],
     measure: Callable[[Candidate, int], Measured],
     rungs: int = 3,
-    out_of_time: Callable[[], bool] = lambda: False,
+    budget: Budget | None = None,
 ) -> tuple[list[Measured], bool]:
-    """Every measurement made, in order, and whether the budget ran out first (it is asked
-    before every measurement but the first)."""
+    """Every measurement made, in order, and whether the budget stopped the search first: each
+    measurement but the first is made only when the budget admits its predicted cost
+    (:class:`Budget`); a fresh measurement's time is recorded for the next prediction."""
     alive = [p.candidate for p in planned]
     done: list[Measured] = []
     for rung in range(rungs):
@@ -107,9 +164,13 @@ def successive_halving(
         for c in alive:
             # the first candidate is always measured: a budget shorter than one measurement
             # still reports one figure and a winner, rather than nothing at all
-            if (done or results) and out_of_time():
+            if (done or results) and budget is not None and not budget.admits(c, rung):
                 return done + results, True
-            results.append(measure(c, rung))
+            t0 = budget.clock() if budget else 0.0
+            m = measure(c, rung)
+            if budget is not None and not m.reused:
+                budget.record(rung, budget.clock() - t0)
+            results.append(m)
         done += results
         ranked = sorted(
             (m for m in results if m.error is None and m.figure is not None), key=lambda m: -(m.figure or 0)
