@@ -210,3 +210,25 @@ def test_the_pareto_front_ranks_quality_by_kl_divergence_where_every_row_has_one
     # one quant without a measurement: bits again, for every row
     rows = tune_report.rows(done, planned, None, {"Q4_K_M": 0.05})
     assert {r["quant"] for r in rows if r["pareto"]} == by_bits
+
+
+def test_the_pareto_front_compares_only_figures_of_the_same_rung(v100_14b):
+    """The README's old tune sample: a rung-0 figure (146.3, before the machine slowed) was the
+    only Pareto row while the rung-1 winner showed 130.9. Figures of different rungs were
+    measured minutes apart: the front is drawn from the last rung's only, and so is the chart."""
+    from playbooks.steps.measure import tune_report
+
+    base = tune_space.base_candidate(v100_14b)
+    space = tune_space.enumerate_space(base, quants=["Q4_K_M", "Q5_K_M"], ubatches=[base.ubatch, 64])
+    planned = tune_space.prune(v100_14b, space).survivors
+    q4, q5 = (next(p.candidate for p in planned if p.candidate.quant == q and p.candidate.ubatch == base.ubatch)
+              for q in ("Q4_K_M", "Q5_K_M"))  # fmt: skip
+    early = next(p.candidate for p in planned if p.candidate.quant == "Q4_K_M" and p.candidate.ubatch == 64)
+    done = [_measured(early, 0, 146.3, 2.6), _measured(q4, 0, 140.0, 2.0), _measured(q5, 0, 120.0, 2.0)]
+    done += [_measured(q4, 1, 130.9, 2.9), _measured(q5, 1, 118.0, 2.0)]  # the machine slowed
+    rows = tune_report.rows(done, planned, None)
+    front = {r["quant"] for r in rows if r["pareto"] and r["rung"] == 1}
+    assert {r["key"] for r in rows if r["pareto"]} == {r["key"] for r in rows if r["pareto"] and r["rung"] == 1}
+    assert front == {"Q4_K_M", "Q5_K_M"}
+    res = tune_report.result("h", "r", "single", tune_space.prune(v100_14b, [q4, q5]), rows, None, False, {}, None, "t")
+    assert tune_report.chart_png(res).startswith(b"\x89PNG")

@@ -46,8 +46,12 @@ def quality(r: dict[str, Any], by_kld: bool) -> float:
 
 def pareto_keys(rows: Sequence[dict[str, Any]]) -> set[str]:
     """The candidates no other beats on both quality (KL divergence where every row has one,
-    else bits per weight) and measured speed."""
-    ok = [r for r in rows if r.get("measured") is not None and not r.get("error")]
+    else bits per weight) and measured speed, among comparable figures only: those of the last
+    rung any candidate reached (a rung measured minutes earlier, on a machine that has since
+    drifted, is not compared with it)."""
+    measured = [r for r in rows if r.get("measured") is not None and not r.get("error")]
+    top = max((int(r.get("rung") or 0) for r in measured), default=0)
+    ok = [r for r in measured if int(r.get("rung") or 0) == top]
     by_kld = bool(ok) and all(r.get("kld") is not None for r in ok)
     front = set()
     for r in ok:
@@ -277,14 +281,30 @@ def chart_png(res: dict[str, Any]) -> bytes:
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize="small")
     ax.set_title(f"{res['recipe']} on {res['host']}: {len(ok)} candidates")
-    for r in ok:
-        front.scatter(r["bpw"], r["measured"], color="tab:orange" if r["pareto"] else "tab:grey")
-    pts = sorted((r["bpw"], r["measured"]) for r in ok if r["pareto"])
-    if pts:
+    # the front from the last rung's figures only (pareto_keys), each point named, with its interval
+    top = max((int(r.get("rung") or 0) for r in ok), default=0)
+    last = [r for r in ok if int(r.get("rung") or 0) == top]
+    for r in last:
+        front.errorbar(
+            r["bpw"],
+            r["measured"],
+            yerr=r["halfwidth"] or 0,
+            fmt="o",
+            color="tab:orange" if r["pareto"] else "tab:grey",
+        )
+        front.annotate(
+            r["label"], (r["bpw"], r["measured"]), fontsize="x-small", xytext=(4, 4), textcoords="offset points"
+        )
+    pts = sorted((r["bpw"], r["measured"]) for r in last if r["pareto"])
+    if len(pts) > 1:
         front.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:orange", label="Pareto front")
+    elif pts:
+        front.plot(*pts[0], marker="o", linestyle="", color="tab:orange", label="Pareto front (one point)")
+    if pts:
         front.legend(loc="upper right", fontsize="small")
+    front.set_title(f"rung {top}: the figures measured together")
     front.set_xlabel("bits per weight (quality)")
-    front.set_ylabel("measured tok/s")
+    front.set_ylabel("measured tok/s (95% interval)")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata={"Software": None})
