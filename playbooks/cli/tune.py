@@ -160,6 +160,8 @@ def render_tune(res: dict, report_dir: Path | None) -> None:
             else "not checked: every measurement was kept from an earlier run"
         )
         out.print(Text(f"live service ({', '.join(live['services'])}): {state}"))
+    if res.get("interleaved"):
+        out.print(Text(f"the two contenders again, A B B A: {tune_report.interleaved_text(res['interleaved'])}"))
     if res.get("budget"):
         out.print(Text(f"budget: {tune_report.budget_text(res)}"))
     if res.get("budget_ran_out"):

@@ -186,6 +186,9 @@ def halfwidth_text(d: dict[str, Any] | None, spec: str = ".1f") -> str:
 #: From reports/bench/noise.json (scripts/bench_noise.py): the larger of the idle and busy
 #: estimates, rounded up; tests/test_bench_stats.py holds this constant to that file.
 RUN_NOISE = 0.04
+#: the run effect left once a straight-line drift is taken out: what two figures measured
+#: interleaved (A B B A, tune's finalists) still carry per block; from the same data set
+BLOCK_NOISE = 0.03
 #: degrees of freedom RUN_NOISE was estimated with (runs in the data set, less one per set)
 RUN_NOISE_DF = 14
 #: the family-wise false-change rate of one search's or one compare's comparisons

@@ -143,6 +143,7 @@ def result(
     winner_recipe: str | None,
     at: str,
     budget: dict[str, Any] | None = None,
+    interleaved: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "version": 1,
@@ -166,6 +167,8 @@ def result(
         "budget_ran_out": ran_out,
         # planned against used, the quants made before the clock, what was skipped and why
         "budget": budget,
+        # the two contenders measured again A B B A, and how far the figures drifted meanwhile
+        "interleaved": interleaved,
         "live": live,
     }
 
@@ -230,6 +233,13 @@ def budget_text(res: dict[str, Any]) -> str:
     return text
 
 
+def interleaved_text(inter: dict[str, Any]) -> str:
+    """``A 130.1, B 128.0, B 125.2, A 126.9 (drift -2.4% across the window)``."""
+    order = ", ".join(f"{b['candidate']} {b['figure']:.1f}" for b in inter["order"] if b.get("figure") is not None)
+    moved = inter.get("drift_pct")
+    return order + (f" (drift {moved:+.1f}% across the window)" if moved is not None else "")
+
+
 def _duration(seconds: float) -> str:
     s = round(float(seconds))
     return f"{s // 60}m {s % 60}s" if s >= 60 else f"{s} s"
@@ -244,6 +254,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"- space: {sp['total']} candidates, {sp['measured']} left after pruning ({pruned})",
         f"- budget: {budget_text(res)}",
     ]
+    if res.get("interleaved"):
+        out.append(f"- final window: {interleaved_text(res['interleaved'])}")
     w = res.get("winner")
     out += [f"- winner: {w['label']} ({w['why']}); recipe {w['recipe']}" if w else "- winner: none", ""]
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from playbooks.steps.measure.bench_stats import distinct
+from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE, distinct, t975
 from playbooks.steps.measure.tune_space import Candidate, Objective, Planned, simplicity
 
 
@@ -42,6 +42,8 @@ class Measured:
     reused: bool = False  # taken from an earlier run with the same inputs
     stdev: float | None = None  # the spread of the figure's observations (rounds)
     n: int | None = None  # how many observations (rounds)
+    block: int | None = None  # one of the finalists' interleaved blocks (0, 1), not a rung's measurement
+    interleaved: bool = False  # the two blocks of a finalist combined (:func:`combined`)
 
     @classmethod
     def of_level(
@@ -181,10 +183,102 @@ def successive_halving(
     return done, False
 
 
+def pair_noise(a: Measured, b: Measured) -> float:
+    """The between-run noise a comparison of two figures carries: RUN_NOISE for figures measured
+    apart; for two finalists measured interleaved (A B B A) the drift's straight line cancels in
+    each one's mean of two blocks, and what is left is each block's own run effect
+    (BLOCK_NOISE), halved in variance by the two blocks."""
+    if a.interleaved and b.interleaved:
+        return BLOCK_NOISE / math.sqrt(2)
+    return RUN_NOISE
+
+
+def contenders(measured: Sequence[Measured]) -> tuple[Candidate, Candidate] | None:
+    """The last rung's best and the nearest candidate the test (figures measured apart) cannot
+    tell from it: the two measured again interleaved, so the decision between them rests on
+    figures of one time window. None when the best stands alone."""
+    final = [m for m in latest(measured) if m.error is None and m.figure is not None]
+    if len(final) < 2:
+        return None
+    top = max(m.rung for m in final)
+    final = [m for m in final if m.rung == top]
+    best = max(final, key=lambda m: m.figure or 0)
+    tied = [
+        m for m in final if m is not best and distinct(m.estimate, best.estimate, comparisons=len(final) - 1) is False
+    ]
+    if not tied:
+        return None
+    return best.candidate, max(tied, key=lambda m: m.figure or 0).candidate
+
+
+def interleave(
+    pair: tuple[Candidate, Candidate],
+    measure_block: Callable[[Candidate, int], Measured],
+    budget: Budget | None = None,
+    rung: int = 0,
+) -> list[Measured]:
+    """The two contenders measured A B B A (a straight-line drift cancels in each one's mean of
+    its two blocks); stops where the budget does not admit the next block."""
+    a, b = pair
+    blocks: list[Measured] = []
+    for c, i in ((a, 0), (b, 0), (b, 1), (a, 1)):
+        if budget is not None and not budget.admits(c, rung):
+            break
+        t0 = budget.clock() if budget else 0.0
+        m = measure_block(c, i)
+        if budget is not None and not m.reused:
+            budget.record(rung, budget.clock() - t0)
+        blocks.append(m)
+    return blocks
+
+
+def combined(blocks: Sequence[Measured]) -> Measured | None:
+    """A candidate's two interleaved blocks as one figure: the mean of the two block means, its
+    standard error sqrt(se0^2 + se1^2) / 2 (carried as stdev over the pooled rounds); None when
+    a block is missing or failed."""
+    ok = [m for m in blocks if m.error is None and m.figure is not None and m.stdev is not None and m.n]
+    if len(ok) != 2:
+        return None
+    b0, b1 = sorted(ok, key=lambda m: m.block or 0)
+    n = int(b0.n or 0) + int(b1.n or 0)
+    se = math.sqrt((b0.stdev or 0) ** 2 / int(b0.n or 1) + (b1.stdev or 0) ** 2 / int(b1.n or 1)) / 2
+    figure = ((b0.figure or 0) + (b1.figure or 0)) / 2
+    # the t of the pooled rounds' degrees of freedom (each block's n - 1), as bench_stats' estimate
+    halfwidth = t975(n - 2) * se if n > 2 else None
+    level = dict(b1.level) | {"blocks": [b0.level, b1.level]}
+    return Measured(
+        b0.candidate,
+        b0.rung,
+        figure,
+        halfwidth,
+        level,
+        None,
+        b0.reused and b1.reused,
+        se * math.sqrt(n),
+        n,
+        None,
+        True,
+    )
+
+
+def drift(blocks: Sequence[Measured]) -> float | None:
+    """How far the figures moved across the interleaved window: the mean over the contenders of
+    block 1 over block 0, less one."""
+    moves = []
+    for c in {m.candidate for m in blocks}:
+        pair = sorted((m for m in blocks if m.candidate == c and m.figure), key=lambda m: m.block or 0)
+        if len(pair) == 2 and pair[0].figure:
+            moves.append((pair[1].figure or 0) / pair[0].figure - 1)
+    return statistics.fmean(moves) if moves else None
+
+
 def latest(measured: Sequence[Measured]) -> list[Measured]:
-    """Each candidate's measurement at the highest rung it reached."""
+    """Each candidate's measurement at the highest rung it reached (an interleaved finalist's
+    combined figure over its rung's; the raw blocks are not rung measurements)."""
     best: dict[Candidate, Measured] = {}
     for m in measured:
+        if m.block is not None:
+            continue
         if m.candidate not in best or m.rung >= best[m.candidate].rung:
             best[m.candidate] = m
     return list(best.values())
@@ -209,7 +303,11 @@ def choose(measured: Sequence[Measured], planned: Sequence[Planned]) -> Verdict:
     best = max(final, key=lambda m: m.figure or 0)
     # the best against each other finalist: the family's false-change rate held at ALPHA
     others = len(final) - 1
-    ties = [m for m in final if m is not best and distinct(m.estimate, best.estimate, comparisons=others) is False]
+    ties = [
+        m
+        for m in final
+        if m is not best and distinct(m.estimate, best.estimate, pair_noise(m, best), comparisons=others) is False
+    ]
     pool = [best, *ties]
     winner = min(pool, key=lambda m: simplicity(m.candidate, options.get(m.candidate)))
     if winner is best:
