@@ -66,6 +66,7 @@ from playbooks.host.output import Printer
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
 from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
+from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE
 from playbooks.steps.measure.tune_search import (
     Budget,
     Measured,
@@ -171,6 +172,10 @@ class Tuner:
         self.live_checks: list[tuple[str, int]] = []
         self.build = ""
         self.provenance = Provenance()  # the host facts a measurement depends on (read in run)
+        # the between-run noise every comparison counts: the recipe's own figure, else the defaults
+        given = r.gate.run_noise
+        self.run_noise = RUN_NOISE if given is None else given
+        self.block_noise = BLOCK_NOISE if given is None else given
         self.bandwidth: float | None = None
         self.kld: dict[str, float] = {}  # quant -> mean KL divergence against F16 (its manifest)
         self._live: list[Deployment] | None = None
@@ -393,7 +398,7 @@ class Tuner:
             out.budget = Budget(self.opts.budget_s)
             out.budget.start()
             out.measured, out.ran_out = successive_halving(space.survivors, self.measure, self.opts.rungs, out.budget)
-            pair = None if out.ran_out else contenders(out.measured)
+            pair = None if out.ran_out else contenders(out.measured, self.run_noise)
             if pair:
                 # the two the figures measured apart cannot tell apart, again in one window
                 top = max(m.rung for m in out.measured if m.block is None)
@@ -412,7 +417,7 @@ class Tuner:
                 self.say("deploying the live service again")
                 restore()
         out.live |= {"taken_over": self.took_over, "checks": self.live_checks}
-        out.verdict = choose(out.measured, space.survivors)
+        out.verdict = choose(out.measured, space.survivors, self.run_noise, self.block_noise)
         self.finish(out)
         return out
 

@@ -361,6 +361,14 @@ class Gate(_Strict):
     ci_target: float = Field(
         0.02, gt=0, le=1, description="stop repeating at this 95% half-width, as a share of the mean decode"
     )
+    run_noise: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="how far a run's mean moves between runs of an unchanged server, as a share (relative "
+        "standard deviation); `bench --compare` and tune count it in every comparison of runs. Default: the "
+        "figure measured on a shared 2-core VM (bench_stats.RUN_NOISE, 9%); a dedicated host's is smaller",
+    )
     workload: Literal["chat", "code", "long"] = Field(
         "chat",
         description="what the prompts are cut from: chat (prose, dialogue and questions, words), code "

@@ -41,7 +41,7 @@ from rich.text import Text
 from playbooks.errors import VoltaforgeError
 from playbooks.steps.measure import roofline as ceiling
 from playbooks.steps.measure.bench import decode_figure
-from playbooks.steps.measure.bench_stats import detectable_change, distinct, halfwidth_text
+from playbooks.steps.measure.bench_stats import RUN_NOISE, detectable_change, distinct, halfwidth_text
 
 REPORT_FILES = {"json": "bench.json", "markdown": "bench.md", "png": "bench.png"}
 
@@ -604,7 +604,9 @@ def tracked(level: dict[str, Any]) -> dict[str, Any]:
 COMPARED = 2
 
 
-def _ref(run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: Any) -> dict[str, Any]:
+def _ref(
+    run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: Any, noise: float = RUN_NOISE
+) -> dict[str, Any]:
     values = tracked(level)
     same = (now.get("decode") or {}).get("source") == (level.get("decode") or {}).get("source")
     return {
@@ -619,16 +621,17 @@ def _ref(run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: A
         # between-run noise; the last and the best run are compared together, so at 5%/2 each):
         # True outside the noise, False within it, None where a run has no interval (runs before
         # the repeats) or the two are not the same measurement (the client's and the server's)
-        "decode_outside_noise": distinct(now.get("decode"), level.get("decode"), comparisons=COMPARED)
+        "decode_outside_noise": distinct(now.get("decode"), level.get("decode"), noise, comparisons=COMPARED)
         if same
         else None,
         # what the test could have told: the smallest change flagged 80% of the time
-        "detectable_pct": _detectable_pct(level.get("decode")) if same else None,
+        "detectable_pct": _detectable_pct(level.get("decode"), noise) if same else None,
+        "run_noise": noise,
     }
 
 
-def _detectable_pct(decode: dict[str, Any] | None) -> float | None:
-    found = detectable_change(decode, comparisons=COMPARED)
+def _detectable_pct(decode: dict[str, Any] | None, noise: float) -> float | None:
+    found = detectable_change(decode, noise, comparisons=COMPARED)
     return None if found is None else round(found * 100, 1)
 
 
@@ -645,15 +648,18 @@ def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[d
     same = (result.get("host"), result.get("recipe"))
     past = [r for r in history if (r.get("host"), r.get("recipe")) == same and r.get("at") != result.get("at")]
     past.sort(key=lambda r: str(r.get("at")))
+    # the between-run noise this run was measured with (the gate's run_noise, else the default)
+    given = _num((result.get("workload") or {}).get("run_noise"))
+    noise = RUN_NOISE if given is None else given
     rows = []
     for lv in result.get("levels") or []:
         c = lv.get("concurrency")
         now = tracked(lv) | ({"decode": lv["decode"]} if lv.get("decode") else {})
         measured = [(run, pl) for run in past for pl in run.get("levels") or [] if pl.get("concurrency") == c]
         sha = result.get("recipe_sha256")
-        last = _ref(*measured[-1], now, sha) if measured else None
+        last = _ref(*measured[-1], now, sha, noise) if measured else None
         scored = [m for m in measured if _num(m[1].get("aggregate_tok_s")) is not None]
-        best = _ref(*max(scored, key=lambda m: m[1]["aggregate_tok_s"]), now, sha) if scored else None
+        best = _ref(*max(scored, key=lambda m: m[1]["aggregate_tok_s"]), now, sha, noise) if scored else None
         rows.append({"concurrency": c, "now": now, "last": last, "best": best})
     return rows
 

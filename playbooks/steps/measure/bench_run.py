@@ -38,7 +38,7 @@ from playbooks.resources import resource_dir
 from playbooks.steps.build.llamacpp_source import source_cache_dir
 from playbooks.steps.measure import bench, bench_client, roofline
 from playbooks.steps.measure.bench_report import append_history, read_history, write_reports
-from playbooks.steps.measure.bench_stats import MIN_ROUNDS, estimate, settled
+from playbooks.steps.measure.bench_stats import MIN_ROUNDS, RUN_NOISE, estimate, settled
 from playbooks.steps.serve.deploy import DeployLayout, read_record
 from playbooks.steps.serve.secrets import api_key_for
 
@@ -381,6 +381,8 @@ def measure(
             "requests_per_level": {str(c): list(request_bounds(g, c)) for c in levels},
             "rounds_per_level": {str(c): list(round_bounds(g, c)) for c in levels},
             "ci_target": g.ci_target,
+            # what --compare counts between two runs (the gate's figure, else the measured default)
+            "run_noise": g.run_noise if g.run_noise is not None else RUN_NOISE,
             "warmup": "one round per level (a request per stream), left out",
         },
         "levels": [],

@@ -183,17 +183,17 @@ def successive_halving(
     return done, False
 
 
-def pair_noise(a: Measured, b: Measured) -> float:
+def pair_noise(a: Measured, b: Measured, run_noise: float = RUN_NOISE, block_noise: float = BLOCK_NOISE) -> float:
     """The between-run noise a comparison of two figures carries: RUN_NOISE for figures measured
     apart; for two finalists measured interleaved (A B B A) the drift's straight line cancels in
     each one's mean of two blocks, and what is left is each block's own run effect
     (BLOCK_NOISE), halved in variance by the two blocks."""
     if a.interleaved and b.interleaved:
-        return BLOCK_NOISE / math.sqrt(2)
-    return RUN_NOISE
+        return block_noise / math.sqrt(2)
+    return run_noise
 
 
-def contenders(measured: Sequence[Measured]) -> tuple[Candidate, Candidate] | None:
+def contenders(measured: Sequence[Measured], run_noise: float = RUN_NOISE) -> tuple[Candidate, Candidate] | None:
     """The last rung's best and the nearest candidate the test (figures measured apart) cannot
     tell from it: the two measured again interleaved, so the decision between them rests on
     figures of one time window. None when the best stands alone."""
@@ -291,9 +291,15 @@ class Verdict:
     why: str
 
 
-def choose(measured: Sequence[Measured], planned: Sequence[Planned]) -> Verdict:
+def choose(
+    measured: Sequence[Measured],
+    planned: Sequence[Planned],
+    run_noise: float = RUN_NOISE,
+    block_noise: float = BLOCK_NOISE,
+) -> Verdict:
     """The winner among the candidates that reached the last rung any reached (a candidate
-    dropped early was measured less and is not compared with the finalists' longer runs)."""
+    dropped early was measured less and is not compared with the finalists' longer runs);
+    ``run_noise``/``block_noise``: the recipe's gate.run_noise where it gives one."""
     final = [m for m in latest(measured) if m.error is None and m.figure is not None]
     if not final:
         return Verdict(None, [], "no candidate was measured without an error")
@@ -306,7 +312,9 @@ def choose(measured: Sequence[Measured], planned: Sequence[Planned]) -> Verdict:
     ties = [
         m
         for m in final
-        if m is not best and distinct(m.estimate, best.estimate, pair_noise(m, best), comparisons=others) is False
+        if m is not best
+        and distinct(m.estimate, best.estimate, pair_noise(m, best, run_noise, block_noise), comparisons=others)
+        is False
     ]
     pool = [best, *ties]
     winner = min(pool, key=lambda m: simplicity(m.candidate, options.get(m.candidate)))
