@@ -129,6 +129,7 @@ def main() -> int:
         }
         extra["threads1"] = changed
         print(f"threads 1 against 2: {changed}")
+        recipe = make_recipe(work, port)  # threads: 2 again (the change wrote the same file)
         with contextlib.redirect_stdout(io.StringIO()):
             assert run_deploy("stab", str(recipe), settings=settings) == 0
         # 3. two tunes from empty stores
@@ -138,7 +139,7 @@ def main() -> int:
         for i in range(2):
             tenv = {**env, "VOLTAFORGE_CACHE": str(work / f"tune-cache-{i}")}
             code, out, took = cli(tune_args, tenv, work)
-            res = json.loads(out[out.index("{") :])
+            res, _ = json.JSONDecoder().raw_decode(out[out.index("{") :])  # stderr's progress follows it
             w = res.get("winner") or {}
             tunes.append({"winner": w.get("label"), "tied_with": w.get("tied_with"), "took_s": round(took, 1)})
             print(f"tune {i + 1}: exit {code}, {took:.0f} s, winner {w.get('label')}, tied with {w.get('tied_with')}")
