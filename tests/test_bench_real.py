@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,10 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound,
     passing = _recipe(tmp_path, port, min_tok_s=1.0)
     with connect(spec_for(sshd_host)) as host:
         stage_served_model(host, prefix, passing, membound, "Q8_0")
+        # the toolchain venv a provisioned host has (it carries numpy): the probes run with it.
+        # The host's own python3 has no numpy here, and a pure-Python copy rate is a lower
+        # bound that the bench refuses as a ceiling (tested in test_membw_fact)
+        host.run(f"mkdir -p {prefix}/venv/bin && ln -sf {sys.executable} {prefix}/venv/bin/python", stream=False)
     # reports and history in the test's own cache (after staging: the test tools live in the real one)
     monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
     assert run_deploy("box", str(passing), settings=settings) == 0, capsys.readouterr().out[-3000:]
