@@ -3,7 +3,9 @@
 # systemd-nspawn for the systemd test host, zstd for its cached rootfs, Debian's CUDA 11.8
 # (non-free) so the sm_70 build environment can be proven against a real toolkit, the C/C++
 # build tools for llama.cpp (cmake, make, g++), systemd for `systemd-analyze security`, and
-# HAProxy, the load balancer `invoke lb` renders a configuration for (the tests run it).
+# HAProxy, the load balancer `invoke lb` renders a configuration for (the tests run it), and
+# numpy for the test hosts' python3 (the membw probe's copy rate: a pure-Python one is a lower
+# bound the bench refuses as a ceiling; a provisioned host has it in its toolchain venv).
 # (The CUDA 13 nvcc the mixed-toolkit tests need comes from PyPI: ci/install-cuda13-nvcc.sh.)
 # Idempotent: re-running installs nothing new.
 set -eu
@@ -19,7 +21,7 @@ Components: contrib non-free
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
-pkgs="python3-venv openssh-server openssh-client debootstrap systemd systemd-container zstd iproute2 sudo cmake make g++ nvidia-cuda-toolkit ccache haproxy"
+pkgs="python3-venv openssh-server openssh-client debootstrap systemd systemd-container zstd iproute2 sudo cmake make g++ nvidia-cuda-toolkit ccache haproxy python3-numpy"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -224,6 +224,7 @@ NO_BAD_VALUE = {
     ("bench", "remeasure"),
     ("status", "json"),
     ("tune", "take-over"),
+    ("tune", "remeasure"),
     ("tune", "json"),
     ("quantize", "force"),
     ("quantize", "verify"),
