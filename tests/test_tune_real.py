@@ -113,7 +113,12 @@ def test_tune_searches_beside_the_live_service_and_writes_a_winner(
         # (and around each of the contenders' interleaved blocks, when two were tied: A B B A)
         blocks = len((res.get("interleaved") or {}).get("order") or [])
         assert blocks in (0, 4), res.get("interleaved")
-        assert len(live["checks"]) == 2 * (16 + 8 + blocks) and all(code == 200 for _, code in live["checks"])
+        # before rung 1, rung 0's leader measured again at rung 0's workload: the drift between rungs
+        (ref,) = res["references"]
+        assert ref["rung"] == 0 and ref["first"] > 0 and ref["again"] > 0
+        assert ref["moved_pct"] == pytest.approx((ref["again"] / ref["first"] - 1) * 100, abs=0.01)
+        assert ref["candidate"] in {r["label"] for r in rows if r["rung"] == 1}, ref
+        assert len(live["checks"]) == 2 * (16 + 1 + 8 + blocks) and all(code == 200 for _, code in live["checks"])
         w = res["winner"]
         assert w and w["recipe"] == str(out_dir / "tiny-tune-tuned.yaml") and any(r["winner"] for r in rows)
         winner = load_recipe(w["recipe"])  # self-contained: no defaults.yaml beside it
@@ -141,6 +146,7 @@ def test_tune_searches_beside_the_live_service_and_writes_a_winner(
         assert run_tune("box", str(recipe), opts, as_json=True, settings=settings) == 0
         again = json.loads(capsys.readouterr().out)
         assert all(r["reused"] for r in again["candidates"]) and again["winner"]["label"] == w["label"]
+        assert again["references"] == []  # the leader was kept: nothing fresh to repeat
 
         # the winner, deployed as it is (in place of the live service), passes its gate
         assert run_stop("box", str(recipe), settings=settings) == 0

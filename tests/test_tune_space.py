@@ -4,6 +4,8 @@ halving measures the promising ones longer, and a tie goes to the simpler config
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from playbooks.config.recipe import load_recipe
@@ -166,6 +168,51 @@ def test_the_budget_bounds_the_search_by_each_candidates_predicted_cost(v100_14b
     fresh = tune_search.Budget(1000.0, clock=clock)
     fresh.record(0, 40.0)
     assert fresh.predict(1) == 80.0 and fresh.predict(0) == 40.0 and fresh.predict(2) is None
+
+
+def test_each_rung_measures_the_previous_leader_again_and_the_drift_is_seen(v100_14b):
+    """Before rung r the leader of rung r-1 is measured again at rung r-1's workload on a
+    machine that slowed 20% between rungs: the reference shows the move, and the verdict reads
+    only the last rung (the reference is not a rung measurement)."""
+    base = tune_space.base_candidate(v100_14b)
+    planned = tune_space.prune(v100_14b, tune_space.enumerate_space(base, ubatches=[64, 128, 256, 512])).survivors
+    truth = {p.candidate: 40.0 * 1.5**i for i, p in enumerate(planned)}
+    slow = {0: 1.0, 1: 0.8, 2: 0.8}  # the machine after rung 0
+    state = {"rung": 0}
+    calls: list[tuple[str, Candidate, int]] = []
+
+    def measure(c: Candidate, r: int) -> tune_search.Measured:
+        state["rung"] = r
+        calls.append(("measure", c, r))
+        return _measured(c, r, truth[c] * slow[r])
+
+    def reference(c: Candidate, r: int) -> tune_search.Measured:
+        calls.append(("reference", c, r))
+        return _measured(c, r, truth[c] * slow[state["rung"] + 1])
+
+    done, _ = tune_search.successive_halving(planned, measure, rungs=3, reference=reference)
+    leader0 = max(planned[:4], key=lambda p: truth[p.candidate]).candidate
+    # rung 0 (4 candidates), the reference before rung 1, then rung 1's two: no rung 2 (two left)
+    assert [k for k, _, _ in calls] == ["measure"] * 4 + ["reference"] + ["measure"] * 2
+    assert calls[4] == ("reference", leader0, 0)
+    drift = tune_search.rung_drift(done)
+    assert [(d["candidate"], d["rung"], d["moved_pct"]) for d in drift] == [(leader0.label(), 0, -20.0)]
+    assert all(not m.reference for m in tune_search.latest(done))
+    verdict = tune_search.choose(done, planned)
+    assert verdict.winner is not None and verdict.winner.rung == 1 and not verdict.winner.reference
+    from playbooks.steps.measure import tune_report
+
+    space = tune_space.prune(v100_14b, [p.candidate for p in planned])
+    rows = tune_report.rows(done, planned, verdict)
+    assert len(rows) == len(planned)  # the reference is not a row of its own
+    res = tune_report.result("h", "r", "single", space, rows, verdict, False, {}, None, "t", None, None, drift)
+    assert f"{leader0.label()} at rung 0: " in tune_report.markdown(res) and "(-20.0%)" in tune_report.markdown(res)
+    # a leader kept from an earlier run: nothing fresh to repeat, no reference
+    kept = [replace(m, reused=True) for m in done if not m.reference]
+    again, _ = tune_search.successive_halving(
+        planned, lambda c, r: next(m for m in kept if m.candidate == c and m.rung == r), rungs=3, reference=reference
+    )
+    assert not any(m.reference for m in again)
 
 
 def test_objective_figures_each_have_their_own_interval():

@@ -160,6 +160,9 @@ def render_tune(res: dict, report_dir: Path | None) -> None:
             else "not checked: every measurement was kept from an earlier run"
         )
         out.print(Text(f"live service ({', '.join(live['services'])}): {state}"))
+    moved = tune_report.references_text(res)
+    if moved:
+        out.print(Text(f"drift between rungs (each rung's leader measured again): {moved}"))
     if res.get("interleaved"):
         out.print(Text(f"the two contenders again, A B B A: {tune_report.interleaved_text(res['interleaved'])}"))
     if res.get("budget"):

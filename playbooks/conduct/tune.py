@@ -76,6 +76,7 @@ from playbooks.steps.measure.tune_search import (
     contenders,
     drift,
     interleave,
+    rung_drift,
     successive_halving,
 )
 from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
@@ -289,9 +290,10 @@ class Tuner:
         failed = next((ch for ch in changes if ch.status == "failed"), None)
         return failed.why if failed else None
 
-    def measure(self, c: Candidate, rung: int, block: int | None = None) -> Measured:
+    def measure(self, c: Candidate, rung: int, block: int | None = None, reference: bool = False) -> Measured:
         """One candidate at one rung (``block``: one of the finalists' interleaved blocks at
-        that rung, kept under its own key)."""
+        that rung, kept under its own key; ``reference``: the previous rung's leader again at
+        its rung's workload, always measured afresh, since what it shows is the machine now)."""
         cand = candidate_recipe(self.loaded, c, self.port, self.context)
         conc = concurrency_for(self.opts.objective, c)
         g = rung_gate(cand.recipe.gate, rung, conc)
@@ -301,6 +303,8 @@ class Tuner:
         workload["rung"] = rung
         if block is not None:
             workload["block"] = block
+        if reference:
+            workload["reference"] = True
         workload |= {"least": g.requests_per_level, "most": g.max_requests_per_level, "ci_target": g.ci_target}
         try:
             _, sha = self.artifact(c, cand)
@@ -308,8 +312,9 @@ class Tuner:
             return Measured(c, rung, error=str(exc))
         unit_text = self._unit_text(cand)
         key = measurement_key(self.build, sha, [unit_text], workload)
-        kept = self._stored(key)
+        kept = None if reference else self._stored(key)
         what = f"rung {rung}" + ("" if block is None else f", interleaved block {block + 1} of 2")
+        what = f"reference: rung {rung}'s leader again" if reference else what
         if kept is not None:
             self.say(f"{what}: {c.label()}: measured before with the same inputs")
             return replace(Measured.of_level(c, rung, kept, self.opts.objective, reused=True), block=block)
@@ -397,11 +402,17 @@ class Tuner:
             out.quants_s = self.make_quants(space)
             out.budget = Budget(self.opts.budget_s)
             out.budget.start()
-            out.measured, out.ran_out = successive_halving(space.survivors, self.measure, self.opts.rungs, out.budget)
+            out.measured, out.ran_out = successive_halving(
+                space.survivors,
+                self.measure,
+                self.opts.rungs,
+                out.budget,
+                reference=lambda c, rung: self.measure(c, rung, reference=True),
+            )
             pair = None if out.ran_out else contenders(out.measured, self.run_noise)
             if pair:
                 # the two the figures measured apart cannot tell apart, again in one window
-                top = max(m.rung for m in out.measured if m.block is None)
+                top = max(m.rung for m in out.measured if m.block is None and not m.reference)
                 self.say(f"interleaving {pair[0].label()} and {pair[1].label()} (A B B A): drift cancels")
                 out.blocks = interleave(pair, lambda c, i: self.measure(c, top, i), out.budget, top)
                 finals = [combined([b for b in out.blocks if b.candidate == c]) for c in pair]
@@ -446,6 +457,7 @@ class Tuner:
             at,
             None if out.budget is None else {**out.budget.as_dict(), "quants_s": round(out.quants_s, 1)},
             interleaved(out.blocks),
+            rung_drift(out.measured),
         )
         out.report_dir = self.root / at.replace(":", "")
         tune_report.write(out.result, out.report_dir)

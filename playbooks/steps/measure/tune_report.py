@@ -144,6 +144,7 @@ def result(
     at: str,
     budget: dict[str, Any] | None = None,
     interleaved: dict[str, Any] | None = None,
+    references: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     return {
         "version": 1,
@@ -169,6 +170,8 @@ def result(
         "budget": budget,
         # the two contenders measured again A B B A, and how far the figures drifted meanwhile
         "interleaved": interleaved,
+        # each rung's leader measured again before the next rung: the drift between rungs
+        "references": references or [],
         "live": live,
     }
 
@@ -240,6 +243,17 @@ def interleaved_text(inter: dict[str, Any]) -> str:
     return order + (f" (drift {moved:+.1f}% across the window)" if moved is not None else "")
 
 
+def references_text(res: dict[str, Any]) -> str | None:
+    """``tiny np 1 ub 64 at rung 0: 148.2 then 131.0 (-11.6%)``, one per rung; None: none made."""
+    refs = res.get("references") or []
+    if not refs:
+        return None
+    return "; ".join(
+        f"{r['candidate']} at rung {r['rung']}: {r['first']:.1f} then {r['again']:.1f} ({r['moved_pct']:+.1f}%)"
+        for r in refs
+    )
+
+
 def _duration(seconds: float) -> str:
     s = round(float(seconds))
     return f"{s // 60}m {s % 60}s" if s >= 60 else f"{s} s"
@@ -254,6 +268,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"- space: {sp['total']} candidates, {sp['measured']} left after pruning ({pruned})",
         f"- budget: {budget_text(res)}",
     ]
+    if references_text(res):
+        out.append(f"- drift between rungs (the leader measured again): {references_text(res)}")
     if res.get("interleaved"):
         out.append(f"- final window: {interleaved_text(res['interleaved'])}")
     w = res.get("winner")

@@ -22,7 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE, distinct, t975
@@ -44,6 +44,7 @@ class Measured:
     n: int | None = None  # how many observations (rounds)
     block: int | None = None  # one of the finalists' interleaved blocks (0, 1), not a rung's measurement
     interleaved: bool = False  # the two blocks of a finalist combined (:func:`combined`)
+    reference: bool = False  # the previous rung's leader measured again at its own rung's workload
 
     @classmethod
     def of_level(
@@ -155,32 +156,82 @@ def successive_halving(
     measure: Callable[[Candidate, int], Measured],
     rungs: int = 3,
     budget: Budget | None = None,
+    reference: Callable[[Candidate, int], Measured] | None = None,
 ) -> tuple[list[Measured], bool]:
     """Every measurement made, in order, and whether the budget stopped the search first: each
     measurement but the first is made only when the budget admits its predicted cost
-    (:class:`Budget`); a fresh measurement's time is recorded for the next prediction."""
+    (:class:`Budget`); a fresh measurement's time is recorded for the next prediction.
+
+    ``reference``: before each rung after the first, the previous rung's leader is measured
+    again at that rung's workload (``reference(c, rung)``, marked ``reference``), so the drift
+    between rungs is seen (:func:`rung_drift`); the verdict never reads it."""
     alive = [p.candidate for p in planned]
     done: list[Measured] = []
+
+    def admitted(c: Candidate, rung: int) -> bool:
+        return not done or budget is None or budget.admits(c, rung)
+
+    def timed(fn: Callable[[Candidate, int], Measured], c: Candidate, rung: int, cost_rung: int) -> Measured:
+        t0 = budget.clock() if budget else 0.0
+        m = fn(c, rung)
+        if budget is not None and not m.reused:
+            budget.record(cost_rung, budget.clock() - t0)
+        return m
+
+    leader: Measured | None = None
     for rung in range(rungs):
+        # a leader kept from an earlier run has no fresh figure to repeat: no reference then
+        if reference is not None and leader is not None and not leader.reused:
+            if not admitted(leader.candidate, rung - 1):
+                return done, True
+            done.append(replace(timed(reference, leader.candidate, rung - 1, rung - 1), reference=True))
         results: list[Measured] = []
         for c in alive:
             # the first candidate is always measured: a budget shorter than one measurement
             # still reports one figure and a winner, rather than nothing at all
-            if (done or results) and budget is not None and not budget.admits(c, rung):
-                return done + results, True
-            t0 = budget.clock() if budget else 0.0
-            m = measure(c, rung)
-            if budget is not None and not m.reused:
-                budget.record(rung, budget.clock() - t0)
+            if not admitted(c, rung):
+                return done, True
+            m = timed(measure, c, rung, rung)
             results.append(m)
-        done += results
+            done.append(m)
         ranked = sorted(
             (m for m in results if m.error is None and m.figure is not None), key=lambda m: -(m.figure or 0)
         )
         if len(ranked) <= 2 or rung == rungs - 1:
             break
+        leader = ranked[0]
         alive = [m.candidate for m in ranked[: max(2, math.ceil(len(ranked) / 2))]]
     return done, False
+
+
+def rung_drift(measured: Sequence[Measured]) -> list[dict[str, Any]]:
+    """Each reference against the measurement it repeats (same candidate, rung and workload,
+    made a rung earlier): how far the machine moved between rungs, which the figures of
+    different rungs carry and the verdict (last rung only) does not."""
+    out: list[dict[str, Any]] = []
+    for ref in measured:
+        if not ref.reference or ref.figure is None:
+            continue
+        first = next(
+            (
+                m
+                for m in measured
+                if m.candidate == ref.candidate and m.rung == ref.rung and not m.reference and m.block is None
+            ),
+            None,
+        )
+        if first is None or not first.figure:
+            continue
+        out.append(
+            {
+                "candidate": ref.candidate.label(),
+                "rung": ref.rung,
+                "first": first.figure,
+                "again": ref.figure,
+                "moved_pct": round((ref.figure / first.figure - 1) * 100, 2),
+            }
+        )
+    return out
 
 
 def pair_noise(a: Measured, b: Measured, run_noise: float = RUN_NOISE, block_noise: float = BLOCK_NOISE) -> float:
@@ -274,10 +325,11 @@ def drift(blocks: Sequence[Measured]) -> float | None:
 
 def latest(measured: Sequence[Measured]) -> list[Measured]:
     """Each candidate's measurement at the highest rung it reached (an interleaved finalist's
-    combined figure over its rung's; the raw blocks are not rung measurements)."""
+    combined figure over its rung's; the raw blocks and the rung references are not rung
+    measurements)."""
     best: dict[Candidate, Measured] = {}
     for m in measured:
-        if m.block is not None:
+        if m.block is not None or m.reference:
             continue
         if m.candidate not in best or m.rung >= best[m.candidate].rung:
             best[m.candidate] = m
