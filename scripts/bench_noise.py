@@ -28,52 +28,25 @@ Usage: .venv/bin/python scripts/bench_noise.py [--runs 8] [--gap 10]
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import itertools
 import json
 import math
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_served import ROOT, served  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from playbooks.cli.deploy import run_deploy, run_stop  # noqa: E402
-from playbooks.conduct.settings import Settings  # noqa: E402
 from playbooks.config.recipe import load_recipe  # noqa: E402
-from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.results import write_result  # noqa: E402
 from playbooks.steps.measure import bench_stats  # noqa: E402
 from playbooks.steps.measure.bench_run import prompt_words, sweep_level, workload_text  # noqa: E402
-from playbooks.weights.tinymodel import write_tiny_llama  # noqa: E402
-from tests import llamacpp_tools  # noqa: E402
-from tests.helpers import stage_served_model  # noqa: E402
-from tests.testhosts import free_port  # noqa: E402
 
-MODEL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
-         "num_key_value_heads": 8}  # fmt: skip
 LEVELS = (1, 2)
-
-
-def make_recipe(work: Path, port: int) -> Path:
-    data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
-    data["model"]["config"] |= MODEL
-    data |= {"quant": "Q8_0", "parallel": 2, "service": {"port": port}}
-    data["gate"] = {"levels": list(LEVELS), "prompt_tokens": 64, "max_tokens": 64, "min_tok_s": 1.0}
-    (work / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
-    path = work / "bench-noise.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def one_run(url: str, recipe: Path, words: int) -> dict[str, Any]:
@@ -199,50 +172,32 @@ def main() -> int:
         print(f"result: {write(figures, stored['extra']['sets'], stored['command'], stored['date'])}")
         return 0
 
-    work = Path(tempfile.mkdtemp(prefix="vf-noise-"))
-    prefix = str(work / "vf")
-    port = free_port()
-    recipe = make_recipe(work, port)
-    inventory = work / "inventory.yaml"
-    inventory.write_text(yaml.safe_dump({"hosts": {"noise": {"host": "127.0.0.1", "local": True, "prefix": prefix}}}))
-    settings = Settings(inventory=inventory)
-    config = yaml.safe_load(recipe.read_text())["model"]["config"]
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
-    gguf = llamacpp_tools.quantize(f16, work / "m-Q8_0.gguf", "Q8_0")
-    print(f"model: {gguf.stat().st_size / 1e6:.1f} MB Q8_0", flush=True)
-    with LocalHost() as host:
-        stage_served_model(host, prefix, recipe, gguf, "Q8_0")
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert run_deploy("noise", str(recipe), settings=settings) == 0
     sets: dict[str, list[dict[str, Any]]] = {"idle": [], "busy": []}
     spinner = None
-    try:
-        url = f"http://127.0.0.1:{port}"
-        words, why = prompt_words(url, workload_text("chat"), "llama-server", 64)
-        assert why is None, why
-        for name in ("idle", "busy"):
-            if name == "busy":
-                # a batch job at the lowest priority, as a shared lab box runs one (at normal
-                # priority a spinner on one of two cores cut the rate 4x: measured, abandoned)
-                spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
-            for i in range(args.runs if name == "idle" else args.busy_runs):
-                if i or name == "busy":
-                    time.sleep(args.gap)
-                run = one_run(url, recipe, words)
-                sets[name].append(run)
-                d1, d2 = run["levels"]["1"]["decode"], run["levels"]["2"]["decode"]
-                print(
-                    f"{name} run {i + 1}: c=1 {d1['mean']:.1f} ± {d1['halfwidth']:.1f} tok/s (n={d1['n']}), "
-                    f"c=2 {d2['mean']:.1f} ± {d2['halfwidth']:.1f} (n={d2['n']})",
-                    flush=True,
-                )
-    finally:
-        if spinner is not None:
-            spinner.kill()
-        with contextlib.redirect_stdout(io.StringIO()):
-            run_stop("noise", str(recipe), settings=settings)
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with served("noise", parallel=2, levels=LEVELS, recipe_name="bench-noise", keep=args.keep) as s:
+        try:
+            url = f"http://127.0.0.1:{s.port}"
+            words, why = prompt_words(url, workload_text("chat"), "llama-server", 64)
+            assert why is None, why
+            for name in ("idle", "busy"):
+                if name == "busy":
+                    # a batch job at the lowest priority, as a shared lab box runs one (at normal
+                    # priority a spinner on one of two cores cut the rate 4x: measured, abandoned)
+                    spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
+                for i in range(args.runs if name == "idle" else args.busy_runs):
+                    if i or name == "busy":
+                        time.sleep(args.gap)
+                    run = one_run(url, s.recipe, words)
+                    sets[name].append(run)
+                    d1, d2 = run["levels"]["1"]["decode"], run["levels"]["2"]["decode"]
+                    print(
+                        f"{name} run {i + 1}: c=1 {d1['mean']:.1f} ± {d1['halfwidth']:.1f} tok/s (n={d1['n']}), "
+                        f"c=2 {d2['mean']:.1f} ± {d2['halfwidth']:.1f} (n={d2['n']})",
+                        flush=True,
+                    )
+        finally:
+            if spinner is not None:
+                spinner.kill()
     figures = analyse(sets)
     show(figures)
     if not args.no_report:

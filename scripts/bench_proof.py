@@ -20,52 +20,23 @@ Usage: .venv/bin/python scripts/bench_proof.py
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_served import ROOT, served  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from playbooks.cli.deploy import run_deploy, run_stop  # noqa: E402
-from playbooks.conduct.settings import Settings  # noqa: E402
-from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.results import write_result  # noqa: E402
-from playbooks.weights.tinymodel import write_tiny_llama  # noqa: E402
-from tests import llamacpp_tools  # noqa: E402
-from tests.helpers import stage_served_model  # noqa: E402
-from tests.testhosts import free_port  # noqa: E402
 
-MODEL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
-         "num_key_value_heads": 8}  # fmt: skip
 VERDICT = re.compile(
     r"concurrency (\d+): per-stream decode ([+-][\d.]+)% against the (last|best) run, (outside|within)"
 )
-
-
-def make_recipe(work: Path, port: int, threads: int | None = None) -> Path:
-    data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
-    data["model"]["config"] |= MODEL
-    data |= {"quant": "Q8_0", "parallel": 4, "service": {"port": port}}
-    if threads:
-        data["threads"] = threads
-    data["gate"] = {"levels": [1, 2, 4], "prompt_tokens": 64, "max_tokens": 64, "min_tok_s": 1.0}
-    (work / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
-    path = work / "bench-stability.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def cli(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
@@ -86,25 +57,12 @@ def main() -> int:
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="vf-proof-"))
-    prefix = str(work / "vf")
-    port = free_port()
-    recipe = make_recipe(work, port)
-    inventory = work / "inventory.yaml"
-    inventory.write_text(yaml.safe_dump({"hosts": {"stab": {"host": "127.0.0.1", "local": True, "prefix": prefix}}}))
-    settings = Settings(inventory=inventory)
-    config = yaml.safe_load(recipe.read_text())["model"]["config"]
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
-    gguf = llamacpp_tools.quantize(f16, work / "m-Q8_0.gguf", "Q8_0")
-    with LocalHost() as host:
-        stage_served_model(host, prefix, recipe, gguf, "Q8_0")
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert run_deploy("stab", str(recipe), settings=settings) == 0
-    env = {**os.environ, "COLUMNS": "130", "VOLTAFORGE_CACHE": str(work / "cache")}
-    inv = ["--host", "stab", "--inventory", str(inventory)]
-    figures: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    try:
+    with served("stab", parallel=4, levels=(1, 2, 4), recipe_name="bench-stability", keep=args.keep) as s:
+        work, inventory = s.work, s.inventory
+        env = {**os.environ, "COLUMNS": "130", "VOLTAFORGE_CACHE": str(work / "cache")}
+        inv = ["--host", "stab", "--inventory", str(inventory)]
+        figures: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         # 1. four runs of the unchanged server, each compared with the history before it
         unchanged: list[tuple[int, float, str, bool]] = []
         last_bench = ""
@@ -118,8 +76,7 @@ def main() -> int:
         extra["unchanged"] = unchanged
         print(f"unchanged server: {len(called)} of {len(unchanged)} comparisons called changed: {called}")
         # 2. a real change: one thread instead of two
-        with contextlib.redirect_stdout(io.StringIO()):
-            assert run_deploy("stab", str(make_recipe(work, port, threads=1)), settings=settings) == 0
+        s.deploy(threads=1)
         code, out, _ = cli(["bench", *inv, "--compare"], env, work)
         changed = verdicts(out)
         level1 = [v for v in changed if v[0] == 1 and v[2] == "last"]
@@ -129,9 +86,7 @@ def main() -> int:
         }
         extra["threads1"] = changed
         print(f"threads 1 against 2: {changed}")
-        recipe = make_recipe(work, port)  # threads: 2 again (the change wrote the same file)
-        with contextlib.redirect_stdout(io.StringIO()):
-            assert run_deploy("stab", str(recipe), settings=settings) == 0
+        s.deploy()  # threads: 2 again (the change wrote the same file)
         # 3. two tunes from empty stores
         tunes = []
         tune_args = ["tune", *inv, "--slots", "2", "--cache", "f16", "--ubatch", "64,512", "--budget", "15m"]
@@ -152,11 +107,6 @@ def main() -> int:
         # the README's tune sample: the second tune again, every measurement kept
         tenv = {**env, "VOLTAFORGE_CACHE": str(work / "tune-cache-1")}
         _, tune_out, again = cli(tune_args[:-1], tenv, work)
-    finally:
-        with contextlib.redirect_stdout(io.StringIO()):
-            run_stop("stab", str(recipe), settings=settings)
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(figures))
     if not args.no_report:
         write_result(
@@ -175,8 +125,8 @@ def main() -> int:
             ROOT / "reports" / "local" / "bench-sample.json",
             "a bare `voltaforge bench --compare` of the 8-layer generated model (Q8_0) on this machine, "
             "the fourth of four",
-            {"sweep_wall_s": round(bench_took, 1)},
-            {"sweep_wall_s": "s"},
+            {"command_wall_s": round(bench_took, 1)},
+            {"command_wall_s": "s"},
             "voltaforge bench --host stab --inventory .../inventory.yaml --compare (scripts/bench_proof.py)",
             notes="the `stab` entry of scripts/bench_proof.py; extra.output is the whole terminal output",
             extra={"output": last_bench},

@@ -20,42 +20,16 @@ import argparse
 import contextlib
 import io
 import json
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_served import DESCRIPTION, ROOT, served  # noqa: E402
 
 from playbooks.cli.bench import run_bench  # noqa: E402
-from playbooks.cli.deploy import run_deploy, run_stop  # noqa: E402
-from playbooks.conduct.settings import Settings  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.results import write_result  # noqa: E402
 from playbooks.steps.measure.bench_run import host_membw  # noqa: E402
-from playbooks.weights.tinymodel import write_tiny_llama  # noqa: E402
-from tests import llamacpp_tools  # noqa: E402
-from tests.helpers import stage_served_model  # noqa: E402
-from tests.testhosts import free_port  # noqa: E402
-
-MODEL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
-         "num_key_value_heads": 8}  # fmt: skip
-
-
-def make_recipe(work: Path, port: int) -> Path:
-    data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
-    data["model"]["config"] |= MODEL
-    data |= {"quant": "Q8_0", "parallel": 4, "service": {"port": port}}
-    data["gate"] = {"levels": [1, 2, 4], "prompt_tokens": 64, "max_tokens": 64, "min_tok_s": 1.0}
-    (work / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
-    path = work / "bench-stability.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def spread(values: list[float]) -> float:
@@ -69,24 +43,9 @@ def main() -> int:
     ap.add_argument("--no-report", action="store_true", help="do not write reports/bench/stability.json")
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="vf-stability-"))
-    prefix = str(work / "vf")
-    port = free_port()
-    recipe = make_recipe(work, port)
-    inventory = work / "inventory.yaml"
-    inventory.write_text(yaml.safe_dump({"hosts": {"stab": {"host": "127.0.0.1", "local": True, "prefix": prefix}}}))
-    settings = Settings(inventory=inventory)
-    t0 = time.monotonic()
-    config = yaml.safe_load(recipe.read_text())["model"]["config"]
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
-    gguf = llamacpp_tools.quantize(f16, work / "m-Q8_0.gguf", "Q8_0")
-    print(f"model: {gguf.stat().st_size / 1e6:.1f} MB Q8_0 ({time.monotonic() - t0:.0f} s to make)", flush=True)
-    with LocalHost() as host:
-        stage_served_model(host, prefix, recipe, gguf, "Q8_0")
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert run_deploy("stab", str(recipe), settings=settings) == 0
     rows = []
-    try:
+    with served("stab", parallel=4, levels=(1, 2, 4), recipe_name="bench-stability", keep=args.keep) as s:
+        recipe, settings, prefix = s.recipe, s.settings, s.prefix
         for i in range(args.runs):
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
@@ -126,11 +85,6 @@ def main() -> int:
                 f"{fresh:.1f} GB/s -> MBU {row['mbu_if_fresh']:.3f}; sweep {row['sweep_s']:.0f} s",
                 flush=True,
             )
-    finally:
-        with contextlib.redirect_stdout(io.StringIO()):
-            run_stop("stab", str(recipe), settings=settings)
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
     mbu = [r["mbu"] for r in rows]
     fresh_mbu = [r["mbu_if_fresh"] for r in rows]
     decode = [r["decode_mean"] for r in rows]
@@ -166,8 +120,7 @@ def main() -> int:
                 for k in figures
             },
             f".venv/bin/python scripts/bench_stability.py --runs {args.runs}",
-            notes="8-layer hidden-1024 Llama, random weights, Q8_0, llama-server as a managed process on this "
-            "machine, levels 1/2/4, 64 prompt and 64 output tokens; the client on the same 2 cores",
+            notes=f"{DESCRIPTION}, levels 1/2/4, 64 prompt and 64 output tokens; the client on the same 2 cores",
             extra={"rows": rows},
         )
         print(f"result: {ROOT / 'reports' / 'bench' / 'stability.json'}")

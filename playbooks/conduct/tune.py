@@ -343,7 +343,7 @@ class Tuner:
         saying why when one was kept but cannot be."""
         if not self.store.exists() or self.opts.remeasure:
             return None
-        rows = [json.loads(line) for line in self.store.read_text().splitlines() if _is_json(line)]
+        rows = [row for line in self.store.read_text().splitlines() if (row := _json_row(line)) is not None]
         level, why = kept_level(rows, key, self.provenance, datetime.now(timezone.utc), self.opts.max_age_days)
         if why:
             self.say(f"a measurement with the same inputs is kept, but {why}: measuring again")
@@ -544,12 +544,13 @@ def tune_host(
                 ) from None
 
 
-def _is_json(line: str) -> bool:
+def _json_row(line: str) -> dict[str, Any] | None:
+    """One stored line as its object; None for a line cut short (a run killed mid-write)."""
     try:
-        json.loads(line)
+        row = json.loads(line)
     except ValueError:
-        return False
-    return True
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def kept_level(

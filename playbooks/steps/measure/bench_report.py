@@ -42,6 +42,7 @@ from playbooks.errors import VoltaforgeError
 from playbooks.steps.measure import roofline as ceiling
 from playbooks.steps.measure.bench import decode_figure
 from playbooks.steps.measure.bench_stats import RUN_NOISE, detectable_change, distinct, halfwidth_text
+from playbooks.steps.measure.roofline import finite
 
 REPORT_FILES = {"json": "bench.json", "markdown": "bench.md", "png": "bench.png"}
 
@@ -98,27 +99,20 @@ def _atomic_write_bytes(path: Path, data: bytes) -> Path:
 # ------------------------------------------------------------------------------------------
 
 
-def _num(v: Any) -> float | None:
-    """A finite number, or None (missing, null, NaN: a server that does not report a figure)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
 def _fmt(v: Any, spec: str = ".1f", scale: float = 1.0) -> str:
-    n = _num(v)
+    n = finite(v)
     return "-" if n is None else format(n * scale, spec)
 
 
 def per_stream(level: dict[str, Any]) -> float | None:
     """The level's one per-stream decode figure (:func:`bench.decode_figure`), None for none."""
-    return _num(decode_figure(level)) or None
+    return finite(decode_figure(level)) or None
 
 
 def _of_roofline(v: Any, roofline: Any, bounded: bool = True) -> str:
     """``61.0 (51%)``: a decode rate and its share of the single-stream roofline; a per-stream
     rate over it: ``(above the ceiling)``; ``bounded=False``: an aggregate, which may pass it."""
-    n = _num(v)
+    n = finite(v)
     return "-" if n is None else f"{n:.1f}{ceiling.share_text(n, roofline, bounded)}"
 
 
@@ -127,11 +121,11 @@ def decode_text(level: dict[str, Any], roofline: Any) -> str:
     95% half-width and its share of the roofline; a ``*`` marks the server's own figure, used
     where the client could not time the tokens."""
     decode = level.get("decode") or {}
-    mean = _num(decode.get("mean"))
+    mean = finite(decode.get("mean"))
     if mean is None:  # a level stored before the estimates
         text = _of_roofline(per_stream(level), roofline)
         return text + ("*" if level.get("crosscheck") and text != "-" else "")
-    hw = _num(decode.get("halfwidth"))
+    hw = finite(decode.get("halfwidth"))
     # the cap reached short of the target: said beside the interval (``± 6.5 (4.7%, cap reached)``)
     text = f"{mean:.1f}" + (halfwidth_text(decode) if hw is not None else " (n=1)")
     text += ceiling.share_text(mean, roofline)
@@ -144,14 +138,14 @@ def crosscheck_ratio(level: dict[str, Any]) -> float | None:
     Near 1.0 the client measures what the server does; far from it, one of the two counts
     something else (prefill in the decode time, a slow SSE stream, a wrong token count).
     """
-    given = _num(level.get("crosscheck_ratio"))
+    given = finite(level.get("crosscheck_ratio"))
     if given is not None:
         return given
     if level.get("crosscheck"):  # the client could not time tokens this fast: no ratio
         return None
     # the client's own rate: client_decode_tok_s; a level stored before it had only the old field
     own = level["client_decode_tok_s"] if "client_decode_tok_s" in level else level.get("per_stream_decode_tok_s")
-    client, server = _num(own), _num(level.get("server_predicted_per_second"))
+    client, server = finite(own), finite(level.get("server_predicted_per_second"))
     return client / server if client is not None and server else None
 
 
@@ -170,11 +164,11 @@ def sweep_columns(result: dict[str, Any]) -> list[str]:
 
 
 def roofline_note(result: dict[str, Any]) -> str:
-    roof = _num(result.get("roofline_tok_s"))
+    roof = finite(result.get("roofline_tok_s"))
     basis = result.get("roofline_basis")
     if roof:
         head = f"(%) = share of the single-stream roofline, {roof:.1f} tok/s ({basis})"
-        rates = [(per_stream(lv), _num(lv.get("server_predicted_per_second"))) for lv in result.get("levels") or []]
+        rates = [(per_stream(lv), finite(lv.get("server_predicted_per_second"))) for lv in result.get("levels") or []]
         if any(v is not None and v > roof for pair in rates for v in pair):
             head += f"; {ceiling.ABOVE_CEILING_CELL} = a per-stream rate over it: a ceiling or measurement error"
     elif basis:
@@ -248,7 +242,7 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]
 def _telemetry_lines(telemetry: dict[str, Any]) -> list[str]:
     s = telemetry.get("summary") or {}
     if s.get("throttled"):
-        when = _num(s.get("started_at_s"))
+        when = finite(s.get("started_at_s"))
         at = f" from {when:.1f} s into the sweep" if when is not None else ""
         reasons = ", ".join(str(r) for r in s.get("reasons") or []) or "no reason reported"
         throttle = f"**throttled**{at}: {_md(reasons)}"
@@ -268,7 +262,7 @@ def _llama_bench_rows(result: dict[str, Any]) -> list[list[str]]:
     first: dict[str, Any] = next((lv for lv in result.get("levels") or [] if lv.get("concurrency") == 1), {})
 
     def row(what: str, bench: Any, ours: Any, ceiling: Any) -> list[str]:
-        b, o = _num(bench), _num(ours)
+        b, o = finite(bench), finite(ours)
         return [
             what,
             _of_roofline(b, ceiling),
@@ -288,7 +282,7 @@ def _requests_text(workload: dict[str, Any]) -> str:
     bounds = workload.get("requests_per_level")
     if isinstance(bounds, dict) and bounds:
         spans = ", ".join(f"{c}: {lo}-{hi}" for c, (lo, hi) in bounds.items())
-        target = _num(workload.get("ci_target"))
+        target = finite(workload.get("ci_target"))
         until = f" until the 95% half-width is within {target:.0%} of the mean" if target else ""
         return f"after a warm-up round, requests per level (concurrency: fewest-most) {spans}{until}"
     if bounds is not None:
@@ -299,7 +293,7 @@ def _requests_text(workload: dict[str, Any]) -> str:
 def _client_text(result: dict[str, Any]) -> str:
     where = str(result.get("client") or "not recorded")
     cpu = result.get("client_cpu") or {}
-    cores = _num(cpu.get("cores"))
+    cores = finite(cpu.get("cores"))
     if cpu.get("on_served_host"):
         share = f": it took {cores:.2f} of the host's {cpu.get('host_cpus')} CPUs" if cores is not None else ""
         return f"{where}, on the served host (it competes with the server for CPU{share})"
@@ -308,9 +302,9 @@ def _client_text(result: dict[str, Any]) -> str:
 
 
 def _membw_text(membw: dict[str, Any]) -> str:
-    gb = _num(membw.get("gb_s"))
+    gb = finite(membw.get("gb_s"))
     probe = membw.get("probe") or {}
-    trials = [t for t in probe.get("trials") or [] if _num(t) is not None]
+    trials = [t for t in probe.get("trials") or [] if finite(t) is not None]
     spread = f", trials {min(trials):.1f}-{max(trials):.1f} GB/s" if trials else ""
     figure = f"{gb:.1f} GB/s" if gb is not None else "not measured"
     return f"{figure} (best of {len(trials) or '?'}{spread}; {membw.get('source')})"
@@ -333,7 +327,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"request (EOS ignored), seed {workload.get('seed')}; {_md(_requests_text(workload))}",
         f"- client: {_md(_client_text(result))}",
         f"- roofline: {_fmt(result.get('roofline_tok_s'))} tok/s per stream ({_md(result.get('roofline_basis'))})"
-        if _num(result.get("roofline_tok_s"))
+        if finite(result.get("roofline_tok_s"))
         else f"- roofline: none ({_md(result.get('roofline_basis') or 'not computed')})",
     ]
     if result.get("membw"):
@@ -409,7 +403,7 @@ def chart_png(result: dict[str, Any]) -> bytes:
     ax = fig.add_subplot()
     ax.plot(conc, series["aggregate_tok_s"], marker="o", color="tab:blue", label="aggregate tok/s")
     ax.plot(conc, series["per_stream_decode_tok_s"], marker="s", color="tab:green", label="per-stream decode tok/s")
-    roof = _num(result.get("roofline_tok_s"))
+    roof = finite(result.get("roofline_tok_s"))
     if roof:
         ax.axhline(
             roof,
@@ -458,9 +452,9 @@ def chart_series(result: dict[str, Any]) -> dict[str, list[float]]:
         return math.nan if v is None else v
 
     return {
-        "aggregate_tok_s": [nan(_num(lv.get("aggregate_tok_s"))) for lv in levels],
+        "aggregate_tok_s": [nan(finite(lv.get("aggregate_tok_s"))) for lv in levels],
         "per_stream_decode_tok_s": [nan(per_stream(lv)) for lv in levels],
-        "ttft_p95_s": [nan(_num(lv.get("ttft_p95_s"))) for lv in levels],
+        "ttft_p95_s": [nan(finite(lv.get("ttft_p95_s"))) for lv in levels],
     }
 
 
@@ -590,7 +584,7 @@ def read_history(history_file: Path, host: str | None = None, recipe: str | None
 
 
 def _pct(now: Any, then: Any) -> float | None:
-    n, t = _num(now), _num(then)
+    n, t = finite(now), finite(then)
     return (n - t) / t * 100 if n is not None and t else None
 
 
@@ -649,7 +643,7 @@ def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[d
     past = [r for r in history if (r.get("host"), r.get("recipe")) == same and r.get("at") != result.get("at")]
     past.sort(key=lambda r: str(r.get("at")))
     # the between-run noise this run was measured with (the gate's run_noise, else the default)
-    given = _num((result.get("workload") or {}).get("run_noise"))
+    given = finite((result.get("workload") or {}).get("run_noise"))
     noise = RUN_NOISE if given is None else given
     rows = []
     for lv in result.get("levels") or []:
@@ -658,7 +652,7 @@ def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[d
         measured = [(run, pl) for run in past for pl in run.get("levels") or [] if pl.get("concurrency") == c]
         sha = result.get("recipe_sha256")
         last = _ref(*measured[-1], now, sha, noise) if measured else None
-        scored = [m for m in measured if _num(m[1].get("aggregate_tok_s")) is not None]
+        scored = [m for m in measured if finite(m[1].get("aggregate_tok_s")) is not None]
         best = _ref(*max(scored, key=lambda m: m[1]["aggregate_tok_s"]), now, sha, noise) if scored else None
         rows.append({"concurrency": c, "now": now, "last": last, "best": best})
     return rows

@@ -27,7 +27,8 @@ ABOVE_CEILING_CELL = "above the ceiling"
 DOES_NOT_BIND = "the DRAM ceiling does not bind"
 
 
-def _num(v: Any) -> float | None:
+def finite(v: Any) -> float | None:
+    """A finite number, or None (missing, null, NaN: a server that does not report a figure)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     return float(v) if math.isfinite(v) else None
@@ -50,7 +51,7 @@ def cache_resident_basis(bytes_per_token: float, llc_bytes: int) -> str:
 
 def above(mbu: Any) -> bool:
     """An MBU (or any rate over its ceiling) above 1."""
-    n = _num(mbu)
+    n = finite(mbu)
     return n is not None and n > 1
 
 
@@ -58,7 +59,7 @@ def share_text(rate: Any, ceiling: Any, bounded: bool = True) -> str:
     """`` (51%)`` after a rate: its share of ``ceiling``; `` (above the ceiling)`` for a bounded
     rate over it (a per-stream one); nothing without a ceiling. ``bounded=False``: an aggregate,
     which may pass the single-stream roofline."""
-    n, c = _num(rate), _num(ceiling)
+    n, c = finite(rate), finite(ceiling)
     if n is None or not c:
         return ""
     if bounded and n > c:
@@ -79,10 +80,10 @@ def mbu_note(result: dict[str, Any]) -> str | None:
 def mbu_text(result: dict[str, Any]) -> str:
     """``51%``; ``above the ceiling: a ceiling or measurement error (decode 1.02x the 14531.0 tok/s
     roofline)``; ``none: cache-resident: ...``; ``-`` where there is no MBU."""
-    mbu = _num(result.get("mbu"))
+    mbu = finite(result.get("mbu"))
     note = mbu_note(result)
     if note and mbu is not None and above(mbu):
-        roof = _num(result.get("roofline_tok_s"))
+        roof = finite(result.get("roofline_tok_s"))
         return f"{note} (decode {mbu:.2f}x the " + (f"{roof:.1f} tok/s " if roof else "") + "roofline)"
     if note:
         return note
