@@ -1,7 +1,7 @@
 """Result files: a measured figure together with how, where, when and on what it was measured.
 
-Every measured figure the README publishes comes from one of these files under `reports/`
-(`tests/test_readme_figures.py` holds the README to them). One JSON object per measurement:
+Every measured figure the README and docs/ publish comes from one of these files under `reports/`
+(`tests/test_readme_figures.py` holds the pages to them). One JSON object per measurement:
 
     {
       "schema": 1,

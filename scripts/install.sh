@@ -12,7 +12,19 @@ if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
     $sudo apt-get update -qq
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv
 fi
-python3 -m venv .venv
-.venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e '.[tiny]'
+# pip's and setuptools' chatter goes to a log, shown whole only when something fails
+log=$(mktemp -t voltaforge-install.XXXXXX)
+quiet() {
+    if ! "$@" >>"$log" 2>&1; then
+        cat "$log" >&2
+        echo "install failed: $* (the output above is kept in $log)" >&2
+        exit 1
+    fi
+}
+echo "voltaforge: a venv in $(pwd)/.venv"
+quiet python3 -m venv .venv
+quiet .venv/bin/pip install --upgrade pip
+echo "voltaforge: installing the package and the tiny recipe's extras"
+quiet .venv/bin/pip install -e '.[tiny]'
+rm -f "$log"
 echo "installed: .venv/bin/invoke provision (or .venv/bin/voltaforge provision)"

@@ -8,6 +8,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def doc_pages() -> list[Path]:
+    """The README and the docs/ pages it links to: where the project's words and figures are."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def docs_text() -> str:
+    """Every page of :func:`doc_pages` joined (a search for what the docs say, wherever it is)."""
+    return "\n".join(p.read_text() for p in doc_pages())
+
+
 def fixture_body(name: str) -> str:
     """A captured output without its '# source/# what' header (everything after '# ---')."""
     text = (FIXTURES / name).read_text()

@@ -14,7 +14,7 @@ import json
 import math
 
 from playbooks.steps.measure import bench_stats
-from tests.helpers import ROOT
+from tests.helpers import ROOT, docs_text
 from tests.noise_sim import compare_rates, machine_from_noise, tune_rates
 
 NOISE = json.loads((ROOT / "reports" / "bench" / "noise.json").read_text())
@@ -58,4 +58,4 @@ def test_beside_a_batch_job_the_noise_is_beyond_the_constant_and_the_docs_say_so
     assert m.run_sd > 2 * bench_stats.RUN_NOISE
     null = compare_rates(m, trials=200)
     assert null["new"] < null["old"]
-    assert "gate.run_noise" in (ROOT / "README.md").read_text()
+    assert "gate.run_noise" in docs_text()

@@ -19,7 +19,7 @@ from playbooks.facts import membw
 from playbooks.plan.model_config import load_config_file
 from playbooks.plan.moe import expert_layout
 from playbooks.results import MEASURED_HERE, load_result
-from tests.helpers import ROOT, fixture_body
+from tests.helpers import ROOT, docs_text, fixture_body
 from tests.test_readme_figures import MARK
 
 spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
@@ -162,7 +162,7 @@ def test_the_readmes_h200_markers_name_figures_a_new_run_writes(run):
     for phase in CAPTURED:
         for p in device_check.RESULTS[phase](CAPTURED[phase](), run):
             written[f"reports/h200/{p.name}"] = set(load_result(p).figures)
-    readme = (ROOT / "README.md").read_text()
+    readme = docs_text()
     for m in MARK.finditer(readme):
         if m["file"].startswith("reports/h200/") and m["file"] != "reports/h200/membw.json":
             assert set(m["keys"].split()) <= written[m["file"]], m[0]

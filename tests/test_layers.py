@@ -1,4 +1,4 @@
-"""The folders are layers, and imports only go down (README, "Where things are").
+"""The folders are layers, and imports only go down (docs/layout.md).
 
     errors, resources, results                            (anyone)
     plan/     pure planning                               -> nothing above

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, docs_text
 
 INVOKE = [sys.executable, "-m", "invoke"]
 QWEN32 = "recipes/models/qwen2.5-32b-instruct.config.json"
@@ -144,8 +144,8 @@ def test_the_quality_floor_is_one_number_everywhere():
     from playbooks.plan.planner import make_plan
 
     shipped = yaml.safe_load((ROOT / "recipes/defaults.yaml").read_text())["planner"]["min_bpw"]
-    readme = re.search(r"\(`planner\.min_bpw`, ([\d.]+) bits/weight by default\)", (ROOT / "README.md").read_text())
-    assert readme, "the README states the default quality floor"
+    readme = re.search(r"\(`planner\.min_bpw`, ([\d.]+) bits/weight by default\)", docs_text())
+    assert readme, "the docs state the default quality floor"
     assert shipped == PlannerSettings().min_bpw == MIN_BPW == float(readme.group(1)) == 3.3
     assert make_plan.__defaults__ is None or 3.0 not in make_plan.__defaults__
     data = plan_json("--model-config", QWEN32, "--gpu", "v100-16gb", "--min-tok-s", "none")
@@ -220,8 +220,8 @@ def test_bad_cache_types_and_speed_floors_are_one_line_and_exit_2(args, message)
 
 
 def test_the_readmes_plan_output_is_the_real_one():
-    """README, "What `invoke plan` prints": the whole output of the command it names, as it prints now."""
-    readme = (ROOT / "README.md").read_text()
+    """docs/plan.md, "What `invoke plan` prints": the whole output of the command it names, as it prints now."""
+    readme = docs_text()
     m = re.search(r"A real run \(`invoke plan --recipe (\S+)`\), whole:\n\n```text\n(.*?)```\n", readme, re.S)
     assert m, "the README shows a whole plan"
     shown = [line.rstrip() for line in m.group(2).splitlines()]
@@ -233,7 +233,7 @@ def test_the_readmes_plan_output_is_the_real_one():
 def test_the_readmes_plan_excerpts_are_in_the_real_output():
     """Every README block `$ invoke plan ...  # (excerpt)`: each line it shows is in what that
     command prints now (whitespace aside: the README joins lines the terminal wrapped)."""
-    readme = (ROOT / "README.md").read_text()
+    readme = docs_text()
     blocks = re.findall(r"```\n\$ invoke plan (.*?)\s+# \(excerpt\)\n(.*?)```\n", readme, re.S)
     assert len(blocks) >= 2, "the README's plan excerpts (the 70B split, the EXL2 split)"
     for args, body in blocks:

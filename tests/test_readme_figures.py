@@ -34,7 +34,7 @@ import pytest
 
 from playbooks.facts.server_log import parse_load_log
 from playbooks.results import Result, ResultError, load_result, parse_result
-from tests.helpers import ROOT
+from tests.helpers import ROOT, doc_pages, docs_text
 
 README = ROOT / "README.md"
 REPORTS = ROOT / "reports"
@@ -118,8 +118,9 @@ def _load(rel: str, cache: dict[str, Result | str], root: Path) -> Result | str:
     return cache[rel]
 
 
-def check(text: str, root: Path = ROOT) -> tuple[list[str], set[int]]:
-    """(problems, offsets of the figures the markers cover) for a README's text."""
+def check(text: str, root: Path = ROOT, name: str = "README.md") -> tuple[list[str], set[int]]:
+    """(problems, offsets of the figures the markers cover) for a page's text (``name``: the
+    page, as problems name it)."""
     problems: list[str] = []
     covered: set[int] = set()
     cache: dict[str, Result | str] = {}
@@ -130,10 +131,10 @@ def check(text: str, root: Path = ROOT) -> tuple[list[str], set[int]]:
     for m in ANY_MARK.finditer(text):
         if m.start() not in known and not BLOCK_MARK.match(text, m.start()) and not _inside(m.start(), fences):
             bad = text[m.start() :][:80]
-            problems.append(f"README.md:{_line(text, m.start())}: a result marker that cannot be read: {bad!r}")
+            problems.append(f"{name}:{_line(text, m.start())}: a result marker that cannot be read: {bad!r}")
     previous_end = 0
     for m in marks:
-        where = f"README.md:{_line(text, m.start())}"
+        where = f"{name}:{_line(text, m.start())}"
         if text[m.start() - 1 : m.start()] in ("", "\n"):
             problems.append(f"{where}: a marker must not start a line (there it starts an HTML block)")
         keys = m["keys"].split()
@@ -170,7 +171,7 @@ def check(text: str, root: Path = ROOT) -> tuple[list[str], set[int]]:
     for m in BLOCK_MARK.finditer(text):
         if _inside(m.start(), fences):
             continue
-        where = f"README.md:{_line(text, m.start())}"
+        where = f"{name}:{_line(text, m.start())}"
         fence = FENCE.match(text, m.end() + 1)
         if text[m.end() : m.end() + 1] != "\n" or fence is None:
             problems.append(f"{where}: a result-block marker must be the line right before a fenced block")
@@ -203,7 +204,7 @@ def _pending(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def unmarked(text: str, covered: set[int]) -> list[str]:
+def unmarked(text: str, covered: set[int], name: str = "README.md") -> list[str]:
     """Bold figures with a unit that no marker covers (outside fenced blocks and pending places)."""
     blank = _blank_markers(text)
     fences, pending = _fences(text), _pending(text)
@@ -219,22 +220,42 @@ def unmarked(text: str, covered: set[int]) -> list[str]:
             needs[i] = bool(tok.duration or UNIT_AFTER.match(blank, tok.end, b.end(1)) or series)
         for tok, need in zip(tokens, needs, strict=True):
             if need and tok.start not in covered:
-                found.append(f"README.md:{_line(text, tok.start)}: {b[0]!r}: {tok.text} has no result marker")
+                found.append(f"{name}:{_line(text, tok.start)}: {b[0]!r}: {tok.text} has no result marker")
     return found
 
 
-# -- the README as it is ------------------------------------------------------------------------
+# -- the README and the docs as they are ---------------------------------------------------------
+
+PAGES = doc_pages()
 
 
-def test_every_marked_figure_is_the_result_files():
-    problems, covered = check(README.read_text())
+def _page_id(p: Path) -> str:
+    return str(p.relative_to(ROOT))
+
+
+def page_with(snippet: str) -> str:
+    """The text of the one page that holds ``snippet`` (what a checker test edits)."""
+    (text,) = [t for t in (p.read_text() for p in PAGES) if snippet in t]
+    return text
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_every_marked_figure_is_the_result_files(page):
+    problems, _ = check(page.read_text(), name=_page_id(page))
     assert problems == []
-    assert len(covered) >= 40  # the markers were read (a broken pattern would find none)
 
 
-def test_no_bold_figure_goes_without_a_result_file():
-    text = README.read_text()
-    assert unmarked(text, check(text)[1]) == []
+def test_the_markers_are_read():
+    """A broken pattern would find none, and every page would pass."""
+    covered = sum(len(check(p.read_text(), name=_page_id(p))[1]) for p in PAGES)
+    assert covered >= 40
+    assert "docs/bench.md" in {_page_id(p) for p in PAGES} and len(PAGES) >= 15
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_no_bold_figure_goes_without_a_result_file(page):
+    text = page.read_text()
+    assert unmarked(text, check(text, name=_page_id(page))[1], _page_id(page)) == []
 
 
 def result_files() -> list[Path]:
@@ -255,7 +276,7 @@ def test_every_result_file_validates(path):
 
 def test_every_result_file_of_ours_is_cited_by_the_readme():
     """A result file nobody reads is a figure that was dropped from the README: drop the file."""
-    text = README.read_text()
+    text = docs_text()
     cited = {m["file"] for m in MARK.finditer(text)} | {m["file"] for m in BLOCK_MARK.finditer(text)}
     ours = [p for p in result_files() if p.parent.name in ("h200", "local")]
     assert [str(p.relative_to(ROOT)) for p in ours if str(p.relative_to(ROOT)) not in cited] == []
@@ -326,17 +347,16 @@ def test_a_transcribed_result_names_where_its_numbers_were_recorded():
 
 
 def test_a_changed_figure_is_caught():
-    text = README.read_text()
     marked = "**131.5 tok/s**<!-- result: reports/h200/gate.json single_stream_tok_s -->"
-    assert marked in text
+    text = page_with(marked)
     problems, _ = check(text.replace(marked, marked.replace("131.5", "135.1")))
     assert len(problems) == 1
     assert "README shows '135.1', reports/h200/gate.json single_stream_tok_s = 131.5" in problems[0]
 
 
 def test_a_figure_in_another_unit_a_missing_key_or_file_is_caught():
-    text = README.read_text()
     marked = "**131.5 tok/s**<!-- result: reports/h200/gate.json single_stream_tok_s -->"
+    text = page_with(marked)
     for wrong, message in [
         (marked.replace("tok/s", "GB/s"), "writes 'GB/s' before the marker"),
         (marked.replace("single_stream_tok_s", "single_stream"), "has no figure 'single_stream'"),
@@ -356,15 +376,15 @@ def test_rounding_is_read_as_shown():
 
 
 def test_a_changed_sample_block_is_caught():
-    text = README.read_text()
+    text = README.read_text()  # the front door's sample
     assert "<!-- result-block: reports/local/provision-noop.json -->" in text
     problems, _ = check(text.replace("\n1.05 s wall\n```", "\n2.91 s wall\n```"))
     assert len(problems) == 1 and "the block differs from reports/local/provision-noop.json" in problems[0]
 
 
 def test_a_new_bold_figure_without_a_marker_is_caught():
-    text = README.read_text()
-    anchor = "## Where things are\n"
+    anchor = "# Where things are\n"
+    text = page_with(anchor)
     new = "\nA new run took **12.3 s** and **2 min 5 s** at **1 / 2 MB/s**; the plan says **64**, **8192 x 2**.\n"
     added = text.replace(anchor, anchor + new)
     problems, covered = check(added)
@@ -375,7 +395,7 @@ def test_a_new_bold_figure_without_a_marker_is_caught():
 
 def test_the_bench_section_and_the_ci_paragraph_are_under_the_rule():
     """They were exempt while another change rewrote them; now an edited figure there fails."""
-    text = README.read_text()
+    text = page_with("**40.6 min**")
     assert not PENDING and unmarked(text, check(text)[1]) == []
     edited = text.replace("**40.6 min**", "**39.0 min**")
     assert edited != text and check(edited)[0]

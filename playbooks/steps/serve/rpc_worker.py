@@ -4,8 +4,8 @@
 The worker runs the host's own llama.cpp build (`<prefix>/llama.cpp/current`, built with
 GGML_RPC=ON like every build voltaforge makes), so a fleet built from one source runs one RPC
 protocol. It listens on the one address its recipe entry names and its unit lets in only
-loopback and the entry's `allow_from` (the protocol has no authentication; README, "Beyond
-one card"). One unit per endpoint: `voltaforge-rpc-<port>.service`.
+loopback and the entry's `allow_from` (the protocol has no authentication; docs/split.md).
+One unit per endpoint: `voltaforge-rpc-<port>.service`.
 
 rpc_worker_op: the unit runs what was rendered on the build `current` points at
 (steps/serve/unit_running.py), else it is (re)started and must accept connections.
