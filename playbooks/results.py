@@ -28,6 +28,10 @@ Every measured figure the README and docs/ publish comes from one of these files
   session note or a committed fixture after the fact: honest about what a file is.
 - `notes`: anything a reader needs to read the figures right; `extra`: any JSON (a sample output
   the README shows whole is `extra["output"]`).
+- `measures`: the code paths (files or folders, relative to the checkout) whose behaviour the
+  figures are of. A file that names them is held to them: when a commit after `commit` changed
+  one, the figures describe code that is gone, and `tests/test_samples_current.py` fails until
+  `scripts/remake_samples.py` makes the file again.
 
 Pure except file I/O: `write_result` reads git, /proc and os-release to fill what it is not given.
 """
@@ -76,6 +80,15 @@ class Result(BaseModel):
     source: str
     notes: str = ""
     extra: dict[str, Any] = Field(default_factory=dict)
+    measures: list[str] = Field(default_factory=list)
+
+    @field_validator("measures")
+    @classmethod
+    def _paths(cls, v: list[str]) -> list[str]:
+        for path in v:
+            if not path.strip() or path.startswith("/") or ".." in Path(path).parts:
+                raise ValueError(f"{path!r} is not a path inside the checkout")
+        return v
 
     @field_validator("figures", mode="before")
     @classmethod
@@ -133,7 +146,10 @@ class Result(BaseModel):
         return self.source != MEASURED_HERE
 
     def as_json(self) -> str:
-        return json.dumps(self.model_dump(by_alias=True), indent=2, ensure_ascii=False) + "\n"
+        data = self.model_dump(by_alias=True)
+        if not data["measures"]:
+            del data["measures"]  # a file that names no code paths reads as it always did
+        return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
 def _one_line(exc: ValidationError) -> str:
@@ -185,6 +201,21 @@ def checkout_commit(where: Path | None = None) -> str | None:
     return sha if r.returncode == 0 and _COMMIT.fullmatch(sha) else None
 
 
+def changed_since(commit: str, paths: list[str], root: Path) -> list[str]:
+    """The commits after ``commit`` that changed any of ``paths`` in the checkout at ``root``,
+    newest first (``git log --format=%h commit..HEAD -- paths``); ResultError when git cannot
+    tell (not a checkout, a commit it does not have)."""
+    r = subprocess.run(
+        ["git", "-C", str(root), "log", "--format=%h", f"{commit}..HEAD", "--", *paths],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if r.returncode != 0:
+        raise ResultError(f"git log {commit}..HEAD in {root}: {r.stderr.strip() or 'failed'}")
+    return r.stdout.split()
+
+
 def _read(path: str) -> str:
     try:
         return Path(path).read_text(errors="replace")
@@ -230,6 +261,7 @@ def write_result(
     extra: dict[str, Any] | None = None,
     commit: str | None = None,
     date: str | None = None,
+    measures: list[str] | None = None,
 ) -> Result:
     """Validate and write one result file (its folders made); returns it.
 
@@ -251,6 +283,7 @@ def write_result(
             "source": source,
             "notes": notes,
             "extra": extra or {},
+            "measures": measures or [],
         },
         str(path),
     )

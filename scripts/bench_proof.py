@@ -34,6 +34,23 @@ from tiny_served import ROOT, served  # noqa: E402
 
 from playbooks.results import write_result  # noqa: E402
 
+#: what each file's figures are of (results.py, ``measures``)
+BENCH_CODE = [
+    "playbooks/cli/bench.py",
+    "playbooks/steps/measure/bench.py",
+    "playbooks/steps/measure/bench_run.py",
+    "playbooks/steps/measure/bench_report.py",
+    "playbooks/steps/measure/bench_stats.py",
+    "playbooks/steps/measure/roofline.py",
+]
+TUNE_CODE = [
+    "playbooks/cli/tune.py",
+    "playbooks/conduct/tune.py",
+    "playbooks/conduct/tune_candidates.py",
+    "playbooks/steps/measure/tune_search.py",
+    "playbooks/steps/measure/tune_space.py",
+    "playbooks/steps/measure/tune_report.py",
+]
 VERDICT = re.compile(
     r"concurrency (\d+): per-stream decode ([+-][\d.]+)% against the (last|best) run, (outside|within)"
 )
@@ -120,6 +137,7 @@ def main() -> int:
             "and one more; two `voltaforge tune --slots 2 --cache f16 --ubatch 64,512 --rungs 2`, each from its own "
             "empty store",
             extra=extra,
+            measures=BENCH_CODE + TUNE_CODE,
         )
         write_result(
             ROOT / "reports" / "local" / "bench-sample.json",
@@ -130,6 +148,7 @@ def main() -> int:
             "voltaforge bench --host stab --inventory .../inventory.yaml --compare (scripts/bench_proof.py)",
             notes="the `stab` entry of scripts/bench_proof.py; extra.output is the whole terminal output",
             extra={"output": last_bench},
+            measures=BENCH_CODE,
         )
         write_result(
             ROOT / "reports" / "local" / "tune-sample.json",
@@ -140,6 +159,7 @@ def main() -> int:
             "--budget 15m --rungs 2 (scripts/bench_proof.py: the second tune, then again)",
             notes="extra.output is the whole terminal output of the run that kept every measurement",
             extra={"output": tune_out},
+            measures=TUNE_CODE,
         )
     return 0
 

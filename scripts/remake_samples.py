@@ -1,0 +1,102 @@
+"""Re-make the locally measurable samples and figures (issue 35): one command, each result file
+written by the script that measures it, with the code paths it measures (``measures``).
+
+    .venv/bin/python scripts/remake_samples.py --list      # each file: held, stale (since which commits) or not held
+    .venv/bin/python scripts/remake_samples.py --stale     # re-make what is stale (or not yet held)
+    .venv/bin/python scripts/remake_samples.py             # re-make everything listed here
+    .venv/bin/python scripts/remake_samples.py --only quickstart
+
+Each maker runs on this machine and takes minutes (the cold quick start compiles llama.cpp):
+run it on an otherwise idle machine, then commit the files. tests/test_samples_current.py fails
+when a held file's code changed after the commit it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from playbooks.results import ResultError, changed_since, load_result  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Maker:
+    name: str
+    files: tuple[str, ...]  # the result files it writes, relative to the checkout
+    argv: tuple[str, ...]  # the script and its flags, run with this interpreter
+    minutes: int  # about how long it takes on this 2-core machine
+
+
+MAKERS = (
+    Maker(
+        "quickstart",
+        ("reports/local/quickstart-cold.json", "reports/local/provision-noop.json"),
+        ("scripts/bench_quickstart.py",),
+        14,
+    ),
+    Maker(
+        "bench-proof",
+        ("reports/bench/proof.json", "reports/local/bench-sample.json", "reports/local/tune-sample.json"),
+        ("scripts/bench_proof.py",),
+        16,
+    ),
+    Maker("noop", ("reports/local/bench-noop.json",), ("scripts/bench_noop.py", "--runs", "5", "--fleet", "10"), 6),
+    Maker("lb-stream", ("reports/local/lb-stream.json",), ("scripts/bench_lb_stream.py", "--runs", "3"), 4),
+)
+
+
+def state(path: str) -> str:
+    """``held``, ``stale: <commits>`` or ``not held`` (the file names no code paths)."""
+    try:
+        r = load_result(ROOT / path)
+    except ResultError as exc:
+        return f"unreadable: {exc}"
+    if not r.measures:
+        return "not held (names no code paths)"
+    try:
+        changed = changed_since(r.commit, r.measures, ROOT)
+    except ResultError as exc:
+        return f"unknown: {exc}"
+    return f"stale: changed by {', '.join(changed)}" if changed else f"held (made at {r.commit})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="say each file's state, make nothing")
+    ap.add_argument("--stale", action="store_true", help="only the makers with a file not held or stale")
+    ap.add_argument("--only", choices=[m.name for m in MAKERS], action="append", help="this maker (repeatable)")
+    args = ap.parse_args()
+    chosen = [m for m in MAKERS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            for f in m.files:
+                print(f"{m.name:12} {f:40} {state(f)}")
+        return 0
+    if args.stale:
+        chosen = [m for m in chosen if any(not state(f).startswith("held") for f in m.files)]
+    print(f"making {len(chosen)}: " + ", ".join(f"{m.name} (about {m.minutes} min)" for m in chosen), flush=True)
+    failed = []
+    for m in chosen:
+        t0 = time.monotonic()
+        print(f"--- {m.name}: {' '.join(m.argv)}", flush=True)
+        code = subprocess.run([sys.executable, *m.argv], cwd=ROOT).returncode
+        print(f"--- {m.name}: exit {code} in {time.monotonic() - t0:.0f} s", flush=True)
+        if code:
+            failed.append(m.name)
+    for m in chosen:
+        for f in m.files:
+            print(f"{f:40} {state(f)}")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

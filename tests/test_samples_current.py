@@ -1,0 +1,101 @@
+"""The samples and figures the docs show are made by today's code (issue 35).
+
+A result file that names the code paths it measures (``measures``, playbooks/results.py) is held
+to them: when a commit after the one it was made at changed one of them, this fails and says
+which maker re-makes it (``scripts/remake_samples.py``). Exempt by what they are: a transcribed
+file (its run is gone; its text says "transcribed"), a GPU-only one (reports/h200/: no GPU
+here) and a CI run's cost (reports/ci/: a record of the stop it names). Every other committed result file is held, or is named below with why it is not yet.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from playbooks.results import ResultError, changed_since, load_result, parse_result
+from tests.helpers import ROOT
+from tests.test_readme_figures import result_files
+
+#: measured-here files not held yet, with why: each one a maker away from being held
+NOT_YET_HELD = {
+    "reports/local/bench-noop.json": "made before `measures` existed; scripts/remake_samples.py --only noop",
+    "reports/local/lb-stream.json": "made before `measures` existed; scripts/remake_samples.py --only lb-stream",
+    "reports/local/bench-sample.json": "made before `measures` existed; scripts/remake_samples.py --only bench-proof",
+    "reports/local/tune-sample.json": "made before `measures` existed; scripts/remake_samples.py --only bench-proof",
+    "reports/bench/proof.json": "made before `measures` existed; scripts/remake_samples.py --only bench-proof",
+    "reports/bench/noise.json": "the method's data set: the machine's run-to-run noise, not a sample of our output",
+    "reports/bench/method.json": "a simulation over noise.json (scripts/bench_method.py), re-made from the data",
+    "reports/bench/stability.json": "the issue-20 data set, kept as the evidence of that issue",
+    "reports/bench/stability-busy.json": "the issue-20 data set beside a batch job, kept as that issue's evidence",
+}
+
+
+def _rel(path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _exempt(path, r) -> str | None:
+    if r.transcribed:
+        return "transcribed"
+    if _rel(path).startswith("reports/h200/"):
+        return "GPU-only"
+    if _rel(path).startswith("reports/ci/"):
+        return "a CI run's cost at the commit it names: a record of that stop, not a sample of today's code"
+    return None
+
+
+def _shallow() -> bool:
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    return r.stdout.strip() == "true"
+
+
+@pytest.mark.parametrize("path", result_files(), ids=_rel)
+def test_a_held_result_was_made_by_the_code_it_measures(path):
+    r = load_result(path)
+    if not r.measures:
+        assert _exempt(path, r) or _rel(path) in NOT_YET_HELD, (
+            f"{_rel(path)}: measured here, yet names no code paths it measures (measures) and is not "
+            "in NOT_YET_HELD: give its maker measures= (scripts/remake_samples.py)"
+        )
+        return
+    for p in r.measures:
+        assert (ROOT / p).exists(), f"{_rel(path)} measures {p}, which is not in the checkout"
+    if _shallow():
+        pytest.fail("a shallow clone cannot say what changed since a result's commit: clone with history")
+    changed = changed_since(r.commit, r.measures, ROOT)
+    assert not changed, (
+        f"{_rel(path)} was made at {r.commit}; {', '.join(r.measures)} changed since ({', '.join(changed)}): "
+        "re-make it (scripts/remake_samples.py --stale) and commit it"
+    )
+
+
+def test_not_yet_held_names_only_files_that_need_it():
+    """The list only shrinks: a file that now names its code paths, or is gone, leaves it."""
+    for rel in NOT_YET_HELD:
+        r = load_result(ROOT / rel)
+        assert not r.measures and not _exempt(ROOT / rel, r), rel
+
+
+def test_a_change_after_the_commit_is_caught():
+    """Held to a path that changed after the result's commit: the checker names the commits;
+    to one that did not: nothing. (This file's first commit is older than HEAD, and the test
+    file itself changed since the first commit of the repository.)"""
+    first = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True
+    ).stdout.split()[0][:7]
+    assert changed_since(first, ["playbooks/results.py"], ROOT)
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    assert changed_since(head, ["playbooks/results.py"], ROOT) == []
+    with pytest.raises(ResultError, match="git log 0000000..HEAD"):
+        changed_since("0000000", ["playbooks"], ROOT)
+
+
+def test_measures_are_paths_inside_the_checkout():
+    good = load_result(ROOT / "reports/h200/gate.json").model_dump(by_alias=True)
+    assert parse_result({**good, "measures": ["playbooks/steps/build"]}).measures == ["playbooks/steps/build"]
+    for bad in ("/etc/passwd", "../elsewhere", " "):
+        with pytest.raises(ResultError, match="not a path inside the checkout"):
+            parse_result({**good, "measures": [bad]}, "gate.json")
