@@ -4,7 +4,8 @@ A result file that names the code paths it measures (``measures``, playbooks/res
 to them: when a commit after the one it was made at changed one of them, this fails and says
 which maker re-makes it (``scripts/remake_samples.py``). Exempt by what they are: a transcribed
 file (its run is gone; its text says "transcribed"), a GPU-only one (reports/h200/: no GPU
-here) and a CI run's cost (reports/ci/: a record of the stop it names). Every other committed result file is held, or is named below with why it is not yet.
+here) and a CI run's cost (reports/ci/: a record of the stop it names). Every other
+committed result file is held, or is named below with why it is not yet.
 """
 
 from __future__ import annotations

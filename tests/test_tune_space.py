@@ -41,7 +41,7 @@ def test_the_planner_prunes_and_says_why(v100_14b):
     assert pruned["does not fit Tesla V100-SXM2-16GB"] > 0
     assert pruned["below the quality floor of 3.3 bits per weight"] > 0
     assert pruned["no flash-attention kernel for this K/V pair in a default CUDA build"] > 0
-    assert pruned["Tesla V100-SXM2-16GB has no BF16"] > 0
+    assert pruned["sm_70 has no BF16"] > 0
     assert pruned["a quantized V cache needs flash attention"] > 0
     assert pruned["a duplicate"] == 1
     assert space.total == len(cands) + 1 == sum(pruned.values()) + len(space.survivors)

@@ -70,8 +70,12 @@ def placed(spec: HostSpec, p: Placement, loaded: LoadedRecipe) -> Served:
         raise VoltaforgeError(
             f"{where}: the recipe splits one server over {r.gpu_count} GPUs; the layout gives {len(gpus)}: {list(gpus)}"
         )
-    if len(gpus) > 1 and r.backend == "exllamav2":
-        raise VoltaforgeError(f"{where}: TabbyAPI serves one instance per host; give it one GPU")
+    if len(gpus) > 1 and r.backend == "exllamav2" and r.gpu_count == 1:
+        # (a split recipe is one TabbyAPI over its cards: the check above matched their count)
+        raise VoltaforgeError(
+            f"{where}: TabbyAPI serves one instance per host; give it one GPU, or split the model over "
+            f"{len(gpus)} (gpu_count: {len(gpus)} in the recipe)"
+        )
     if len(gpus) > 1 and r.rpc:
         raise VoltaforgeError(f"{where}: a recipe with RPC workers runs one server (the workers serve one client each)")
     if p.port is not None:

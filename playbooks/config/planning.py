@@ -8,7 +8,14 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from playbooks.config.recipe import DEFAULTS_FILE, RECIPES_DIR, LoadedRecipe, PlannerSettings
+from playbooks.config.recipe import (
+    DEFAULTS_FILE,
+    RECIPES_DIR,
+    LoadedRecipe,
+    PlannerSettings,
+    recipe_argument,
+    shadowed_shipped,
+)
 from playbooks.config.yamlfile import explain_validation, load_yaml
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import GIB, Gpu, get_gpu
@@ -150,6 +157,8 @@ def plan_recipe(
         plan.notes.append(
             f"model.revision {r.model.revision!r} is not a commit sha: provisioning records the sha it resolves to"
         )
+    if hidden := shadowed_shipped(loaded.path):
+        plan.notes.append(f"{loaded.path} is used, not the shipped recipe of the same name ({hidden})")
     return plan
 
 
@@ -159,6 +168,12 @@ def unfit_text(plan: Plan) -> str | None:
     c = plan.chosen
     if c is None or c.fits:
         return None
+    if c.unfit_reason.endswith("has no BF16"):
+        s = plan.serving
+        wanted = (["BF16 weights (quant: F16)"] if c.quant == "BF16" else []) + (
+            ["a bf16 cache (cache: f16)"] if "bf16" in (s.cache_k, s.cache_v) else []
+        )
+        return f"{c.unfit_reason} for {' or '.join(wanted)}"
     if c.unfit_reason:
         return c.unfit_reason
     over = -c.headroom_bytes / 2**20
@@ -182,10 +197,10 @@ def refuse_unfit(loaded: LoadedRecipe) -> None:
     if why:
         raise VoltaforgeError(
             f"{loaded.path}: {r.quant_name} does not fit {r.device_count} x {r.gpu} at {r.context} tokens x "
-            f"{r.parallel} slot(s): {why} (invoke plan --recipe {r.name})"
+            f"{r.parallel} slot(s): {why} (invoke plan --recipe {recipe_argument(loaded.path)})"
             if r.split
             else f"{loaded.path}: {r.quant_name} does not fit {r.gpu} at {r.context} tokens x {r.parallel} slot(s): "
-            f"{why} (invoke plan --recipe {r.name})"
+            f"{why} (invoke plan --recipe {recipe_argument(loaded.path)})"
         )
 
 

@@ -62,7 +62,8 @@ class ModelSource(_Strict):
     )
     token_file: str | None = Field(
         None,
-        description="a file on the host holding a Hugging Face token (mode 0600), for gated or private repos",
+        description="a file on the host holding a Hugging Face token (mode 0600), for gated or private repos: "
+        "an absolute path, or ~/... in the SSH user's home",
     )
     calibration: str | None = Field(
         None,
@@ -73,8 +74,8 @@ class ModelSource(_Strict):
     @field_validator("token_file")
     @classmethod
     def _token_file(cls, v):
-        if v is not None and not re.fullmatch(r"/[A-Za-z0-9._/-]+", v):
-            raise ValueError("must be an absolute path of letters, digits and . _ / -")
+        if v is not None and not re.fullmatch(r"(/|~/)[A-Za-z0-9._/-]+", v):
+            raise ValueError("must be an absolute path (or ~/... on the host) of letters, digits and . _ / -")
         return v
 
     @field_validator("repo")
@@ -665,14 +666,34 @@ def _exists(path: Path) -> bool:
 
 
 def resolve_recipe_path(name_or_path: str, recipes_dir: Path = RECIPES_DIR) -> Path:
+    """A recipe's file: a path as given; a name in ``recipes_dir`` (the user's, from settings),
+    then among the shipped recipes, so a user's recipe of a shipped name wins over it."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or _exists(p):
         return p
-    candidate = recipes_dir / f"{name_or_path}.yaml"
-    if _exists(candidate):
-        return candidate
-    known = sorted(q.stem for q in recipes_dir.glob("*.yaml") if q.name != DEFAULTS_FILE)
-    raise RecipeError(f"unknown recipe {name_or_path!r}; shipped recipes: {', '.join(known)}")
+    for where in dict.fromkeys([recipes_dir, RECIPES_DIR]):
+        candidate = where / f"{name_or_path}.yaml"
+        if _exists(candidate):
+            return candidate
+    shipped = [q.stem for q in list_recipes(RECIPES_DIR)]
+    mine = [q.stem for q in list_recipes(recipes_dir)] if recipes_dir != RECIPES_DIR else []
+    known = (f"recipes in {recipes_dir}: {', '.join(mine) or 'none'}; " if recipes_dir != RECIPES_DIR else "") + (
+        f"shipped recipes: {', '.join(shipped)}"
+    )
+    raise RecipeError(f"unknown recipe {name_or_path!r}; {known}")
+
+
+def shadowed_shipped(path: Path) -> Path | None:
+    """The shipped recipe a user's recipe of the same name hides (None: it hides none)."""
+    shipped = RECIPES_DIR / path.name
+    if path.parent.resolve() == RECIPES_DIR.resolve() or not _exists(shipped):
+        return None
+    return shipped
+
+
+def recipe_argument(path: Path) -> str:
+    """How to name this recipe on a command line: a shipped one by its name, any other by path."""
+    return path.stem if path.parent.resolve() == RECIPES_DIR.resolve() else str(path)
 
 
 def _load_shape(src: ModelSource, recipe_path: Path, lines: Lines, loc: tuple) -> ModelShape:
@@ -681,9 +702,15 @@ def _load_shape(src: ModelSource, recipe_path: Path, lines: Lines, loc: tuple) -
     if isinstance(src.config, dict):
         return shape_from_config(src.config, where=f"{where}: {'.'.join(loc)}.config")
     assert src.config is not None  # ModelSource._one_source requires it
-    cfg_path = (recipe_path.parent / src.config).resolve()
-    if not cfg_path.exists():
-        raise RecipeError(f"{where}: {'.'.join(loc)}.config: file {src.config!r} not found (looked at {cfg_path})")
+    # next to the recipe; then among the shipped models, so a copied shipped recipe keeps its
+    # `models/...` config (a file next to it of that name wins)
+    looked = [(recipe_path.parent / src.config).resolve(), (RECIPES_DIR / src.config).resolve()]
+    cfg_path = next((c for c in looked if c.exists()), None)
+    if cfg_path is None:
+        raise RecipeError(
+            f"{where}: {'.'.join(loc)}.config: file {src.config!r} not found "
+            f"(looked at {' and '.join(str(c) for c in dict.fromkeys(looked))})"
+        )
     return load_config_file(cfg_path)
 
 
@@ -696,6 +723,9 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
     if not isinstance(data, dict):
         raise RecipeError(f"{path}:1: a recipe must be a mapping of keys, got {type(data).__name__}")
     defaults_path = path.parent / DEFAULTS_FILE
+    if data.get("backend") == "exllamav2" and "cache" not in data:
+        # the defaults' cache is llama.cpp's (f16); ExLlamaV2's own default is its FP16 cache
+        data = {**data, "cache": {"k": "FP16", "v": "FP16"}}
     if defaults_path.exists() and defaults_path.resolve() != path.resolve():
         defaults, _ = load_yaml(defaults_path)
         data = _deep_merge(defaults or {}, data)

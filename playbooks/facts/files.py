@@ -20,9 +20,17 @@ class FileStat:
         return self.kind in ("regular file", "regular empty file")
 
 
+def path_word(path: str) -> str:
+    """A host path as one shell word: quoted, except that a leading ``~/`` becomes the SSH
+    user's ``"$HOME"/`` (a quoted ``~`` is not expanded by the shell)."""
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
 def stat_command(path: str) -> str:
     # -L: follow symlinks (a prefix that is a symlink to a big disk is normal).
-    q = shlex.quote(path)
+    q = path_word(path)
     return f"if [ -e {q} ]; then stat -L -c '%F|%a|%U|%G' -- {q}; else echo missing; fi"
 
 

@@ -158,9 +158,14 @@ def gpu_names() -> list[str]:
 
 
 def get_gpu(name: str) -> Gpu:
+    """A card by its key (``v100-pcie-32gb``), an alias (``v100-32gb``) or the name nvidia-smi
+    prints (``Tesla V100-PCIE-32GB``, with or without the vendor word)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key in GPUS:
         return GPUS[key]
+    by_name = {g.name.lower(): g for g in _CATALOG} | {g.name.lower().split(" ", 1)[-1]: g for g in _CATALOG}
+    if key.strip() in by_name:
+        return by_name[key.strip()]
     candidates = [n for n in gpu_names() if key and key in n]
     if len(candidates) > 1:
         raise VoltaforgeError(f"GPU {name!r} matches several cards: {', '.join(candidates)}; name one of them")

@@ -396,8 +396,26 @@ def fa_pair_compiled(cache_k: str, cache_v: str) -> bool:
 EXL2_NO_DRAFT = "a draft is llama-server's"
 
 
-def unfit_reason(backend: str, gpu: Gpu, shape: ModelShape | None = None, draft: DraftPlan | None = None) -> str:
+def bf16_refusal(gpu: Gpu, quant: str, cache: tuple[str, ...] = ()) -> str:
+    """Why BF16 weights or a BF16 cache cannot run on this card ("": they can, or none asked).
+    A CPU build computes BF16 in software; a CUDA card needs it in hardware (sm_80 and later).
+    Short: it is the fit table's cell (``no, sm_70 has no BF16``)."""
+    if gpu.is_cpu or gpu.bf16 or (quant != "BF16" and "bf16" not in cache):
+        return ""
+    return f"sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]} has no BF16"
+
+
+def unfit_reason(
+    backend: str,
+    gpu: Gpu,
+    shape: ModelShape | None = None,
+    draft: DraftPlan | None = None,
+    quant: str = "",
+    cache: tuple[str, ...] = (),
+) -> str:
     """Why this backend cannot run on this target at all, memory aside ("": it can)."""
+    if why := bf16_refusal(gpu, quant, cache):
+        return why
     if backend == "exllamav2" and gpu.is_cpu:
         return EXL2_NEEDS_CUDA
     if backend == "exllamav2" and shape is not None and shape.model_type in EXL2_MISSING_ARCHS:
@@ -433,7 +451,7 @@ def evaluate(
     kv_tok = _kv_per_token(shape, s)
     kv, compute, overhead, draft_b = _vram_at(shape, s, s.context, gpu, draft)
     backend = "exllamav2" if quant.startswith("EXL2-") else "llamacpp"
-    unfit = unfit_reason(backend, gpu, shape, draft)
+    unfit = unfit_reason(backend, gpu, shape, draft, quant, (s.cache_k, s.cache_v))
     draft_kv, draft_compute = _draft_parts(draft, s, gpu)
     return Option(
         quant=quant,
@@ -461,6 +479,8 @@ def evaluate(
 
 def split_unfit_reason(shape: ModelShape, quant: str, gpu: Gpu, draft: DraftPlan | None, s: Serving) -> str:
     """Why a split over several devices is not planned for this ("": it is)."""
+    if why := bf16_refusal(gpu, quant, (s.cache_k, s.cache_v)):
+        return why
     if gpu.is_cpu and not s.rpc_devices:
         return "a CPU target has no cards to split over"
     if quant.startswith("EXL2-") and s.rpc_devices:
@@ -722,7 +742,7 @@ def _evaluate_moe(
     else:
         n = min(int(s.n_cpu_moe), n_layer)
     at = _moe_at(shape, quant, gpu, s, draft, n)
-    unfit = _host_ram_reason(at, host)
+    unfit = bf16_refusal(gpu, quant, (s.cache_k, s.cache_v)) or _host_ram_reason(at, host)
     # (on a CPU target n is 0: every byte is read at the catalog's CPU bandwidth, gpu.bandwidth_gb_s)
     membw = host.membw_gb_s
     roof = two_sided_tok_s(at.gpu_bytes_per_token, gpu.bandwidth_gb_s, at.host_bytes_per_token, membw)

@@ -33,6 +33,9 @@ def _sha256(path):
 
 
 def fetch(repo, revision, dest):
+    # a recipe may name the token file from the SSH user's home (~/...): expanded here, on the host
+    if os.environ.get("HF_TOKEN_PATH"):
+        os.environ["HF_TOKEN_PATH"] = os.path.expanduser(os.environ["HF_TOKEN_PATH"])
     from huggingface_hub import HfApi, snapshot_download
 
     info = HfApi().model_info(repo, revision=revision, files_metadata=True)

@@ -34,7 +34,7 @@ from typing import Literal
 from playbooks.config.planning import draft_from_recipe, serving_from_recipe
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.plan.gpus import get_gpu
-from playbooks.plan.planner import Option, evaluate
+from playbooks.plan.planner import Option, bf16_refusal, evaluate
 
 Objective = Literal["single", "aggregate", "latency"]
 OBJECTIVES: tuple[Objective, ...] = ("single", "aggregate", "latency")
@@ -149,8 +149,8 @@ def rule_out(c: Candidate, gpu_name: str, backend: str, min_bpw: float | None, o
     if not gpu.is_cpu:
         if c.flash_attn and (c.cache_k, c.cache_v) not in FA_CUDA_PAIRS:
             return "no flash-attention kernel for this K/V pair in a default CUDA build"
-        if "bf16" in (c.cache_k, c.cache_v) and gpu.compute_capability < (8, 0):
-            return f"{gpu.name} has no BF16"
+        if why := bf16_refusal(gpu, c.quant, (c.cache_k, c.cache_v)):
+            return why  # the planner's rule, so plan, render and tune say the same
         if backend == "exllamav2" and c.parallel > 1 and gpu.compute_capability < (8, 0):
             return "ExLlamaV2 on this GPU runs one sequence (slots are no lever)"
     if option is None:
