@@ -209,7 +209,9 @@ def test_model_config_plans_take_llama_servers_cache_types():
     [
         (["--model-config", QWEN32, "--cache-type-k", "q9_0"], "--cache-type-k 'q9_0': want one of f16, bf16"),
         (["--model-config", QWEN32, "--cache-type-v", "Q8"], "--cache-type-v 'Q8': want one of"),
-        (["--recipe", "qwen2.5-32b-v100-16gb", "--cache-type-k", "q8_0"], "--cache-type-k goes with --model-config"),
+        (["--recipe", "qwen2.5-32b-exl2-v100-16gb", "--cache-type-k", "q8_0"], "--cache-type-k is llama-server's"),
+        (["--recipe", "qwen2.5-32b-v100-16gb", "--quant", "EXL2-3.3"], "is a llama.cpp recipe; give a GGUF type"),
+        (["--recipe", "qwen2.5-32b-exl2-v100-16gb", "--quant", "Q4_K_M"], "is an ExLlamaV2 recipe; give an EXL2"),
         (["--model-config", QWEN32, "--min-tok-s", "0"], "--min-tok-s must be a positive number of tok/s"),
         (["--model-config", QWEN32, "--min-tok-s", "fast"], "--min-tok-s 'fast': want a decode speed"),
     ],
@@ -217,6 +219,47 @@ def test_model_config_plans_take_llama_servers_cache_types():
 def test_bad_cache_types_and_speed_floors_are_one_line_and_exit_2(args, message):
     r = invoke("plan", *args)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_what_if_on_a_recipe_is_the_recipe_file_edited(tmp_path):
+    """`plan --recipe R --parallel 4 --quant Q5_K_M --cache-type-k f16` plans what editing R's
+    file to those values plans (was: refused, "--parallel goes with --model-config"), says what
+    was overridden, and prints the aggregate ceiling at the slots from plan/aggregate.py."""
+    import yaml
+
+    from playbooks.config.recipe import RECIPES_DIR
+    from playbooks.plan.aggregate import aggregate_tok_s
+
+    flags = ["--parallel", "4", "--quant", "q5_k_m", "--cache-type-k", "f16", "--json"]
+    what_if = json.loads(invoke("plan", "--recipe", "qwen2.5-14b-v100-16gb", *flags).stdout)
+    data = yaml.safe_load((RECIPES_DIR / "qwen2.5-14b-v100-16gb.yaml").read_text())
+    data |= {"parallel": 4, "quant": "Q5_K_M", "cache": {"k": "f16", "v": data["cache"]["v"]}}
+    (tmp_path / "defaults.yaml").write_text((RECIPES_DIR / "defaults.yaml").read_text())
+    (tmp_path / "qwen2.5-14b-v100-16gb.yaml").write_text(yaml.safe_dump(data))
+    edited = json.loads(invoke("plan", "--recipe", str(tmp_path / "qwen2.5-14b-v100-16gb.yaml"), "--json").stdout)
+    for key in ("chosen", "serving", "quants", "recommendation", "aggregate"):
+        assert what_if[key] == edited[key], key
+    assert what_if["notes"][0] == (
+        "a what-if, not the recipe as written: parallel 4 (the recipe: 2); quant Q5_K_M (the recipe: Q4_K_M); "
+        "cache K f16 (the recipe: q8_0)"
+    )
+    c, agg = what_if["chosen"], what_if["aggregate"]
+    ctx = what_if["serving"]["context"]
+    assert agg["slots"] == 4
+    # (the JSON's roofline is rounded to 2 places: within that)
+    near = pytest.approx(aggregate_tok_s(c["roofline_tok_s"], 900, c["kv_bytes_per_token"], 4, 0), abs=0.05)
+    assert agg["tok_s"] == near
+    full = aggregate_tok_s(c["roofline_tok_s"], 900, c["kv_bytes_per_token"], 4, ctx)
+    assert agg["full_ctx_tok_s"] == pytest.approx(full, abs=0.05)
+    assert (
+        3.9 * c["roofline_tok_s"] < agg["tok_s"] <= 4 * c["roofline_tok_s"] + 0.01
+        and agg["full_ctx_tok_s"] < agg["tok_s"]
+    )
+    text = invoke("plan", "--recipe", "qwen2.5-14b-v100-16gb", *flags[:-1]).stdout
+    assert f"Aggregate at 4 slots: {agg['tok_s']:.0f} tok/s with empty caches" in " ".join(text.split())
+    # one slot: no aggregate; a value equal to the recipe's is no override
+    one = json.loads(invoke("plan", "--recipe", "qwen2.5-32b-v100-16gb", "--parallel", "1", "--json").stdout)
+    assert one["aggregate"] is None and not one["notes"][0].startswith("a what-if")
 
 
 def test_the_readmes_plan_output_is_the_real_one():

@@ -62,12 +62,23 @@ def test_a_space_pruned_to_nothing_names_the_constraint(v100_14b):
     assert "by does not fit Tesla V100-SXM2-16GB" in space.why_empty()
 
 
-def test_the_aggregate_objective_orders_by_slots_times_the_roofline(v100_14b):
+def test_the_aggregate_objective_orders_by_the_plans_aggregate_ceiling(v100_14b):
+    """The same function `invoke plan` prints (plan/aggregate.py): the weights once per step for
+    all slots, each slot's KV cache at what the bench's streams hold (prompt + answer)."""
+    from playbooks.plan.aggregate import aggregate_tok_s
+
     base = tune_space.base_candidate(v100_14b)
     space = tune_space.prune(v100_14b, tune_space.enumerate_space(base, slots=[1, 2]), objective="aggregate")
     assert [p.candidate.parallel for p in space.survivors] == [2, 1]
+    g = v100_14b.recipe.gate
+    for p in space.survivors:
+        o = p.option
+        want = aggregate_tok_s(
+            o.roofline_tok_s, 900, o.kv_bytes_per_token, p.candidate.parallel, g.prompt_tokens + g.max_tokens
+        )
+        assert p.predicted_tok_s == pytest.approx(want, rel=1e-9)
     one, two = sorted(space.survivors, key=lambda p: p.candidate.parallel)
-    assert two.predicted_tok_s == pytest.approx(2 * one.predicted_tok_s, rel=0.01)
+    assert one.predicted_tok_s < two.predicted_tok_s < 2 * one.predicted_tok_s
 
 
 def _measured(c: Candidate, rung: int, mean: float, hw: float = 1.0, n: int = 8) -> tune_search.Measured:

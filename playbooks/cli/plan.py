@@ -9,7 +9,14 @@ from typing import TextIO
 
 from playbooks.cli.flags import name_or_path, word
 from playbooks.cli.render import console, plan_json, render_plan
-from playbooks.config.planning import SpeedFloor, host_from_recipe, objective_for, plan_recipe, planner_defaults
+from playbooks.config.planning import (
+    SpeedFloor,
+    host_from_recipe,
+    objective_for,
+    plan_recipe,
+    planner_defaults,
+    with_overrides,
+)
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.errors import UsageError, VoltaforgeError
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
@@ -83,19 +90,23 @@ def run_plan(
         raise UsageError("give either --recipe NAME or --model-config path/to/config.json")
     if ctx is not None and ctx <= 0:
         raise VoltaforgeError(f"--ctx must be a positive number of tokens, got {ctx}")
-    if recipe and quant:
-        raise UsageError("--quant goes with --model-config; a recipe names its own quant")
-    if recipe and parallel:
-        raise UsageError("--parallel goes with --model-config; a recipe names its own slots")
     for flag, value in (("--cache-type-k", cache_type_k), ("--cache-type-v", cache_type_v)):
         if value is not None and value not in LLAMACPP_CACHE_TYPES:
             raise UsageError(f"{flag} {value!r}: want one of {', '.join(LLAMACPP_CACHE_TYPES)} (llama-server's types)")
-        if value is not None and recipe:
-            raise UsageError(
-                f"{flag} goes with --model-config; a recipe names its own cache (cache: {{k: ..., v: ...}})"
-            )
+    if quant is not None:
+        quant = _normalize_quant(quant)
+        if quant not in quant_names() and not quant.startswith("EXL2-"):
+            raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
+    overridden: list[str] = []
     if recipe:
-        loaded = load_recipe(recipe, recipes_dir or RECIPES_DIR)
+        # a what-if: the recipe's values are the defaults, the flags win (and are said)
+        loaded, overridden = with_overrides(
+            load_recipe(recipe, recipes_dir or RECIPES_DIR),
+            parallel,
+            quant,
+            cache_type_k,
+            cache_type_v,
+        )
         if ctx and ctx > loaded.shape.max_position_embeddings:
             raise VoltaforgeError(
                 f"--ctx {ctx} is above the model's maximum "
@@ -130,6 +141,8 @@ def run_plan(
             gpu_count=count,
             tensor_split=split,
         )
+        if overridden:
+            plan.notes.insert(0, f"a what-if, not the recipe as written: {'; '.join(overridden)}")
         label = loaded.recipe.name
     else:
         if gpu_count and gpu_count > 1 and get_gpu(gpu or "v100-16gb").is_cpu:
@@ -142,9 +155,7 @@ def run_plan(
                 f"(max_position_embeddings {shape.max_position_embeddings})"
             )
         given = quant is not None
-        quant = _normalize_quant(quant or "Q4_K_M")
-        if quant not in quant_names() and not quant.startswith("EXL2-"):
-            raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
+        quant = quant or "Q4_K_M"
         if not quant.startswith("EXL2-") and (why := quant_refusal(shape, quant)):
             if given:
                 raise VoltaforgeError(f"--quant {quant}: {why}")

@@ -13,11 +13,13 @@ from playbooks.config.recipe import (
     RECIPES_DIR,
     LoadedRecipe,
     PlannerSettings,
+    Recipe,
     recipe_argument,
     shadowed_shipped,
 )
 from playbooks.config.yamlfile import explain_validation, load_yaml
 from playbooks.errors import VoltaforgeError
+from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import GIB, Gpu, get_gpu
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, NCpuMoe, RamSource
@@ -243,3 +245,59 @@ def resolve_gpu_split(loaded: LoadedRecipe) -> tuple[float, ...]:
     # the chosen quant's split only, as the plan computes it (not the whole fit table)
     serving = serving_from_recipe(loaded)
     return plan_exl2_split(loaded.shape, r.quant_name, get_gpu(r.gpu), serving, serving.context).gpu_split
+
+
+def with_overrides(
+    loaded: LoadedRecipe,
+    parallel: int | None = None,
+    quant: str | None = None,
+    cache_k: str | None = None,
+    cache_v: str | None = None,
+) -> tuple[LoadedRecipe, list[str]]:
+    """The recipe with a what-if's values in place of its own (validated as the recipe is, so a
+    quantized V cache without flash attention is refused the same way), and one line per value
+    overridden: ``parallel 4 (the recipe: 2)``. ``quant``: a GGUF type for a llama.cpp recipe,
+    ``EXL2-3.5`` for an ExLlamaV2 one (the backend is the recipe's); the cache types are
+    llama-server's."""
+    r = loaded.recipe
+    data = r.model_dump()
+    said: list[str] = []
+    if parallel is not None and parallel != r.parallel:
+        data["parallel"] = parallel
+        said.append(f"parallel {parallel} (the recipe: {r.parallel})")
+    if quant is not None and quant != r.quant_name:
+        if r.backend == "exllamav2":
+            if not quant.startswith("EXL2-"):
+                raise VoltaforgeError(
+                    f"--quant {quant}: {r.name} is an ExLlamaV2 recipe; give an EXL2 rate (EXL2-3.5), or plan a "
+                    "llama.cpp recipe"
+                )
+            data["quant"] = {"bpw": float(quant[5:]), "head_bits": data["quant"]["head_bits"]}
+        else:
+            if quant.startswith("EXL2-"):
+                raise VoltaforgeError(
+                    f"--quant {quant}: {r.name} is a llama.cpp recipe; give a GGUF type (Q4_K_M), or plan an "
+                    "ExLlamaV2 recipe"
+                )
+            if why := quant_refusal(loaded.shape, quant):
+                raise VoltaforgeError(f"--quant {quant}: {why}")
+            data["quant"] = quant
+        said.append(f"quant {quant} (the recipe: {r.quant_name})")
+    cache = {"k": cache_k, "v": cache_v}
+    for part, value in cache.items():
+        if value is None or value == getattr(r.cache, part):
+            continue
+        if r.backend == "exllamav2":
+            raise VoltaforgeError(
+                f"--cache-type-{part} is llama-server's; {r.name} is an ExLlamaV2 recipe (its cache: in the file)"
+            )
+        data["cache"][part] = value
+        said.append(f"cache {part.upper()} {value} (the recipe: {getattr(r.cache, part)})")
+    if not said:
+        return loaded, []
+    try:
+        new = Recipe.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+        raise VoltaforgeError(f"{r.name} with {', '.join(said)}: {first}") from None
+    return loaded.model_copy(update={"recipe": new}), said

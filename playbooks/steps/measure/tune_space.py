@@ -16,8 +16,9 @@ as `invoke plan`) and dropped, with its reason counted, when:
 - it is the same configuration as another (a duplicate from the lists given).
 
 The survivors are ordered by predicted speed for the objective (the single-stream roofline;
-for the aggregate, the roofline times the slots: one decode step reads the weights once for
-every stream), fastest first, so a short budget measures the promising ones. Speculation's
+for the aggregate, plan/aggregate.py's ceiling at the candidate's slots: one decode step reads
+the weights once for every stream, and each stream's own KV cache), fastest first, so a short
+budget measures the promising ones. Speculation's
 gain is not predicted: its acceptance is measured, never assumed.
 """
 
@@ -33,6 +34,7 @@ from typing import Literal
 
 from playbooks.config.planning import draft_from_recipe, serving_from_recipe
 from playbooks.config.recipe import LoadedRecipe
+from playbooks.plan.aggregate import aggregate_tok_s
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.planner import Option, bf16_refusal, evaluate
 
@@ -181,11 +183,17 @@ def plan_candidate(loaded: LoadedRecipe, c: Candidate, context: int) -> Option:
     return evaluate(loaded.shape, c.quant, get_gpu(loaded.recipe.gpu), s, draft)
 
 
-def predicted(option: Option, c: Candidate, objective: Objective, bandwidth_gb_s: float | None = None) -> float:
+def predicted(
+    option: Option, c: Candidate, objective: Objective, bandwidth_gb_s: float | None = None, cached_tokens: int = 0
+) -> float:
     """The ordering figure: the single-stream roofline (over ``bandwidth_gb_s`` when given: a
-    CPU host's measured copy rate), times the slots for the aggregate."""
+    CPU host's measured copy rate); for the aggregate, plan/aggregate.py's ceiling at the
+    candidate's slots, each stream holding ``cached_tokens`` (the plan prints the same)."""
     single = (bandwidth_gb_s * 1e9 / option.streamed_bytes) if bandwidth_gb_s else option.roofline_tok_s
-    return single * c.parallel if objective == "aggregate" else single
+    if objective != "aggregate":
+        return single
+    bw = bandwidth_gb_s or single * option.streamed_bytes / 1e9
+    return aggregate_tok_s(single, bw, option.kv_bytes_per_token, c.parallel, cached_tokens)
 
 
 def prune(
@@ -221,7 +229,9 @@ def prune(
             reasons[why or "the planner has no such quant"] += 1
             continue
         single = predicted(option, c, "single", bandwidth_gb_s)
-        kept.append(Planned(c, option, predicted(option, c, objective, bandwidth_gb_s), single))
+        # the bench's streams hold their prompt and their answer by the end of a request
+        cached = r.gate.prompt_tokens + r.gate.max_tokens
+        kept.append(Planned(c, option, predicted(option, c, objective, bandwidth_gb_s, cached), single))
     kept.sort(key=lambda p: (-round(p.predicted_tok_s, 6), simplicity(p.candidate, p.option)))
     return Space(kept, dict(reasons), total)
 
