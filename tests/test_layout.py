@@ -181,3 +181,48 @@ def test_bench_lb_refuses_a_layout_of_several_before_connecting(tmp_path):
     with pytest.raises(VoltaforgeError, match=r"^h serves several recipes \(tiny-cpu, tiny-moe-cpu\): pass --recipe$"):
         run_bench_lb("h", 8000, settings=settings)
     assert settings.one_recipe("h", "tiny-moe-cpu").ports() == [18081]
+
+
+def test_render_host_writes_what_the_inventory_gives_each_host(tmp_path):
+    """`invoke render --inventory I --host H` without connecting: the layout host's every
+    recipe (units, the instance template and one env file per instance) and, on a worker host,
+    the RPC worker units another host's recipe places there (issue 36, item 2; that these are
+    the installed bytes is held by tests/test_layout_real.py in the booted container)."""
+    import subprocess
+    import sys
+
+    from playbooks.conduct.host_files import host_files
+    from playbooks.conduct.settings import Settings
+    from tests.helpers import ROOT
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        DGX
+        + "  edge:\n    host: 10.0.0.32\n    recipe: tiny-rpc-cpu\n"
+        + "  local:\n    host: 127.0.0.1\n    local: true\n"
+    )
+    settings = Settings(inventory=inv)
+    paths = [f.path for f in host_files(settings, "dgx-01")]
+    assert paths[0] == "/etc/systemd/system/voltaforge-llama3.1-70b-2xv100-32gb.service"
+    assert "/etc/systemd/system/voltaforge-qwen2.5-14b-v100-32gb@.service" in paths
+    assert sum(p.endswith(".env") for p in paths) == 2, paths  # GPUs 3 and 4, one instance each
+    # tiny-rpc-cpu (served by edge) places both its workers on `local`
+    workers = [f for f in host_files(settings, "local")]
+    assert [f.path for f in workers] == [
+        "/etc/systemd/system/voltaforge-rpc-18152.service",
+        "/etc/systemd/system/voltaforge-rpc-18153.service",
+    ]
+    assert "ggml-rpc-server --host 127.0.0.1 --port 18152" in workers[0].text
+    # the task writes them at their host paths; a host with nothing to install is one line
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "render", "--host", "dgx-01", "--inventory", str(inv),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(
+        p.lstrip("/") for p in paths
+    )
+    with pytest.raises(VoltaforgeError, match="nothing would be installed"):
+        host_files(Settings(inventory=inv), "ghost")

@@ -163,6 +163,17 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     assert again.returncode == 0 and ": 0 changed," in again.stdout, again.stdout[-4000:] + again.stderr[-2000:]
     for unit in (*INSTANCES, SINGLE):
         assert unit in again.stdout, again.stdout[-4000:]
+    # what `invoke render --host box` writes from the inventory alone, without connecting, is
+    # exactly what the host got: every file, byte for byte, with its mode (issue 36, item 2)
+    out_dir = tmp_path / "rendered"
+    shown = invoke(inv, "render", "--host", "box", "--out", str(out_dir))
+    assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr[-2000:]
+    rendered = [p for p in out_dir.rglob("*") if p.is_file()]
+    assert len(rendered) >= 4, rendered  # two units (one a template), two instance env files
+    for p in rendered:
+        installed = host.rootfs / p.relative_to(out_dir)
+        assert installed.read_text() == p.read_text(), p
+        assert installed.stat().st_mode & 0o777 == p.stat().st_mode & 0o777, p
 
     # 2. a balancer in front of every server of the layout, as the deployment records list
     # them (no --recipe): one model (tiny-b is tiny-cpu's model under another recipe name),

@@ -14,6 +14,7 @@ from playbooks.cli import flags
 from playbooks.cli.render import console
 from playbooks.conduct.balancer import edge_settings
 from playbooks.conduct.fleet import placed_fleet
+from playbooks.conduct.host_files import host_files
 from playbooks.conduct.settings import Settings
 from playbooks.config.planning import refuse_unfit
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
@@ -39,6 +40,13 @@ def run_render(
     layout = ServerLayout(prefix=prefix) if prefix else ServerLayout()
     refuse_unfit(loaded)
     _write(out, [(f.path, f.text, f.mode, f.kind) for f in planned_service_files(loaded, layout, gpus)])
+    return 0
+
+
+def run_render_host(host: str, out: Path, settings: Settings) -> int:
+    """Every file the inventory gives ``host`` (conduct/host_files.py), without connecting."""
+    files = host_files(settings, host)
+    _write(out, [(f.path, f.text, f.mode, f.kind) for f in files])
     return 0
 
 

@@ -320,6 +320,8 @@ def artifacts(c: Context, host: str | None = None, json: bool = False, inventory
         "bind": "with --lb: the address it listens on (default: the lb: entry's, else 127.0.0.1)",
         "port": "with --lb: the port it listens on (default: the lb: entry's, else 8000)",
         "tls": "with --lb: on or off (default: on beyond loopback)",
+        "host": "instead: every file this inventory host would get (its layout's recipes, GPUs, ports, "
+        "instances, RPC worker units), from the inventory",
         "inventory": INVENTORY_HELP,
     },
 )
@@ -328,6 +330,7 @@ def render(
     recipe: str | None = None,
     out: str | None = None,
     gpus: str | None = None,
+    host: str | None = None,
     lb: str | None = None,
     hosts: str | None = None,
     bind: str | None = None,
@@ -340,7 +343,7 @@ def render(
     The units, env files and configs; needs no host. With --lb: the balancer's."""
 
     def go() -> int:
-        from playbooks.cli.render_files import output_dir, run_render, run_render_lb
+        from playbooks.cli.render_files import output_dir, run_render, run_render_host, run_render_lb
 
         # every flag checked whatever the mode: junk is one line, never ignored
         lb_hosts = flags.host_names("--hosts", hosts) if hosts is not None else None
@@ -359,12 +362,19 @@ def render(
                 port=lb_port,
                 tls=lb_tls,
             )
-        given = {"--hosts": hosts, "--tls": tls, "--inventory": inventory, "--bind": bind, "--port": port}
+        given = {"--hosts": hosts, "--tls": tls, "--bind": bind, "--port": port}
         stray = [name for name, value in given.items() if value is not None]
         if stray:
             raise flags.UsageError(
                 f"{', '.join(stray)} {'go' if len(stray) > 1 else 'goes'} with --lb (the balancer's files)"
             )
+        if host is not None:
+            mixed = [name for name, value in {"--recipe": recipe, "--gpus": gpus}.items() if value is not None]
+            if mixed:
+                raise flags.UsageError(f"{', '.join(mixed)}: --host renders what the inventory gives that host")
+            return run_render_host(flags.one_host("--host", host), output_dir(out), settings)
+        if inventory is not None:
+            raise flags.UsageError("--inventory goes with --host or --lb (what the inventory gives a host)")
         return run_render(
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
             out=output_dir(out),
