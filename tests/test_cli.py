@@ -139,6 +139,7 @@ BAD = {
     ("render", "port"): [("0", "must be a positive number"), ("9000", "--port goes with --lb")],
     ("render", "tls"): [("maybe", "--tls"), ("on", "--tls goes with --lb")],
     ("render", "inventory"): [("BROKEN", "inventory")],
+    ("tune", "gpu"): [("v100-64gb", "unknown GPU 'v100-64gb'"), ("", "give a GPU name")],
     ("render", "host"): [
         ("a,b", "takes one host"),
         ("ghost", "nothing would be installed"),
@@ -204,6 +205,7 @@ CONTEXT = {
     ("stop", "inventory"): ["--host", "some-host"],
     ("status", "inventory"): ["--host", "some-host"],
     ("tune", "recipe"): ["--host", "local"],
+    ("tune", "gpu"): ["--dry-run", "--recipe", "tiny-cpu"],
     ("tune", "inventory"): ["--host", "some-host"],
     ("artifacts", "inventory"): ["--host", "some-host"],
     ("render", "recipe"): ["--out", "/tmp/vf-render-unused"],
@@ -233,6 +235,7 @@ NO_BAD_VALUE = {
     ("tune", "take-over"),
     ("tune", "remeasure"),
     ("tune", "json"),
+    ("tune", "dry-run"),
     ("quantize", "force"),
     ("quantize", "verify"),
     ("artifacts", "json"),

@@ -553,6 +553,8 @@ def stop(c: Context, host: str | None = None, recipe: str | None = None, invento
         "remeasure": "measure every candidate again instead of reusing kept measurements (kept ones are reused "
         "only on the same host facts and for 7 days)",
         "json": "print the whole result as JSON instead of the table",
+        "dry-run": "connect to nothing: print the space, the pruning, the measuring order and a predicted time",
+        "gpu": "with --dry-run: plan the recipe for this card instead of its own (e.g. v100-32gb)",
         "inventory": INVENTORY_HELP,
     },
 )
@@ -576,6 +578,8 @@ def tune(
     port: str | None = None,
     remeasure: bool = False,
     json: bool = False,
+    dry_run: bool = False,
+    gpu: str | None = None,
     inventory: str | None = None,
 ) -> None:
     """Search the served configuration on the host and write the winner as a recipe.
@@ -584,7 +588,7 @@ def tune(
     scratch port, benched with confidence; ties go to the simpler configuration."""
 
     def go() -> int:
-        from playbooks.cli.tune import options, run_tune
+        from playbooks.cli.tune import options, run_tune, run_tune_preview
 
         opts = options(
             objective=str(objective).strip(),
@@ -603,6 +607,18 @@ def tune(
             threads=threads,
             remeasure=remeasure,
         )
+        if dry_run:
+            named_host = _cfg(c, "host", host)
+            return run_tune_preview(
+                flags.one_host("--host", named_host) if named_host else None,
+                recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+                opts=opts,
+                gpu=flags.word("--gpu", gpu, "a GPU name, e.g. v100-16gb"),
+                as_json=json,
+                settings=_settings(c, inventory),
+            )
+        if gpu is not None:
+            raise flags.UsageError("--gpu goes with --dry-run: a real search measures the host's own card")
         return run_tune(
             flags.one_host("--host", _cfg(c, "host", host)),
             recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),

@@ -14,14 +14,18 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from playbooks.cli.render import console
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.tune import Levers, TuneOptions, tune_host
+from playbooks.conduct.tune_preview import preview
 from playbooks.errors import UsageError
 from playbooks.host.output import Printer
 from playbooks.plan.gguf_size import FILE_TYPES
+from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
+from playbooks.steps.measure.bench_run import bench_dir
 from playbooks.steps.measure.tune_space import OBJECTIVES, Objective
 
 CACHE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
@@ -127,6 +131,65 @@ def run_tune(
         return 0 if res.get("winner") else 1
     render_tune(res, outcome.report_dir)
     return 0 if res.get("winner") else 1
+
+
+def run_tune_preview(
+    host_name: str | None,
+    recipe: str | None,
+    opts: TuneOptions,
+    gpu: str | None = None,
+    as_json: bool = False,
+    settings: Settings | None = None,
+) -> int:
+    """``tune --dry-run``: the space, its order and a predicted time, without a host (the
+    recipe from --recipe or the inventory's entry; --gpu plans it for another card; the
+    measurements kept for that host, where there are some, cost the rungs)."""
+    settings = settings or Settings()
+    named = recipe or (settings.host_spec(host_name).recipe if host_name else None)
+    if not named:
+        raise UsageError("tune --dry-run needs a recipe: --recipe R, or --host H whose inventory entry names one")
+    loaded = settings.load_recipe(named)
+    if gpu:
+        loaded = loaded.model_copy(update={"recipe": loaded.recipe.model_copy(update={"gpu": get_gpu(gpu).key})})
+    store = bench_dir().parent / "tune" / host_name / loaded.recipe.name / "measurements.jsonl" if host_name else None
+    pv = preview(loaded, opts, store)
+    res: dict[str, Any] = {
+        "recipe": loaded.recipe.name,
+        "gpu": get_gpu(loaded.recipe.gpu).name,
+        "objective": opts.objective,
+    }
+    res |= pv.as_dict()
+    if as_json:
+        print(json.dumps(res, indent=2, sort_keys=True))
+        return 0
+    out = console()
+    out.print(f"tune --dry-run: {res['recipe']} on {res['gpu']} ({opts.objective}): nothing is run", markup=False)
+    pruned = "; ".join(f"{n} {why}" for why, n in sorted(pv.space.pruned.items(), key=lambda kv: -kv[1]))
+    sp = res["space"]
+    out.print(
+        f"space: {sp['total']} candidates, {sp['measured']} planned to fit"
+        + (f" (pruned: {pruned})" if pruned else ""),
+        markup=False,
+    )
+    if not pv.space.survivors:
+        out.print(pv.space.why_empty(), markup=False)
+        return 1
+    out.print("measuring order (fastest predicted first):", markup=False)
+    for i, row in enumerate(res["order"], 1):
+        out.print(f"  {i:>2}. {row['candidate']}: {row['predicted_tok_s']:.1f} tok/s predicted", markup=False)
+    rungs = "; ".join(
+        f"rung {r}: {n} x {tune_report.duration(c)} ({b})"
+        for r, (n, c, b) in enumerate(zip(pv.schedule, pv.rung_s, pv.basis, strict=True))
+    )
+    out.print(f"schedule: {rungs}; a reference before each later rung; up to 4 interleaved blocks", markup=False)
+    verdict = "within" if res["fits_budget"] else "over"
+    budget = tune_report.duration(opts.budget_s)
+    out.print(
+        f"predicted: {tune_report.duration(pv.predicted_s)}, {verdict} the {budget} budget "
+        "(the budget skips what would not fit)",
+        markup=False,
+    )
+    return 0
 
 
 def render_tune(res: dict, report_dir: Path | None) -> None:

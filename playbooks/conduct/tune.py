@@ -320,6 +320,7 @@ class Tuner:
             return replace(Measured.of_level(c, rung, kept, self.opts.objective, reused=True), block=block)
         self.say(f"{what}: {c.label()}: serving on port {self.port}")
         self.check_live(f"before {c.key()} rung {rung}")
+        started = time.monotonic()
         try:
             failed = self.deploy(cand)
             if failed:
@@ -330,7 +331,7 @@ class Tuner:
         finally:
             self.stop_scratch(cand)
         self.check_live(f"after {c.key()} rung {rung}")
-        self._keep(key, c, rung, level)
+        self._keep(key, c, rung, level, time.monotonic() - started)
         return replace(Measured.of_level(c, rung, level, self.opts.objective), block=block)
 
     def _unit_text(self, cand: LoadedRecipe) -> str:
@@ -349,9 +350,10 @@ class Tuner:
             self.say(f"a measurement with the same inputs is kept, but {why}: measuring again")
         return level
 
-    def _keep(self, key: str, c: Candidate, rung: int, level: dict[str, Any]) -> None:
+    def _keep(self, key: str, c: Candidate, rung: int, level: dict[str, Any], took_s: float) -> None:
         self.store.parent.mkdir(parents=True, exist_ok=True)
         row = {
+            "took_s": round(took_s, 1),  # deploy, warm-up and requests: what tune --dry-run predicts with
             "key": key,
             "candidate": c.__dict__,
             "rung": rung,
@@ -375,14 +377,7 @@ class Tuner:
             self.bandwidth = host_membw(self.host, self.prefix, host_python(self.host, self.prefix))["gb_s"]
         # after the bandwidth fact: its time of measurement is one of the facts
         self.provenance = parse_provenance(read_fact(self.host, provenance_command(self.prefix)))
-        lv = self.opts.levers
-        base = base_candidate(self.loaded)
-        # levers not named: the recipe's cache and an f16 one, the recipe's -ub and 64 (sm_70's
-        # MMQ kernels run only below 64-token batches, so -ub around 64 switches kernels)
-        caches = lv.caches or tuple(dict.fromkeys([(base.cache_k, base.cache_v), ("f16", "f16")]))
-        ubatches = lv.ubatches or tuple(dict.fromkeys([base.ubatch, 64]))
-        cands = enumerate_space(base, lv.quants, caches, lv.flash_attn, lv.slots, ubatches, lv.spec_types, lv.threads)
-        space = prune(self.loaded, cands, self.opts.objective, self.opts.min_ctx, self.opts.min_bpw, self.bandwidth)
+        space = search_space(self.loaded, self.opts, self.bandwidth)
         out = Outcome(space)
         if not space.survivors:
             raise VoltaforgeError(f"{self.host.name}: {space.why_empty()}")
@@ -461,6 +456,19 @@ class Tuner:
         )
         out.report_dir = self.root / at.replace(":", "")
         tune_report.write(out.result, out.report_dir)
+
+
+def search_space(loaded: LoadedRecipe, opts: TuneOptions, bandwidth_gb_s: float | None = None) -> Space:
+    """The candidates the levers make, planned and pruned, in measuring order (pure: what a
+    run measures and what ``tune --dry-run`` shows are one list)."""
+    lv = opts.levers
+    base = base_candidate(loaded)
+    # levers not named: the recipe's cache and an f16 one, the recipe's -ub and 64 (sm_70's
+    # MMQ kernels run only below 64-token batches, so -ub around 64 switches kernels)
+    caches = lv.caches or tuple(dict.fromkeys([(base.cache_k, base.cache_v), ("f16", "f16")]))
+    ubatches = lv.ubatches or tuple(dict.fromkeys([base.ubatch, 64]))
+    cands = enumerate_space(base, lv.quants, caches, lv.flash_attn, lv.slots, ubatches, lv.spec_types, lv.threads)
+    return prune(loaded, cands, opts.objective, opts.min_ctx, opts.min_bpw, bandwidth_gb_s)
 
 
 # ------------------------------------------------------------------------------------------

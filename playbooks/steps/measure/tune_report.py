@@ -223,15 +223,15 @@ def budget_text(res: dict[str, Any]) -> str:
     b = res.get("budget") or {}
     if not b:
         return "ran out before the search ended" if res.get("budget_ran_out") else "enough"
-    text = f"{_duration(b['planned_s'])} planned, {_duration(b['used_s'])} used"
+    text = f"{duration(b['planned_s'])} planned, {duration(b['used_s'])} used"
     if b.get("quants_s"):
-        text += f"; the quants made before it in {_duration(b['quants_s'])}"
+        text += f"; the quants made before it in {duration(b['quants_s'])}"
     skipped = b.get("skipped") or []
     if skipped:
         first = skipped[0]
         text += (
             f"; stopped before {first['candidate']} (rung {first['rung']}): predicted "
-            f"{_duration(first['predicted_s'])} with {_duration(first['left_s'])} left"
+            f"{duration(first['predicted_s'])} with {duration(first['left_s'])} left"
         )
     return text
 
@@ -254,7 +254,7 @@ def references_text(res: dict[str, Any]) -> str | None:
     )
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     s = round(float(seconds))
     return f"{s // 60}m {s % 60}s" if s >= 60 else f"{s} s"
 
