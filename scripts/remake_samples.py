@@ -5,6 +5,7 @@ written by the script that measures it, with the code paths it measures (``measu
     .venv/bin/python scripts/remake_samples.py --stale     # re-make what is stale (or not yet held)
     .venv/bin/python scripts/remake_samples.py             # re-make everything listed here
     .venv/bin/python scripts/remake_samples.py --only quickstart
+    .venv/bin/python scripts/remake_samples.py --docs      # make nothing: the pages take the files' figures
 
 Each maker runs on this machine and takes minutes (the cold quick start compiles llama.cpp):
 run it on an otherwise idle machine, then commit the files. tests/test_samples_current.py fails
@@ -24,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from playbooks.results import ResultError, changed_since, load_result  # noqa: E402
+from tests.helpers import doc_pages  # noqa: E402
+from tests.test_readme_figures import BLOCK_MARK, FENCE, MARK, _blank_markers, _tokens, shown  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,66 @@ def state(path: str) -> str:
     return f"stale: changed by {', '.join(changed)}" if changed else f"held (made at {r.commit})"
 
 
+def _as_shown(value: float, old: str, decimals: int, duration: bool) -> str:
+    """The file's figure written the way the page wrote the old one (decimals, thousands
+    separators, ``N min S s``)."""
+    if duration:
+        total = shown(value, decimals)
+        minutes, seconds = divmod(total, 60)
+        return f"{int(minutes)} min {seconds:.{decimals}f} s"
+    text = f"{shown(value, decimals):,.{decimals}f}"
+    return text if "," in old else text.replace(",", "")
+
+
+def pick_up(text: str, root: Path = ROOT) -> str:
+    """A page with every marked figure and every sample block set to its result file's (the
+    files under ``root``)."""
+    edits: list[tuple[int, int, str]] = []
+    for m in BLOCK_MARK.finditer(text):
+        fence = FENCE.match(text, m.end() + 1)
+        output = load_result(root / m["file"]).extra.get("output") if fence else None
+        if fence and isinstance(output, str):
+            body_start = text.index("\n", fence.start()) + 1
+            body_end = text.rindex("\n", 0, fence.end()) + 1
+            edits.append((body_start, body_end, output.rstrip("\n") + "\n"))
+    blank, previous_end = _blank_markers(text), 0
+    for m in MARK.finditer(text):
+        keys = m["keys"].split()
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        found = _tokens(blank, max(line_start, previous_end), m.start())[-len(keys) :]
+        previous_end = m.end()
+        figures = load_result(root / m["file"]).figures
+        for key, tok in zip(keys, found, strict=False):
+            if key in figures:
+                edits.append((tok.start, tok.end, _as_shown(figures[key], tok.text, tok.decimals, tok.duration)))
+    for start, end, new in sorted(edits, reverse=True):
+        text = text[:start] + new + text[end:]
+    return text
+
+
+def pick_up_pages() -> list[Path]:
+    """Every page rewritten with today's result files; the pages that changed."""
+    changed = []
+    for page in doc_pages():
+        old = page.read_text()
+        new = pick_up(old)
+        if new != old:
+            page.write_text(new)
+            changed.append(page)
+    return changed
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="say each file's state, make nothing")
     ap.add_argument("--stale", action="store_true", help="only the makers with a file not held or stale")
     ap.add_argument("--only", choices=[m.name for m in MAKERS], action="append", help="this maker (repeatable)")
+    ap.add_argument("--docs", action="store_true", help="make nothing: set the pages' figures and samples to the files")
     args = ap.parse_args()
+    if args.docs:
+        for page in pick_up_pages():
+            print(f"updated {page.relative_to(ROOT)}")
+        return 0
     chosen = [m for m in MAKERS if not args.only or m.name in args.only]
     if args.list:
         for m in chosen:
@@ -93,6 +150,8 @@ def main() -> int:
     for m in chosen:
         for f in m.files:
             print(f"{f:40} {state(f)}")
+    for page in pick_up_pages():  # the docs pick the new figures up
+        print(f"updated {page.relative_to(ROOT)}")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -10,7 +10,9 @@ committed result file is held, or is named below with why it is not yet.
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 
 import pytest
 
@@ -100,3 +102,31 @@ def test_measures_are_paths_inside_the_checkout():
     for bad in ("/etc/passwd", "../elsewhere", " "):
         with pytest.raises(ResultError, match="not a path inside the checkout"):
             parse_result({**good, "measures": [bad]}, "gate.json")
+
+
+def test_the_docs_pick_a_re_made_file_up(tmp_path):
+    """scripts/remake_samples.py rewrites each page's marked figures and sample blocks from the
+    files: a re-made file's new figure and output land where the old ones were, as the page
+    wrote them, and the figure checker then passes."""
+    import importlib.util
+    import shutil
+
+    from tests.test_readme_figures import check
+
+    spec = importlib.util.spec_from_file_location("remake_samples", ROOT / "scripts" / "remake_samples.py")
+    assert spec and spec.loader
+    remake = importlib.util.module_from_spec(spec)
+    sys.modules["remake_samples"] = remake  # (its dataclasses look their module up)
+    spec.loader.exec_module(remake)
+    shutil.copytree(ROOT / "reports", tmp_path / "reports")
+    noop = tmp_path / "reports/local/provision-noop.json"
+    data = json.loads(noop.read_text())
+    data["figures"]["wall_s"] = 1234.5
+    data["extra"]["output"] = "a new sample\nof two lines"
+    noop.write_text(json.dumps(data))
+    page = (ROOT / "docs" / "provision.md").read_text()
+    new = remake.pick_up(page, tmp_path)
+    assert "1234.50 s<!-- result: reports/local/provision-noop.json wall_s -->" in new
+    assert "<!-- result-block: reports/local/provision-noop.json -->\n```text\na new sample\nof two lines\n```" in new
+    assert check(new, tmp_path)[0] == [] and check(page, tmp_path)[0] != []
+    assert remake.pick_up(page) == page  # today's files: nothing to change
