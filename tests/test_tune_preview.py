@@ -49,19 +49,24 @@ def test_the_prediction_adds_the_rungs_the_references_and_the_interleaving(tmp_p
     assert kept.basis[1].startswith("the roofline") and kept.predicted_s > pv.predicted_s
 
 
-def test_dry_run_connects_to_nothing_and_plans_another_card(tmp_path):
+def test_dry_run_connects_to_nothing_and_plans_another_card(tmp_path, capsys):
     """The inventory's host is an address nothing answers: the dry run needs none of it."""
+    from playbooks.cli.tune import options, run_tune_preview
+    from playbooks.conduct.settings import Settings
+
     inv = tmp_path / "inventory.yaml"
     inv.write_text("hosts:\n  far:\n    host: 10.255.255.1\n    recipe: qwen2.5-14b-v100-16gb\n")
-    r = _invoke("--dry-run", "--host", "far", "--inventory", str(inv), "--cache", "f16,bf16", "--json")
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
+    settings = Settings(inventory=inv)
+    opts = options("single", None, "f16,bf16", None, None, None, None, None, None, "45m", None, False, None)
+    assert run_tune_preview("far", None, opts, as_json=True, settings=settings) == 0
+    res = json.loads(capsys.readouterr().out)
     assert res["recipe"] == "qwen2.5-14b-v100-16gb" and res["gpu"] == "Tesla V100-SXM2-16GB"
     assert res["space"]["pruned"].get("sm_70 has no BF16", 0) > 0 and res["order"]
-    a100 = json.loads(_invoke("--dry-run", "--host", "far", "--inventory", str(inv), "--cache", "f16,bf16",
-                              "--gpu", "a100-80gb", "--json").stdout)  # fmt: skip
+    assert run_tune_preview("far", None, opts, gpu="a100-80gb", as_json=True, settings=settings) == 0
+    a100 = json.loads(capsys.readouterr().out)
     assert a100["gpu"] == "NVIDIA A100-SXM4-80GB" and "sm_70 has no BF16" not in a100["space"]["pruned"]
     assert a100["order"][0]["predicted_tok_s"] > res["order"][0]["predicted_tok_s"]
+    # the task, as typed: the text, and --gpu refused without --dry-run
     text = _invoke("--dry-run", "--recipe", "tiny-cpu")
     assert text.returncode == 0 and "nothing is run" in text.stdout and "predicted:" in text.stdout, text.stderr
     no = _invoke("--recipe", "tiny-cpu", "--gpu", "v100-16gb", "--host", "local")
