@@ -378,7 +378,10 @@ def test_rounding_is_read_as_shown():
 def test_a_changed_sample_block_is_caught():
     text = README.read_text()  # the front door's sample
     assert "<!-- result-block: reports/local/provision-noop.json -->" in text
-    problems, _ = check(text.replace("\n1.05 s wall\n```", "\n2.91 s wall\n```"))
+    last = load_result(REPORTS / "local" / "provision-noop.json").extra["output"].splitlines()[-1]
+    edited = text.replace(f"\n{last}\n```", "\n99.99 s wall\n```")
+    assert edited != text
+    problems, _ = check(edited)
     assert len(problems) == 1 and "the block differs from reports/local/provision-noop.json" in problems[0]
 
 
