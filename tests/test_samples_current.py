@@ -24,9 +24,6 @@ from tests.test_readme_figures import result_files
 NOT_YET_HELD = {
     "reports/local/bench-noop.json": "made before `measures` existed; scripts/remake_samples.py --only noop",
     "reports/local/lb-stream.json": "made before `measures` existed; scripts/remake_samples.py --only lb-stream",
-    "reports/local/bench-sample.json": "made before `measures` existed; scripts/remake_samples.py --only bench-proof",
-    "reports/local/tune-sample.json": "made before `measures` existed; scripts/remake_samples.py --only bench-proof",
-    "reports/bench/proof.json": "made before `measures` existed; scripts/remake_samples.py --only bench-proof",
     "reports/bench/noise.json": "the method's data set: the machine's run-to-run noise, not a sample of our output",
     "reports/bench/method.json": "a simulation over noise.json (scripts/bench_method.py), re-made from the data",
     "reports/bench/stability.json": "the issue-20 data set, kept as the evidence of that issue",
