@@ -826,7 +826,8 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     c.run(f"{py} -m ruff check playbooks tests scripts tasks.py", pty=False)
     c.run(f"{py} -m ruff format --check playbooks tests scripts tasks.py", pty=False)
     c.run(f"{py} -m mypy", pty=False)
-    args = [sys.executable, "-m", "pytest", "-q"]
+    # the slowest tests named at the end: where the suite's time goes, in every CI log
+    args = [sys.executable, "-m", "pytest", "-q", "--durations=25"]
     if k:
         args += ["-k", k]
     if fast:
