@@ -362,7 +362,7 @@ def test_host_text_is_data_not_markup():
 
 
 def test_shared_settings_from_the_configuration(tmp_path):
-    # recipes_dir: a site's own recipes instead of the shipped ones
+    # recipes_dir: a site's own recipes beside the shipped ones (theirs first)
     site = tmp_path / "recipes"
     site.mkdir()
     (site / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
@@ -370,7 +370,9 @@ def test_shared_settings_from_the_configuration(tmp_path):
     r = invoke("plan", "--recipe", "site-tiny", "--json", env={"INVOKE_VOLTAFORGE_RECIPES_DIR": str(site)})
     assert r.returncode == 0 and '"recipe": "site-tiny"' in r.stdout, r.stderr
     r = invoke("plan", "--recipe", "tiny-cpu", env={"INVOKE_VOLTAFORGE_RECIPES_DIR": str(site)})
-    assert r.returncode == 2 and "unknown recipe 'tiny-cpu'" in r.stderr
+    assert r.returncode == 0 and r.stdout.startswith("tiny-cpu:"), r.stderr
+    r = invoke("plan", "--recipe", "nope", env={"INVOKE_VOLTAFORGE_RECIPES_DIR": str(site)})
+    assert r.returncode == 2 and f"unknown recipe 'nope'; recipes in {site}: site-tiny; shipped recipes:" in r.stderr
     # prefix: where a host the inventory does not place gets installed (a dry run shows it)
     prefix = tmp_path / "srv" / "vf"
     r = invoke(
