@@ -77,6 +77,8 @@ ACCEPTED = {
     ("lb", "host"): {"abc", "1e999"},
     # port 5: well-formed, lb then fails on its host, exit 2
     ("lb", "port"): {"5"},
+    # tune --dry-run (the walk's context) reaches no host: a well-formed name is planned for
+    ("tune", "host"): {"abc", "1e999"},
     # a balancer on port 5: well-formed, bench then fails on its host, exit 2
     ("bench", "lb"): {"5"},
 }
@@ -86,6 +88,9 @@ CONTEXT = {
     ("render", "recipe"): ["--out", "out"],
     ("render", "out"): ["--recipe", "tiny-cpu"],
     ("render", "gpus"): ["--recipe", "tiny-cpu", "--out", "out"],
+    # what the inventory gives one host: no recipe beside it
+    ("render", "host"): ["--out", "out"],
+    ("render", "inventory"): ["--host", NOWHERE, "--out", "out"],
     ("plan", "model-config"): [],  # not with --recipe: that is refused for naming both
     ("plan", "parallel"): ["--model-config", QWEN7],  # --parallel and --quant go with a bare config
     ("plan", "quant"): ["--model-config", QWEN7],

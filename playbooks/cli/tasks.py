@@ -610,7 +610,7 @@ def tune(
         if dry_run:
             named_host = _cfg(c, "host", host)
             return run_tune_preview(
-                flags.one_host("--host", named_host) if named_host else None,
+                flags.one_host("--host", named_host) if named_host is not None else None,
                 recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
                 opts=opts,
                 gpu=flags.word("--gpu", gpu, "a GPU name, e.g. v100-16gb"),

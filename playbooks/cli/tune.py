@@ -145,7 +145,8 @@ def run_tune_preview(
     recipe from --recipe or the inventory's entry; --gpu plans it for another card; the
     measurements kept for that host, where there are some, cost the rungs)."""
     settings = settings or Settings()
-    named = recipe or (settings.host_spec(host_name).recipe if host_name else None)
+    spec = settings.host_spec(host_name) if host_name else None  # (a broken inventory is one line)
+    named = recipe or (spec.recipe if spec else None)
     if not named:
         raise UsageError("tune --dry-run needs a recipe: --recipe R, or --host H whose inventory entry names one")
     loaded = settings.load_recipe(named)
