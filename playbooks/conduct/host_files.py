@@ -36,11 +36,11 @@ def host_files(settings: Settings, host_name: str) -> list[RenderedFile]:
             f"{host_name}: the inventory gives it no recipe (recipe: or serve:) and no recipe places an RPC "
             "worker on it: nothing would be installed"
         )
-    seen: dict[str, str] = {}
-    for f in files:
-        if seen.setdefault(f.path, f.text) != f.text:
+    unique: dict[str, RenderedFile] = {}
+    for f in files:  # a file two recipes share (a layout's template) once, unless they differ
+        if unique.setdefault(f.path, f).text != f.text:
             raise VoltaforgeError(f"{host_name}: two recipes would install {f.path} differently")
-    return list({f.path: f for f in files}.values())
+    return list(unique.values())
 
 
 def _fleet_recipes(settings: Settings) -> list[LoadedRecipe]:

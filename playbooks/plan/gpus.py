@@ -151,6 +151,10 @@ ALIASES = {
 }
 
 GPUS: dict[str, Gpu] = {g.key: g for g in _CATALOG}
+#: nvidia-smi's names, lower case, with and without the vendor word ("tesla v100-pcie-32gb")
+_BY_NAME: dict[str, Gpu] = {g.name.lower(): g for g in _CATALOG} | {
+    g.name.lower().split(" ", 1)[-1]: g for g in _CATALOG
+}
 
 
 def gpu_names() -> list[str]:
@@ -163,9 +167,8 @@ def get_gpu(name: str) -> Gpu:
     key = ALIASES.get(name.lower(), name.lower())
     if key in GPUS:
         return GPUS[key]
-    by_name = {g.name.lower(): g for g in _CATALOG} | {g.name.lower().split(" ", 1)[-1]: g for g in _CATALOG}
-    if key.strip() in by_name:
-        return by_name[key.strip()]
+    if key.strip() in _BY_NAME:
+        return _BY_NAME[key.strip()]
     candidates = [n for n in gpu_names() if key and key in n]
     if len(candidates) > 1:
         raise VoltaforgeError(f"GPU {name!r} matches several cards: {', '.join(candidates)}; name one of them")
