@@ -1,7 +1,7 @@
 """Streaming through the load balancer, side by side in one run; asserts nothing.
 
 One llama-server (the pinned static CPU build, one thread, a generated model large enough that
-a token takes ~20 ms) streams a 64-token completion three ways: directly, through HAProxy with
+a token takes 10-20 ms, by the CPU) streams a 64-token completion three ways: directly, through HAProxy with
 the configuration `invoke lb` renders, and through the same configuration without its
 `option http-no-delay`. For each: the gaps between consecutive events as the client receives
 them (median and largest), how many events arrive together (gap under 1 ms after another), and
@@ -34,6 +34,9 @@ from playbooks.results import write_result  # noqa: E402
 from playbooks.steps.serve.balancer import Backend, Balancer, render_haproxy_config  # noqa: E402
 from tests import llamacpp_tools, sparse_gguf  # noqa: E402
 
+#: what the file measures (results.py, ``measures``): the gaps come from the HAProxy configuration
+#: `invoke lb` renders, so a change to its renderer or template re-makes it
+MEASURES = ["playbooks/steps/serve/balancer.py", "templates/haproxy.cfg.j2"]
 MODEL = "llama-E1024-F2816-L8-H8-K2-D128-V2048.gguf"
 TOKENS = 64
 
@@ -137,9 +140,10 @@ def main() -> None:
         figures,
         units,
         f".venv/bin/python scripts/bench_lb_stream.py --runs {args.runs}",
-        notes="one llama-server (pinned static CPU build, -t 1, a generated 8-layer model, ~20 ms a token), "
+        notes="one llama-server (pinned static CPU build, -t 1, a generated 8-layer model, 10-20 ms a token), "
         "HAProxy 2.6 from Debian; the median run of each way by total time; 'together': events that arrived "
         "under 1 ms after the one before",
+        measures=MEASURES,
     )
 
 

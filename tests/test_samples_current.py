@@ -11,19 +11,19 @@ committed result file is held, or is named below with why it is not yet.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from playbooks.results import ResultError, changed_since, load_result, parse_result
-from tests.helpers import ROOT
-from tests.test_readme_figures import result_files
+from tests.helpers import ROOT, doc_pages
+from tests.test_readme_figures import BLOCK_MARK, MARK, result_files
 
 #: measured-here files not held yet, with why: each one a maker away from being held
 NOT_YET_HELD = {
     "reports/local/bench-noop.json": "made before `measures` existed; scripts/remake_samples.py --only noop",
-    "reports/local/lb-stream.json": "made before `measures` existed; scripts/remake_samples.py --only lb-stream",
     "reports/bench/noise.json": "the method's data set: the machine's run-to-run noise, not a sample of our output",
     "reports/bench/method.json": "a simulation over noise.json (scripts/bench_method.py), re-made from the data",
     "reports/bench/stability.json": "the issue-20 data set, kept as the evidence of that issue",
@@ -127,3 +127,45 @@ def test_the_docs_pick_a_re_made_file_up(tmp_path):
     assert "<!-- result-block: reports/local/provision-noop.json -->\n```text\na new sample\nof two lines\n```" in new
     assert check(new, tmp_path)[0] == [] and check(page, tmp_path)[0] != []
     assert remake.pick_up(page) == page  # today's files: nothing to change
+
+
+def _paragraph_and_one_before(text: str, pos: int) -> str:
+    """The paragraph holding ``pos`` and the one before it (a block's marker sits under the
+    sentence that introduces it; a table row under the sentence above the table)."""
+    start = text.rfind("\n\n", 0, pos)
+    before = text.rfind("\n\n", 0, max(start, 0))
+    end = text.find("\n\n", pos)
+    return text[max(before, 0) : end if end != -1 else len(text)]
+
+
+def unlabelled(text: str, name: str, root=ROOT) -> list[str]:
+    """Every figure from a transcribed or GPU-only file whose text does not say so next to it
+    (issue 35: such a figure is exempt from being re-made, so the reader is told)."""
+    found = []
+    for m in [*MARK.finditer(text), *BLOCK_MARK.finditer(text)]:
+        rel = m.group("file")
+        r = load_result(root / rel)
+        # the markers' own paths say "h200": only the reader's text counts
+        near = re.sub(r"<!--.*?-->", "", _paragraph_and_one_before(text, m.start()), flags=re.S).lower()
+        line = text.count("\n", 0, m.start()) + 1
+        if r.transcribed and "transcribed" not in near:
+            found.append(f"{name}:{line}: {rel} is transcribed ({r.source}); say so next to the figure")
+        if rel.startswith("reports/h200/") and not ("gpu" in near or "h200" in near):
+            found.append(f"{name}:{line}: {rel} is GPU-only; say so next to the figure")
+    return found
+
+
+@pytest.mark.parametrize("page", doc_pages(), ids=lambda p: p.name)
+def test_a_transcribed_or_gpu_only_figure_says_so(page):
+    assert unlabelled(page.read_text(), page.name) == []
+
+
+def test_an_unlabelled_transcribed_figure_is_found():
+    plain = "Intro.\n\nIt took 13 min 56 s<!-- result: reports/local/build.json llama_cpp_cold_s --> cold.\n"
+    assert unlabelled(plain, "x.md") == [
+        "x.md:3: reports/local/build.json is transcribed "
+        f"({load_result(ROOT / 'reports/local/build.json').source}); say so next to the figure"
+    ]
+    assert unlabelled(plain.replace("cold.", "cold (transcribed)."), "x.md") == []
+    gpu = "Intro.\n\nIt took 0.1 s<!-- result: reports/h200/build.json second_run_s --> (transcribed).\n"
+    assert unlabelled(gpu, "x.md") == ["x.md:3: reports/h200/build.json is GPU-only; say so next to the figure"]
