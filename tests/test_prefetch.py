@@ -18,6 +18,9 @@ CALLS = [
     Call("echo $GREETING", env=(("GREETING", "hello world"),)),
     Call("sleep 5", timeout=0.2),
     Call("cat"),  # no stdin: /dev/null, never the script itself
+    Call("false | true"),  # pipefail, as alone
+    Call('echo "[$vf_batch_t][${LC_ALL}]"; exit 4'),  # the batch's variables unseen, the locale set
+    Call("echo 'unterminated"),  # a broken read is its own failure, not the batch's
 ]
 
 
@@ -42,6 +45,10 @@ def test_a_batch_answers_each_read_as_it_would_run_alone(tmp_path):
     assert host.remote_calls == calls_before + 1
     got = [reads.answers[c] for c in CALLS]
     for (out, err, code), (a_out, a_err, a_code) in zip(got[:4] + got[5:], alone, strict=True):
+        if a_code == 2 and "unexpected EOF" in a_err:
+            # a broken read: the same failure; bash names the shell that parsed it (eval, -c)
+            assert (out, code) == (a_out, a_code) and "unexpected EOF" in err.decode()
+            continue
         assert (out, err.decode(), code) == (a_out, a_err, a_code)
     assert got[0] == (b"no newline", b"", 0) and got[1] == (b"\x00\xffbinary", b"err\n", 3)
     assert got[2][0] == b"fed on stdin\n\x00" and got[3][0] == b"hello world\n" and got[5] == (b"", b"", 0)
@@ -65,10 +72,14 @@ def test_a_reads_pass_answers_from_the_batch_and_remembers_its_misses():
 
 def test_a_batch_cut_short_is_one_clear_error():
     script, marker = batch_script([Call("echo a"), Call("echo b")], [False, False], marker="VF-0123456789abcdef")
-    whole = b"VF-0123456789abcdef 0 0 2 0\na\nVF-0123456789abcdef 1 0 2 0\nb\n"
-    assert parse_batch(whole, marker, 2) == [(b"a\n", b"", 0), (b"b\n", b"", 0)]
-    with pytest.raises(HostError, match="cut short after 1 of 2"):
+    whole = b"VF-0123456789abcdef codes 0 3\nVF-0123456789abcdef sizes 2 0 2 1 \na\nb\nx"
+    assert parse_batch(whole, marker, 2) == [(b"a\n", b"", 0), (b"b\n", b"x", 3)]
+    with pytest.raises(HostError, match="without their header"):
         parse_batch(whole[:30], marker, 2)
+    with pytest.raises(HostError, match="without their header"):
+        parse_batch(whole.replace(b"0123", b"9999"), marker, 2)
+    with pytest.raises(HostError, match="2 exit codes for 3 reads"):
+        parse_batch(whole, marker, 3)
     with pytest.raises(HostError, match="cut short in read 2 of 2"):
         parse_batch(whole[:-1], marker, 2)
 

@@ -291,3 +291,31 @@ def test_row_split_is_gone_from_the_pinned_cuda_backend():
     assert '"ggml_backend_get_features"' in cuda  # the proc-address table is there, without it
     sycl = (tree / "ggml" / "src" / "ggml-sycl" / "ggml-sycl.cpp").read_text(errors="replace")
     assert "ggml_backend_split_buffer_type" in sycl
+
+
+def _numpy_layer_devices(n_layer, weights):
+    """The float32 arithmetic as numpy does it (the code before the planner dropped numpy's
+    import): the reference the pure-Python rounding must match exactly."""
+    import numpy as np
+
+    splits = np.cumsum(np.array(weights, dtype=np.float32), dtype=np.float32)
+    splits = (splits / splits[-1]).astype(np.float32)
+    act = np.float32(n_layer + 1)
+    return [int(np.searchsorted(splits, np.float32(np.float32(il) / act), side="right")) for il in range(n_layer + 1)]
+
+
+def test_layer_devices_rounds_as_float32_does():
+    """Shares whose split points land on or beside a layer boundary (1/3, 0.1, awkward
+    decimals), many layer counts: the pure-Python float32 gives numpy's devices every time."""
+    import random
+
+    from playbooks.plan.split import layer_devices
+
+    rng = random.Random(7)
+    cases = [[1, 1], [3, 1], [1, 2], [0.1, 0.2, 0.7], [1, 1, 1], [2, 3, 5, 7]]
+    cases += [
+        [round(rng.uniform(0.01, 10), rng.choice([1, 2, 3, 7])) for _ in range(rng.randint(2, 8))] for _ in range(300)
+    ]
+    for weights in cases:
+        for n_layer in (1, 7, 23, 24, 27, 31, 47, 63, 79, 95):
+            assert layer_devices(n_layer, weights) == _numpy_layer_devices(n_layer, weights), (n_layer, weights)

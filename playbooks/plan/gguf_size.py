@@ -33,10 +33,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as T
-
 from playbooks.errors import RecipeError
+from playbooks.plan.ggml_types import GGML_QUANT_SIZES
+from playbooks.plan.ggml_types import GGMLQuantizationType as T
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.tensors import Cat, Tensor, model_tensors
 

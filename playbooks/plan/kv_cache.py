@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as T
-
+from playbooks.plan.ggml_types import GGML_QUANT_SIZES
+from playbooks.plan.ggml_types import GGMLQuantizationType as T
 from playbooks.plan.model_config import ModelShape
 
 # bytes per cached element, as exact fractions, for (K, V)

@@ -36,9 +36,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as T
-
+from playbooks.plan.ggml_types import GGML_QUANT_SIZES
+from playbooks.plan.ggml_types import GGMLQuantizationType as T
 from playbooks.plan.gguf_size import assign_types, estimate_gguf, tensor_bytes
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.tensors import Cat

@@ -33,10 +33,10 @@ experts splits the same way (its experts are tensors of their layer), every expe
 
 from __future__ import annotations
 
+import bisect
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from playbooks.plan.gguf_size import assign_types, tensor_bytes
 from playbooks.plan.kv_cache import llamacpp_kv_bytes_per_token, llamacpp_kv_cells
@@ -80,21 +80,28 @@ def device_count(rpc_workers: int, gpu_count: int, cpu: bool) -> int:
     return rpc_workers + (0 if cpu else gpu_count)
 
 
+def _f32(x: float) -> float:
+    """``x`` rounded to float32. An operation on float32 values done in a double and rounded once
+    is the float32 operation's exact result (53 >= 2 * 24 + 2 bits: double rounding is
+    innocuous for + - * /), so this is what the C++ computes, without numpy's import."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
+
+
 def layer_devices(n_layer: int, weights: Sequence[float]) -> list[int]:
     """The device index of each repeating layer and, last, of the output layer (n_layer + 1
     entries), with every layer offloaded. float32 as llama.cpp computes it: a split point that
     lands exactly on a layer boundary goes the way the C++ goes."""
-    splits = np.zeros(len(weights), dtype=np.float32)
-    total = np.float32(0)
-    for i, w in enumerate(weights):
-        total = np.float32(total + np.float32(w))
-        splits[i] = total
-    splits = (splits / total).astype(np.float32)
+    splits: list[float] = []
+    total = 0.0
+    for w in weights:
+        total = _f32(total + _f32(w))
+        splits.append(total)
+    splits = [_f32(s / total) for s in splits]
     act = n_layer + 1
     out = []
     for il in range(n_layer + 1):
-        x = np.float32(np.float32(il) / np.float32(act))
-        out.append(int(np.searchsorted(splits, x, side="right")))
+        x = _f32(il / act)
+        out.append(bisect.bisect_right(splits, x))  # np.searchsorted(side="right")
     return out
 
 

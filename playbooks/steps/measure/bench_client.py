@@ -19,9 +19,10 @@ import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 #: the path of the OpenAI completions endpoint (raw prompt: its length is exact, no template)
 COMPLETIONS = "/v1/completions"
@@ -91,6 +92,8 @@ def _chunk_text(data: dict[str, Any]) -> str:
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> Sample:
     """One streamed completion; whatever happens, a Sample (with ``error`` when it failed)."""
+    import httpx
+
     s = Sample(sent=time.monotonic(), requested=int(body.get("max_tokens") or 0))
     try:
         async with client.stream("POST", url, json=body, timeout=timeout) as r:
@@ -169,6 +172,8 @@ async def run_level(
     verify: str | bool = True,
 ) -> tuple[list[Sample], float]:
     """Every prompt once, ``concurrency`` in flight at a time; the samples and the wall time."""
+    import httpx  # here, not at the top: a command that sends no request (a no-op) skips its import
+
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = auth_headers(api_key)
@@ -196,6 +201,8 @@ def probe_prompt_tokens(
 async def _probe(
     base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None, verify: str | bool
 ) -> Sample:
+    import httpx
+
     headers = auth_headers(api_key)
     async with httpx.AsyncClient(
         base_url=base_url, trust_env=False, headers=headers, verify=tls_context(verify)
