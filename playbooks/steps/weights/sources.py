@@ -4,6 +4,7 @@ a model is measured on."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -60,9 +61,23 @@ class HubWeights:
         return hashlib.sha256(f"{self.repo}@{self.revision}".encode()).hexdigest()
 
 
+#: a controller file's sha256 by (path, size, mtime): the hosts of a fleet that share a model,
+#: and the steps of one host that each name it, hash it once per run (a 14B model: 28 GB)
+_HASHED: dict[tuple[str, int, int], str] = {}
+
+
 def _hash_dir(directory: Path) -> dict[str, tuple[int, str]]:
-    wanted = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.startswith(".")]
-    return {p.name: (p.stat().st_size, file_sha256(p)) for p in wanted}
+    out = {}
+    for p in sorted(directory.iterdir()):
+        if not p.is_file() or p.name.startswith("."):
+            continue
+        st = p.stat()
+        key = (str(p), st.st_size, st.st_mtime_ns)
+        digest = _HASHED.get(key)
+        if digest is None:
+            digest = _HASHED[key] = file_sha256(p)
+        out[p.name] = (st.st_size, digest)
+    return out
 
 
 def generated_weights(config: dict[str, Any], cache: Path) -> LocalWeights:
@@ -100,6 +115,14 @@ def path_weights(directory: Path) -> LocalWeights:
     return LocalWeights(f"{directory.name}-{digest}", directory, hashed, {"path": str(directory)})
 
 
+@functools.cache
+def _generated_model_text() -> str:
+    """The generated model's calibration text: the same every time, so made once per run."""
+    from playbooks.weights.tinymodel import corpus
+
+    return corpus(600, random.Random(1)) + "\nHello, World! The quick brown fox.\n"
+
+
 def calibration_text(weights: LocalWeights | HubWeights, named: Path | None = None) -> str:
     """What imatrix and the KL divergence read: the recipe's file (``model.calibration``), else
     for the generated tiny model its own kind of text (words of its syllables, newlines, and a
@@ -115,7 +138,5 @@ def calibration_text(weights: LocalWeights | HubWeights, named: Path | None = No
             raise VoltaforgeError(f"model.calibration {named}: {len(text.split())} words; imatrix wants thousands")
         return text
     if isinstance(weights, LocalWeights) and weights.origin.get("generate"):
-        from playbooks.weights.tinymodel import corpus
-
-        return corpus(600, random.Random(1)) + "\nHello, World! The quick brown fox.\n"
+        return _generated_model_text()
     return (resource_dir("recipes") / "calibration" / "general.txt").read_text(encoding="utf-8")
