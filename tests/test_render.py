@@ -20,7 +20,6 @@ from playbooks.steps.serve.units import (
     exec_line,
     parse_exec_start,
     render_service_files,
-    tabbyapi_tokens_yaml,
 )
 from tests.helpers import ROOT, recipe_with
 
@@ -249,13 +248,6 @@ def test_tabbyapi_with_a_key_keeps_it_out_of_the_config(tmp_path):
     assert "IPAddressDeny" not in unit.text
     links = ServerLayout().tabbyapi_links()
     assert links["api_tokens.yml"] == "/run/credentials/voltaforge-tabbyapi.service/api_tokens.yml"
-
-
-def test_tabbyapi_tokens_file():
-    assert yaml.safe_load(tabbyapi_tokens_yaml("k1", "a2")) == {"api_key": "k1", "admin_key": "a2"}
-    for api, admin in [("", "x"), ("k", "k"), ("a b", "c"), ("k", "x\ny")]:
-        with pytest.raises(VoltaforgeError):
-            tabbyapi_tokens_yaml(api, admin)
 
 
 AWKWARD = [

@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import yaml
 
 from playbooks.errors import VoltaforgeError
 from playbooks.host.local import LocalHost
@@ -116,6 +117,9 @@ def test_the_key_never_reaches_an_argv_and_the_sampler_sees_one_that_does(host, 
     assert ours.rounds >= 3 and ours.hits == [], ours.hits
     assert len(sent) >= 9 and not [c for c in sent if KEY in c]
     assert f'api_key: "{KEY}"' in tokens.read_text() and stat.S_IMODE(tokens.stat().st_mode) == 0o600
+    # what TabbyAPI reads (common/auth.py: AuthKeys, both keys): YAML, the admin key its own
+    written = yaml.safe_load(tokens.read_text())
+    assert written["api_key"] == KEY and written["admin_key"] and written["admin_key"] != KEY
     [ok] = run_ops(host, [EnsureTabbyTokens(str(secret), str(tokens))])
     assert ok.status == "ok" and ok.why == "the API key is current"
     # the positive control: the old check, its grep held on a slow stdin so it lives a while

@@ -17,7 +17,6 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from shlex import quote
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -636,15 +635,6 @@ _PROBE_NO_PYTHON = '{"source": "none", "reason": "python3 not found"}'
 GPU_PROBE_STDIN_COMMAND = (
     f"if command -v python3 >/dev/null 2>&1; then python3 - 2>&1 || true; else echo '{_PROBE_NO_PYTHON}'; fi"
 )
-
-
-def gpu_probe_command(remote_path: str) -> str:
-    """Command that runs the probe after it was pushed to `remote_path` on the host."""
-    return (
-        "if command -v python3 >/dev/null 2>&1; then "
-        f"python3 {quote(remote_path)} 2>&1 || true; "
-        f"else echo '{_PROBE_NO_PYTHON}'; fi"
-    )
 
 
 def parse_gpu_probe_json(text: str) -> GpuFacts:

@@ -90,12 +90,6 @@ def read_membw(output: str) -> Membw:
     )
 
 
-def parse_membw(output: str) -> float | None:
-    """Copy bandwidth in GB/s, or None when the output holds no measurement (see read_membw
-    for why)."""
-    return read_membw(output).copy_gb_s
-
-
 # ------------------------------------------------------------------------------------------
 # the figure kept as a host fact
 # ------------------------------------------------------------------------------------------

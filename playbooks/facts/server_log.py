@@ -40,11 +40,6 @@ def journal_command(unit: str) -> str:
     )
 
 
-def log_file_command(path: str) -> str:
-    """A process's log file (a server started outside systemd); nothing when it is missing."""
-    return f"cat -- {shlex.quote(path)} 2>/dev/null || true"
-
-
 @dataclass(frozen=True)
 class LoadLog:
     """What a load log says. Buffer sizes are MiB per buffer name as llama.cpp prints it
@@ -66,10 +61,6 @@ class LoadLog:
     @property
     def kv_total_mib(self) -> float:
         return round(sum(self.kv_mib.values()), 2)
-
-    @property
-    def compute_total_mib(self) -> float:
-        return round(sum(self.compute_mib.values()), 2)
 
     @property
     def model_total_mib(self) -> float:

@@ -214,11 +214,6 @@ class PythonVersion(BaseModel):
     path: str | None = None
     version: tuple[int, ...] | None = None  # (3, 11, 2)
 
-    @property
-    def runs_gpu_probe(self) -> bool:
-        """The GPU probe is written for Python 3.8+."""
-        return self.version is not None and self.version >= (3, 8)
-
 
 def parse_python_version(text: str) -> PythonVersion:
     """Parse PYTHON_VERSION_COMMAND output (or a bare 'Python 3.11.2' line)."""

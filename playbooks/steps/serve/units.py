@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import jinja2
-import yaml
 
 from playbooks.config.planning import resolve_gpu_split, resolve_n_cpu_moe
 from playbooks.config.recipe import LoadedRecipe, Recipe
@@ -470,18 +469,6 @@ def render_tabbyapi_config(
         max_batch_size=recipe.parallel,
         gpu_split=", ".join(f"{a:.2f}" for a in gpu_split) if recipe.gpu_count > 1 else "",
     )
-
-
-def tabbyapi_tokens_yaml(api_key: str, admin_key: str) -> str:
-    """The api_tokens.yml TabbyAPI reads (common/auth.py: AuthKeys, both keys required). The
-    admin key may load, unload and download models: give it a random value of its own, never
-    the API key. Deploy writes this root-only at layout.tabbyapi_tokens."""
-    for what, key in (("api key", api_key), ("admin key", admin_key)):
-        if not key or any(ord(c) < 33 or ord(c) == 127 for c in key):
-            raise VoltaforgeError(f"the TabbyAPI {what} must be non-empty printable text without spaces")
-    if api_key == admin_key:
-        raise VoltaforgeError("the TabbyAPI admin key must differ from the API key")
-    return yaml.safe_dump({"api_key": api_key, "admin_key": admin_key}, default_flow_style=False)
 
 
 def render_tabbyapi_unit(
