@@ -48,7 +48,7 @@ from playbooks.host import Host
 from playbooks.host.base import Printer
 from playbooks.host.local import LocalHost
 from playbooks.host.lock import host_lock
-from playbooks.host.ops import Change, Decision, Operation, OperationError, run_ops, summarize
+from playbooks.host.ops import Change, Decision, Operation, run_ops, summarize
 from playbooks.host.output import BufferedPrinter
 from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.preflight import gather, judge, rpc_endpoints
@@ -132,15 +132,7 @@ class _Cancellable(Operation):
     def check(self, host: Host) -> Decision:
         if self.cancel.is_set():
             raise Interrupted("interrupted before this operation: nothing of it was done")
-        try:
-            return self.op.check(host)
-        except (HostError, VoltaforgeError):
-            raise
-        except Exception as exc:
-            if host.reading_misses:
-                # a parser given the empty answer of a read not fetched yet: the pass goes on
-                raise OperationError(f"a read not fetched yet ({exc})") from exc
-            raise
+        return self.op.check(host)
 
     def apply(self, host: Host, decision: Decision) -> None:
         self.op.apply(host, decision)

@@ -35,11 +35,13 @@ def stat_command(path: str) -> str:
 
 
 def parse_stat(output: str) -> FileStat | None:
-    """Parse ``stat_command`` output: None when the path does not exist."""
-    text = output.strip()
-    if text == "missing":
+    """Parse ``stat_command`` output: None when the path does not exist, or when the output is
+    not stat's line (empty: the read failed, or a reads pass has not fetched it yet). Like every
+    parser here it never raises: the operation that then makes the path meets the real cause."""
+    parts = output.strip().rsplit("|", 3)
+    if len(parts) != 4 or not parts[1].isdigit() or any(c not in "01234567" for c in parts[1]):
         return None
-    kind, mode, owner, group = text.rsplit("|", 3)
+    kind, mode, owner, group = parts
     return FileStat(kind, int(mode, 8), owner, group)
 
 

@@ -188,11 +188,6 @@ class Host:
         finally:
             self._reads = None
 
-    @property
-    def reading_misses(self) -> bool:
-        """In a reads pass that has asked for a read it does not hold."""
-        return self._reads is not None and bool(self._reads.misses)
-
     def _read_from(self, reads, cmd, sudo, stream, env, timeout, stdin) -> tuple[bytes, bytes, int]:
         if stream or (stdin is not None and not isinstance(stdin, bytes)):
             raise NotARead(f"{self.name}: not a read: {self._redacted(cmd)[:80]}")
