@@ -5,7 +5,7 @@ fails in one line and leaves the target's previous copy as it was.
 
 Those share this machine's filesystem. Between two hosts with two filesystems: a real GGUF
 (the tiny model through the real converter and llama-quantize) from the private sshd to the
-booted nspawn container, through `--on`'s own copy (cli.quantize.copy_artifacts), checked on
+booted nspawn container, through `--on`'s own copy (cli.quantize.run_copy), checked on
 the container's filesystem through the container's own connection, with the proof that no
 same-disk shortcut could pass (test_quantize_on_copies_a_real_gguf_between_two_filesystems)."""
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.cli.quantize import copy_artifacts, run_artifacts
+from playbooks.cli.quantize import run_artifacts, run_copy
 from playbooks.conduct.quantize import recipe_weights
 from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import load_recipe
@@ -133,7 +133,7 @@ def _out(host, cmd: str) -> str:
 @pytest.mark.slow
 def test_quantize_on_copies_a_real_gguf_between_two_filesystems(sshd_host, nspawn_host, tiny_q4, tmp_path, capsys):
     """`invoke quantize serve --on box`'s copy between two different hosts with two filesystems:
-    cli.quantize.copy_artifacts (what run_quantize runs once `box` has made the quants; the
+    cli.quantize.run_copy (what run_quantize runs once `box` has made the quants; the
     making over SSH is test_quantize_real.py's) streams a real Q4_K_M from the private sshd
     (`box`: this machine's filesystem, its unprivileged user) to the booted nspawn container
     (`serve`: its own root filesystem, its own SSH session as `deploy`), hashed on the way.
@@ -164,11 +164,11 @@ def test_quantize_on_copies_a_real_gguf_between_two_filesystems(sshd_host, nspaw
             assert _out(box, "cat /etc/machine-id") != _out(target, "cat /etc/machine-id")
 
             # dry run: the copy shown, nothing written on the container
-            assert copy_artifacts(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, True) == 0
+            assert run_copy(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, True) == 0
             assert "is the copy of box's" in capsys.readouterr().out
             assert not target.exists(dst_prefix)
 
-            assert copy_artifacts(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, False) == 0
+            assert run_copy(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, False) == 0
             out = capsys.readouterr().out
             assert f"copying {len(data)} bytes" in out, out[-3000:]
             # on the container's own filesystem, read through its connection
@@ -187,7 +187,7 @@ def test_quantize_on_copies_a_real_gguf_between_two_filesystems(sshd_host, nspaw
             assert src_dev != dst_dev, (src_dev, dst_dev)
 
             # again: the same sha256 on both hosts, nothing moves
-            assert copy_artifacts(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, False) == 0
+            assert run_copy(settings, "box", "serve", str(TINY_RECIPE), "Q4_K_M", None, False) == 0
             out = capsys.readouterr().out
             assert "artifact present: the same sha256" in out and "copying" not in out, out[-3000:]
             assert int(_out(target, f"stat -c %Y {shlex.quote(dst)}")) == mtime

@@ -8,7 +8,8 @@
     weights/  model files                                 -> plan
     steps/    what runs against a host                    -> host, facts, config, plan
     conduct/  the conductors: steps run in order per host -> steps and below
-    cli/      the Invoke tasks and rendering              -> everything
+    cli/      flags and tables                            -> conduct and below, never host/ or facts/
+              (what runs or reads a host is conduct/'s; a type named under TYPE_CHECKING is not an import)
 
 Also: no module imports another module's private (_underscored) names, and there is no
 import cycle between modules. Read from the source with ast, so a lazy import inside a
@@ -32,8 +33,10 @@ ALLOWED = {
     "weights": {"weights", "plan"},
     "steps": {"steps", "host", "facts", "config", "plan", "weights"},
     "conduct": {"conduct", "steps", "host", "facts", "config", "plan", "weights"},
-    "cli": {"cli", "conduct", "steps", "host", "facts", "config", "plan", "weights"},
+    "cli": {"cli", "conduct", "steps", "config", "plan", "weights"},
 }
+#: what a module may name for its annotations only (under ``if TYPE_CHECKING:``, never run)
+TYPES_ONLY = {"cli": {"host", "facts"}}
 ANYONE = {"errors", "resources", "results", "__init__"}
 
 
@@ -46,11 +49,25 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports_of(path: Path) -> list[tuple[str, list[str], int]]:
-    """(module imported from, names imported, line) for every playbooks import in the file."""
+def _type_only_lines(tree: ast.AST) -> set[int]:
+    """The lines of ``if TYPE_CHECKING:`` bodies: imports there never run."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imports_of(path: Path, runtime_only: bool = False) -> list[tuple[str, list[str], int]]:
+    """(module imported from, names imported, line) for every playbooks import in the file;
+    ``runtime_only``: without those under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text())
+    skip = _type_only_lines(tree) if runtime_only else set()
     found = []
     for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("playbooks"):
             assert node.level == 0, f"{path}:{node.lineno}: use absolute imports (playbooks.x.y)"
             found.append((node.module, [a.name for a in node.names], node.lineno))
@@ -82,7 +99,7 @@ def test_imports_go_down_only(module):
         allowed = set()
     else:
         allowed = ALLOWED[layer(module)]
-    for target, _, line in imports_of(MODULES[module]):
+    for target, _, line in imports_of(MODULES[module], runtime_only=True):
         # `from playbooks.facts import lines` names the facts package itself
         to = layer(target) if target != "playbooks" else "__init__"
         assert to in ANYONE or to in allowed, (
@@ -133,3 +150,25 @@ def test_the_checker_sees_a_violation(tmp_path):
     bad.write_text("from playbooks.host.ops import run_ops\n")
     ((target, _, _),) = imports_of(bad)
     assert layer(target) == "host" and layer(target) not in ALLOWED["plan"]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_type_only_imports_go_down_too(module):
+    """An annotation may name a lower layer's type the module may not run (cli/ naming Host)."""
+    if layer(module) in ANYONE:
+        return
+    allowed = ALLOWED[layer(module)] | TYPES_ONLY.get(layer(module), set())
+    for target, _, line in imports_of(MODULES[module]):
+        to = layer(target) if target != "playbooks" else "__init__"
+        assert to in ANYONE or to in allowed, f"{module} (line {line}) names {target}: {layer(module)} may not"
+
+
+def test_cli_running_a_host_is_caught(tmp_path):
+    """cli/ importing host/ at run time is a violation; under TYPE_CHECKING it is not."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from typing import TYPE_CHECKING\nfrom playbooks.host.lock import host_lock\n"
+        "if TYPE_CHECKING:\n    from playbooks.host import Host\n"
+    )
+    assert [t for t, _, _ in imports_of(bad, runtime_only=True)] == ["playbooks.host.lock"]
+    assert "host" not in ALLOWED["cli"] and "facts" not in ALLOWED["cli"]

@@ -349,7 +349,7 @@ def test_render_report():
 def test_a_long_failure_is_one_line_in_the_report_and_whole_in_detail(tmp_path, monkeypatch, capsys):
     """A command that fails with 40 lines of output (pip's retries, a compiler's errors): the
     why column holds one line, the first, and says the rest is in the log; detail holds it all."""
-    from playbooks.cli.edge import write_details
+    from playbooks.conduct.logs import write_details
 
     script = 'for i in $(seq 1 40); do echo "pip line $i: WARNING: Retrying after connection broken" >&2; done; exit 1'
     (change,) = run_ops(LocalHost(), [RunCommand("Install torch", Shell(script), "always")])

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from playbooks.cli.quantize import parse_manifests
+from playbooks.conduct.artifacts import parse_manifests
 from playbooks.conduct.quantize import parse_quants, refuse_unfit
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError

@@ -5,15 +5,18 @@ its extension built for the host's GPU, and TabbyAPI at its pinned commit."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from playbooks.cli.converge import converge
 from playbooks.conduct.build import build_step
 from playbooks.conduct.converge import per_recipe
 from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import LoadedRecipe
-from playbooks.host import Host
-from playbooks.host.ops import Operation
 from playbooks.steps.build.build import LLAMACPP_TARGETS
+
+if TYPE_CHECKING:  # cli/ never runs a host itself (tests/test_layers.py): the types only
+    from playbooks.host import Host
+    from playbooks.host.ops import Operation
 
 
 def run_build(

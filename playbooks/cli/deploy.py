@@ -3,15 +3,20 @@ the verified artifact (steps/serve/deploy.py), under systemd or as a managed pro
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from playbooks.cli.converge import converge
 from playbooks.cli.render import render_report
-from playbooks.conduct.deploy import choose_manager, deploy_ops, make_manager, served_instances
+from playbooks.conduct.deploy import deploy_ops
 from playbooks.conduct.placements import Served
 from playbooks.conduct.settings import Settings
+from playbooks.conduct.stop import stop_served
 from playbooks.errors import UsageError
-from playbooks.host import Host
-from playbooks.host.ops import Change, Operation, run_command
 from playbooks.plan.gpus import get_gpu
+
+if TYPE_CHECKING:  # cli/ never runs a host itself (tests/test_layers.py): the types only
+    from playbooks.host import Host
+    from playbooks.host.ops import Operation
 
 
 def run_deploy(
@@ -36,22 +41,6 @@ def run_deploy(
 
 
 def run_stop(host_name: str, recipe: str | None = None, settings: Settings | None = None) -> int:
-    """Stop the recipe's servers (the unit or each instance, or the managed process); their
-    files stay. A host's layout: every recipe of it. Without a recipe named anywhere: the one
-    the host's deployment record says it serves."""
-    settings = settings or Settings()
-    spec = settings.host_spec(host_name)
-    served = settings.named_serves(host_name, recipe)
-    changes = []
-    with settings.connect(spec) as host:
-        served = served or settings.deployed_serves(host_name, recipe, host)
-        kind = choose_manager(host, "auto")
-        for s in served:
-            unit, instances = served_instances(s, spec.prefix)
-            for unit_name, state, _ in instances:
-                mgr = make_manager(kind, state, unit_name, unit.text)
-                cmd = mgr.stop()
-                run_command(host, cmd)
-                changes.append(Change(host.name, f"Stop {mgr.describe()}", "changed", "stopped", (cmd.show(),)))
-    render_report(changes)
+    """Stop the recipe's servers (conduct/stop.py); their files stay."""
+    render_report(stop_served(settings or Settings(), host_name, recipe))
     return 0

@@ -13,15 +13,12 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from playbooks.conduct.logs import log_dir
 from playbooks.errors import VoltaforgeError
-
-if TYPE_CHECKING:
-    from playbooks.host.ops import Change
 
 BUG_EXIT = 70
 
@@ -31,25 +28,6 @@ def _write_log(exc: BaseException) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     path.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    return path
-
-
-def write_details(changes: Sequence[Change]) -> Path | None:
-    """The full text of each failure whose one-line summary left something out (its why ends
-    with "(full output in the log)") in one log file beside the tracebacks; None when there is
-    none, or when the file cannot be written (the report still has the summaries)."""
-    from playbooks.host.ops import FULL_OUTPUT_NOTE
-
-    cut = [c for c in changes if c.detail and c.why.endswith(FULL_OUTPUT_NOTE)]
-    if not cut:
-        return None
-    text = "".join(f"== {c.host}: {c.step} ({c.status})\n{c.detail.rstrip()}\n\n" for c in cut)
-    path = log_dir() / f"failed-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError:
-        return None
     return path
 
 

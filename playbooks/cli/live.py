@@ -25,7 +25,7 @@ from typing import TextIO, cast
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
-from playbooks.host.output import Printer
+from playbooks.conduct.view import Printer
 
 #: lines of the failing command shown before its failure
 TAIL_LINES = 12

@@ -11,14 +11,13 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from playbooks.host.ops import Change
 from playbooks.plan.aggregate import aggregate_tok_s
 from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
 from playbooks.plan.moe import OffloadStep
@@ -28,6 +27,9 @@ from playbooks.plan.tensors import active_parameter_count, parameter_count
 from playbooks.steps.preflight import Verdict
 
 _gb = size_text
+
+if TYPE_CHECKING:  # a report is drawn from the changes; cli/ never runs a host itself
+    from playbooks.host.ops import Change
 
 
 def console(file: TextIO | None = None, width: int = 120) -> Console:

@@ -20,8 +20,8 @@ from playbooks.cli.render import console
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.tune import Levers, TuneOptions, tune_host
 from playbooks.conduct.tune_preview import preview
+from playbooks.conduct.view import Printer
 from playbooks.errors import UsageError
-from playbooks.host.output import Printer
 from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report

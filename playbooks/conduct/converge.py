@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from playbooks.conduct.placements import Served
+from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.facts import read_fact
 from playbooks.facts.files import parse_writable, writable_command
 from playbooks.host import Host
-from playbooks.host.ops import Operation
+from playbooks.host.lock import host_lock
+from playbooks.host.ops import Change, Operation, run_ops
 
 #: (the recipe, the connected host, its install prefix, whether that needs sudo) -> the operations
 RecipeOps = Callable[[LoadedRecipe, Host, str, bool], list[Operation]]
@@ -43,3 +45,26 @@ def unique_ops(ops: list[Operation]) -> list[Operation]:
 def prefix_needs_sudo(host: Host, prefix: str) -> bool:
     """A prefix under a directory the user cannot write (e.g. /opt) is created with sudo."""
     return not parse_writable(read_fact(host, writable_command(prefix)))
+
+
+def converge_host(
+    settings: Settings,
+    host_name: str,
+    recipe: str | None,
+    make_ops: MakeOps,
+    dry_run: bool,
+    served: list[Served] | None = None,
+) -> list[Change]:
+    """The shape every changing task shares: resolve the host and its recipe (or its layout's
+    recipes, conduct/placements.py), connect, decide whether the prefix needs sudo, build the
+    step's operations (each shared one once), run them under the host lock unless it is a dry
+    run. ``served``: what make_ops acts on, when it is not what the host serves (a balancer)."""
+    spec = settings.host_spec(host_name)
+    served = served or settings.serves(host_name, recipe)
+    with settings.connect(spec) as host:
+        sudo = prefix_needs_sudo(host, spec.prefix)
+        ops = unique_ops([op for s in served for op in make_ops(s, host, spec.prefix, sudo)])
+        if dry_run:
+            return run_ops(host, ops, dry_run=True)
+        with host_lock(host, spec.prefix, sudo=sudo):
+            return run_ops(host, ops)
