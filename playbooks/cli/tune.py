@@ -18,14 +18,13 @@ from typing import Any
 
 from playbooks.cli.render import console
 from playbooks.conduct.settings import Settings
-from playbooks.conduct.tune import Levers, TuneOptions, tune_host
+from playbooks.conduct.tune import Levers, TuneOptions, store_path, tune_host
 from playbooks.conduct.tune_preview import preview
 from playbooks.conduct.view import Printer
 from playbooks.errors import UsageError
 from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
-from playbooks.steps.measure.bench_run import bench_dir
 from playbooks.steps.measure.tune_space import OBJECTIVES, Objective
 
 CACHE_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
@@ -152,7 +151,7 @@ def run_tune_preview(
     loaded = settings.load_recipe(named)
     if gpu:
         loaded = loaded.model_copy(update={"recipe": loaded.recipe.model_copy(update={"gpu": get_gpu(gpu).key})})
-    store = bench_dir().parent / "tune" / host_name / loaded.recipe.name / "measurements.jsonl" if host_name else None
+    store = store_path(host_name, loaded.recipe.name) if host_name else None
     pv = preview(loaded, opts, store)
     res: dict[str, Any] = {
         "recipe": loaded.recipe.name,

@@ -168,8 +168,8 @@ class Tuner:
         self.context = max(r.context, opts.min_ctx or 0)
         self.port = opts.port or r.service.port + 100
         self.scratch = ServerLayout(prefix=prefix, unit_name=SCRATCH_UNIT)
-        self.root = (cache_root or bench_dir().parent / "tune") / host.name / r.name
-        self.store = self.root / "measurements.jsonl"
+        self.store = store_path(host.name, r.name, cache_root)
+        self.root = self.store.parent
         self.live_checks: list[tuple[str, int]] = []
         self.build = ""
         self.provenance = Provenance()  # the host facts a measurement depends on (read in run)
@@ -313,8 +313,10 @@ class Tuner:
         unit_text = self._unit_text(cand)
         key = measurement_key(self.build, sha, [unit_text], workload)
         kept = None if reference else self._stored(key)
-        what = f"rung {rung}" + ("" if block is None else f", interleaved block {block + 1} of 2")
-        what = f"reference: rung {rung}'s leader again" if reference else what
+        if reference:
+            what = f"reference: rung {rung}'s leader again"
+        else:
+            what = f"rung {rung}" + ("" if block is None else f", interleaved block {block + 1} of 2")
         if kept is not None:
             self.say(f"{what}: {c.label()}: measured before with the same inputs")
             return replace(Measured.of_level(c, rung, kept, self.opts.objective, reused=True), block=block)
@@ -344,8 +346,9 @@ class Tuner:
         saying why when one was kept but cannot be."""
         if not self.store.exists() or self.opts.remeasure:
             return None
-        rows = [row for line in self.store.read_text().splitlines() if (row := _json_row(line)) is not None]
-        level, why = kept_level(rows, key, self.provenance, datetime.now(timezone.utc), self.opts.max_age_days)
+        level, why = kept_level(
+            stored_rows(self.store), key, self.provenance, datetime.now(timezone.utc), self.opts.max_age_days
+        )
         if why:
             self.say(f"a measurement with the same inputs is kept, but {why}: measuring again")
         return level
@@ -550,6 +553,19 @@ def tune_host(
                     f"interrupted: the scratch server was stopped and removed; the live service: {state}; "
                     "every measurement finished so far is kept (a re-run resumes)"
                 ) from None
+
+
+def store_path(host_name: str, recipe_name: str, cache_root: Path | None = None) -> Path:
+    """Where a host's tune measurements of a recipe are kept on the controller (JSON lines)."""
+    return (cache_root or bench_dir().parent / "tune") / host_name / recipe_name / "measurements.jsonl"
+
+
+def stored_rows(store: Path) -> list[dict[str, Any]]:
+    """The measurements kept in ``store`` (none when it does not exist); a line cut short by a
+    run killed mid-write is skipped."""
+    if not store.exists():
+        return []
+    return [row for line in store.read_text().splitlines() if (row := _json_row(line)) is not None]
 
 
 def _json_row(line: str) -> dict[str, Any] | None:

@@ -13,16 +13,15 @@ are not in it); the report says which was used.
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from playbooks.conduct.tune import TuneOptions, search_space
+from playbooks.conduct.tune import TuneOptions, search_space, stored_rows
 from playbooks.conduct.tune_candidates import concurrency_for, rung_gate
 from playbooks.config.recipe import LoadedRecipe
+from playbooks.steps.measure.tune_search import promoted
 from playbooks.steps.measure.tune_space import Planned, Space
 
 
@@ -56,7 +55,7 @@ def halving_schedule(n: int, rungs: int) -> list[int]:
     two) while more than two are left (tune_search.successive_halving's rule)."""
     out = [n] if n else []
     while out and len(out) < rungs and out[-1] > 2:
-        out.append(max(2, math.ceil(out[-1] / 2)))
+        out.append(promoted(out[-1]))
     return out
 
 
@@ -64,14 +63,8 @@ def stored_rung_costs(store: Path) -> dict[int, float]:
     """The median time of each rung's fresh measurements kept on the controller (rows without
     a time, from before it was kept, are skipped)."""
     took: dict[int, list[float]] = {}
-    if not store.exists():
-        return {}
-    for line in store.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("took_s"), (int, float)) and isinstance(row.get("rung"), int):
+    for row in stored_rows(store):
+        if isinstance(row.get("took_s"), (int, float)) and isinstance(row.get("rung"), int):
             took.setdefault(row["rung"], []).append(float(row["took_s"]))
     return {r: statistics.median(v) for r, v in took.items()}
 

@@ -268,8 +268,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"- space: {sp['total']} candidates, {sp['measured']} left after pruning ({pruned})",
         f"- budget: {budget_text(res)}",
     ]
-    if references_text(res):
-        out.append(f"- drift between rungs (the leader measured again): {references_text(res)}")
+    if drift := references_text(res):
+        out.append(f"- drift between rungs (the leader measured again): {drift}")
     if res.get("interleaved"):
         out.append(f"- final window: {interleaved_text(res['interleaved'])}")
     w = res.get("winner")

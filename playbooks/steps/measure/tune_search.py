@@ -151,6 +151,12 @@ class Budget:
         }
 
 
+def promoted(n: int) -> int:
+    """How many of a rung's ``n`` ranked candidates go on to the next: the better half, and at
+    least two (tune --dry-run's schedule uses the same rule)."""
+    return max(2, math.ceil(n / 2))
+
+
 def successive_halving(
     planned: Sequence[Planned],
     measure: Callable[[Candidate, int], Measured],
@@ -200,7 +206,7 @@ def successive_halving(
         if len(ranked) <= 2 or rung == rungs - 1:
             break
         leader = ranked[0]
-        alive = [m.candidate for m in ranked[: max(2, math.ceil(len(ranked) / 2))]]
+        alive = [m.candidate for m in ranked[: promoted(len(ranked))]]
     return done, False
 
 
