@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from playbooks.plan.aggregate import aggregate_tok_s
+from playbooks.plan.aggregate import plan_aggregate
 from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
 from playbooks.plan.moe import OffloadStep
 from playbooks.plan.planner import Option, Plan
@@ -173,7 +173,7 @@ def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
         },
         "kv_bytes_per_token": kv,
         "chosen": option_json(plan.chosen, plan) if plan.chosen else None,
-        "aggregate": aggregate_ceiling(plan),
+        "aggregate": plan_aggregate(plan),
         "quants": [option_json(o, plan) for o in plan.options],
         # what the recommendation optimizes (playbooks/plan/objective.py)
         "objective": {
@@ -257,7 +257,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             f"{_gib(c.gpu_bytes)}: {verdict}"
         )
         console.print(_roofline_text(plan, c))
-        if (agg := aggregate_ceiling(plan)) is not None:
+        if (agg := plan_aggregate(plan)) is not None:
             console.print(
                 f"Aggregate at {agg['slots']} slots: {agg['tok_s']:.0f} tok/s with empty caches, "
                 f"{agg['full_ctx_tok_s']:.0f} tok/s with every slot's full {s.context}-token cache (a step reads "
@@ -368,20 +368,6 @@ def _render_split(plan: Plan, c: Option, console: Console) -> None:
         )
     if c.unfit_reason and c.devices:
         console.print(f"[red]{escape(c.unfit_reason)}[/]")
-
-
-def aggregate_ceiling(plan: Plan) -> dict[str, Any] | None:
-    """The chosen quant's aggregate ceiling at the plan's slots (plan/aggregate.py), empty and
-    full caches; None for one slot or no chosen quant."""
-    c, s = plan.chosen, plan.serving
-    if c is None or s.parallel < 2 or c.roofline_tok_s <= 0:
-        return None
-    bw = plan.gpu.bandwidth_gb_s
-    return {
-        "slots": s.parallel,
-        "tok_s": round(aggregate_tok_s(c.roofline_tok_s, bw, c.kv_bytes_per_token, s.parallel, 0), 2),
-        "full_ctx_tok_s": round(aggregate_tok_s(c.roofline_tok_s, bw, c.kv_bytes_per_token, s.parallel, s.context), 2),
-    }
 
 
 def _roofline_text(plan: Plan, c: Option) -> str:

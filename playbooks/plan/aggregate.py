@@ -16,6 +16,11 @@ the aggregate objective by it, so the two never disagree about what more slots c
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from playbooks.plan.planner import Plan
+
 
 def aggregate_tok_s(
     single_tok_s: float, bandwidth_gb_s: float, kv_bytes_per_token: float, streams: int, cached_tokens: int
@@ -27,3 +32,17 @@ def aggregate_tok_s(
         raise ValueError(f"streams {streams} and a single-stream roofline {single_tok_s} must be positive")
     step = 1 / single_tok_s + streams * kv_bytes_per_token * max(cached_tokens, 0) / (bandwidth_gb_s * 1e9)
     return streams / step
+
+
+def plan_aggregate(plan: Plan) -> dict[str, Any] | None:
+    """The chosen quant's aggregate ceiling at the plan's slots (above), empty and
+    full caches; None for one slot or no chosen quant."""
+    c, s = plan.chosen, plan.serving
+    if c is None or s.parallel < 2 or c.roofline_tok_s <= 0:
+        return None
+    bw = plan.gpu.bandwidth_gb_s
+    return {
+        "slots": s.parallel,
+        "tok_s": round(aggregate_tok_s(c.roofline_tok_s, bw, c.kv_bytes_per_token, s.parallel, 0), 2),
+        "full_ctx_tok_s": round(aggregate_tok_s(c.roofline_tok_s, bw, c.kv_bytes_per_token, s.parallel, s.context), 2),
+    }
