@@ -23,7 +23,6 @@ from tests.test_readme_figures import BLOCK_MARK, MARK, result_files
 
 #: measured-here files not held yet, with why: each one a maker away from being held
 NOT_YET_HELD = {
-    "reports/local/bench-noop.json": "made before `measures` existed; scripts/remake_samples.py --only noop",
     "reports/bench/noise.json": "the method's data set: the machine's run-to-run noise, not a sample of our output",
     "reports/bench/method.json": "a simulation over noise.json (scripts/bench_method.py), re-made from the data",
     "reports/bench/stability.json": "the issue-20 data set, kept as the evidence of that issue",
