@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from playbooks.cli.converge import converge
-from playbooks.cli.render import console, render_artifacts, render_report
+from playbooks.cli.converge import converge, report
+from playbooks.cli.render import console, render_artifacts
 from playbooks.conduct.artifacts import copy_artifacts, read_artifacts
 from playbooks.conduct.converge import per_recipe
-from playbooks.conduct.logs import write_details
 from playbooks.conduct.quantize import (
     parse_bpw,
     parse_quants,
@@ -65,9 +64,7 @@ def run_copy(
     settings: Settings, source: str, target: str, recipe: str, quant: str | None, bpw: str | None, dry_run: bool
 ) -> int:
     """The artifacts ``source`` made, copied to ``target`` (conduct/artifacts.py), and the report."""
-    changes = copy_artifacts(settings, source, target, recipe, quant, bpw, dry_run)
-    render_report(changes, log=write_details(changes))
-    return 1 if any(c.status == "failed" for c in changes) else 0
+    return report(copy_artifacts(settings, source, target, recipe, quant, bpw, dry_run))
 
 
 def run_artifacts(host_name: str, as_json: bool = False, settings: Settings | None = None) -> int:

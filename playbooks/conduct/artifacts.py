@@ -8,12 +8,11 @@ import json
 import shlex
 from typing import Any
 
-from playbooks.conduct.converge import prefix_needs_sudo
+from playbooks.conduct.converge import prefix_needs_sudo, run_locked
 from playbooks.conduct.quantize import made_artifacts
 from playbooks.conduct.settings import Settings
 from playbooks.facts import read_fact
-from playbooks.host.lock import host_lock
-from playbooks.host.ops import Change, EnsureDirectory, Operation, run_ops
+from playbooks.host.ops import Change, EnsureDirectory, Operation
 from playbooks.steps.weights.artifact_copy import EnsureArtifactCopy
 
 
@@ -32,10 +31,7 @@ def copy_artifacts(
             *(EnsureDirectory(d, 0o755) for d in dirs if d != f"{dst_spec.prefix}/models"),
             *(EnsureArtifactCopy(src, a, b, pending=dry_run) for a, b in zip(made, wanted, strict=True)),
         ]
-        if dry_run:
-            return run_ops(dst, ops, dry_run=True)
-        with host_lock(dst, dst_spec.prefix, sudo=prefix_needs_sudo(dst, dst_spec.prefix)):
-            return run_ops(dst, ops)
+        return run_locked(dst, dst_spec.prefix, ops, dry_run, prefix_needs_sudo(dst, dst_spec.prefix))
 
 
 ARTIFACTS_COMMAND = (

@@ -64,7 +64,12 @@ def converge_host(
     with settings.connect(spec) as host:
         sudo = prefix_needs_sudo(host, spec.prefix)
         ops = unique_ops([op for s in served for op in make_ops(s, host, spec.prefix, sudo)])
-        if dry_run:
-            return run_ops(host, ops, dry_run=True)
-        with host_lock(host, spec.prefix, sudo=sudo):
-            return run_ops(host, ops)
+        return run_locked(host, spec.prefix, ops, dry_run, sudo)
+
+
+def run_locked(host: Host, prefix: str, ops: list[Operation], dry_run: bool, sudo: bool) -> list[Change]:
+    """Run ``ops`` under the host lock of ``prefix``; a dry run changes nothing, so it takes none."""
+    if dry_run:
+        return run_ops(host, ops, dry_run=True)
+    with host_lock(host, prefix, sudo=sudo):
+        return run_ops(host, ops)
