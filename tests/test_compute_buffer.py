@@ -27,10 +27,10 @@ import statistics
 import pytest
 import yaml
 
+from playbooks.plan.budget import llamacpp_compute_buffer_bytes
 from playbooks.plan.compute_buffer import Graph, _Allocator, replay, worst_case_graph
 from playbooks.plan.gpus import MIB
 from playbooks.plan.model_config import shape_from_config
-from playbooks.plan.planner import llamacpp_compute_buffer_bytes
 from tests import llamacpp_tools, sparse_gguf
 from tests.helpers import ROOT, fixture_body
 from tests.tools import held_out_shapes

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from playbooks.plan.budget import exl2_compute_bytes
+from playbooks.plan.evaluate import evaluate
 from playbooks.plan.exl2_size import (
     estimate_exl2,
     exl2_attention_bytes,
@@ -23,7 +25,7 @@ from playbooks.plan.exl2_size import (
 from playbooks.plan.gpus import GIB, MIB, get_gpu
 from playbooks.plan.kv_cache import exl2_kv_bytes_per_token
 from playbooks.plan.model_config import load_config_file
-from playbooks.plan.planner import Serving, evaluate, exl2_compute_bytes
+from playbooks.plan.serving import Serving
 from tests.helpers import ROOT
 
 ROWS = yaml.safe_load((Path(__file__).parent / "data/published_exl2_sizes.yaml").read_text())

@@ -25,11 +25,14 @@ from playbooks.config.planning import host_from_recipe, plan_recipe, resolve_n_c
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import RecipeError, VoltaforgeError
 from playbooks.plan.compute_buffer import replay, worst_case_graph
+from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gguf_size import assign_types, estimate_gguf, quant_refusal, tensor_bytes
 from playbooks.plan.gpus import GIB, MIB, get_gpu
 from playbooks.plan.model_config import load_config_file, shape_from_config
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, expert_layout, two_sided_tok_s
-from playbooks.plan.planner import Serving, evaluate, make_plan, smallest_n_cpu_moe
+from playbooks.plan.moe_offload import smallest_n_cpu_moe
+from playbooks.plan.planner import make_plan
+from playbooks.plan.serving import Serving
 from playbooks.steps.measure.bench_run import ceilings
 from tests.helpers import ROOT
 

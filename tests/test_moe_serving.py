@@ -22,9 +22,10 @@ import pytest
 from playbooks.config.planning import plan_recipe, resolve_n_cpu_moe
 from playbooks.config.recipe import load_recipe
 from playbooks.facts.server_log import judge_load, parse_load_log
+from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.model_config import load_config_file
-from playbooks.plan.planner import Serving, evaluate
+from playbooks.plan.serving import Serving
 from playbooks.steps.serve.units import ServerLayout, llama_server_argv, render_service_files
 from tests.helpers import ROOT, fixture_body
 

@@ -4,10 +4,12 @@ from fractions import Fraction
 
 import pytest
 
+from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gpus import MIB, get_gpu
 from playbooks.plan.kv_cache import exl2_kv_bytes_per_token, kv_bytes_per_token, llamacpp_kv_bytes_per_token
 from playbooks.plan.model_config import load_config_file
-from playbooks.plan.planner import Serving, evaluate, mbu, roofline_tok_s
+from playbooks.plan.roofline import mbu, roofline_tok_s
+from playbooks.plan.serving import Serving
 from tests.helpers import ROOT
 
 SEED = ROOT / "recipes/models/seed-stated-shape.config.json"
@@ -106,7 +108,7 @@ def test_a_draft_model_costs_its_weights_its_own_cache_and_its_own_compute_buffe
     same -ub, -fa and slots, so it reserves the compute buffer the draft model would reserve
     served alone at that context."""
     from playbooks.plan.model_config import shape_from_config
-    from playbooks.plan.planner import DraftPlan
+    from playbooks.plan.serving import DraftPlan
 
     draft = shape_from_config(
         {  # Qwen2.5-0.5B's config.json
@@ -141,7 +143,8 @@ def test_a_draft_model_costs_its_weights_its_own_cache_and_its_own_compute_buffe
 def test_an_exl2_recipes_cache_translated_for_llamacpp_turns_its_flash_attention_on():
     """EXL2 recipes say flash_attn: false (the flash-attn library has no sm_70 build); the same
     Q8 cache in llama.cpp is q8_0, which llama.cpp only allows with its own FA kernels."""
-    from playbooks.plan.planner import llamacpp_compute_buffer_bytes, serving_for
+    from playbooks.plan.budget import llamacpp_compute_buffer_bytes
+    from playbooks.plan.serving import serving_for
 
     s = serving_for("Q4_K_M", Serving(backend="exllamav2", cache_k="Q8", cache_v="Q8", flash_attn=False))
     assert (s.backend, s.cache_k, s.cache_v, s.flash_attn) == ("llamacpp", "q8_0", "q8_0", True)

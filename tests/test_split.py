@@ -26,12 +26,13 @@ from playbooks.config.planning import plan_recipe, refuse_unfit, unfit_text
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import RecipeError, UsageError, VoltaforgeError
 from playbooks.facts.server_log import judge_split, parse_load_log
+from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gguf_size import estimate_gguf
 from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.kv_cache import llamacpp_kv_bytes
 from playbooks.plan.model_config import load_config_file
 from playbooks.plan.moe import expert_layout
-from playbooks.plan.planner import Serving, evaluate
+from playbooks.plan.serving import Serving
 from playbooks.plan.split import CUDA_ALIGNMENT, layer_devices, layer_kv_bytes, layer_weights, split_mode_refusal
 from playbooks.steps.serve.units import render_service_files
 from tests.helpers import ROOT, recipe_with

@@ -25,7 +25,8 @@ from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.kv_cache import LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory
-from playbooks.plan.planner import Serving, make_plan, quant_names, serving_for
+from playbooks.plan.planner import make_plan
+from playbooks.plan.serving import Serving, quant_names, serving_for
 from playbooks.plan.split import device_count, split_mode_refusal
 
 #: --parallel: more llama-server slots than any GPU's memory serves (the planner's arithmetic

@@ -21,7 +21,8 @@ from rich.text import Text
 from playbooks.plan.aggregate import plan_aggregate
 from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
 from playbooks.plan.moe import OffloadStep
-from playbooks.plan.planner import Option, Plan
+from playbooks.plan.planner import Plan
+from playbooks.plan.serving import Option
 from playbooks.plan.split import DeviceShare, worst
 from playbooks.plan.tensors import active_parameter_count, parameter_count
 from playbooks.steps.preflight import Verdict

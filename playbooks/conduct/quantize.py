@@ -13,10 +13,11 @@ from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe, ModelSource
 from playbooks.errors import UsageError, VoltaforgeError
 from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.plan.evaluate import evaluate
 from playbooks.plan.exl2_size import exl2_quant_name
 from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.plan.model_config import ModelShape
-from playbooks.plan.planner import evaluate, serving_for
+from playbooks.plan.serving import serving_for
 from playbooks.plan.tensors import parameter_count
 from playbooks.steps.build.build import BuildLayout
 from playbooks.steps.build.llamacpp_source import source_cache_dir

@@ -23,10 +23,12 @@ from playbooks.config.yamlfile import explain_validation, load_yaml
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import GIB, Gpu, get_gpu
+from playbooks.plan.layer_split import plan_exl2_split
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, NCpuMoe, RamSource
 from playbooks.plan.objective import Objective
-from playbooks.plan.planner import DraftPlan, Plan, Serving, make_plan, plan_exl2_split
+from playbooks.plan.planner import Plan, make_plan
+from playbooks.plan.serving import DraftPlan, Serving
 from playbooks.plan.split import worst
 
 #: a speed floor given as "none": no floor, the fastest quant of at least min_bpw

@@ -395,7 +395,7 @@ def worst_case_graph(
     expert_copy: tuple[int, int, int] = (0, 0, 0),
 ) -> Graph:
     """The Graph llama_context::sched_reserve builds for these llama-server settings
-    (see planner.llamacpp_compute_buffer_bytes for the parameters; n_batch is -b).
+    (see budget.llamacpp_compute_buffer_bytes for the parameters; n_batch is -b).
     expert_copy: the bytes of a host-resident up, gate and down expert weight (--n-cpu-moe),
     which a device buffer holds a copy of while a prefill-sized batch multiplies by it."""
     if not flash_attn and cache_v not in _UNQUANTIZED_CACHE:

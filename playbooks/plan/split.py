@@ -20,7 +20,7 @@ move a boundary layer with a few MiB of difference between two cards.
 Per device the plan counts the weights of its layers (exact, from the GGUF estimate's tensor
 list, plus the buffer's per-tensor alignment), its layers' KV cache (exact), one compute
 buffer and, on a GPU, its CUDA context and the margin. The compute buffer is an estimate
-(planner.split_compute_bytes): the whole graph's single-device worst case plus the extra input
+(layer_split.split_compute_bytes): the whole graph's single-device worst case plus the extra input
 copies of llama.cpp's pipeline parallelism, not a replay of the scheduler's per-device split.
 The RPC test on this machine holds weights and KV per device to equality (a real load of the
 pinned build) and shows the compute estimate beside the real buffers.

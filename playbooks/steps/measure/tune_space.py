@@ -35,8 +35,10 @@ from typing import Literal
 from playbooks.config.planning import draft_from_recipe, serving_from_recipe
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.plan.aggregate import aggregate_tok_s
+from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gpus import get_gpu
-from playbooks.plan.planner import Option, bf16_refusal, evaluate
+from playbooks.plan.refusals import bf16_refusal
+from playbooks.plan.serving import Option
 
 Objective = Literal["single", "aggregate", "latency"]
 OBJECTIVES: tuple[Objective, ...] = ("single", "aggregate", "latency")
