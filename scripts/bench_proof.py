@@ -37,6 +37,7 @@ from playbooks.results import write_result  # noqa: E402
 #: what each file's figures are of (results.py, ``measures``)
 BENCH_CODE = [
     "playbooks/cli/bench.py",
+    "playbooks/conduct/bench.py",
     "playbooks/steps/measure/bench.py",
     "playbooks/steps/measure/bench_run.py",
     "playbooks/steps/measure/bench_report.py",

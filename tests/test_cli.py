@@ -437,3 +437,34 @@ def test_list_shows_each_tasks_first_sentence_whole():
         assert name in r.stdout
     shown = " ".join(r.stdout.split())
     assert "Measure the deployed server against its roofline and judge the gate (exit 1: failed)." in shown
+
+
+def test_a_task_is_declared_once_its_help_from_its_own_lines_or_the_shared_ones():
+    """command.py: the signature is the flag list, and every flag has one help line, the task's
+    own or the shared one; a flag without help, or help for no flag, is refused at import."""
+    from invoke import Context
+
+    from playbooks.cli.command import SHARED_HELP, command
+
+    def lonely(c: Context, host: str | None = None, widgets: str | None = None) -> int:
+        return 0
+
+    with pytest.raises(TypeError, match="no help for --widgets"):
+        command()(lonely)
+    with pytest.raises(TypeError, match="help for --gadgets, which it does not take"):
+        command(help={"widgets": "w", "gadgets": "g"})(lonely)
+    made = command(help={"widgets": "how many widgets"})(lonely)
+    assert {a.name: a.help for a in made.get_arguments()} == {
+        "host": SHARED_HELP["host"],
+        "widgets": "how many widgets",
+    }
+    # the collection as a user reads it: the shared line under each task that takes the flag
+    for name in ("preflight", "deploy"):
+        shown = " ".join(invoke("--help", name).stdout.split())
+        assert SHARED_HELP["inventory"] in shown, (name, shown)
+
+
+def test_a_task_returns_its_exit_code_through_the_edge():
+    """A task's body returns the exit code: 1 is exit 1, bad input one line and exit 2."""
+    r = invoke("plan", "--recipe", "tiny-cpu", "--quant", "Q9_Z")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Q9_Z" in r.stderr, r.stderr

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.cli.tasks import DEFAULTS, ns
+from playbooks.cli.configured import DEFAULTS
+from playbooks.cli.tasks import ns
 from tests.helpers import ROOT
 
 NOWHERE = "nowhere.invalid"
@@ -92,7 +93,7 @@ CONTEXT = {
     ("render", "host"): ["--out", "out"],
     ("render", "inventory"): ["--host", NOWHERE, "--out", "out"],
     ("plan", "model-config"): [],  # not with --recipe: that is refused for naming both
-    ("plan", "parallel"): ["--model-config", QWEN7],  # --parallel and --quant go with a bare config
+    ("plan", "parallel"): ["--model-config", QWEN7],  # judged on a bare config: no recipe in the way
     ("plan", "quant"): ["--model-config", QWEN7],
 }
 WORKERS = max(2, min(8, os.cpu_count() or 2))

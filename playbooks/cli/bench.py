@@ -1,7 +1,5 @@
 """`invoke bench`: the deployed server measured against its physical ceiling, the gate (exit 1
-when it fails), the reports and the history (steps/measure/bench_run.py), shown as a table. Without a
-recipe (no flag, none in the configuration or the inventory) it measures the one the host's
-deployment record says it serves (conduct/deployed.py)."""
+when it fails), the reports and the history (conduct/bench.py runs them), shown as tables."""
 
 from __future__ import annotations
 
@@ -13,12 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from playbooks.cli.render import console
-from playbooks.conduct.balancer import edge_client
-from playbooks.conduct.deploy import served_instances
+from playbooks.conduct.bench import bench_balancer, bench_host
 from playbooks.conduct.settings import Settings
-from playbooks.steps.measure.bench_lb import bench_through_balancer
 from playbooks.steps.measure.bench_report import compare, render_compare, render_sweep_table
-from playbooks.steps.measure.bench_run import bench_dir, gate_run
 
 
 def run_bench(
@@ -30,18 +25,10 @@ def run_bench(
     out_dir: Path | None = None,
     remeasure: bool = False,
 ) -> int:
-    """``remeasure``: measure the host's memory bandwidth again instead of reusing the stored
-    figure. A host's layout (or a recipe run once per GPU): every server, one after the other
-    (each alone on the host, as its gate measured it); the JSON is then a list."""
-    settings = settings or Settings()
-    spec = settings.host_spec(host_name)
-    served = settings.named_serves(host_name, recipe)
-    runs = []
-    with settings.connect(spec) as host:
-        served = served or settings.deployed_serves(host_name, recipe, host)
-        for s in served:
-            for _, layout, _ in served_instances(s, spec.prefix)[1]:
-                runs.append(gate_run(s.loaded, host, spec.prefix, layout, out_dir, remeasure=remeasure))
+    """A table per server (its gate, its reports; ``show_compare``: the change against the last
+    and the best run) or JSON, a list for several. ``remeasure``: the host's memory bandwidth
+    measured again instead of the stored figure."""
+    runs = bench_host(host_name, recipe, settings or Settings(), out_dir, remeasure=remeasure)
     if as_json:
         results = [result for result, _, _ in runs]
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2, sort_keys=True))
@@ -60,18 +47,9 @@ def run_bench(
 def run_bench_lb(
     host_name: str, port: int, recipe: str | None = None, as_json: bool = False, settings: Settings | None = None
 ) -> int:
-    """The recipe's workload through the balancer on ``host_name``:``port`` (steps/measure/bench_lb.py):
-    a row per level and a row per backend with its share. Exit 1 when a level failed."""
-    settings = settings or Settings()
-    spec = settings.host_spec(host_name)
-    one = settings.one_recipe(host_name, recipe)  # a bad name or a layout of several: before connecting
-    with settings.connect(spec) as host:
-        loaded = (one or settings.deployed_serves(host_name, recipe, host)[0]).loaded
-        # TLS as `invoke lb` set it up (its self-signed certificate the CA)
-        result = bench_through_balancer(loaded, host, port, tls=edge_client(host_name))
-    path = bench_dir() / host.name / f"{loaded.recipe.name}-lb" / f"{result['at'].replace(':', '')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    """The recipe's workload through the balancer on ``host_name``:``port``: a row per level and
+    a row per backend with its share. Exit 1 when a level failed."""
+    result, path = bench_balancer(host_name, port, recipe, settings or Settings())
     if as_json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:

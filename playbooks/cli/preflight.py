@@ -1,4 +1,4 @@
-"""`invoke preflight`: connect, gather the facts, judge them, show the verdict."""
+"""`invoke preflight`: the verdicts conduct/preflight.py reaches, shown (a table, or JSON)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import TextIO
 
 from playbooks.cli.render import console, render_verdict, verdict_json
-from playbooks.conduct.placements import Served, host_serves
+from playbooks.conduct.preflight import preflight_host
 from playbooks.conduct.settings import Settings
-from playbooks.steps.preflight import gather, judge, rpc_endpoints
 
 
 def run_preflight(
@@ -22,24 +21,13 @@ def run_preflight(
     out: TextIO | None = None,
 ) -> int:
     out = out or sys.stdout
-    settings = settings or Settings(inventory=Path(inventory))
-    spec = settings.host_spec(host_name)
-    # the host's facts alone when no recipe is named; a layout: one verdict per recipe of it
-    served: list[Served | None] = list(host_serves(spec, recipe, settings.load_recipe)) or [None]
-    model_dir = f"{spec.prefix}/models"
-    endpoints = [e for s in served if s for e in rpc_endpoints(s.loaded)]
-    with settings.connect(spec) as host:
-        facts = gather(host, spec.prefix, model_dir, list(dict.fromkeys(endpoints)))
-    verdicts = [
-        judge(facts, s.loaded if s else None, model_dir, spec.prefix, spec.gpu, s.gpus if s and spec.serve else None)
-        for s in served
-    ]
+    judged = preflight_host(host_name, recipe, settings or Settings(inventory=Path(inventory)))
     if as_json:
-        docs = [verdict_json(v) for v in verdicts]
+        docs = [verdict_json(v) for _, v in judged]
         out.write(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2) + "\n")
     else:
-        for s, v in zip(served, verdicts, strict=True):
-            if len(verdicts) > 1 and s:
-                out.write(f"\n{spec.name}: {s.name} (GPU {', '.join(map(str, s.gpus or ()))})\n")
+        for s, v in judged:
+            if len(judged) > 1 and s:
+                out.write(f"\n{host_name}: {s.name} (GPU {', '.join(map(str, s.gpus or ()))})\n")
             render_verdict(v, console(out, width=140))
-    return 0 if all(v.ok for v in verdicts) else 1
+    return 0 if all(v.ok for _, v in judged) else 1

@@ -1,21 +1,10 @@
 """voltaforge's Invoke tasks: the same collection for `invoke` in a checkout (tasks.py) and the
 `voltaforge` console command of an installed wheel (playbooks/cli/main.py).
 
-Thin by design: each task reads flag > configuration > default, types the values in
-``flags.py`` and calls one function. Shared defaults live in the collection's configuration
-under ``voltaforge:``, so ``invoke.yaml`` in the project, ``~/.invoke.yaml`` and
-``INVOKE_VOLTAFORGE_*`` variables override them the way every Invoke user expects, e.g.::
-
-    # invoke.yaml
-    voltaforge:
-      host: v100-01
-      recipe: qwen2.5-14b-v100-16gb
-      inventory: /etc/voltaforge/inventory.yaml
-      recipes_dir: /etc/voltaforge/recipes   # instead of the shipped recipes
-      prefix: /srv/voltaforge                # for hosts the inventory does not place
-      connect_timeout: 20                    # seconds to wait for an SSH server
-
-No short flags: ``-h`` means help, as everywhere else.
+Thin by design: each task is declared once (command.py: its signature is its flags, its help
+its own lines or the shared ones), reads flag > configuration > default (configured.py), types
+the values in ``flags.py`` and calls one function, imported when the task runs so that one
+task loads only what it needs.
 """
 
 from __future__ import annotations
@@ -23,76 +12,29 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
-from invoke import Collection, Context, task
+from invoke import Collection, Context
 
-from playbooks.cli import flags
-from playbooks.cli.edge import run_command
-from playbooks.conduct.settings import Settings
-
-DEFAULTS = {
-    "voltaforge": {
-        "host": "local",
-        "recipe": None,
-        "inventory": "inventory.yaml",
-        "recipes_dir": None,
-        "prefix": None,
-        "connect_timeout": 10,
-    }
-}
+from playbooks.cli import configured, flags
+from playbooks.cli.command import command
 
 
-def _cfg(c: Context, key: str, flag: str | None = None) -> Any:
-    """The flag's value when given (even an empty one, which flags.py then refuses), else the
-    configuration's, else the built-in default."""
-    if flag is not None:
-        return flag
-    return flags.config_section(c.config.get("voltaforge"), DEFAULTS["voltaforge"]).get(
-        key, DEFAULTS["voltaforge"][key]
-    )
-
-
-def _settings(c: Context, inventory: str | None) -> Settings:
-    """The shared settings, each value checked like a flag (a bad one in invoke.yaml is one line)."""
-    return Settings(
-        inventory=flags.inventory_file(
-            "--inventory" if inventory is not None else "voltaforge.inventory",
-            _cfg(c, "inventory", inventory),
-            DEFAULTS["voltaforge"]["inventory"],
-        ),
-        recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
-        prefix=flags.install_prefix("voltaforge.prefix", _cfg(c, "prefix")),
-        connect_timeout=flags.positive_float(
-            "voltaforge.connect_timeout", _cfg(c, "connect_timeout"), "seconds", maximum=3600
-        ),
-    )
-
-
-HOST_HELP = (
-    "inventory name, ~/.ssh/config name, address or 'local' (default: voltaforge.host in invoke.yaml, else local)"
-)
-RECIPE_HELP = "recipe name (recipes/NAME.yaml) or path (default: voltaforge.recipe, else the inventory's)"
-INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.yaml)"
-
-
-@task(
-    auto_shortflags=False,
+@command(
     help={
         "recipe": "recipe name (recipes/NAME.yaml) or path (default: voltaforge.recipe in invoke.yaml)",
         "gpu": "plan for this GPU instead of the recipe's (e.g. v100-32gb, t4, a100-40gb)",
         "model-config": "plan a bare Hugging Face config.json instead of a recipe",
         "ctx": "tokens per slot (default: the recipe's, or 4096)",
-        "parallel": "slots, with --model-config (default 1)",
-        "quant": "with --model-config: the quant to check (default Q4_K_M; EXL2 as EXL2-3.3)",
+        "parallel": "slots served at once (default: the recipe's, else 1)",
+        "quant": "the quant to check, e.g. Q8_0 or EXL2-3.3 (default: the recipe's, else Q4_K_M)",
         "n-cpu-moe": "MoE models: keep the experts of the first N layers in host RAM (llama-server --n-cpu-moe); "
         "auto: the smallest N that fits (default: the recipe's; with --model-config, auto)",
         "host-membw": "host memory bandwidth in GB/s for the experts kept in host RAM (default: the recipe's "
         "planner.host_membw_gb_s, else 50)",
         "host-ram": "host RAM in GiB that the offloaded experts must fit (default: the recipe's, else unchecked)",
-        "cache-type-k": "with --model-config: the KV cache type of K, as llama-server's -ctk (f16, q8_0, q4_0, ...; "
-        "default f16)",
-        "cache-type-v": "with --model-config: the KV cache type of V, as llama-server's -ctv (default f16; a "
+        "cache-type-k": "the KV cache type of K, as llama-server's -ctk (f16, q8_0, q4_0, ...; default: the "
+        "recipe's, else f16)",
+        "cache-type-v": "the KV cache type of V, as llama-server's -ctv (default: the recipe's, else f16; a "
         "quantized V needs flash attention, which the plan assumes on)",
         "min-tok-s": "the recommendation's speed floor: the best quality whose decode roofline reaches this many "
         "tok/s; none: the fastest (default: planner.min_tok_s, 30)",
@@ -101,7 +43,6 @@ INVENTORY_HELP = "inventory file (default: voltaforge.inventory, else inventory.
         "the recipe's, else equal shares)",
         "split-mode": "how the cards share the model, as llama-server's --split-mode: layer (the default and "
         "the one planned; row and tensor get the reason they are not)",
-        "json": "print JSON instead of tables",
     },
 )
 def plan(
@@ -122,102 +63,67 @@ def plan(
     tensor_split: str | None = None,
     split_mode: str | None = None,
     json: bool = False,
-) -> None:
+) -> int:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
+    from playbooks.cli.plan import run_plan
 
-    def go() -> int:
-        from playbooks.cli.plan import run_plan
-
-        return run_plan(
-            recipe=flags.name_or_path(
-                "--recipe", recipe if (recipe is not None or model_config) else _cfg(c, "recipe")
-            ),
-            gpu=gpu,
-            model_config=model_config,
-            ctx=flags.positive_int("--ctx", ctx, "tokens"),
-            parallel=flags.positive_int("--parallel", parallel, "slots"),
-            quant=quant,
-            n_cpu_moe=flags.n_cpu_moe("--n-cpu-moe", n_cpu_moe),
-            host_membw_gb_s=None
-            if host_membw is None
-            else flags.positive_float("--host-membw", host_membw, "GB/s", maximum=100000),
-            host_ram_gib=None
-            if host_ram is None
-            else flags.positive_float("--host-ram", host_ram, "GiB", maximum=1048576),
-            cache_type_k=flags.word("--cache-type-k", cache_type_k, "a cache type, e.g. q8_0"),
-            cache_type_v=flags.word("--cache-type-v", cache_type_v, "a cache type, e.g. q8_0"),
-            min_tok_s=flags.speed_floor("--min-tok-s", min_tok_s),
-            gpu_count=flags.positive_int("--gpu-count", gpu_count, "cards", maximum=16),  # plan.split.MAX_DEVICES
-            tensor_split=flags.shares("--tensor-split", tensor_split),
-            split_mode=flags.split_mode("--split-mode", split_mode),
-            as_json=json,
-            recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
-        )
-
-    run_command(go)
+    return run_plan(
+        recipe=flags.name_or_path(
+            "--recipe", recipe if (recipe is not None or model_config) else configured.cfg(c, "recipe")
+        ),
+        gpu=gpu,
+        model_config=model_config,
+        ctx=flags.positive_int("--ctx", ctx, "tokens"),
+        parallel=flags.positive_int("--parallel", parallel, "slots"),
+        quant=quant,
+        n_cpu_moe=flags.n_cpu_moe("--n-cpu-moe", n_cpu_moe),
+        host_membw_gb_s=None
+        if host_membw is None
+        else flags.positive_float("--host-membw", host_membw, "GB/s", maximum=100000),
+        host_ram_gib=None if host_ram is None else flags.positive_float("--host-ram", host_ram, "GiB", maximum=1048576),
+        cache_type_k=flags.word("--cache-type-k", cache_type_k, "a cache type, e.g. q8_0"),
+        cache_type_v=flags.word("--cache-type-v", cache_type_v, "a cache type, e.g. q8_0"),
+        min_tok_s=flags.speed_floor("--min-tok-s", min_tok_s),
+        gpu_count=flags.positive_int("--gpu-count", gpu_count, "cards", maximum=16),  # plan.split.MAX_DEVICES
+        tensor_split=flags.shares("--tensor-split", tensor_split),
+        split_mode=flags.split_mode("--split-mode", split_mode),
+        as_json=json,
+        recipes_dir=configured.recipes_dir(c),
+    )
 
 
-@task(
-    auto_shortflags=False,
-    help={
-        "host": HOST_HELP,
-        "recipe": RECIPE_HELP,
-        "json": "print JSON instead of tables",
-        "inventory": INVENTORY_HELP,
-    },
-)
+@command()
 def preflight(
     c: Context, host: str | None = None, recipe: str | None = None, json: bool = False, inventory: str | None = None
-) -> None:
+) -> int:
     """Read a host's facts and judge them: each check with a fix; non-zero exit when blocked."""
+    from playbooks.cli.preflight import run_preflight
 
-    def go() -> int:
-        from playbooks.cli.preflight import run_preflight
-
-        return run_preflight(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            as_json=json,
-            settings=_settings(c, inventory),
-        )
-
-    run_command(go)
+    return run_preflight(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        as_json=json,
+        settings=configured.settings(c, inventory),
+    )
 
 
-@task(
-    auto_shortflags=False,
-    help={
-        "host": HOST_HELP,
-        "recipe": RECIPE_HELP,
-        "dry-run": "print the exact commands and change nothing",
-        "inventory": INVENTORY_HELP,
-    },
-)
+@command()
 def toolchain(
     c: Context, host: str | None = None, recipe: str | None = None, dry_run: bool = False, inventory: str | None = None
-) -> None:
+) -> int:
     """Install the pinned CUDA toolkit and a venv with the pinned torch, idempotently."""
+    from playbooks.cli.toolchain import run_toolchain
 
-    def go() -> int:
-        from playbooks.cli.toolchain import run_toolchain
-
-        return run_toolchain(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            dry_run=dry_run,
-            settings=_settings(c, inventory),
-        )
-
-    run_command(go)
+    return run_toolchain(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        dry_run=dry_run,
+        settings=configured.settings(c, inventory),
+    )
 
 
-@task(
-    auto_shortflags=False,
+@command(
     help={
-        "host": HOST_HELP,
-        "recipe": RECIPE_HELP,
-        "dry-run": "print the exact commands and change nothing",
-        "inventory": INVENTORY_HELP,
         "no-cache": "compile even when the fleet cache holds a proven build of the same inputs",
     },
 )
@@ -228,35 +134,26 @@ def build(
     dry_run: bool = False,
     inventory: str | None = None,
     no_cache: bool = False,
-) -> None:
+) -> int:
     """Build llama.cpp from the pinned source for the host's GPU arch, prove it, switch it in."""
+    from playbooks.cli.build import run_build
 
-    def go() -> int:
-        from playbooks.cli.build import run_build
-
-        return run_build(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            dry_run=dry_run,
-            settings=_settings(c, inventory),
-            no_cache=no_cache,
-        )
-
-    run_command(go)
+    return run_build(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        dry_run=dry_run,
+        settings=configured.settings(c, inventory),
+        no_cache=no_cache,
+    )
 
 
-@task(
-    auto_shortflags=False,
+@command(
     help={
-        "host": HOST_HELP,
-        "recipe": RECIPE_HELP,
         "quant": "GGUF types to make, comma-separated (default: the recipe's quant), e.g. Q4_K_M,Q8_0",
         "bpw": "make an EXL2 quant of the recipe's model at this many bits per weight (2.0-8.0), e.g. 3.3",
-        "dry-run": "print the exact commands and change nothing",
         "force": "make a quant even when the plan says it cannot fit the recipe's GPU",
         "verify": "re-hash every artifact against its manifest instead of trusting size and mtime",
         "on": "make the artifacts on this host of the inventory (a CUDA host for EXL2) and copy them to --host",
-        "inventory": INVENTORY_HELP,
     },
 )
 def quantize(
@@ -270,48 +167,35 @@ def quantize(
     verify: bool = False,
     on: str | None = None,
     inventory: str | None = None,
-) -> None:
+) -> int:
     """Make the recipe's weights: fetched once, F16, imatrix, quants, each verified, with manifests."""
+    from playbooks.cli.quantize import run_quantize
 
-    def go() -> int:
-        from playbooks.cli.quantize import run_quantize
-
-        return run_quantize(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            quant=quant,
-            bpw=bpw,
-            dry_run=dry_run,
-            force=force,
-            verify=verify,
-            settings=_settings(c, inventory),
-            on=flags.one_host("--on", on) if on is not None else None,
-        )
-
-    run_command(go)
+    return run_quantize(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        quant=quant,
+        bpw=bpw,
+        dry_run=dry_run,
+        force=force,
+        verify=verify,
+        settings=configured.settings(c, inventory),
+        on=flags.one_host("--on", on) if on is not None else None,
+    )
 
 
-@task(
-    auto_shortflags=False,
-    help={"host": HOST_HELP, "json": "print JSON instead of a table", "inventory": INVENTORY_HELP},
+@command(
+    help={"json": "print JSON instead of a table"},
 )
-def artifacts(c: Context, host: str | None = None, json: bool = False, inventory: str | None = None) -> None:
+def artifacts(c: Context, host: str | None = None, json: bool = False, inventory: str | None = None) -> int:
     """List the verified model files on a host, from their manifests."""
+    from playbooks.cli.quantize import run_artifacts
 
-    def go() -> int:
-        from playbooks.cli.quantize import run_artifacts
-
-        return run_artifacts(
-            flags.one_host("--host", _cfg(c, "host", host)), as_json=json, settings=_settings(c, inventory)
-        )
-
-    run_command(go)
+    return run_artifacts(configured.host(c, host), as_json=json, settings=configured.settings(c, inventory))
 
 
-@task(
-    auto_shortflags=False,
+@command(
     help={
-        "recipe": RECIPE_HELP,
         "out": "directory to write into; files land at their host paths below it (DIR/etc/systemd/system/...)",
         "gpus": "GPU indexes, comma-separated (default 0, or 0..N-1 for a recipe split over N cards); several with "
         "a one-card recipe: one llama-server instance per GPU",
@@ -322,7 +206,6 @@ def artifacts(c: Context, host: str | None = None, json: bool = False, inventory
         "tls": "with --lb: on or off (default: on beyond loopback)",
         "host": "instead: every file this inventory host would get (its layout's recipes, GPUs, ports, "
         "instances, RPC worker units), from the inventory",
-        "inventory": INVENTORY_HELP,
     },
 )
 def render(
@@ -337,65 +220,57 @@ def render(
     port: str | None = None,
     tls: str | None = None,
     inventory: str | None = None,
-) -> None:
+) -> int:
     """Write every file deploy would install for a recipe into a local directory.
 
     The units, env files and configs; needs no host. With --lb: the balancer's."""
+    from playbooks.cli.render_files import output_dir, run_render, run_render_host, run_render_lb
 
-    def go() -> int:
-        from playbooks.cli.render_files import output_dir, run_render, run_render_host, run_render_lb
-
-        # every flag checked whatever the mode: junk is one line, never ignored
-        lb_hosts = flags.host_names("--hosts", hosts) if hosts is not None else None
-        lb_bind = flags.ip_address("--bind", bind) if bind is not None else None
-        lb_port = flags.positive_int("--port", port, "a TCP port", maximum=65535) if port is not None else None
-        lb_tls = None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on"
-        settings = _settings(c, inventory)
-        if lb is not None:
-            return run_render_lb(
-                flags.one_host("--lb", lb),
-                lb_hosts,
-                output_dir(out),
-                settings,
-                recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-                bind=lb_bind,
-                port=lb_port,
-                tls=lb_tls,
-            )
-        given = {"--hosts": hosts, "--tls": tls, "--bind": bind, "--port": port}
-        stray = [name for name, value in given.items() if value is not None]
-        if stray:
-            raise flags.UsageError(
-                f"{', '.join(stray)} {'go' if len(stray) > 1 else 'goes'} with --lb (the balancer's files)"
-            )
-        if host is not None:
-            mixed = [name for name, value in {"--recipe": recipe, "--gpus": gpus}.items() if value is not None]
-            if mixed:
-                raise flags.UsageError(f"{', '.join(mixed)}: --host renders what the inventory gives that host")
-            return run_render_host(flags.one_host("--host", host), output_dir(out), settings)
-        if inventory is not None:
-            raise flags.UsageError("--inventory goes with --host or --lb (what the inventory gives a host)")
-        return run_render(
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            out=output_dir(out),
-            gpus=flags.gpu_indexes(gpus),
-            recipes_dir=flags.directory("voltaforge.recipes_dir", _cfg(c, "recipes_dir")),
-            prefix=flags.install_prefix("voltaforge.prefix", _cfg(c, "prefix")),
+    # every flag checked whatever the mode: junk is one line, never ignored
+    lb_hosts = flags.host_names("--hosts", hosts) if hosts is not None else None
+    lb_bind = flags.ip_address("--bind", bind) if bind is not None else None
+    lb_port = flags.positive_int("--port", port, "a TCP port", maximum=65535) if port is not None else None
+    lb_tls = None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on"
+    settings = configured.settings(c, inventory)
+    if lb is not None:
+        return run_render_lb(
+            flags.one_host("--lb", lb),
+            lb_hosts,
+            output_dir(out),
+            settings,
+            recipe=configured.recipe(c, recipe),
+            bind=lb_bind,
+            port=lb_port,
+            tls=lb_tls,
         )
+    given = {"--hosts": hosts, "--tls": tls, "--bind": bind, "--port": port}
+    stray = [name for name, value in given.items() if value is not None]
+    if stray:
+        raise flags.UsageError(
+            f"{', '.join(stray)} {'go' if len(stray) > 1 else 'goes'} with --lb (the balancer's files)"
+        )
+    if host is not None:
+        mixed = [name for name, value in {"--recipe": recipe, "--gpus": gpus}.items() if value is not None]
+        if mixed:
+            raise flags.UsageError(f"{', '.join(mixed)}: --host renders what the inventory gives that host")
+        return run_render_host(flags.one_host("--host", host), output_dir(out), settings)
+    if inventory is not None:
+        raise flags.UsageError("--inventory goes with --host or --lb (what the inventory gives a host)")
+    return run_render(
+        recipe=configured.recipe(c, recipe),
+        out=output_dir(out),
+        gpus=flags.gpu_indexes(gpus),
+        recipes_dir=configured.recipes_dir(c),
+        prefix=flags.install_prefix("voltaforge.prefix", configured.cfg(c, "prefix")),
+    )
 
-    run_command(go)
 
-
-@task(
-    auto_shortflags=False,
+@command(
     help={
-        "host": HOST_HELP,
-        "recipe": RECIPE_HELP,
         "dry-run": "show the diff of every file and the commands; change nothing",
         "manager": "auto (systemd where it runs, else a managed process), systemd, or process",
         "gpus": "GPU indexes, comma-separated (default 0, or 0..N-1 for a recipe split over N cards); several with "
         "a one-card recipe: one llama-server instance per GPU",
-        "inventory": INVENTORY_HELP,
     },
 )
 def deploy(
@@ -406,59 +281,46 @@ def deploy(
     manager: str = "auto",
     gpus: str | None = None,
     inventory: str | None = None,
-) -> None:
+) -> int:
     """Install and start the recipe's server; roll back to the last good one on failure.
 
     From the rendered files and the verified model; /health and the load log are checked
     against the plan."""
+    from playbooks.cli.deploy import run_deploy
 
-    def go() -> int:
-        from playbooks.cli.deploy import run_deploy
-
-        return run_deploy(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            dry_run=dry_run,
-            manager=flags.choice("--manager", manager, ("auto", "systemd", "process")),
-            settings=_settings(c, inventory),
-            gpus=flags.gpu_indexes(gpus),
-        )
-
-    run_command(go)
+    return run_deploy(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        dry_run=dry_run,
+        manager=flags.choice("--manager", manager, ("auto", "systemd", "process")),
+        settings=configured.settings(c, inventory),
+        gpus=flags.gpu_indexes(gpus),
+    )
 
 
-@task(
-    auto_shortflags=False,
+@command(
     help={
-        "host": HOST_HELP,
-        "recipe": RECIPE_HELP,
         "dry-run": "show what would change and the commands; change nothing",
-        "inventory": INVENTORY_HELP,
     },
 )
 def rpc_worker(
     c: Context, host: str | None = None, recipe: str | None = None, dry_run: bool = False, inventory: str | None = None
-) -> None:
+) -> int:
     """Run the recipe's llama.cpp RPC workers on a host (a model split across hosts).
 
     The host's toolchain and llama.cpp build, then one hardened ggml-rpc-server unit per rpc:
     entry of the recipe whose worker is this host, listening on its endpoint only."""
+    from playbooks.cli.rpc_worker import run_rpc_worker
 
-    def go() -> int:
-        from playbooks.cli.rpc_worker import run_rpc_worker
-
-        return run_rpc_worker(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            dry_run=dry_run,
-            settings=_settings(c, inventory),
-        )
-
-    run_command(go)
+    return run_rpc_worker(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        dry_run=dry_run,
+        settings=configured.settings(c, inventory),
+    )
 
 
-@task(
-    auto_shortflags=False,
+@command(
     help={
         "host": "the host that runs the balancer",
         "hosts": "the hosts whose servers it balances, comma-separated (default: the inventory's lb: hosts)",
@@ -469,7 +331,6 @@ def rpc_worker(
         "cert": "the certificate HAProxy presents (PEM file here; with --key)",
         "key": "its private key (PEM file here, unencrypted)",
         "dry-run": "show what would change and the commands; change nothing",
-        "inventory": INVENTORY_HELP,
     },
 )
 def lb(
@@ -484,57 +345,46 @@ def lb(
     key: str | None = None,
     dry_run: bool = False,
     inventory: str | None = None,
-) -> None:
+) -> int:
     """One TLS endpoint for a fleet's servers, routed by model name: HAProxy, health-checked.
 
     Every server the hosts' deployment records say they serve, grouped by served model name,
     each taking its slots (the rest wait at the edge). Flags left out come from the
     inventory's lb: entry. Debian's haproxy, a hardened unit (or a managed process)."""
+    from playbooks.cli.balancer import run_lb
 
-    def go() -> int:
-        from playbooks.cli.balancer import run_lb
-
-        return run_lb(
-            # --host, else the inventory's lb: host, else the configuration's host
-            flags.one_host("--host", host) if host is not None else None,
-            flags.host_names("--hosts", hosts) if hosts is not None else None,
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            bind=flags.ip_address("--bind", bind) if bind is not None else None,
-            port=flags.positive_int("--port", port, "a TCP port", maximum=65535) if port is not None else None,
-            tls=None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on",
-            cert=str(flags.existing_file("--cert", cert)) if cert is not None else None,
-            key=str(flags.existing_file("--key", key)) if key is not None else None,
-            dry_run=dry_run,
-            settings=_settings(c, inventory),
-            default_host=flags.one_host("--host", _cfg(c, "host")),
-        )
-
-    run_command(go)
+    return run_lb(
+        # --host, else the inventory's lb: host, else the configuration's host
+        flags.one_host("--host", host) if host is not None else None,
+        flags.host_names("--hosts", hosts) if hosts is not None else None,
+        recipe=configured.recipe(c, recipe),
+        bind=flags.ip_address("--bind", bind) if bind is not None else None,
+        port=flags.positive_int("--port", port, "a TCP port", maximum=65535) if port is not None else None,
+        tls=None if tls is None else flags.choice("--tls", tls, ("on", "off")) == "on",
+        cert=str(flags.existing_file("--cert", cert)) if cert is not None else None,
+        key=str(flags.existing_file("--key", key)) if key is not None else None,
+        dry_run=dry_run,
+        settings=configured.settings(c, inventory),
+        default_host=flags.one_host("--host", configured.cfg(c, "host")),
+    )
 
 
-@task(auto_shortflags=False, help={"host": HOST_HELP, "recipe": RECIPE_HELP, "inventory": INVENTORY_HELP})
-def stop(c: Context, host: str | None = None, recipe: str | None = None, inventory: str | None = None) -> None:
+@command()
+def stop(c: Context, host: str | None = None, recipe: str | None = None, inventory: str | None = None) -> int:
     """Stop the recipe's server on a host (the unit, or the managed process); its files stay.
 
     Without a recipe: the one the host's deployment record says it serves."""
+    from playbooks.cli.deploy import run_stop
 
-    def go() -> int:
-        from playbooks.cli.deploy import run_stop
-
-        return run_stop(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-            settings=_settings(c, inventory),
-        )
-
-    run_command(go)
+    return run_stop(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        settings=configured.settings(c, inventory),
+    )
 
 
-@task(
-    auto_shortflags=False,
+@command(
     help={
-        "host": HOST_HELP,
-        "recipe": RECIPE_HELP,
         "objective": "single (one stream's decode, default), aggregate (every slot busy) or latency (TTFT p95)",
         "quants": "GGUF types to try, comma-separated (default: the recipe's); missing ones are made",
         "cache": "KV cache types to try: f16,q8_0 or K/V pairs like q8_0/q4_0 (default: the recipe's and f16)",
@@ -555,7 +405,6 @@ def stop(c: Context, host: str | None = None, recipe: str | None = None, invento
         "json": "print the whole result as JSON instead of the table",
         "dry-run": "connect to nothing: print the space, the pruning, the measuring order and a predicted time",
         "gpu": "with --dry-run: plan the recipe for this card instead of its own (e.g. v100-32gb)",
-        "inventory": INVENTORY_HELP,
     },
 )
 def tune(
@@ -581,65 +430,57 @@ def tune(
     dry_run: bool = False,
     gpu: str | None = None,
     inventory: str | None = None,
-) -> None:
+) -> int:
     """Search the served configuration on the host and write the winner as a recipe.
 
     Guided by the roofline: every candidate planned (what cannot fit is pruned), served on a
     scratch port, benched with confidence; ties go to the simpler configuration."""
+    from playbooks.cli.tune import options, run_tune, run_tune_preview
 
-    def go() -> int:
-        from playbooks.cli.tune import options, run_tune, run_tune_preview
-
-        opts = options(
-            objective=str(objective).strip(),
-            quants=quants,
-            cache=cache,
-            flash_attn=flash_attn,
-            slots=flags.positive_int("--slots", slots, "slots", 64),
-            ubatch=ubatch,
-            spec=spec,
-            min_ctx=flags.positive_int("--min-ctx", min_ctx, "tokens", 1 << 20),
-            min_bpw=flags.positive_float("--min-bpw", min_bpw, "bits per weight", 32) if min_bpw is not None else None,
-            budget=budget,
-            rungs=flags.positive_int("--rungs", rungs, "rungs", 8),
-            take_over=take_over,
-            port=flags.positive_int("--port", port, "a port", 65535),
-            threads=threads,
-            remeasure=remeasure,
-        )
-        if dry_run:
-            named_host = _cfg(c, "host", host)
-            return run_tune_preview(
-                flags.one_host("--host", named_host) if named_host is not None else None,
-                recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-                opts=opts,
-                gpu=flags.word("--gpu", gpu, "a GPU name, e.g. v100-16gb"),
-                as_json=json,
-                settings=_settings(c, inventory),
-            )
-        if gpu is not None:
-            raise flags.UsageError("--gpu goes with --dry-run: a real search measures the host's own card")
-        return run_tune(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+    opts = options(
+        objective=str(objective).strip(),
+        quants=quants,
+        cache=cache,
+        flash_attn=flash_attn,
+        slots=flags.positive_int("--slots", slots, "slots", 64),
+        ubatch=ubatch,
+        spec=spec,
+        min_ctx=flags.positive_int("--min-ctx", min_ctx, "tokens", 1 << 20),
+        min_bpw=flags.positive_float("--min-bpw", min_bpw, "bits per weight", 32) if min_bpw is not None else None,
+        budget=budget,
+        rungs=flags.positive_int("--rungs", rungs, "rungs", 8),
+        take_over=take_over,
+        port=flags.positive_int("--port", port, "a port", 65535),
+        threads=threads,
+        remeasure=remeasure,
+    )
+    if dry_run:
+        named_host = configured.cfg(c, "host", host)
+        return run_tune_preview(
+            flags.one_host("--host", named_host) if named_host is not None else None,
+            recipe=configured.recipe(c, recipe),
             opts=opts,
+            gpu=flags.word("--gpu", gpu, "a GPU name, e.g. v100-16gb"),
             as_json=json,
-            settings=_settings(c, inventory),
+            settings=configured.settings(c, inventory),
         )
+    if gpu is not None:
+        raise flags.UsageError("--gpu goes with --dry-run: a real search measures the host's own card")
+    return run_tune(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        opts=opts,
+        as_json=json,
+        settings=configured.settings(c, inventory),
+    )
 
-    run_command(go)
 
-
-@task(
-    auto_shortflags=False,
+@command(
     help={
-        "host": HOST_HELP,
-        "recipe": RECIPE_HELP,
         "json": "print the whole result as JSON instead of the table",
         "compare": "show the change against the last and the best run of this host and recipe",
         "remeasure": "measure the host's memory bandwidth again instead of reusing the stored figure",
         "lb": "measure through the balancer on --host (invoke lb) on this port, with each backend's share",
-        "inventory": INVENTORY_HELP,
     },
 )
 def bench(
@@ -651,71 +492,74 @@ def bench(
     remeasure: bool = False,
     lb: str | None = None,
     inventory: str | None = None,
-) -> None:
+) -> int:
     """Measure the deployed server against its roofline and judge the gate (exit 1: failed).
 
     A concurrency sweep with confidence intervals, telemetry, JSON/Markdown/PNG reports and a
     history on this machine. Without a recipe: the one the host's deployment record says it
     serves (a host's serve: layout: each of its servers). --lb PORT: the same workload through
     the host's balancer, with each backend's share of the requests (no gate)."""
+    from playbooks.cli.bench import run_bench, run_bench_lb
 
-    def go() -> int:
-        from playbooks.cli.bench import run_bench, run_bench_lb
-
-        if lb is not None:
-            return run_bench_lb(
-                flags.one_host("--host", _cfg(c, "host", host)),
-                port=flags.positive_int("--lb", lb, "a TCP port", maximum=65535) or 8000,
-                recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
-                as_json=json,
-                settings=_settings(c, inventory),
-            )
-        return run_bench(
-            flags.one_host("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", _cfg(c, "recipe", recipe)),
+    if lb is not None:
+        return run_bench_lb(
+            configured.host(c, host),
+            port=flags.positive_int("--lb", lb, "a TCP port", maximum=65535) or 8000,
+            recipe=configured.recipe(c, recipe),
             as_json=json,
-            show_compare=compare,
-            settings=_settings(c, inventory),
-            remeasure=remeasure,
+            settings=configured.settings(c, inventory),
         )
+    return run_bench(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        as_json=json,
+        show_compare=compare,
+        settings=configured.settings(c, inventory),
+        remeasure=remeasure,
+    )
 
-    run_command(go)
 
-
-@task(
-    auto_shortflags=False,
+@command(
     help={
         "host": "one host or several, comma-separated, read at once (default: voltaforge.host, else local)",
         "json": "print JSON instead of a table",
-        "inventory": INVENTORY_HELP,
     },
 )
-def status(c: Context, host: str | None = None, json: bool = False, inventory: str | None = None) -> None:
+def status(c: Context, host: str | None = None, json: bool = False, inventory: str | None = None) -> int:
     """Show what each host serves, from its deployment records.
 
     Recipe, model, port, /health, the unit or process and its uptime, the last gate's figures;
     exit 1 when a host cannot be read."""
+    from playbooks.cli.status import run_status
 
-    def go() -> int:
-        from playbooks.cli.status import run_status
-
-        return run_status(
-            flags.host_names("--host", _cfg(c, "host", host)), as_json=json, settings=_settings(c, inventory)
-        )
-
-    run_command(go)
+    return run_status(
+        flags.host_names("--host", configured.cfg(c, "host", host)),
+        as_json=json,
+        settings=configured.settings(c, inventory),
+    )
 
 
-@task(
+def _typed_provision(
+    host: str | None, recipe: str | None, inventory: str | None, drain_timeout: float | None, rebench: bool
+) -> str:
+    """The provision command as typed, for the fix line: without --dry-run and --json."""
+    words = ["invoke", "provision"]
+    for flag, value in (("--host", host), ("--recipe", recipe), ("--inventory", inventory)):
+        if value is not None:
+            words += [flag, str(value)]
+    if drain_timeout is not None:
+        words += ["--drain-timeout", str(drain_timeout)]
+    return shlex.join(words + (["--rebench"] if rebench else []))
+
+
+@command(
     klass=flags.ShortFlagTask,
-    auto_shortflags=False,
     help={
         "host": "one host or several, comma-separated, provisioned at once (default: voltaforge.host, else local)",
         "recipe": "recipe name or path (default: each host's in the inventory, else voltaforge.recipe, else tiny-cpu)",
         "dry-run": "print every step's commands and change nothing",
         "rebench": "run the gate's benchmark even when this deployment already passed it",
         "json": "also write the summary as JSON to this file",
-        "inventory": INVENTORY_HELP,
         "verbose": "every line live (commands, compiler, pip), as the log has them; quiet by default",
         "drain-timeout": "seconds a server drained on its balancer may take to finish its requests before it is "
         "changed anyway (default 300)",
@@ -731,46 +575,32 @@ def provision(
     inventory: str | None = None,
     verbose: bool = False,
     drain_timeout: float | None = None,
-) -> None:
+) -> int:
     """Everything, in order, on one host or many, up to a passed benchmark gate.
 
     Preflight, toolchain, build, quantize, deploy and the gate; each step ok when already
     right; a failed gate rolls back; a re-run resumes. With no flags: the tiny CPU recipe on
     this machine."""
+    from playbooks.cli.provision import run_provision
+    from playbooks.conduct.provision import DEFAULT_RECIPE, Options
+    from playbooks.conduct.roll import DRAIN_BOUND_S
 
-    def go() -> int:
-        from playbooks.cli.provision import run_provision
-        from playbooks.conduct.provision import DEFAULT_RECIPE, Options
-        from playbooks.conduct.roll import DRAIN_BOUND_S
-
-        return run_provision(
-            flags.host_names("--host", _cfg(c, "host", host)),
-            recipe=flags.name_or_path("--recipe", recipe),
-            default_recipe=flags.name_or_path("voltaforge.recipe", _cfg(c, "recipe")) or DEFAULT_RECIPE,
-            options=Options(
-                dry_run=dry_run,
-                rebench=rebench,
-                command=typed_command(),
-                drain_timeout_s=DRAIN_BOUND_S
-                if drain_timeout is None
-                else flags.positive_float("--drain-timeout", drain_timeout, "seconds", 3600),
-            ),
-            settings=_settings(c, inventory),
-            json_out=flags.output_file("--json", json),
-            verbose=verbose,
-        )
-
-    def typed_command() -> str:
-        """The command as typed, for the fix line: without --dry-run and --json."""
-        words = ["invoke", "provision"]
-        for flag, value in (("--host", host), ("--recipe", recipe), ("--inventory", inventory)):
-            if value is not None:
-                words += [flag, str(value)]
-        if drain_timeout is not None:
-            words += ["--drain-timeout", str(drain_timeout)]
-        return shlex.join(words + (["--rebench"] if rebench else []))
-
-    run_command(go)
+    return run_provision(
+        flags.host_names("--host", configured.cfg(c, "host", host)),
+        recipe=flags.name_or_path("--recipe", recipe),
+        default_recipe=flags.name_or_path("voltaforge.recipe", configured.cfg(c, "recipe")) or DEFAULT_RECIPE,
+        options=Options(
+            dry_run=dry_run,
+            rebench=rebench,
+            command=_typed_provision(host, recipe, inventory, drain_timeout, rebench),
+            drain_timeout_s=DRAIN_BOUND_S
+            if drain_timeout is None
+            else flags.positive_float("--drain-timeout", drain_timeout, "seconds", 3600),
+        ),
+        settings=configured.settings(c, inventory),
+        json_out=flags.output_file("--json", json),
+        verbose=verbose,
+    )
 
 
 VERIFY_USAGE = """Usage: invoke verify-recipe RECIPE [--reports DIR]
@@ -781,44 +611,37 @@ VERIFY_USAGE = """Usage: invoke verify-recipe RECIPE [--reports DIR]
   the gate failed; 2: bad input."""
 
 
-@task(
-    auto_shortflags=False,
+@command(
     positional=["recipe"],
     help={
         "recipe": "the recipe to prove on this machine's GPU (name or path)",
         "reports": "directory for the gate's JSON/Markdown/PNG reports and provision.json (default: reports/RECIPE)",
     },
 )
-def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = None) -> None:
+def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = None) -> int:
     """What the GPU runner runs (ci/): provision a recipe here, the gate measured afresh.
 
     The reports land in --reports; exit 1 when the gate fails."""
+    from playbooks.cli.provision import run_provision
+    from playbooks.conduct.provision import Options
 
-    def go() -> int:
-        from playbooks.cli.provision import run_provision
-        from playbooks.conduct.provision import Options
-
-        if recipe in ("-h", "--help"):  # a positional argument takes the next word, even --help
-            print(VERIFY_USAGE)
-            return 0
-        name = flags.name_or_path("RECIPE", recipe)
-        if name is None:
-            raise flags.UsageError("verify-recipe: name the recipe, e.g. `invoke verify-recipe qwen2.5-14b-v100-16gb`")
-        where = flags.output_dir("--reports", reports if reports is not None else f"reports/{Path(name).stem}")
-        return run_provision(
-            ["local"],
-            recipe=name,
-            options=Options(rebench=True, reports=where),
-            settings=_settings(c, None),
-            json_out=where / "provision.json",
-        )
-
-    run_command(go)
+    if recipe in ("-h", "--help"):  # a positional argument takes the next word, even --help
+        print(VERIFY_USAGE)
+        return 0
+    name = flags.name_or_path("RECIPE", recipe)
+    if name is None:
+        raise flags.UsageError("verify-recipe: name the recipe, e.g. `invoke verify-recipe qwen2.5-14b-v100-16gb`")
+    where = flags.output_dir("--reports", reports if reports is not None else f"reports/{Path(name).stem}")
+    return run_provision(
+        ["local"],
+        recipe=name,
+        options=Options(rebench=True, reports=where),
+        settings=configured.settings(c, None),
+        json_out=where / "provision.json",
+    )
 
 
-@task(
-    auto_shortflags=False, help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"}
-)
+@command(help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
 def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     """Run the test suite (what .ci/run runs): ruff, mypy, then pytest."""
     # the interpreter running invoke, so the venv's tools are used whatever PATH says
@@ -854,4 +677,4 @@ ns = Collection(
     verify_recipe,
     test,
 )
-ns.configure(DEFAULTS)
+ns.configure(configured.DEFAULTS)
