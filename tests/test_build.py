@@ -460,3 +460,26 @@ def test_build_tools_are_run_by_the_path_the_host_found_them_at():
 def test_a_host_without_cmake_gets_one_line_naming_the_fix():
     with pytest.raises(OperationError, match="cmake is not installed on the host: the toolchain step installs it"):
         op(cuda_release=None).decide(facts(toolkits=(), cmake=None))
+
+
+def test_a_toolchain_error_buried_under_make_is_the_failures_one_line(tmp_path):
+    """Real make output of CUDA 13 refusing an old arch (tests/fixtures/nvcc-cuda13-unsupported-
+    arch-make-output.txt, from cuda-samples issue 382), then make's follow-up errors: the host
+    layer keeps the nvcc line under the last five, and the build's failure is one line with its
+    fix (facts/cuda.parse_nvcc_error), where it used to end in make's 'Error 2'."""
+    from playbooks.errors import HostError
+    from playbooks.host import LocalHost
+    from playbooks.steps.build.proven_build import build_failure
+
+    out = tmp_path / "make.txt"
+    out.write_text(
+        fixture_body("nvcc-cuda13-unsupported-arch-make-output.txt")
+        + "".join(f"make[1]: *** [CMakeFiles/Makefile2:{i}: all] Error 2\n" for i in range(6))
+    )
+    with pytest.raises(HostError) as info:
+        LocalHost().run(f"cat {out} >&2; exit 2", stream=False)
+    assert "nvcc fatal   : Unsupported gpu architecture 'compute_50'" in str(info.value)
+    msg = str(build_failure(info.value, "re-run"))
+    assert len(msg.splitlines()) == 1, msg
+    assert msg.startswith("the build stopped at a toolchain error (nvcc fatal   : Unsupported gpu architecture")
+    assert "sm_70 needs CUDA 9.0-12.x, not 13+" in msg and msg.endswith("; then re-run")

@@ -6,15 +6,16 @@ import re
 import pytest
 
 from playbooks.config.recipe import load_recipe
-from playbooks.facts import cuda, gpu, system
+from playbooks.facts import cuda, system
 from playbooks.steps.preflight import HostFacts, judge
 from tests.helpers import ROOT, fixture_body
+from tests.nvidia_smi_text import parse_nvidia_smi_table
 
 GIB = 1 << 30
 
 
 def facts(gpu_fixture="nvidia-smi-v100-sxm2-16gb-aws-p3-driver525.txt", free_bytes=500 * 10**9, booted=True, **over):
-    gpus = gpu.parse_nvidia_smi_table(fixture_body(gpu_fixture)) if gpu_fixture else gpu.parse_nvidia_smi_table("")
+    gpus = parse_nvidia_smi_table(fixture_body(gpu_fixture) if gpu_fixture else "")
     base = dict(
         host="v100-01",
         os=system.parse_os_release(fixture_body("thishost-os-release-debian12.txt")),

@@ -134,7 +134,7 @@ _NAME_TO_CC: tuple[tuple[re.Pattern[str], tuple[int, int]], ...] = tuple(
 )
 
 # Architectures where every product has the same compute capability.
-_ARCH_TO_CC = {"volta": (7, 0)}
+ARCH_TO_CC = {"volta": (7, 0)}
 
 
 def compute_capability_from_name(name: str | None) -> tuple[int, int] | None:
@@ -178,11 +178,6 @@ def decode_clocks_event_reasons(mask: int) -> tuple[str, ...]:
     return tuple(reasons)
 
 
-def _normalise_reason(label: str) -> str:
-    """nvidia-smi -q label -> the same id as the bitmask decoder ('SW Power Cap' -> 'sw_power_cap')."""
-    return re.sub(r"[^a-z0-9]+", "_", label.strip().lower()).strip("_")
-
-
 _MISSING_VALUES = {
     "",
     "n/a",
@@ -198,29 +193,29 @@ _MISSING_VALUES = {
 }
 
 
-def _clean(value: str | None) -> str | None:
+def cell(value: str | None) -> str | None:
     if value is None:
         return None
     value = value.strip()
     return None if value.lower() in _MISSING_VALUES else value
 
 
-def _number(value: str | None) -> float | None:
+def leading_number(value: str | None) -> float | None:
     """Leading number of a value with or without unit ('16384 MiB', '300.00 W', '32 C', '16x')."""
-    value = _clean(value)
+    value = cell(value)
     if value is None:
         return None
     m = re.match(r"[-+]?\d+(?:\.\d+)?", value)
     return float(m.group()) if m else None
 
 
-def _int(value: str | None) -> int | None:
-    number = _number(value)
+def cell_int(value: str | None) -> int | None:
+    number = leading_number(value)
     return None if number is None else int(number)
 
 
-def _bool(value: str | None) -> bool | None:
-    value = _clean(value)
+def cell_bool(value: str | None) -> bool | None:
+    value = cell(value)
     if value is None:
         return None
     low = value.lower()
@@ -231,18 +226,18 @@ def _bool(value: str | None) -> bool | None:
     return None
 
 
-def _cc(value: str | None) -> tuple[int, int] | None:
-    value = _clean(value)
+def cell_cc(value: str | None) -> tuple[int, int] | None:
+    value = cell(value)
     m = re.fullmatch(r"(\d+)\.(\d+)", value or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _major_minor(value: str | None) -> tuple[int, int] | None:
-    m = re.match(r"(\d+)\.(\d+)", _clean(value) or "")
+def major_minor(value: str | None) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", cell(value) or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _nvidia_smi_failure(text: str | None) -> GpuFacts | None:
+def nvidia_smi_failure(text: str | None) -> GpuFacts | None:
     """The outputs that mean 'no usable GPU' whatever was asked of nvidia-smi."""
     stripped = (text or "").strip()
     if not stripped:
@@ -256,7 +251,7 @@ def _nvidia_smi_failure(text: str | None) -> GpuFacts | None:
     return None
 
 
-def _nvidia_smi_command(args: str) -> str:
+def nvidia_smi_command(args: str) -> str:
     return (
         "if command -v nvidia-smi >/dev/null 2>&1; then "
         f"nvidia-smi {args} 2>&1 || true; "
@@ -297,7 +292,7 @@ QUERY_FIELDS_LEGACY: tuple[str, ...] = tuple(f for f in QUERY_FIELDS if f != "co
 
 def nvidia_smi_csv_command(fields: Sequence[str] = QUERY_FIELDS) -> str:
     """`nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits`, safe when absent."""
-    return _nvidia_smi_command(f"--query-gpu={','.join(fields)} --format=csv,noheader,nounits")
+    return nvidia_smi_command(f"--query-gpu={','.join(fields)} --format=csv,noheader,nounits")
 
 
 NVIDIA_SMI_CSV_COMMAND = nvidia_smi_csv_command(QUERY_FIELDS)
@@ -320,10 +315,10 @@ _HEADER_CELL = re.compile(r"[a-z_][a-z0-9_.]*")
 
 
 def _csv_row_to_gpu(row: Mapping[str, str], position: int) -> GpuInfo:
-    index = _int(row.get("index"))
-    name = _clean(row.get("name"))
-    cc = _cc(row.get("compute_cap")) or compute_capability_from_name(name)
-    mask_text = _clean(row.get("clocks_throttle_reasons.active"))
+    index = cell_int(row.get("index"))
+    name = cell(row.get("name"))
+    cc = cell_cc(row.get("compute_cap")) or compute_capability_from_name(name)
+    mask_text = cell(row.get("clocks_throttle_reasons.active"))
     reasons = None
     if mask_text is not None:
         try:
@@ -333,24 +328,24 @@ def _csv_row_to_gpu(row: Mapping[str, str], position: int) -> GpuInfo:
     return GpuInfo(
         index=position if index is None else index,
         name=name,
-        uuid=_clean(row.get("uuid")),
-        pci_bus_id=_clean(row.get("pci.bus_id")),
+        uuid=cell(row.get("uuid")),
+        pci_bus_id=cell(row.get("pci.bus_id")),
         compute_capability=cc,
-        memory_total_mib=_int(row.get("memory.total")),
-        memory_used_mib=_int(row.get("memory.used")),
-        memory_free_mib=_int(row.get("memory.free")),
-        driver_version=_clean(row.get("driver_version")),
-        temperature_c=_int(row.get("temperature.gpu")),
-        power_draw_w=_number(row.get("power.draw")),
-        power_limit_w=_number(row.get("power.limit")),
-        sm_clock_mhz=_int(row.get("clocks.sm")),
-        max_sm_clock_mhz=_int(row.get("clocks.max.sm")),
-        mem_clock_mhz=_int(row.get("clocks.mem")),
-        max_mem_clock_mhz=_int(row.get("clocks.max.mem")),
-        utilization_gpu_pct=_int(row.get("utilization.gpu")),
-        persistence_mode=_bool(row.get("persistence_mode")),
-        pcie_gen=_int(row.get("pcie.link.gen.current")),
-        pcie_width=_int(row.get("pcie.link.width.current")),
+        memory_total_mib=cell_int(row.get("memory.total")),
+        memory_used_mib=cell_int(row.get("memory.used")),
+        memory_free_mib=cell_int(row.get("memory.free")),
+        driver_version=cell(row.get("driver_version")),
+        temperature_c=cell_int(row.get("temperature.gpu")),
+        power_draw_w=leading_number(row.get("power.draw")),
+        power_limit_w=leading_number(row.get("power.limit")),
+        sm_clock_mhz=cell_int(row.get("clocks.sm")),
+        max_sm_clock_mhz=cell_int(row.get("clocks.max.sm")),
+        mem_clock_mhz=cell_int(row.get("clocks.mem")),
+        max_mem_clock_mhz=cell_int(row.get("clocks.max.mem")),
+        utilization_gpu_pct=cell_int(row.get("utilization.gpu")),
+        persistence_mode=cell_bool(row.get("persistence_mode")),
+        pcie_gen=cell_int(row.get("pcie.link.gen.current")),
+        pcie_width=cell_int(row.get("pcie.link.width.current")),
         clocks_event_reasons=reasons,
     )
 
@@ -363,7 +358,7 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str] | None = QUERY_FIELDS)
     '[N/A]' / '[Not Supported]' become None. The driver-470 error 'Field "compute_cap" is
     not a valid field to query.' gives available=False with needs_legacy_query=True.
     """
-    failure = _nvidia_smi_failure(text)
+    failure = nvidia_smi_failure(text)
     if failure is not None:
         return failure
     for line in lines(text):
@@ -395,7 +390,7 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str] | None = QUERY_FIELDS)
             warnings.append(f"ignored line: {line.strip()}")
             continue
         row = dict(zip(columns, cells, strict=True))
-        if "index" in row and _int(row["index"]) is None:
+        if "index" in row and cell_int(row["index"]) is None:
             warnings.append(f"ignored line: {line.strip()}")
             continue
         gpus.append(_csv_row_to_gpu(row, len(gpus)))
@@ -414,212 +409,6 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str] | None = QUERY_FIELDS)
         source="nvidia-smi",
         gpus=tuple(gpus),
         driver_version=drivers.pop() if len(drivers) == 1 else None,
-        warnings=tuple(warnings),
-    )
-
-
-# --------------------------------------------------------------------------- default table
-
-NVIDIA_SMI_TABLE_COMMAND = _nvidia_smi_command("")
-
-_TABLE_HEADER_DRIVER = re.compile(r"Driver Version:\s*(\S+)")
-_TABLE_HEADER_CUDA = re.compile(r"CUDA Version:\s*(\d+\.\d+)")
-_TABLE_ROW1 = re.compile(r"^\s*(\d+)\s+(.*?)\s+(On|Off|N/A)\s*$")
-_TABLE_BUS = re.compile(r"([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f])")
-_TABLE_ROW2 = re.compile(
-    r"^\s*(?P<fan>\S+)\s+(?P<temp>\d+C|N/A)\s+(?P<perf>P\d+|N/A)\s+"
-    r"(?P<draw>\d+(?:\.\d+)?W|N/A)\s*/\s*(?P<cap>\d+(?:\.\d+)?W|N/A)\s*$"
-)
-_TABLE_MEM = re.compile(r"(\d+)MiB\s*/\s*(\d+)MiB")
-
-
-def parse_nvidia_smi_table(text: str) -> GpuFacts:
-    """Parse the default `nvidia-smi` table (R384 DGX-1 layout, 2020-2023 layout, R570+ layout).
-
-    Reads the header (driver, max CUDA), then per GPU the first row (index, name,
-    persistence, bus id) and the second (temperature, power draw/cap, memory used/total).
-    Long names come truncated ('Tesla V100-SXM2...'); the compute capability is inferred from
-    the name. A table that ends inside the GPU section sets truncated=True.
-    """
-    failure = _nvidia_smi_failure(text)
-    if failure is not None:
-        return failure
-    driver = cuda = None
-    gpus: list[dict] = []
-    state = "header"  # header -> gpus -> done
-    closed = True
-    for line in lines(text):
-        stripped = line.strip()
-        if state == "header":
-            if driver is None and (m := _TABLE_HEADER_DRIVER.search(line)):
-                driver = m.group(1)
-                if c := _TABLE_HEADER_CUDA.search(line):
-                    cuda = _major_minor(c.group(1))
-            if stripped.startswith("|=") and driver is not None:
-                state = "gpus"
-            continue
-        if state == "done":
-            break
-        if stripped.startswith("+"):
-            closed = True
-            continue
-        if not stripped.startswith("|") or "Processes:" in stripped:
-            state = "done"
-            continue
-        cells = stripped.strip("|").split("|")
-        if (m := _TABLE_ROW1.match(cells[0])) and len(cells) >= 2:
-            bus = _TABLE_BUS.search(cells[1])
-            name = m.group(2).strip()
-            gpus.append(
-                {
-                    "index": int(m.group(1)),
-                    "name": name[:-3].rstrip() if name.endswith("...") else name,
-                    "name_truncated": name.endswith("..."),
-                    "persistence_mode": _bool(m.group(3)),
-                    "pci_bus_id": bus.group(1) if bus else None,
-                    "driver_version": driver,
-                }
-            )
-            closed = False
-            continue
-        if gpus and (m := _TABLE_ROW2.match(cells[0])):
-            gpu = gpus[-1]
-            gpu["temperature_c"] = _int(m.group("temp"))
-            gpu["power_draw_w"] = _number(m.group("draw"))
-            gpu["power_limit_w"] = _number(m.group("cap"))
-            if len(cells) >= 2 and (mem := _TABLE_MEM.search(cells[1])):
-                used, total = int(mem.group(1)), int(mem.group(2))
-                gpu.update(memory_used_mib=used, memory_total_mib=total, memory_free_mib=total - used)
-    if driver is None:
-        first = next((ln.strip() for ln in lines(text) if ln.strip()), "")
-        return GpuFacts(available=False, source="nvidia-smi", reason=f"no nvidia-smi table header in output: {first}")
-    infos = []
-    for gpu in gpus:
-        name = gpu["name"]
-        infos.append(GpuInfo(compute_capability=compute_capability_from_name(name), **gpu))
-    # A complete table closes every GPU block with a '+---' border line.
-    truncated = bool(gpus) and not closed
-    warnings = ("output ends inside the GPU section (truncated): more GPUs may exist",) if truncated else ()
-    return GpuFacts(
-        available=bool(infos),
-        reason="" if infos else "nvidia-smi table lists no GPU",
-        source="nvidia-smi",
-        gpus=tuple(infos),
-        driver_version=driver,
-        cuda_driver_version=cuda,
-        truncated=truncated,
-        warnings=warnings,
-    )
-
-
-# --------------------------------------------------------------------------- nvidia-smi -q
-
-NVIDIA_SMI_Q_COMMAND = _nvidia_smi_command("-q")
-
-_Q_GPU_HEADER = re.compile(r"^GPU\s+([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f])\s*$")
-_Q_KEY_VALUE = re.compile(r"^(?P<indent> *)(?P<key>[^:]*?[^:\s])\s*:\s?(?P<value>.*)$")
-_REASON_SECTIONS = ("Clocks Event Reasons", "Clocks Throttle Reasons")
-
-
-def _q_gpu(values: dict[tuple[str, ...], str], index: int, bus: str | None, driver: str | None) -> GpuInfo:
-    def get(*paths: tuple[str, ...]) -> str | None:
-        for path in paths:
-            if path in values:
-                return values[path]
-        return None
-
-    name = _clean(get(("Product Name",)))
-    arch = _clean(get(("Product Architecture",)))
-    cc = compute_capability_from_name(name) or _ARCH_TO_CC.get((arch or "").lower())
-    reasons: tuple[str, ...] | None = None
-    for section in _REASON_SECTIONS:
-        entries = [(p[1], v) for p, v in values.items() if len(p) == 2 and p[0] == section]
-        if entries:
-            reasons = tuple(_normalise_reason(k) for k, v in entries if v.strip().lower() == "active")
-            break
-    power = ("Power Readings", "GPU Power Readings")
-    return GpuInfo(
-        index=index,
-        name=name,
-        uuid=_clean(get(("GPU UUID",))),
-        pci_bus_id=bus or _clean(get(("PCI", "Bus Id"))),
-        compute_capability=cc,
-        architecture=arch,
-        memory_total_mib=_int(get(("FB Memory Usage", "Total"))),
-        memory_used_mib=_int(get(("FB Memory Usage", "Used"))),
-        memory_free_mib=_int(get(("FB Memory Usage", "Free"))),
-        driver_version=driver,
-        temperature_c=_int(get(("Temperature", "GPU Current Temp"))),
-        power_draw_w=_number(
-            get(*[(s, k) for s in power for k in ("Power Draw", "Instantaneous Power Draw", "Average Power Draw")])
-        ),
-        power_limit_w=_number(
-            get(*[(s, k) for s in power for k in ("Enforced Power Limit", "Current Power Limit", "Power Limit")])
-        ),
-        power_min_limit_w=_number(get(*[(s, "Min Power Limit") for s in power])),
-        power_max_limit_w=_number(get(*[(s, "Max Power Limit") for s in power])),
-        sm_clock_mhz=_int(get(("Clocks", "SM"))),
-        max_sm_clock_mhz=_int(get(("Max Clocks", "SM"))),
-        mem_clock_mhz=_int(get(("Clocks", "Memory"))),
-        max_mem_clock_mhz=_int(get(("Max Clocks", "Memory"))),
-        persistence_mode=_bool(get(("Persistence Mode",))),
-        pcie_gen=_int(get(("PCI", "GPU Link Info", "PCIe Generation", "Current"))),
-        pcie_width=_int(get(("PCI", "GPU Link Info", "Link Width", "Current"))),
-        clocks_event_reasons=reasons,
-    )
-
-
-def parse_nvidia_smi_q(text: str) -> GpuFacts:
-    """Parse `nvidia-smi -q`: indentation-nested 'Key : Value' blocks, one per 'GPU <bus id>'.
-
-    Knows both section names for throttling ('Clocks Throttle Reasons', renamed 'Clocks Event
-    Reasons' in R535+) and lists the reasons that are 'Active'. Lines injected by a vGPU shim
-    (HAMi's '[HAMI-core Msg(...)]') are skipped and reported in warnings. An excerpt with no
-    'GPU <bus id>' line is read as one GPU with index 0.
-    """
-    failure = _nvidia_smi_failure(text)
-    if failure is not None:
-        return failure
-    top: dict[str, str] = {}
-    blocks: list[tuple[str | None, dict[tuple[str, ...], str]]] = []
-    stack: list[tuple[int, str]] = []
-    warnings: list[str] = []
-    for line in lines(text):
-        if not line.strip() or line.strip().startswith("====="):
-            continue
-        if line.lstrip().startswith("["):
-            what = "HAMi vGPU shim line" if "HAMI" in line.upper() else "foreign line"
-            warnings.append(f"{what} in nvidia-smi -q output (skipped): {line.strip()}")
-            continue
-        if m := _Q_GPU_HEADER.match(line):
-            blocks.append((m.group(1), {}))
-            stack = []
-            continue
-        indent = len(line) - len(line.lstrip(" "))
-        kv = _Q_KEY_VALUE.match(line)
-        if indent == 0:
-            if kv:
-                top.setdefault(kv.group("key"), kv.group("value").strip())
-            continue
-        if not blocks:
-            blocks.append((None, {}))
-            warnings.append("no 'GPU <bus id>' line: read as an excerpt of one GPU")
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        if kv:
-            path = tuple(name for _, name in stack) + (kv.group("key"),)
-            blocks[-1][1].setdefault(path, kv.group("value").strip())
-        else:
-            stack.append((indent, line.strip()))
-    driver = _clean(top.get("Driver Version"))
-    gpus = tuple(_q_gpu(values, i, bus, driver) for i, (bus, values) in enumerate(blocks))
-    return GpuFacts(
-        available=bool(gpus),
-        reason="" if gpus else "no GPU section in nvidia-smi -q output",
-        source="nvidia-smi",
-        gpus=gpus,
-        driver_version=driver,
-        cuda_driver_version=_major_minor(top.get("CUDA Version")),
         warnings=tuple(warnings),
     )
 

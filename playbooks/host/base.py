@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 from playbooks.errors import HostError
+from playbooks.facts.cuda import parse_nvcc_error
 from playbooks.facts.files import parse_sha256, sha256_command
 from playbooks.host.commands import build_command, write_file_command
 from playbooks.host.output import Printer, Result
@@ -220,10 +221,13 @@ class Host:
 
     def _failure(self, cmd: str, result: Result) -> str:
         lines = result.stderr.strip().splitlines()
-        # a full disk is said once, early, and then buried under make's and the compiler's
-        # follow-up errors: keep its line, it is the cause
-        full = [x for x in lines[:-5] if "No space left on device" in x][:1]
-        tail = "\n".join(full + lines[-5:]) or result.stdout.strip()[-400:]
+        # a full disk, or a toolchain error (CUDA 13's nvcc refusing sm_70, a stray ptxas, a
+        # host gcc too new: facts/cuda.parse_nvcc_error), is said once, early, and then buried
+        # under make's and the compiler's follow-up errors: keep its line, it is the cause
+        early = lines[:-5]
+        full = [x for x in early if "No space left on device" in x][:1]
+        toolchain = [e.line for e in parse_nvcc_error("\n".join(early))][:1]
+        tail = "\n".join(full + toolchain + lines[-5:]) or result.stdout.strip()[-400:]
         # redact before cutting to 80 characters, so no part of a secret survives the cut
         msg = f"{self.name}: command failed (exit {result.exited}): {self._redacted(cmd)[:80]}"
         return msg + (f"\n{self._redacted(tail)}" if tail else "")

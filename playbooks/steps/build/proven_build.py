@@ -38,13 +38,17 @@ class Probe(Shell):
 
 
 def build_failure(exc: HostError, after: str, during: str = "the build") -> HostError:
-    """One line for the two ways a long build dies from outside: a full disk (the compiler's
-    line names the file), a dropped connection. Anything else keeps its own message (a
-    compile error's tail is what the user needs)."""
+    """One line for the ways a long build dies that have a known fix: a full disk (the
+    compiler's line names the file), a dropped connection, a toolchain that cannot build for
+    the card (facts/cuda.parse_nvcc_error: its line and its fix). Anything else keeps its own
+    message (a compile error's tail is what the user needs)."""
     text = str(exc)
     full = next((line for line in text.splitlines() if "No space left on device" in line), None)
     if full:
         return OperationError(f"disk full during {during} ({full.strip()[-160:]}): free space and {after}")
+    if toolchain := cuda.parse_nvcc_error(text):
+        e = toolchain[0]
+        return OperationError(f"{during} stopped at a toolchain error ({e.line[-160:]}): {e.hint}; then {after}")
     if "lost while running" in text:
         return OperationError(f"{text.splitlines()[0]}: {after}")
     return exc
