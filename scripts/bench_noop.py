@@ -53,13 +53,18 @@ INVOKE = [sys.executable, "-m", "invoke", "-r", str(ROOT)]
 #: what the file measures (results.py, ``measures``): the no-op is the CLI's start, the
 #: provision conductor, its reads pass and the host layer's batch (issue 36, item 5)
 MEASURES = [
+    "tasks.py",
+    "playbooks/cli/main.py",
     "playbooks/cli/tasks.py",
+    "playbooks/cli/command.py",
+    "playbooks/cli/configured.py",
     "playbooks/cli/provision.py",
     "playbooks/conduct/provision.py",
     "playbooks/conduct/read_pass.py",
     "playbooks/conduct/known_reads.py",
     "playbooks/host/prefetch.py",
     "playbooks/host/ssh.py",
+    "playbooks/steps/measure/gate.py",
 ]
 
 PYINFRA_DEPLOY = """

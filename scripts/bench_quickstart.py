@@ -48,6 +48,7 @@ COLD_MEASURES = [
     "playbooks/steps/weights",
 ]
 NOOP_MEASURES = [
+    "tasks.py",
     "playbooks/conduct/provision.py",
     "playbooks/conduct/read_pass.py",
     "playbooks/conduct/known_reads.py",

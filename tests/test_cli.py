@@ -468,3 +468,23 @@ def test_a_task_returns_its_exit_code_through_the_edge():
     """A task's body returns the exit code: 1 is exit 1, bad input one line and exit 2."""
     r = invoke("plan", "--recipe", "tiny-cpu", "--quant", "Q9_Z")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Q9_Z" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("program", ["invoke", "voltaforge"])
+def test_the_package_is_compiled_once_not_on_every_run(program, tmp_path):
+    """Invoke turns bytecode caching off while it loads a tasks file, and that reached every
+    module imported after it: each run compiled playbooks/ from source (a quarter of a second of
+    a no-op). Both entry points turn the interpreter's own setting back on, so a task's lazy
+    imports (here plan's planner) are cached like any package's."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(tmp_path)  # the caches land here, not in the checkout
+    if program == "invoke":
+        cmd = [sys.executable, "-m", "invoke", "--search-root", str(ROOT)]
+    else:
+        cmd = [sys.executable, "-c", "from playbooks.cli.main import program; program.run()"]
+    r = subprocess.run(
+        [*cmd, "plan", "--recipe", "tiny-cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    cached = {p.name.split(".")[0] for p in tmp_path.rglob("*.pyc") if "playbooks" in p.parts}
+    assert {"planner", "budget", "plan"} <= cached, sorted(cached)

@@ -22,6 +22,12 @@ CONFIG_ERRORS = (AmbiguousMergeError, yaml.YAMLError, json.JSONDecodeError)
 
 
 class VoltaforgeProgram(Program):
+    def parse_core(self, argv: list[str] | None) -> None:
+        super().parse_core(argv)
+        # Invoke turns bytecode caching off for a tasks file it loads (see tasks.py at the top);
+        # this program loads none, and the tasks' own imports are cached like any package's
+        sys.dont_write_bytecode = bool(sys.flags.dont_write_bytecode)
+
     def run(self, argv: list[str] | None = None, exit: bool = True) -> None:
         try:
             super().run(argv, exit)
