@@ -143,23 +143,27 @@ def test_tabbyapi_at_its_sha_is_ok(tmp_path):
 
 
 def test_tabbyapi_is_fetched_by_sha_where_the_host_reaches_the_repository(tmp_path):
-    d = tabby(tmp_path).decide(TabbyFacts(marker="0" * 40, git=True, reachable=True))
-    fetch, pip, proof, switch = (c.show() for c in d.commands)
+    d = tabby(tmp_path).decide(TabbyFacts(marker="0" * 40, git=True, reachable=True, python="3.11"))
+    fetch, pip, push_proof, proof, switch = (c.show() for c in d.commands)
     assert d.reason.startswith(f"TabbyAPI {REF[:12]} is at 000000000000; fetched from https://github.com/theroyallab")
     assert f"fetch -q --depth 1 https://github.com/theroyallab/tabbyAPI {REF} &&" in fetch
     assert "checkout -q FETCH_HEAD" in fetch
     assert pip.startswith("/opt/vf/venv/bin/pip install --disable-pip-version-check /opt/vf/tabbyAPI.vf-new torch==")
-    assert "import main, backends.exllamav2.model" in proof
+    assert "its dependencies from the host's index (no wheelhouse for Python 3.11 on the controller)" in d.reason
+    # the proof travels into the new tree and runs there: the server, not the backend
+    assert push_proof.endswith("to /opt/vf/tabbyAPI.vf-new/.voltaforge-proof.py")
+    assert proof == "/opt/vf/venv/bin/python /opt/vf/tabbyAPI.vf-new/.voltaforge-proof.py /opt/vf/tabbyAPI.vf-new 2>&1"
     # the marker is written and the tree switched only after the proof
-    assert switch == f"echo {REF} > /opt/vf/tabbyAPI.vf-new/.voltaforge-ref && rm -rf -- /opt/vf/tabbyAPI && " + (
-        "mv -T -- /opt/vf/tabbyAPI.vf-new /opt/vf/tabbyAPI"
+    assert switch == (
+        f"rm -f -- /opt/vf/tabbyAPI.vf-new/.voltaforge-proof.py && echo {REF} > /opt/vf/tabbyAPI.vf-new/.voltaforge-ref"
+        " && rm -rf -- /opt/vf/tabbyAPI && mv -T -- /opt/vf/tabbyAPI.vf-new /opt/vf/tabbyAPI"
     )
 
 
 def test_a_copy_staged_on_the_controller_is_pushed_checksummed(tmp_path):
     staged = tmp_path / f"tabbyAPI-{REF}.tar.gz"
     staged.write_bytes(b"archive")
-    d = tabby(tmp_path).decide(TabbyFacts(marker=None, git=False, reachable=False, staged=True))
+    d = tabby(tmp_path).decide(TabbyFacts(marker=None, git=False, reachable=False, staged=True, python="3.11"))
     push = next(c for c in d.commands if isinstance(c, PushFile))
     assert push.local == staged and push.path == f"/opt/vf/src/tabbyAPI-{REF}.tar.gz"
     assert "from the copy staged on the controller" in d.reason

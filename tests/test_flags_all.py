@@ -85,6 +85,7 @@ ACCEPTED = {
 }
 # what a flag needs beside it for its own value to be the one judged (default: see context())
 CONTEXT = {
+    ("wheelhouse", "recipe"): ["--python", "3.11"],  # else the missing --python is what is refused
     # render's own flags, without the balancer's (--hosts and the rest go with --lb only)
     ("render", "recipe"): ["--out", "out"],
     ("render", "out"): ["--recipe", "tiny-cpu"],

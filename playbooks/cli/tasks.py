@@ -147,6 +147,14 @@ def build(
     )
 
 
+@command(help={"python": "the hosts' Python version, e.g. 3.11 (their toolchain venv's)"})
+def wheelhouse(c: Context, python: str = "", recipe: str | None = None) -> int:
+    """Download TabbyAPI's dependencies as wheels for hosts without a package index."""
+    from playbooks.cli.wheelhouse import run_wheelhouse
+
+    return run_wheelhouse(python, configured.recipe(c, recipe))
+
+
 @command(
     help={
         "quant": "GGUF types to make, comma-separated (default: the recipe's quant), e.g. Q4_K_M,Q8_0",
@@ -663,6 +671,7 @@ ns = Collection(
     preflight,
     toolchain,
     build,
+    wheelhouse,
     quantize,
     artifacts,
     render,

@@ -10,11 +10,18 @@ first way that works:
    by full sha: no branch can move under it);
 3. else the step fails and says exactly what to stage and where.
 
-The tree lands in ``<prefix>/tabbyAPI`` with a marker holding the sha; its Python
-dependencies go into the toolchain venv with the pinned torch named, so the resolver can
-not move it (TabbyAPI's own torch/exllamav2 pins live in extras we do not install: exllamav2
-is built for the host by ``steps/build/exllamav2.py``). Proof: its ExLlamaV2 backend imports in the
-venv.
+Its Python dependencies go into the toolchain venv the same way: from a wheelhouse the
+controller made for the venv's Python (``invoke wheelhouse``, steps/build/wheelhouse.py),
+pushed checksummed and installed with ``--no-index``, else from the host's index. Either way
+the installed torch is named with its version, so the resolver cannot move it (TabbyAPI's own
+torch/exllamav2 pins live in extras we do not install: exllamav2 is built for the host by
+``steps/build/exllamav2.py``).
+
+The tree lands in ``<prefix>/tabbyAPI`` with a marker holding the sha, after its proof
+(steps/build/tabbyapi_proof.py): the new tree's server started without a model on a free
+loopback port answers ``/health``, and ``/v1/models`` is 401 without its key and 200 with it.
+The proof does not import the ExLlamaV2 backend (that is ExLlamaV2's step's proof), so it
+compiles nothing and needs no GPU.
 """
 
 from __future__ import annotations
@@ -27,12 +34,20 @@ from playbooks.config.recipe import Toolchain
 from playbooks.facts import read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, PushFile, Shell
+from playbooks.steps.build import tabbyapi_proof, wheelhouse
 from playbooks.steps.build.llamacpp_source import file_sha256, source_cache_dir
 from playbooks.steps.build.proven_build import Probe, run_proven
 from playbooks.steps.build.toolchain import pip_install_keeping_torch
 
 MARKER = ".voltaforge-ref"
-PROOF = "import main, backends.exllamav2.model; print('tabbyAPI', 'ok')"
+PROOF_SCRIPT = Path(tabbyapi_proof.__file__)
+#: the venv's Python version and its torch, if any (one line each; torch absent: empty)
+VENV_FACTS = (
+    "import sys, importlib.metadata as m\n"
+    "print('%d.%d' % sys.version_info[:2])\n"
+    "try: print(m.version('torch'))\n"
+    "except m.PackageNotFoundError: print()"
+)
 
 
 def staged_archive(ref: str, cache: Path | None = None) -> Path:
@@ -54,38 +69,54 @@ class TabbyFacts:
     git: bool
     reachable: bool  # the host can fetch from the repository (asked only when needed)
     staged: bool = False  # the controller holds a staged copy (the controller's state is a fact too)
+    python: str | None = None  # the venv's Python, "3.11" (asked only when installing)
+    torch: str | None = None  # the torch installed in the venv, kept where it is
+    wheels: bool = False  # the controller holds a wheelhouse for that Python
 
 
 class EnsureTabbyAPI(Operation):
     """TabbyAPI at the pinned commit in <prefix>/tabbyAPI, its dependencies in the venv, proven."""
 
     def __init__(self, prefix: str, venv: str, tc: Toolchain, cache: Path | None = None):
-        self.prefix, self.venv, self.tc = prefix, venv, tc
+        self.prefix, self.venv, self.tc, self.cache = prefix, venv, tc, cache
         self.dir = f"{prefix}/tabbyAPI"
         self.archive = staged_archive(tc.tabbyapi_ref, cache)
         self.name = f"Ensure TabbyAPI {tc.tabbyapi_ref[:12]} is installed"
 
+    def wheelhouse(self, python: str) -> Path:
+        return wheelhouse.packed(self.tc.tabbyapi_ref, wheelhouse.python_tag(python), self.cache)
+
     def read(self, host: Host) -> TabbyFacts:
         marker = read_fact(host, f"cat -- {shlex.quote(self.dir + '/' + MARKER)} 2>/dev/null || true").strip() or None
         git = bool(read_fact(host, "command -v git 2>/dev/null || true").strip())
-        reachable = False
+        reachable, python, torch = False, None, None
         staged = self.archive.is_file()
-        if marker != self.tc.tabbyapi_ref and not staged and git:
+        if marker == self.tc.tabbyapi_ref:
+            return TabbyFacts(marker=marker, git=git, reachable=False, staged=staged)
+        if not staged and git:
             probe = f"timeout 20 git ls-remote --exit-code {shlex.quote(self.tc.tabbyapi_repo)} HEAD >/dev/null 2>&1"
             reachable = read_fact(host, f"{probe} && echo yes || true").strip() == "yes"
-        return TabbyFacts(marker=marker, git=git, reachable=reachable, staged=staged)
+        # the venv's Python; before the toolchain step made it (a dry run), the python3 it is made from
+        py, code = shlex.quote(f"{self.venv}/bin/python"), shlex.quote(VENV_FACTS)
+        ask = f"{{ test -x {py} && {py} -c {code} || python3 -c {code}; }} 2>/dev/null || true"
+        lines = read_fact(host, ask).splitlines()
+        if lines and wheelhouse.PYTHON.match(lines[0].strip()):
+            python, torch = lines[0].strip(), (lines[1].strip() if len(lines) > 1 else "") or None
+        wheels = python is not None and self.wheelhouse(python).is_file()
+        return TabbyFacts(marker, git, reachable, staged, python, torch, wheels)
 
     def decide(self, facts: TabbyFacts) -> Decision:
         ref = self.tc.tabbyapi_ref
         if facts.marker == ref:
             return Decision.ok(f"TabbyAPI {ref[:12]} at {self.dir}")
-        q, tmp = shlex.quote(self.dir), shlex.quote(self.dir + ".vf-new")
+        q, new = shlex.quote(self.dir), f"{self.dir}.vf-new"
+        tmp, src = shlex.quote(new), f"{self.prefix}/src"
         fetch: list[Shell | PushFile]
         if facts.staged:
-            pushed = f"{self.prefix}/src/{self.archive.name}"
+            pushed = f"{src}/{self.archive.name}"
             how = f"from the copy staged on the controller ({self.archive.name})"
             fetch = [
-                Shell(f"mkdir -p -- {shlex.quote(self.prefix + '/src')}"),
+                Shell(f"mkdir -p -- {shlex.quote(src)}"),
                 PushFile(pushed, self.archive, file_sha256(self.archive)),
                 Shell(f"rm -rf -- {tmp} && mkdir -p -- {tmp} && tar -xzf {shlex.quote(pushed)} -C {tmp}"),
             ]
@@ -105,14 +136,38 @@ class EnsureTabbyAPI(Operation):
                 f"TabbyAPI {ref[:12]} is not on the host, {why}, and nothing is staged: "
                 + stage_hint(self.tc, self.archive)
             )
-        pip = pip_install_keeping_torch(self.venv, self.tc, f"{self.dir}.vf-new")
+        if facts.python is None:
+            raise OperationError(f"neither the toolchain venv {self.venv} nor python3 runs on the host")
+        deps, how_deps = self._dependencies(facts, new, src)
+        proof, switch = f"{new}/.voltaforge-proof.py", f"rm -rf -- {q} && mv -T -- {tmp} {q}"
         return Decision.act(
-            f"TabbyAPI {ref[:12]} is {'at ' + facts.marker[:12] if facts.marker else 'not installed'}; {how}",
+            f"TabbyAPI {ref[:12]} is {'at ' + facts.marker[:12] if facts.marker else 'not installed'}; {how}; "
+            f"its dependencies {how_deps}",
             *fetch,
-            Shell(pip),
-            Probe(f"cd {tmp} && {shlex.quote(self.venv + '/bin/python')} -c {shlex.quote(PROOF)} 2>&1", key="import"),
-            Shell(f"echo {shlex.quote(ref)} > {tmp}/{MARKER} && rm -rf -- {q} && mv -T -- {tmp} {q}"),
+            *deps,
+            PushFile(proof, PROOF_SCRIPT, file_sha256(PROOF_SCRIPT)),
+            Probe(f"{shlex.quote(self.venv + '/bin/python')} {shlex.quote(proof)} {tmp} 2>&1", key="proof"),
+            Shell(f"rm -f -- {shlex.quote(proof)} && echo {shlex.quote(ref)} > {tmp}/{MARKER} && {switch}"),
         )
+
+    def _dependencies(self, facts: TabbyFacts, tree: str, src: str) -> tuple[list[Shell | PushFile], str]:
+        """The pip install of the tree: offline from the controller's wheelhouse for the venv's
+        Python when there is one, else from the host's index; the installed torch named."""
+        assert facts.python is not None
+        if not facts.wheels:
+            pip = pip_install_keeping_torch(self.venv, self.tc, tree)
+            return [Shell(pip)], f"from the host's index (no wheelhouse for Python {facts.python} on the controller)"
+        tar = self.wheelhouse(facts.python)
+        pushed, unpacked = f"{src}/{tar.name}", shlex.quote(f"{src}/{tar.name.removesuffix('.tar')}")
+        keep = [f"torch=={facts.torch}"] if facts.torch else []
+        argv = [f"{self.venv}/bin/pip", "install", "--disable-pip-version-check", "--no-index"]
+        pip = " ".join(shlex.quote(a) for a in [*argv, "--find-links", pushed.removesuffix(".tar"), tree, *keep])
+        return [
+            Shell(f"mkdir -p -- {shlex.quote(src)}"),
+            PushFile(pushed, tar, file_sha256(tar)),
+            Shell(f"rm -rf -- {unpacked} && mkdir -p -- {unpacked} && tar -xf {shlex.quote(pushed)} -C {unpacked}"),
+            Shell(f"{pip} && rm -rf -- {unpacked}"),
+        ], f"offline from the controller's wheelhouse ({tar.name})"
 
     def apply(self, host: Host, decision: Decision) -> None:
         run_proven(host, decision, lambda record, proof: b"")  # the marker is written last, by a command
