@@ -10,7 +10,24 @@
 # copy them into the repository with `cp -r OUT/reports/. reports/` and update the README's
 # marked figures (tests/test_readme_figures.py says which differ).
 set -u
-OUT=${1:?usage: device_check.sh OUT}
+if [ "${1:-}" = "--rehearse" ]; then
+  # The EXL2 phase rehearsed on a machine without a GPU (CI runs this): the payload made for
+  # this Python and measured against what a call carries, the wheelhouse installed offline into
+  # a clean venv, each phase run to its first GPU call, the results archive written.
+  # scripts/device_exl2.py says what each phase does and what is not written yet.
+  set -e
+  PY=${PYTHON:-python3}
+  R=$(mktemp -d /tmp/vf-rehearse-XXXXXX)
+  TABBY=${VF_TABBYAPI:-../shared/vendor/tabbyAPI-79126f904c2e00aece026b36bb70bbb87e4892b2.tar.gz}
+  HERE=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  "$PY" scripts/device_exl2.py prepare --python "$HERE" --tabbyapi "$TABBY" --payload "$R/payload"
+  "$PY" scripts/device_exl2.py run --rehearse --out "$R/out" --payload "$R/payload"
+  test -s "$R/out/results.tgz"
+  tar -tzf "$R/out/results.tgz"
+  rm -rf "$R"
+  exit 0
+fi
+OUT=${1:?usage: device_check.sh OUT | --rehearse}
 R="$OUT/r"
 mkdir -p "$R"
 T0=$(date +%s)
@@ -34,4 +51,11 @@ want facts && phase 40 facts
 want build && phase "${VF_BUILD_LIMIT:-330}" build
 want gate && phase 100 gate
 want moe && phase 120 moe
+# the EXL2 phase (a call of its own: VF_PHASES=exl2, carry .device-exl2 made by
+# `python3 scripts/device_exl2.py prepare`); its results are files in $R too
+if want exl2; then
+  echo "== exl2 (limit 280s, at $(($(date +%s) - T0))s)"
+  timeout -k 10 280 python3 scripts/device_exl2.py run --out "$R" 2>&1 | tail -n 40
+  tar -czf "$OUT/results.tgz" -C "$OUT" r $(cd "$OUT" && ls -d reports 2>/dev/null)
+fi
 echo "== done at $(($(date +%s) - T0))s"

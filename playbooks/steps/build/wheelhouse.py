@@ -69,14 +69,14 @@ def requirements(archive: Path) -> list[str]:
     return [str(r) for r in project.get("dependencies", [])]
 
 
-def download_argv(reqs: list[str], version: str, dest: Path, *extra: str) -> list[str]:
+def download_argv(reqs: list[str], version: str, dest: Path, *extra: str, build: bool = True) -> list[str]:
     """pip download of binary wheels for that Python on manylinux x86_64 (no sdists: a host
     without an index may have no compiler either)."""
     argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:"]
     argv += ["--python-version", version, "--implementation", "cp", "-d", str(dest)]
     for p in PLATFORMS:
         argv += ["--platform", p]
-    return argv + [*extra, *reqs, *BUILD_REQUIRES]
+    return argv + [*extra, *reqs, *(BUILD_REQUIRES if build else ())]
 
 
 def pack(src: Path, out: Path) -> Path:
