@@ -245,7 +245,7 @@ class _NoSystemd:
         ("qwen2.5-14b-v100-16gb", "", (0,), None),
         ("qwen2.5-14b-v100-16gb", "", (0, 1), "one server per GPU (or CPU instance) is a systemd instance template"),
         ("tiny-cpu", "", (0, 1), "one server per GPU (or CPU instance) is a systemd instance template"),
-        ("qwen2.5-32b-exl2-v100-16gb", "", (0,), "TabbyAPI (EXL2) runs as a systemd unit only"),
+        ("qwen2.5-32b-exl2-v100-16gb", "", (0,), None),
         # a key reaches a managed process as a 0600 copy where --api-key-file reads it (issue 31)
         ("tiny-cpu", "  api_key_ref: k\n", (0,), None),
     ],
@@ -269,3 +269,47 @@ def test_what_only_systemd_runs_is_one_rule_for_deploy_and_preflight(tmp_path, r
     if why:
         with pytest.raises(VoltaforgeError, match=rf"^box: {re.escape(why)}, and this host runs no systemd$"):
             deploy_ops(loaded, _NoSystemd(), "/opt/vf", "auto", gpus)
+
+
+def test_tabbyapi_without_systemd_is_a_managed_process_with_its_files_its_own(tmp_path):
+    """An EXL2 recipe on a host without systemd: TabbyAPI's own command line as a process of the
+    SSH user, started in its serve directory (the unit's WorkingDirectory=), its config.yml,
+    api_tokens.yml (the key's 0600 copy, chowned to that user) and logs in its state directory
+    rather than /etc, /run/credentials and /var/log, which the user cannot write."""
+    from playbooks.conduct.deploy import deploy_ops
+    from playbooks.config.recipe import load_recipe
+    from playbooks.steps.serve.deploy import EnsureServiceFile, EnsureServing, EnsureSymlink, EnsureTabbyTokens
+    from playbooks.steps.serve.service_manager import ProcessRunner
+    from tests.helpers import ROOT
+
+    name = "qwen2.5-32b-exl2-v100-16gb"
+    text = (ROOT / "recipes" / f"{name}.yaml").read_text().replace("config: models/", f"config: {ROOT}/recipes/models/")
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    (tmp_path / f"{name}.yaml").write_text(text + "service:\n  api_key_ref: k\n")
+
+    class Host(_NoSystemd):
+        user = "deploy"
+
+        def run(self, command, check=True, stream=True, **kw):
+            if command.startswith("cat -- "):  # the artifact's manifest: not made yet, read as missing
+                from types import SimpleNamespace
+
+                return SimpleNamespace(stdout="", stderr="", exited=0)
+            return super().run(command, check, stream, **kw)
+
+    host = Host()
+    ops = deploy_ops(load_recipe(tmp_path / f"{name}.yaml"), host, "/opt/vf", "auto")
+    state = "/opt/vf/deploy/voltaforge-tabbyapi"
+    files = [op.file.path for op in ops if isinstance(op, EnsureServiceFile)]
+    assert files == [f"{state}/voltaforge-tabbyapi.service", f"{state}/config.yml"]
+    (serving,) = [op for op in ops if isinstance(op, EnsureServing)]
+    runner = serving.manager
+    assert isinstance(runner, ProcessRunner) and runner.cwd == "/opt/vf/serve/voltaforge-tabbyapi"
+    assert runner.argv == ("/opt/vf/venv/bin/python", "/opt/vf/tabbyAPI/main.py", "--config", f"{state}/config.yml")
+    assert "cd -- /opt/vf/serve/voltaforge-tabbyapi && " in runner.restart().command
+    (tokens,) = [op for op in ops if isinstance(op, EnsureTabbyTokens)]
+    assert tokens.tokens == f"{state}/api_tokens.yml" and tokens.owner == "deploy"
+    assert "chown -- deploy " in tokens.decide("missing").commands[0].command
+    links = {op.link.rsplit("/", 1)[1]: op.target for op in ops if isinstance(op, EnsureSymlink)}
+    assert links["api_tokens.yml"] == f"{state}/api_tokens.yml" and links["logs"] == f"{state}/logs"
+    assert not any("/etc/" in p or "/var/log" in p or "/run/credentials" in p for p in [*files, *links.values()])

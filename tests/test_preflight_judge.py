@@ -137,11 +137,12 @@ SYSTEMD_CASES = [
     (NO_SYSTEMCTL, "tiny-cpu", "warn", False, ["state absent", "managed process", "not restarted at boot"]),
     (NOT_BOOTED, GPU_LLAMA, "warn", False, ["managed process", "one server per GPU (`--gpus 0,1`) would need it"]),
     # what only a unit does blocks, and says why
-    (NOT_BOOTED, EXL2, "fail", True, [f"recipe {EXL2}: TabbyAPI (EXL2) runs as a systemd unit only"]),
+    # TabbyAPI runs as a managed process too (its config, tokens and logs in its state directory)
+    (NOT_BOOTED, EXL2, "warn", False, ["state offline", "managed process", "not restarted at boot"]),
     # a key reaches a managed process as a private copy (issue 31): no unit needed
     (NOT_BOOTED, "keyed", "warn", False, ["state offline", "managed process", "not restarted at boot"]),
     # no recipe: what a recipe would need is said, nothing blocks
-    (NOT_BOOTED, None, "warn", False, ["managed process", "(EXL2), an API key or one server per GPU needs systemd"]),
+    (NOT_BOOTED, None, "warn", False, ["managed process", "not restarted at boot; one server per GPU needs systemd"]),
     # PID 1 but unable to start units: deploy would use it, so it blocks whatever the recipe
     (MAINTENANCE, "tiny-cpu", "fail", True, ["state maintenance", "cannot start units"]),
     (MAINTENANCE, None, "fail", True, ["state maintenance", "cannot start units"]),

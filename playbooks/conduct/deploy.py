@@ -4,6 +4,7 @@ manager and its one unit (what `invoke stop` and tune's scratch server use)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from playbooks.conduct.placements import Served
@@ -32,7 +33,14 @@ from playbooks.steps.serve.deploy import (
     systemd_only,
 )
 from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy, secret_path
-from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Systemd, process_argv, unit_environment
+from playbooks.steps.serve.service_manager import (
+    Manager,
+    ProcessRunner,
+    Systemd,
+    process_argv,
+    unit_environment,
+    unit_working_directory,
+)
 from playbooks.steps.serve.units import (
     RenderedFile,
     ServerLayout,
@@ -94,6 +102,7 @@ def make_manager(kind: str, state: DeployLayout, unit_name: str, unit_text: str)
         argv[0],
         process_argv(argv, f"{state.state_dir}/credentials"),
         unit_environment(unit_text),
+        cwd=unit_working_directory(unit_text),
     )
 
 
@@ -114,6 +123,11 @@ def deploy_ops(
     r = loaded.recipe
     kind = choose_manager(host, manager_choice)
     server = server or ServerLayout(prefix=prefix)
+    state_root = f"{prefix}/deploy"
+    if r.backend == "exllamav2" and kind != "systemd":
+        # TabbyAPI as a managed process: its config, tokens and logs where the SSH user owns
+        # them, the same directory its rendered files are copied into below
+        server = replace(server, process_state=f"{state_root}/{server.tabbyapi_unit_name.removesuffix('.service')}")
     gpus = default_gpu_indexes(r) if gpus is None else gpus
     rendered = planned_service_files(loaded, server, gpus)
     why = systemd_only(r, gpus)
@@ -132,7 +146,6 @@ def deploy_ops(
         artifact = model.gguf(r.quant_name)
         manifest, link = manifest_path(artifact), server.model_file(r)
     facts = parse_json_object(read_fact(host, cat_command(manifest))) or {}
-    state_root = f"{prefix}/deploy"
     files = [
         ServiceFile(f.path, f.text, f.mode, sudo=True)
         if kind == "systemd"
@@ -180,9 +193,12 @@ def deploy_ops(
         ops += [EnsureDirectory(d, 0o755, sudo=True) for d in dict.fromkeys(["/etc/voltaforge", *etc])]
     if r.backend == "exllamav2":
         # TabbyAPI opens these relative to its working directory (ServerLayout.tabbyapi_links)
+        if server.process_state:  # systemd's LogsDirectory=, as a process has it
+            ops.append(EnsureDirectory(server.tabbyapi_logs, 0o700))
         ops += [EnsureSymlink(f"{server.tabbyapi_serve_dir}/{n}", t) for n, t in server.tabbyapi_links().items()]
         if secret:
-            ops.append(EnsureTabbyTokens(secret, server.tabbyapi_tokens))
+            owner = host.user if server.process_state else None  # a process reads its own copy
+            ops.append(EnsureTabbyTokens(secret, server.tabbyapi_tokens, owner))
     ops += [EnsureServiceFile(f) for f in files]
     sha = str(facts.get("sha256") or facts.get("id") or "")
     size = int(facts.get("bytes") or 0)

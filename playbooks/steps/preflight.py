@@ -233,9 +233,9 @@ def check_os(cx: Context) -> list[Check]:
 
 
 def check_systemd(cx: Context) -> list[Check]:
-    """systemd runs the server as a unit that starts at boot. Without it deploy runs a llama.cpp
-    recipe's same command line as a managed process (not restarted at boot): a warning. What
-    only a unit can do (TabbyAPI, an API key as a credential, one server per GPU) blocks."""
+    """systemd runs the server as a unit that starts at boot. Without it deploy runs the recipe's
+    same command line (llama-server's or TabbyAPI's) as a managed process, not restarted at
+    boot: a warning. What only a unit can do (one server per GPU) blocks."""
     sd = cx.facts.systemd
     state = f"state {sd.state or 'absent'}"
     if sd.systemd_running:
@@ -257,8 +257,8 @@ def check_systemd(cx: Context) -> list[Check]:
             Check(
                 "systemd",
                 "warn",
-                f"{state} (not booted with systemd): a llama.cpp recipe would run as a managed process, "
-                "not restarted at boot; TabbyAPI (EXL2), an API key or one server per GPU needs systemd",
+                f"{state} (not booted with systemd): a recipe would run as a managed process, "
+                "not restarted at boot; one server per GPU needs systemd",
                 boot,
             )
         ]

@@ -240,8 +240,9 @@ class EnsureTabbyTokens(Operation):
     crosses the wire, argv or a log (the comparison feeds grep its pattern on stdin; printf is
     the shell's builtin); the facts say only missing / same / differs."""
 
-    def __init__(self, secret: str, tokens: str):
-        self.secret, self.tokens = check_path(secret), check_path(tokens)
+    def __init__(self, secret: str, tokens: str, owner: str | None = None):
+        # owner: a managed process's user, who must read its copy (0600 still); else root's
+        self.secret, self.tokens, self.owner = check_path(secret), check_path(tokens), owner
         self.name = f"Ensure {tokens} holds the API key of {secret}"
 
     def read(self, host: Host) -> str:
@@ -268,7 +269,9 @@ class EnsureTabbyTokens(Operation):
             f'case "$key" in ""|*[!{KEY_CHARS}]*) echo "the key in {self.secret} has characters an API key '
             f'should not" >&2; exit 1;; esac; '
             "admin=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \\n'); "
-            f'printf \'api_key: "%s"\\nadmin_key: "%s"\\n\' "$key" "$admin" > {t}.new && mv -T -- {t}.new {t}'
+            f'printf \'api_key: "%s"\\nadmin_key: "%s"\\n\' "$key" "$admin" > {t}.new && '
+            + (f"chown -- {shlex.quote(self.owner)} {t}.new && " if self.owner else "")
+            + f"mv -T -- {t}.new {t}"
         )
         return Decision.act("no tokens file yet" if facts == "missing" else "the API key changed", Shell(script, True))
 
@@ -625,8 +628,6 @@ def _buffers_line(b: dict[str, Any]) -> str:
 def systemd_only(recipe: Recipe, gpu_indexes: Sequence[int] = (0,)) -> str | None:
     """Why this deployment cannot run as a managed process (None: it can). Deploy refuses it
     on a host without systemd; preflight judges a host's missing systemd by it."""
-    if recipe.backend == "exllamav2":
-        return "TabbyAPI (EXL2) runs as a systemd unit only"
     if len(gpu_indexes) > 1 and recipe.gpu_count == 1:
         return "one server per GPU (or CPU instance) is a systemd instance template"
     return None

@@ -77,6 +77,7 @@ class ProcessRunner:
     argv: tuple[str, ...]
     environment: tuple[tuple[str, str], ...] = ()
     kind: str = "process"
+    cwd: str | None = None  # the unit's WorkingDirectory= (TabbyAPI's serve directory), else state_dir
 
     @property
     def pid_file(self) -> str:
@@ -110,7 +111,7 @@ class ProcessRunner:
         run = " ".join(shlex.quote(a) for a in self.argv)
         log = shlex.quote(self.log_file)
         return Shell(
-            f"{self._stop_script()} && cd -- {shlex.quote(self.state_dir)} && "
+            f"{self._stop_script()} && cd -- {shlex.quote(self.cwd or self.state_dir)} && "
             f"{{ setsid env {env} {run} > {log} 2>&1 < /dev/null & echo $! > {shlex.quote(self.pid_file)}; }}"
         )
 
@@ -135,6 +136,14 @@ def unit_environment(unit_text: str) -> tuple[tuple[str, str], ...]:
             key, _, value = line.removeprefix("Environment=").partition("=")
             found.append((key, value))
     return tuple(found)
+
+
+def unit_working_directory(unit_text: str) -> str | None:
+    """The unit's WorkingDirectory=, where the process is started as systemd would start it."""
+    for line in unit_text.splitlines():
+        if line.startswith("WorkingDirectory="):
+            return line.removeprefix("WorkingDirectory=").strip() or None
+    return None
 
 
 def process_argv(argv: list[str], credentials_dir: str) -> tuple[str, ...]:

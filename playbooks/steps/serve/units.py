@@ -110,6 +110,9 @@ class ServerLayout:
     prefix: str = "/opt/voltaforge"
     unit_name: str = "voltaforge-llama-server.service"
     tabbyapi_unit_name: str = TABBYAPI_UNIT
+    #: TabbyAPI as a managed process (no systemd): its config, tokens and logs live in this
+    #: state directory, owned by the SSH user, instead of /etc, /run/credentials and /var/log
+    process_state: str | None = None
 
     @property
     def service(self) -> str:
@@ -166,16 +169,21 @@ class ServerLayout:
 
     @property
     def tabbyapi_config(self) -> str:
-        return "/etc/voltaforge/tabbyapi/config.yml"
+        return f"{self.process_state}/config.yml" if self.process_state else "/etc/voltaforge/tabbyapi/config.yml"
 
     @property
     def tabbyapi_tokens(self) -> str:
         """Root-only (0600) api_tokens.yml, written by deploy from the recipe's secret; reaches
-        the service as a credential, never through config.yml."""
+        the service as a credential, never through config.yml. A managed process's: its own
+        0600 copy in its state directory."""
+        if self.process_state:
+            return f"{self.process_state}/api_tokens.yml"
         return "/etc/voltaforge/tabbyapi/api_tokens.yml"
 
     @property
     def tabbyapi_logs(self) -> str:
+        if self.process_state:
+            return f"{self.process_state}/logs"
         return f"/var/log/{self.tabbyapi_unit_name.removesuffix('.service')}"
 
     def tabbyapi_links(self) -> dict[str, str]:
@@ -188,7 +196,9 @@ class ServerLayout:
             "templates": f"{self.tabbyapi_dir}/templates",
             "sampler_overrides": f"{self.tabbyapi_dir}/sampler_overrides",
             "logs": self.tabbyapi_logs,
-            "api_tokens.yml": f"/run/credentials/{self.tabbyapi_unit_name}/api_tokens.yml",
+            "api_tokens.yml": self.tabbyapi_tokens
+            if self.process_state
+            else f"/run/credentials/{self.tabbyapi_unit_name}/api_tokens.yml",
         }
 
 
