@@ -9,26 +9,37 @@ commit (the staged archive), exllamav2 0.3.2 (its wheel is its source: the exten
 from it by the build step), and a wheelhouse of binary wheels for ONE Python version: TabbyAPI's
 dependencies and ExLlamaV2's, without torch (the device's own) and without numpy (every torch
 install we may meet carries it; its absence is a reason the phase saves). Measured with pip
-download for manylinux x86_64, 2026-12-03: those wheels for 3.12 are 65.5 MiB with numpy, 50.5
-without; for 3.10-3.13 together 216 MiB. A call carries 64 MiB with the working tree, so the
-four versions cannot travel together: the payload is for the device's Python as the facts of a
-lent device recorded it (``--python``, default 3.12), and a device with another Python stops
+download for manylinux x86_64, 2026-12-03: TabbyAPI's and ExLlamaV2's wheels for 3.12 are 65.5
+MiB with numpy, 50.5 without, 216 MiB for 3.10-3.13 together; with our steps' own (OURS) the
+payload is 55.6-55.9 MiB a version, 59.0-59.3 with the working tree. A call carries 64 MiB, so the
+four versions cannot travel together: the payload is for one Python (``--python``, default 3.12:
+no lent device has recorded its Python yet; the facts phase does), and a device with another stops
 at ``install`` with that reason saved, naming the ``prepare`` to run for the next call.
 
 ``run`` writes each phase's result as ``DIR/exl2-<phase>.json`` as it goes (facts first, so a
 later failure still returns them) and packs ``DIR/results.tgz`` after every phase:
 
-  facts    Python, torch and torch.version.cuda, nvcc, the driver (nvidia-smi), the payload
-  install  a clean venv (seeing the device's torch: --system-site-packages) and the wheelhouse
-           installed offline into it (pip --no-index)
-  ext      ExLlamaV2's extension built by the build step's own operation for the device's arch,
-           TORCH_EXTENSIONS_DIR under .device-exl2/ (carried by the next call: no recompile)
+  facts     Python, torch and torch.version.cuda, numpy, nvcc, the driver, the payload (stdlib only)
+  install   a venv seeing the device's torch (--system-site-packages; the rehearsal's is clean)
+            and the wheelhouse installed into it offline (pip --no-index; exllamav2 --no-deps)
+  ext       the build step's EnsureExllamav2 against the device's torch, for its GPU's arch, run
+            twice (the build, then the no-op); TORCH_EXTENSIONS_DIR under .device-exl2/prefix
+  convert   a generated Llama with shapes ExLlamaV2 takes (EXL2_MODEL) and the planner's file
+            sizes for it; on the GPU, the quantize step's conversion at 3.3 and 4.0 bpw (the
+            second reusing the first's measurement) and the real files against the plan
+  tabbyapi  the tabbyapi step from the payload's archive and wheels (offline, its proof), twice:
+            needs the GPU, since TabbyAPI's start imports exllamav2, torch and the extension;
+            then serving a conversion (not written yet, see below)
 
-Each phase that needs the GPU asks for it first and, without one, stops with "needs a GPU" and
-what it would have run: the rehearsal's proof that it got that far. Not written yet (the next
-session's, issue 37 item 2): converting a generated model at 3.3 and 4.0 bpw with the quantize
-step, the planner's sizes against the files, TabbyAPI deployed and asked through the openai
-client, the bench. The rehearsal says so in its results rather than passing them.
+The last three run in that venv (``phase NAME``). Each asks for the GPU where it first needs one
+and, without one, stops with "needs a GPU" and what it would have run: the rehearsal runs every
+phase that far. A device whose torch and toolkit cannot build ExLlamaV2 (another CUDA major)
+stops ``ext`` with the step's own reason, saved: the "blocked" outcome.
+
+Not written yet (issue 37 item 2, the next session's): TabbyAPI serving the conversion through
+the deploy step and answering a streamed chat through the openai client, and the bench. The
+run says so rather than passing them. Not measured: the size of the extension's build directory,
+which a second call must carry beside the payload (~55 MiB of 64).
 """
 
 from __future__ import annotations
@@ -46,8 +57,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from playbooks.steps.build import wheelhouse  # noqa: E402
-from playbooks.steps.build.tabbyapi import staged_archive  # noqa: E402
+# run's first two phases use the device's own python3 and the standard library only; the
+# others run in the venv that `install` made (python scripts/device_exl2.py phase NAME)
 
 PAYLOAD = ROOT / ".device-exl2"
 CARRY_LIMIT = 64 * 2**20  # what one device call carries, working tree included
@@ -58,9 +69,27 @@ EXLLAMAV2_DEPS = (
     *("pandas", "ninja", "fastparquet", "safetensors>=0.3.2", "pygments", "websockets", "regex", "rich"),
     *("pillow>=9.1.0", "tokenizers"),
 )
+# what voltaforge's own steps need in that venv beside TabbyAPI's (pydantic, jinja2, PyYAML):
+# gguf (the planner's tensor names), sentencepiece (the generated model's tokenizer), openai
+# (the streamed chat through the official client, as a user would ask)
+OURS = ("gguf>=0.17,<1", "sentencepiece>=0.2,<0.3", "openai>=1.40,<3")
 DEVICE_PROVIDES = {"numpy": "every torch install carries it; 15 MiB a Python version"}
-PHASES = ("facts", "install", "ext")
-NOT_WRITTEN = ("convert", "plan-vs-real", "tabbyapi", "bench")
+PHASES = ("facts", "install", "ext", "convert", "tabbyapi")
+IN_VENV = ("ext", "convert", "tabbyapi")
+NOT_WRITTEN = ("bench",)
+#: a generated Llama with shapes ExLlamaV2's kernels take (head_dim 128, dims multiples of 128)
+EXL2_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+BPWS = ((3.3, 6), (4.0, 6))
 
 
 class NeedsGPU(Exception):
@@ -92,11 +121,13 @@ def payload_bytes(payload: Path) -> int:
 
 
 def prepare(python: str, tabbyapi: Path, payload: Path = PAYLOAD) -> dict[str, Any]:
+    from playbooks.steps.build import wheelhouse
+
     tag = wheelhouse.python_tag(python)
     wheels = payload / "wheels" / tag
     wheels.mkdir(parents=True, exist_ok=True)
     shutil.copy(tabbyapi, payload / tabbyapi.name)
-    reqs = wheelhouse.requirements(tabbyapi) + list(EXLLAMAV2_DEPS)
+    reqs = wheelhouse.requirements(tabbyapi) + list(EXLLAMAV2_DEPS) + list(OURS)
     code, out = sh(wheelhouse.download_argv(reqs, python, wheels), timeout=600)
     if code != 0:
         raise SystemExit(f"prepare: pip download for Python {python} failed: {out[-400:]}")
@@ -166,10 +197,10 @@ def phase_install(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     code, text = sh([sys.executable, "-m", "venv", *flags, str(venv)])
     if code != 0:
         raise SystemExit(f"venv: {text[-300:]}")
-    links = [str(payload / "wheels" / wheelhouse.python_tag(here))]
+    links = [str(payload / "wheels" / f"cp{here.replace('.', '')}")]
     if rehearse:  # what the device is expected to hold itself (DEVICE_PROVIDES), fetched for the rehearsal
         extra = out / "device-provides"
-        code, text = sh(wheelhouse.download_argv(list(DEVICE_PROVIDES), here, extra, build=False), timeout=300)
+        code, text = sh([sys.executable, "-m", "pip", "download", "-q", "-d", str(extra), *DEVICE_PROVIDES])
         links.append(str(extra))
     tabby = out / "tabbyAPI"
     shutil.rmtree(tabby, ignore_errors=True)
@@ -180,7 +211,7 @@ def phase_install(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     for link in links:
         argv += ["--find-links", link]
     t0 = time.monotonic()
-    code, text = sh([*argv, str(tabby), *EXLLAMAV2_DEPS], timeout=600)
+    code, text = sh([*argv, str(tabby), *EXLLAMAV2_DEPS, *OURS], timeout=600)
     if code == 0:  # exllamav2 itself without its torch requirement: torch is the device's
         code, more = sh([*argv, "--no-deps", EXLLAMAV2], timeout=300)
         text += "\n" + more
@@ -192,9 +223,136 @@ def phase_install(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     return {"install_s": round(time.monotonic() - t0, 1), "installed": len(freeze.splitlines()), "offline": True}
 
 
+def _facts(out: Path) -> dict[str, Any]:
+    return json.loads((out / "exl2-facts.json").read_text())
+
+
+def _device_toolchain(out: Path, arch: str) -> Any:
+    """The pinned toolchain with the device's own torch, its CUDA and its GPU's arch: the build
+    step's operation then checks what it checks on a V100 host (torch's CUDA major against the
+    toolkit's) against what this device really has."""
+    from playbooks.config.recipe import Toolchain
+
+    f = _facts(out)
+    if not f.get("torch") or not f.get("torch_cuda"):
+        raise SystemExit(f"blocked: no CUDA torch on the device (torch {f.get('torch')}, CUDA {f.get('torch_cuda')})")
+    major, minor = str(f["torch_cuda"]).split(".")[:2]
+    return Toolchain(torch=f["torch"], cuda=f"{major}.{minor}", cuda_arch=arch)
+
+
+def _arch(gpu: str) -> str:
+    """'NVIDIA H200, 9.0' (nvidia-smi name,compute_cap) -> '90'."""
+    return gpu.rsplit(",", 1)[-1].strip().replace(".", "")
+
+
+def _ops(ops: list[Any]) -> list[dict[str, str]]:
+    from playbooks.host.local import LocalHost
+    from playbooks.host.ops import run_ops
+
+    changes = run_ops(LocalHost(), ops)
+    done = [{"step": c.step, "status": c.status, "why": c.why} for c in changes]
+    failed = [c for c in changes if c.status == "failed"]
+    if failed:
+        raise SystemExit(f"{failed[0].step}: {failed[0].why}")
+    return done
+
+
 def phase_ext(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+    from playbooks.steps.build.exllamav2 import EnsureExllamav2
+
     gpu = gpu_or_stop("the build step's EnsureExllamav2 (JIT build of exllamav2_ext for this arch)")
-    raise SystemExit(f"not written yet: the extension build on {gpu} (issue 37 item 2)")
+    tc = _device_toolchain(out, _arch(gpu))
+    # the prefix (and so TORCH_EXTENSIONS_DIR, <prefix>/exllamav2/ext/<id>) under the payload:
+    # the next call carries it and ninja finds its objects; the stamp is the venv's, made anew
+    step = EnsureExllamav2(str(payload / "prefix"), str(Path(sys.prefix)), tc)
+    t0 = time.monotonic()
+    first = _ops([step])
+    t1 = time.monotonic()
+    again = _ops([step])
+    return {"gpu": gpu, "first": first, "first_s": round(t1 - t0, 1), "again": again, "arch": tc.cuda_arch}
+
+
+def phase_convert(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+    """A generated model with EXL2 shapes, the planner's sizes for it, then the quantize step's
+    conversion at 3.3 and 4.0 bpw (the second reusing the first's measurement) and the real
+    files against the plan."""
+    from playbooks.plan.exl2_size import estimate_exl2
+    from playbooks.plan.model_config import shape_from_config
+    from playbooks.steps.weights.exl2_convert import exl2_ops
+    from playbooks.weights.tinymodel import write_tiny_llama
+
+    model = out / "model"
+    if not (model / "config.json").is_file():
+        write_tiny_llama(model, EXL2_MODEL)
+    shape = shape_from_config(EXL2_MODEL, where="the device check's EXL2 model")
+    planned = {f"{b:g}": estimate_exl2(shape, b, hb).file_bytes for b, hb in BPWS}
+    result: dict[str, Any] = {"model": EXL2_MODEL, "planned_file_bytes": planned}
+    (out / "exl2-convert.json").write_text(json.dumps({"status": "running", **result}, indent=2) + "\n")
+    gpu = gpu_or_stop(f"the quantize step's EnsureExl2Quant at {', '.join(planned)} bpw (planned bytes {planned})")
+    root = out / "models"
+    ops = exl2_ops(str(Path(sys.prefix)), str(model), str(root), list(BPWS), gpu_available=True)
+    t0 = time.monotonic()
+    result["changes"] = _ops(ops)
+    result["convert_s"] = round(time.monotonic() - t0, 1)
+    real = {}
+    for b, _ in BPWS:
+        files = [f for f in root.rglob("*.safetensors") if f"{b:g}bpw" in str(f.parent)]
+        real[f"{b:g}"] = sum(f.stat().st_size for f in files)
+    result.update(gpu=gpu, real_file_bytes=real)
+    result["real_over_planned"] = {k: round(real[k] / planned[k], 4) if planned[k] else None for k in real}
+    return result
+
+
+def phase_tabbyapi(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+    """TabbyAPI through its step (pushed from the payload's archive, its proof), then, on the
+    GPU, serving the 4.0 bpw conversion with our rendered config.yml, asked for a streamed chat
+    completion through the official openai client."""
+    from playbooks.config.recipe import Toolchain
+    from playbooks.steps.build.tabbyapi import EnsureTabbyAPI
+
+    # TabbyAPI's start imports exllamav2 where it is installed (common/multimodal.py ->
+    # backends/exllamav2/vision.py), so its proof needs torch and the extension `ext` built
+    gpu_or_stop("the tabbyapi step (its proof starts TabbyAPI, which imports exllamav2 and the extension ext built)")
+    manifest = json.loads((payload / "manifest.json").read_text())
+    cache = out / "cache" / "sources"
+    cache.mkdir(parents=True, exist_ok=True)
+    shutil.copy(payload / manifest["tabbyapi"], cache / manifest["tabbyapi"])
+    # the payload's wheels where the step looks for a wheelhouse: it installs offline, as on a host
+    from playbooks.steps.build import wheelhouse
+
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    ref = Toolchain().tabbyapi_ref
+    tar = wheelhouse.packed(ref, tag, cache)
+    tar.parent.mkdir(parents=True, exist_ok=True)
+    wheelhouse.pack(payload / "wheels" / tag, tar)
+    prefix = out / "prefix"
+    step = EnsureTabbyAPI(str(prefix), str(Path(sys.prefix)), Toolchain(), cache=cache)
+    result: dict[str, Any] = {"install": _ops([step]), "again": _ops([step])}
+    (out / "exl2-tabbyapi.json").write_text(json.dumps({"status": "running", **result}, indent=2) + "\n")
+    raise SystemExit("not written yet: serving the conversion through the deploy step (issue 37 item 2)")
+
+
+def run_in_venv(name: str, out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+    """A phase in the venv `install` made: the device's torch and the payload's wheels."""
+    argv = [str(out / "venv/bin/python"), __file__, "phase", name, "--out", str(out), "--payload", str(payload)]
+    code, text = sh([*argv, *(["--rehearse"] if rehearse else [])], timeout=600)
+    (out / f"exl2-{name}.log").write_text(text + "\n")
+    last = text.splitlines()[-1] if text else ""
+    try:
+        return dict(json.loads(last))
+    except ValueError:
+        return {"status": "failed", "why": f"exit {code}: {last[-400:]}"}
+
+
+def one_phase(name: str, out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+    try:
+        return {"status": "done", **globals()[f"phase_{name}"](out, payload, rehearse)}
+    except NeedsGPU as e:
+        return {"status": "needs a GPU", "why": str(e)}
+    except SystemExit as e:
+        return {"status": "stopped", "why": str(e)}
+    except Exception as e:  # a phase's bug is its result too: the next phase still runs
+        return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:500]}
 
 
 def run(out: Path, payload: Path, rehearse: bool) -> int:
@@ -202,14 +360,12 @@ def run(out: Path, payload: Path, rehearse: bool) -> int:
     status: dict[str, str] = {}
     for name in PHASES:
         t0 = time.monotonic()
-        try:
-            result: dict[str, Any] = {"status": "done", **globals()[f"phase_{name}"](out, payload, rehearse)}
-        except NeedsGPU as e:
-            result = {"status": "needs a GPU", "why": str(e)}
-        except SystemExit as e:
-            result = {"status": "stopped", "why": str(e)}
-        except Exception as e:  # a phase's bug is its result too: the next phase still runs
-            result = {"status": "failed", "why": f"{type(e).__name__}: {e}"[:500]}
+        if name in IN_VENV and status.get("install") != "done":
+            result: dict[str, Any] = {"status": "stopped", "why": "no venv: the install phase did not finish"}
+        elif name in IN_VENV:
+            result = run_in_venv(name, out, payload, rehearse)
+        else:
+            result = one_phase(name, out, payload, rehearse)
         result["seconds"] = round(time.monotonic() - t0, 1)
         (out / f"exl2-{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n")
         status[name] = result["status"]
@@ -217,8 +373,6 @@ def run(out: Path, payload: Path, rehearse: bool) -> int:
         with tarfile.open(out / "results.tgz", "w:gz") as tar:
             for f in sorted(out.glob("exl2-*")):
                 tar.add(f, arcname=f.name)
-        if result["status"] == "needs a GPU":
-            break  # every later phase needs the GPU too
     for name in NOT_WRITTEN:
         print(f"== exl2 {name}: not written yet (issue 37 item 2)")
     return 0 if all(s in ("done", "needs a GPU") for s in status.values()) else 1
@@ -235,9 +389,18 @@ def main() -> int:
     pr.add_argument("--out", type=Path, required=True)
     pr.add_argument("--payload", type=Path, default=PAYLOAD)
     pr.add_argument("--rehearse", action="store_true")
+    ph = sub.add_parser("phase", help="one phase, in the venv `install` made (run calls it)")
+    ph.add_argument("name", choices=IN_VENV)
+    ph.add_argument("--out", type=Path, required=True)
+    ph.add_argument("--payload", type=Path, default=PAYLOAD)
+    ph.add_argument("--rehearse", action="store_true")
     a = p.parse_args()
+    if a.cmd == "phase":
+        print(json.dumps(one_phase(a.name, a.out, a.payload, a.rehearse), default=str))
+        return 0
     if a.cmd == "prepare":
         from playbooks.config.recipe import Toolchain
+        from playbooks.steps.build.tabbyapi import staged_archive
 
         archive = a.tabbyapi or staged_archive(Toolchain().tabbyapi_ref)
         m = prepare(a.python, archive, a.payload)

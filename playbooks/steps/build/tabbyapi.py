@@ -20,8 +20,8 @@ torch/exllamav2 pins live in extras we do not install: exllamav2 is built for th
 The tree lands in ``<prefix>/tabbyAPI`` with a marker holding the sha, after its proof
 (steps/build/tabbyapi_proof.py): the new tree's server started without a model on a free
 loopback port answers ``/health``, and ``/v1/models`` is 401 without its key and 200 with it.
-The proof does not import the ExLlamaV2 backend (that is ExLlamaV2's step's proof), so it
-compiles nothing and needs no GPU.
+It loads no model; where exllamav2 is installed TabbyAPI's start imports it and its extension,
+which ExLlamaV2's step (run before this one) has built, so nothing compiles.
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@ and 200 with it. Then it stops the server and removes the directory.
 
 ``developer.unsafe_launch`` skips TabbyAPI's check that torch and ExLlamaV2 are installed:
 this proof is the server's (its dependencies, its auth, its HTTP); the backend has its own,
-ExLlamaV2's step importing its compiled extension beside the pinned torch. So the proof runs
-the same where torch is absent (the test hosts) and never compiles or loads a kernel.
+ExLlamaV2's step importing its compiled extension beside the pinned torch. Where exllamav2 is
+installed, TabbyAPI's start imports it even without a model (common/multimodal.py ->
+backends/exllamav2/vision.py), and with it torch and the extension: the build conductor runs
+ExLlamaV2's step first, so that import finds the built module and nothing compiles. Where it is
+not (the test hosts), nothing of it is imported, and the proof needs no torch and no GPU.
 """
 
 from __future__ import annotations
