@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -304,6 +303,7 @@ def test_pinned_llama_server_reserves_what_the_moe_walk_says(tmp_path):
     """Half of MOE_CPU_LOADS again, from freshly written shaped GGUFs (sparse: no disk)."""
     from playbooks.weights.shaped_gguf import write_shaped_gguf
     from tests import llamacpp_tools
+    from tests.testhosts import free_port
 
     server = llamacpp_tools.llama_server()
     buffer = re.compile(r"CPU compute buffer size =\s+([\d.]+) MiB")
@@ -315,20 +315,22 @@ def test_pinned_llama_server_reserves_what_the_moe_walk_says(tmp_path):
             write_shaped_gguf(model, shape, "MXFP4_MOE" if quant_refusal(shape, "Q4_0") else "Q4_0")
         cmd = [str(server), "-m", str(model), "-c", str(c), "-ub", str(ub), "-fa", fa, "-np", str(np_)]
         cmd += ["-ctk", cache, "-ctv", cache, "--fit", "off", "-t", "1", "--host", "127.0.0.1"]
-        cmd += ["--port", str(30000 + random.randrange(20000)), "-lv", "4"]
+        # a port free now (a random one met another test's server once: the load stopped at bind)
+        cmd += ["--port", str(free_port()), "-lv", "4"]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        real = None
+        real, last = None, ""
         try:
             assert p.stdout is not None
             for line in p.stdout:
                 if m := buffer.search(line):
                     real = float(m[1])
                 if "graph: nodes" in line or "failed" in line:
+                    last = line.strip()
                     break
         finally:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=30)
-        assert real == MOE_CPU_LOADS[key], key
+        assert real == MOE_CPU_LOADS[key], (key, last)
 
 
 # ------------------------------------------------------------------------------------------
