@@ -137,15 +137,21 @@ def _fold(value):
 
 
 def _parse_with_tabbyapi(host, tree: str, venv: str) -> dict[str, tuple[dict, dict]]:
-    """Each shipped EXL2 recipe's config.yml (a split one with its planned gpu_split), parsed
-    on the host by TabbyAPI's TabbyConfigModel: ours as written, theirs as validated."""
+    """Each shipped EXL2 recipe's config.yml (a split one with its planned gpu_split), and the
+    first one keyed and open to the network (auth on: disable_auth false), parsed on the host by
+    TabbyAPI's TabbyConfigModel: ours as written, theirs as validated."""
+    recipes = {name: load_recipe(name) for name in EXL2_RECIPES}
+    first = recipes[EXL2_RECIPES[0]].recipe
+    keyed = first.model_copy(
+        update={"service": first.service.model_copy(update={"bind": "0.0.0.0", "api_key_ref": "k"})}
+    )
+    texts = {name: render_tabbyapi_config(r.recipe, gpu_split=resolve_gpu_split(r)) for name, r in recipes.items()}
+    texts["keyed"] = render_tabbyapi_config(keyed)
+    assert "disable_auth: false" in texts["keyed"] and "0.0.0.0" in texts["keyed"]
     paths = {}
-    for name in EXL2_RECIPES:
-        loaded = load_recipe(name)
+    for name, text in texts.items():
         path = f"{tree}/../cfg-{name}.yml"
-        host.write_file(
-            path, render_tabbyapi_config(loaded.recipe, gpu_split=resolve_gpu_split(loaded)).encode(), 0o644
-        )
+        host.write_file(path, text.encode(), 0o644)
         paths[path] = name
     host.write_file(f"{tree}/../parse.py", PARSE.encode(), 0o644)
     cmd = f"cd {shlex.quote(tree)} && {shlex.quote(venv)}/bin/python ../parse.py " + " ".join(map(shlex.quote, paths))
