@@ -313,3 +313,16 @@ def test_tabbyapi_without_systemd_is_a_managed_process_with_its_files_its_own(tm
     links = {op.link.rsplit("/", 1)[1]: op.target for op in ops if isinstance(op, EnsureSymlink)}
     assert links["api_tokens.yml"] == f"{state}/api_tokens.yml" and links["logs"] == f"{state}/logs"
     assert not any("/etc/" in p or "/var/log" in p or "/run/credentials" in p for p in [*files, *links.values()])
+    # TabbyAPI logs no llama-server offload or buffer lines: asking for them would fail every
+    # EXL2 start on a GPU ("the log has no 'offloaded N/M layers to GPU' line")
+    from playbooks.facts.server_log import judge_load, parse_load_log
+
+    e = serving.expect
+    assert (e.layers, e.kv_mib, e.compute_mib, e.device_model_mib, e.devices) == (None, None, None, None, ())
+    tabby_log = (
+        "INFO:     Loading model: /opt/vf/serve/voltaforge-tabbyapi/models/m\nINFO:     Model successfully loaded.\n"
+    )
+    assert (
+        judge_load(parse_load_log(tabby_log), expect_layers=e.layers, planned_kv_mib=None, planned_compute_mib=None)
+        == []
+    )

@@ -157,9 +157,11 @@ def deploy_ops(
     option = next((o for o in plan.options if o.quant == r.quant_name), None)
     gpu = not get_gpu(r.gpu).is_cpu
     llama = r.backend == "llamacpp"
+    # the load log is judged for llama-server's lines only: TabbyAPI prints no offload or buffer
+    # lines (ExLlamaV2 loads every layer on the GPU or fails), so nothing of it is held to the plan
     expect = Expectations(
         # every layer on a device: the GPU's, or the RPC workers' (a CPU recipe split over them)
-        layers=loaded.shape.num_hidden_layers + 1 if gpu or r.rpc else None,
+        layers=loaded.shape.num_hidden_layers + 1 if llama and (gpu or r.rpc) else None,
         # a draft model's KV cache and compute buffer are printed beside the target's (summed)
         kv_mib=option.loaded_kv_bytes / 2**20 if option and llama else None,
         compute_mib=option.loaded_compute_bytes / 2**20 if option and llama else None,
@@ -167,7 +169,9 @@ def deploy_ops(
         device_model_mib=(option.gpu_weights_bytes + option.draft_weights_bytes) / 2**20
         if option and llama and gpu and loaded.shape.is_moe and not r.split
         else None,
-        devices=tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in option.devices) if option else (),
+        devices=tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in option.devices)
+        if option and llama
+        else (),
     )
     managers = [make_manager(kind, state, name, unit.text) for name, state, _ in instances]
     ports = [port for _, _, port in instances]
