@@ -24,6 +24,8 @@ if [ "${1:-}" = "--rehearse" ]; then
   "$PY" scripts/device_exl2.py run --rehearse --out "$R/out" --payload "$R/payload"
   test -s "$R/out/results.tgz"
   tar -tzf "$R/out/results.tgz"
+  # VF_REHEARSE_KEEP=DIR: the results archive kept there (the rehearsal's test reads it)
+  if [ -n "${VF_REHEARSE_KEEP:-}" ]; then cp "$R/out/results.tgz" "$VF_REHEARSE_KEEP/"; fi
   rm -rf "$R"
   exit 0
 fi

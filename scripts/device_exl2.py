@@ -23,29 +23,37 @@ later failure still returns them) and packs ``DIR/results.tgz`` after every phas
   install   a venv seeing the device's torch (--system-site-packages; the rehearsal's is clean)
             and the wheelhouse installed into it offline (pip --no-index; exllamav2 --no-deps)
   ext       the build step's EnsureExllamav2 against the device's torch, for its GPU's arch, run
-            twice (the build, then the no-op); TORCH_EXTENSIONS_DIR under .device-exl2/prefix
-  convert   a generated Llama with shapes ExLlamaV2 takes (EXL2_MODEL) and the planner's file
-            sizes for it; on the GPU, the quantize step's conversion at 3.3 and 4.0 bpw (the
-            second reusing the first's measurement) and the real files against the plan
+            twice (the build, then the no-op); TORCH_EXTENSIONS_DIR under .device-exl2/prefix,
+            whose size it records (what a second call carries beside the payload)
+  convert   the device recipe (``device_recipe``: the generated EXL2_MODEL at 4.0 bpw on this
+            GPU, TabbyAPI on loopback); the quantize step's own operations for --bpw 3.3 and
+            4.0: the generated weights and their FP16 range (here too), then on the GPU the
+            conversions (the second reusing the first's measurement), run again (all ok), and
+            the real files against the planner's sizes
   tabbyapi  the tabbyapi step from the payload's archive and wheels (offline, its proof), twice:
-            needs the GPU, since TabbyAPI's start imports exllamav2, torch and the extension;
-            then serving a conversion (not written yet, see below)
+            needs the GPU, since TabbyAPI's start imports exllamav2, torch and the extension
+  serve     the deploy step's operations for the recipe, planned here (the rendered unit and
+            config.yml saved as exl2-config.yml); on the GPU, run (TabbyAPI as a managed
+            process, /health, the record), run again (all ok), a streamed chat completion
+            through the official openai client, and the GPU memory held against the plan's VRAM
+  bench     `invoke bench`'s gate run against the served conversion (levels 1 and 4, each
+            figure with its interval; its reports under bench/), then the server stopped
 
-The last three run in that venv (``phase NAME``). Each asks for the GPU where it first needs one
-and, without one, stops with "needs a GPU" and what it would have run: the rehearsal runs every
-phase that far. A device whose torch and toolkit cannot build ExLlamaV2 (another CUDA major)
-stops ``ext`` with the step's own reason, saved: the "blocked" outcome.
+Everything from ``ext`` on runs in that venv (``phase NAME``). Each asks for the GPU where it
+first needs one and, without one, stops with "needs a GPU" and what it would have run: the
+rehearsal runs every phase that far. A device whose torch and toolkit cannot build ExLlamaV2
+(another CUDA major) stops ``ext`` with the step's own reason, saved: the "blocked" outcome.
+Generated weights and the bench history go under DIR/cache (VOLTAFORGE_CACHE), not $HOME.
 
-Not written yet (issue 37 item 2, the next session's): TabbyAPI serving the conversion through
-the deploy step and answering a streamed chat through the openai client, and the bench. The
-run says so rather than passing them. Not measured: the size of the extension's build directory,
-which a second call must carry beside the payload (~55 MiB of 64).
+Not measured yet (needs the GPU): the extension's build directory, which a second call carries
+beside the payload (~56 MiB of 64): ``ext`` records it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -74,9 +82,10 @@ EXLLAMAV2_DEPS = (
 # (the streamed chat through the official client, as a user would ask)
 OURS = ("gguf>=0.17,<1", "sentencepiece>=0.2,<0.3", "openai>=1.40,<3")
 DEVICE_PROVIDES = {"numpy": "every torch install carries it; 15 MiB a Python version"}
-PHASES = ("facts", "install", "ext", "convert", "tabbyapi")
-IN_VENV = ("ext", "convert", "tabbyapi")
-NOT_WRITTEN = ("bench",)
+PHASES = ("facts", "install", "ext", "convert", "tabbyapi", "serve", "bench")
+IN_VENV = PHASES[2:]
+#: the device recipe's TabbyAPI port (loopback)
+SERVE_PORT = 18470
 #: a generated Llama with shapes ExLlamaV2's kernels take (head_dim 128, dims multiples of 128)
 EXL2_MODEL = {
     "model_type": "llama",
@@ -93,7 +102,11 @@ BPWS = ((3.3, 6), (4.0, 6))
 
 
 class NeedsGPU(Exception):
-    """The phase reached its first GPU call and there is no GPU."""
+    """The phase reached its first GPU call and there is no GPU; ``done``: what it did before."""
+
+    def __init__(self, why: str, done: dict[str, Any] | None = None):
+        super().__init__(why)
+        self.done = done or {}
 
 
 def sh(cmd: list[str] | str, timeout: float = 300, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -154,11 +167,11 @@ def prepare(python: str, tabbyapi: Path, payload: Path = PAYLOAD) -> dict[str, A
 # ------------------------------------------------------------------------------------------
 
 
-def gpu_or_stop(what: str) -> str:
-    """The GPU's name, or NeedsGPU saying what the phase would run on it."""
+def gpu_or_stop(what: str, done: dict[str, Any] | None = None) -> str:
+    """The GPU's name, or NeedsGPU saying what the phase would run on it (with what it did)."""
     code, out = sh("nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader", timeout=30)
     if code != 0 or not out:
-        raise NeedsGPU(f"needs a GPU: {what} (nvidia-smi: {out.splitlines()[-1] if out else 'not found'})")
+        raise NeedsGPU(f"needs a GPU: {what} (nvidia-smi: {out.splitlines()[-1] if out else 'not found'})", done)
     return out.splitlines()[0]
 
 
@@ -190,7 +203,7 @@ def phase_install(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
             f"blocked: the wheelhouse is for Python {manifest['python']}, this Python is {here}: "
             f"run `python3 scripts/device_exl2.py prepare --python {here}` for the next call"
         )
-    venv = out / "venv"
+    venv = venv_of(out)
     shutil.rmtree(venv, ignore_errors=True)
     # the device's torch (and numpy) seen from the venv; here, a clean venv with no site packages
     flags = [] if rehearse else ["--system-site-packages"]
@@ -227,6 +240,19 @@ def _facts(out: Path) -> dict[str, Any]:
     return json.loads((out / "exl2-facts.json").read_text())
 
 
+def prefix_of(out: Path) -> Path:
+    """The voltaforge prefix on the device: the venv (venv_path), the models, TabbyAPI, the
+    deployment's state, all as on a host; only the extension's build directory is elsewhere
+    (the payload's prefix), since the next call carries it."""
+    return out / "prefix"
+
+
+def venv_of(out: Path) -> Path:
+    """The prefix's venv (steps/build/toolchain.venv_path; `install` makes it with the standard
+    library alone, so the path is spelled here and checked against venv_path in the venv)."""
+    return prefix_of(out) / "venv"
+
+
 def _device_toolchain(out: Path, arch: str) -> Any:
     """The pinned toolchain with the device's own torch, its CUDA and its GPU's arch: the build
     step's operation then checks what it checks on a V100 host (torch's CUDA major against the
@@ -257,57 +283,114 @@ def _ops(ops: list[Any]) -> list[dict[str, str]]:
     return done
 
 
+def device_recipe(out: Path) -> Any:
+    """The recipe the device serves: the generated EXL2_MODEL at 4.0 bpw on this GPU (the
+    catalogue's entry for nvidia-smi's name; without a GPU, the lent kind, an H200), TabbyAPI
+    on loopback without a key, a gate that measures and does not judge (random weights)."""
+    import yaml
+
+    from playbooks.config.recipe import load_recipe
+    from playbooks.plan.gpus import gpu_from_nvidia_name
+
+    code, smi = sh("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits", timeout=30)
+    gpu = "h200"
+    if code == 0 and smi:
+        name, _, mib = smi.splitlines()[0].rpartition(",")
+        found = gpu_from_nvidia_name(name.strip(), int(float(mib)) if mib.strip() else None)
+        if found is None:
+            raise SystemExit(f"blocked: {name.strip()} is not in the planner's catalogue (playbooks/plan/gpus.py)")
+        gpu = found.key
+    recipe = {
+        "description": "the device check's generated Llama, EXL2 4.0 bpw through TabbyAPI",
+        "model": {"generate": "tiny-llama", "config": {**EXL2_MODEL, "architectures": ["LlamaForCausalLM"]}},
+        "gpu": gpu,
+        "backend": "exllamav2",
+        "quant": {"bpw": BPWS[-1][0], "head_bits": BPWS[-1][1]},
+        "context": 4096,
+        "service": {"port": SERVE_PORT},
+        "gate": {"levels": [1, 4], "prompt_tokens": 128, "max_tokens": 64},
+    }
+    path = out / "recipes" / "exl2-device.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return load_recipe(path)
+
+
+def _is_conversion(op: Any) -> bool:
+    from playbooks.steps.weights import exl2_convert
+
+    return type(op).__module__ == exl2_convert.__name__
+
+
 def phase_ext(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     from playbooks.steps.build.exllamav2 import EnsureExllamav2
 
     gpu = gpu_or_stop("the build step's EnsureExllamav2 (JIT build of exllamav2_ext for this arch)")
     tc = _device_toolchain(out, _arch(gpu))
-    # the prefix (and so TORCH_EXTENSIONS_DIR, <prefix>/exllamav2/ext/<id>) under the payload:
-    # the next call carries it and ninja finds its objects; the stamp is the venv's, made anew
-    step = EnsureExllamav2(str(payload / "prefix"), str(Path(sys.prefix)), tc)
+    # the extension's build directory (TORCH_EXTENSIONS_DIR, <prefix>/exllamav2/ext/<id>) under
+    # the payload: the next call carries it and ninja finds its objects; the stamp is the venv's
+    step = EnsureExllamav2(str(payload / "prefix"), str(venv_of(out)), tc)
     t0 = time.monotonic()
     first = _ops([step])
     t1 = time.monotonic()
     again = _ops([step])
-    return {"gpu": gpu, "first": first, "first_s": round(t1 - t0, 1), "again": again, "arch": tc.cuda_arch}
+    ext = payload / "prefix" / "exllamav2"
+    build_bytes = sum(f.stat().st_size for f in ext.rglob("*") if f.is_file()) if ext.is_dir() else 0
+    return {
+        "gpu": gpu,
+        "first": first,
+        "first_s": round(t1 - t0, 1),
+        "again": again,
+        "arch": tc.cuda_arch,
+        # what the next call carries beside the payload (measured here, on the device)
+        "build_dir_bytes": build_bytes,
+    }
 
 
 def phase_convert(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
-    """A generated model with EXL2 shapes, the planner's sizes for it, then the quantize step's
-    conversion at 3.3 and 4.0 bpw (the second reusing the first's measurement) and the real
-    files against the plan."""
+    """The quantize step's own operations for the device recipe (`invoke quantize --bpw 3.3`,
+    then the recipe's 4.0): the generated weights, their FP16 range, then on the GPU the
+    conversions, the second reusing the first's measurement; the real files against the
+    planner's sizes."""
+    from playbooks.conduct.quantize import quantize_step
     from playbooks.plan.exl2_size import estimate_exl2
-    from playbooks.plan.model_config import shape_from_config
-    from playbooks.steps.weights.exl2_convert import exl2_ops
-    from playbooks.weights.tinymodel import write_tiny_llama
+    from playbooks.steps.build.toolchain import venv_path
+    from playbooks.steps.weights.exl2_convert import Exl2Layout
 
-    model = out / "model"
-    if not (model / "config.json").is_file():
-        write_tiny_llama(model, EXL2_MODEL)
-    shape = shape_from_config(EXL2_MODEL, where="the device check's EXL2 model")
-    planned = {f"{b:g}": estimate_exl2(shape, b, hb).file_bytes for b, hb in BPWS}
-    result: dict[str, Any] = {"model": EXL2_MODEL, "planned_file_bytes": planned}
+    loaded = device_recipe(out)
+    prefix = str(prefix_of(out))
+    assert venv_path(prefix) == str(venv_of(out)), "the venv `install` made is not the prefix's"
+    planned = {f"{b:g}": estimate_exl2(loaded.shape, b, hb).file_bytes for b, hb in BPWS}
+    result: dict[str, Any] = {"recipe": loaded.recipe.name, "gpu": loaded.recipe.gpu, "planned_file_bytes": planned}
+    ops = [op for b, _ in BPWS for op in quantize_step(loaded, prefix, bpw=f"{b:g}")]
+    # what needs no GPU runs everywhere (the rehearsal too): the weights and their FP16 range
+    result["before_gpu"] = _ops([op for op in ops if not _is_conversion(op)])
     (out / "exl2-convert.json").write_text(json.dumps({"status": "running", **result}, indent=2) + "\n")
-    gpu = gpu_or_stop(f"the quantize step's EnsureExl2Quant at {', '.join(planned)} bpw (planned bytes {planned})")
-    root = out / "models"
-    ops = exl2_ops(str(Path(sys.prefix)), str(model), str(root), list(BPWS), gpu_available=True)
+    gpu = gpu_or_stop(
+        f"the quantize step's EnsureExl2Quant at {', '.join(planned)} bpw (planned bytes {planned})", result
+    )
     t0 = time.monotonic()
     result["changes"] = _ops(ops)
     result["convert_s"] = round(time.monotonic() - t0, 1)
+    result["again"] = _ops(ops)  # a second run: every operation ok, nothing converted again
+    from playbooks.conduct.quantize import recipe_weights
+    from playbooks.steps.weights.model_layout import ModelLayout
+
+    root = Exl2Layout(ModelLayout(prefix, recipe_weights(loaded).model_id).root)
     real = {}
-    for b, _ in BPWS:
-        files = [f for f in root.rglob("*.safetensors") if f"{b:g}bpw" in str(f.parent)]
-        real[f"{b:g}"] = sum(f.stat().st_size for f in files)
+    for b, hb in BPWS:
+        done = Path(root.output(Exl2Layout.tag(b, hb)))
+        real[f"{b:g}"] = sum(f.stat().st_size for f in done.glob("*.safetensors"))
     result.update(gpu=gpu, real_file_bytes=real)
     result["real_over_planned"] = {k: round(real[k] / planned[k], 4) if planned[k] else None for k in real}
     return result
 
 
 def phase_tabbyapi(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
-    """TabbyAPI through its step (pushed from the payload's archive, its proof), then, on the
-    GPU, serving the 4.0 bpw conversion with our rendered config.yml, asked for a streamed chat
-    completion through the official openai client."""
+    """TabbyAPI through its step, pushed from the payload's archive and installed offline from
+    its wheels, its proof run, twice (the second changes nothing)."""
     from playbooks.config.recipe import Toolchain
+    from playbooks.steps.build import wheelhouse
     from playbooks.steps.build.tabbyapi import EnsureTabbyAPI
 
     # TabbyAPI's start imports exllamav2 where it is installed (common/multimodal.py ->
@@ -318,24 +401,125 @@ def phase_tabbyapi(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     cache.mkdir(parents=True, exist_ok=True)
     shutil.copy(payload / manifest["tabbyapi"], cache / manifest["tabbyapi"])
     # the payload's wheels where the step looks for a wheelhouse: it installs offline, as on a host
-    from playbooks.steps.build import wheelhouse
-
     tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
-    ref = Toolchain().tabbyapi_ref
-    tar = wheelhouse.packed(ref, tag, cache)
+    tar = wheelhouse.packed(Toolchain().tabbyapi_ref, tag, cache)
     tar.parent.mkdir(parents=True, exist_ok=True)
     wheelhouse.pack(payload / "wheels" / tag, tar)
-    prefix = out / "prefix"
-    step = EnsureTabbyAPI(str(prefix), str(Path(sys.prefix)), Toolchain(), cache=cache)
-    result: dict[str, Any] = {"install": _ops([step]), "again": _ops([step])}
-    (out / "exl2-tabbyapi.json").write_text(json.dumps({"status": "running", **result}, indent=2) + "\n")
-    raise SystemExit("not written yet: serving the conversion through the deploy step (issue 37 item 2)")
+    step = EnsureTabbyAPI(str(prefix_of(out)), str(venv_of(out)), Toolchain(), cache=cache)
+    return {"install": _ops([step]), "again": _ops([step])}
+
+
+def _deploy(out: Path) -> tuple[Any, list[Any]]:
+    from playbooks.conduct.deploy import deploy_ops
+    from playbooks.host.local import LocalHost
+
+    loaded = device_recipe(out)
+    # a managed process: a device (a container) runs no systemd, and `auto` would say so too
+    return loaded, deploy_ops(loaded, LocalHost(), str(prefix_of(out)), "process")
+
+
+def phase_serve(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+    """The deploy step serving the 4.0 bpw conversion (TabbyAPI as a managed process, /health
+    waited for, the record written), run twice; a streamed chat completion through the official
+    openai client; the GPU memory TabbyAPI holds against the plan's VRAM."""
+    from playbooks.config.planning import plan_recipe
+    from playbooks.steps.serve.deploy import EnsureServiceFile
+
+    loaded, ops = _deploy(out)
+    files = {Path(op.file.path).name: op.file.text for op in ops if isinstance(op, EnsureServiceFile)}
+    result: dict[str, Any] = {"planned_ops": [op.name for op in ops], "rendered": sorted(files)}
+    (out / "exl2-config.yml").write_text(files.get("config.yml", ""))
+    plan = plan_recipe(loaded)
+    option = next((o for o in plan.options if o.quant == loaded.recipe.quant_name), None)
+    result["planned_vram_bytes"] = option.vram_bytes if option else None
+    gpu_or_stop(
+        f"the deploy step starting TabbyAPI on the {loaded.recipe.quant_name} conversion ({len(ops)} ops)", result
+    )
+    t0 = time.monotonic()
+    result["deploy"] = _ops(ops)
+    result["deploy_s"] = round(time.monotonic() - t0, 1)
+    result["again"] = _ops(_deploy(out)[1])
+    result["chat"] = streamed_chat(loaded.recipe.service.port, loaded.recipe.served_name)
+    code, apps = sh("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits", timeout=30)
+    used = sum(int(x.rsplit(",", 1)[1]) for x in apps.splitlines() if "," in x) * 2**20 if code == 0 else None
+    result["gpu_used_bytes"] = used
+    if used and result["planned_vram_bytes"]:
+        result["used_over_planned"] = round(used / result["planned_vram_bytes"], 4)
+    return result
+
+
+def streamed_chat(port: int, model: str, max_tokens: int = 32) -> dict[str, Any]:
+    """One streamed chat completion through the official openai client, as a user asks: EOS
+    ignored (random weights may end at once; TabbyAPI takes ignore_eos as ban_eos_token), the
+    server's own token count from the usage chunk."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    t0 = time.monotonic()
+    first, chunks, text, usage = None, 0, [], None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "kalo mine ruta"}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        usage = chunk.usage or usage
+        delta = chunk.choices[0].delta.content if chunk.choices else None
+        if delta:
+            first = first if first is not None else time.monotonic() - t0
+            chunks += 1
+            text.append(delta)
+    if not chunks:
+        raise SystemExit("the streamed chat completion returned no content chunks")
+    return {
+        "chunks": chunks,
+        "completion_tokens": usage.completion_tokens if usage else None,
+        "ttft_s": round(first or 0, 3),
+        "wall_s": round(time.monotonic() - t0, 3),
+        "text": "".join(text)[:200],
+    }
+
+
+def phase_bench(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+    """`invoke bench`'s run against the served conversion (the gate's sweep, levels 1 and 4,
+    each figure with its interval), then the server stopped."""
+    from playbooks.conduct.deploy import single_service
+    from playbooks.steps.measure.bench_run import gate_run, thresholds
+
+    loaded = device_recipe(out)
+    _, _, layout = single_service(loaded, str(prefix_of(out)))
+    result: dict[str, Any] = {"thresholds": thresholds(loaded), "service": layout.service}
+    gpu_or_stop(f"the bench of {layout.service} (the gate's sweep at levels {loaded.recipe.gate.levels})", result)
+    from playbooks.host.local import LocalHost
+
+    try:
+        run, files, _ = gate_run(loaded, LocalHost(), str(prefix_of(out)), layout, out / "bench")
+    finally:  # the server stopped as `invoke stop` stops it: the device is left as it was found
+        from playbooks.steps.serve.deploy import EnsureServing
+
+        serving = [op for op in _deploy(out)[1] if isinstance(op, EnsureServing)]
+        for op in serving:
+            LocalHost().run(op.manager.stop().command, check=False, stream=False)
+    result["files"] = {k: str(v) for k, v in files.items()}
+    result["error"] = run.get("error")
+    result["levels"] = [
+        {k: lv.get(k) for k in ("concurrency", "requests", "errors", "per_stream_decode_tok_s", "decode",
+                                "aggregate_tok_s", "aggregate", "prefill_tok_s", "ttft_worst")}
+        for lv in run.get("levels", [])
+    ]  # fmt: skip
+    result["gate"] = run.get("gate")
+    result["telemetry"] = run.get("telemetry")
+    return result
 
 
 def run_in_venv(name: str, out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     """A phase in the venv `install` made: the device's torch and the payload's wheels."""
-    argv = [str(out / "venv/bin/python"), __file__, "phase", name, "--out", str(out), "--payload", str(payload)]
-    code, text = sh([*argv, *(["--rehearse"] if rehearse else [])], timeout=600)
+    argv = [str(venv_of(out) / "bin/python"), __file__, "phase", name, "--out", str(out), "--payload", str(payload)]
+    env = {**os.environ, "VOLTAFORGE_CACHE": str(out / "cache")}
+    code, text = sh([*argv, *(["--rehearse"] if rehearse else [])], timeout=600, env=env)
     (out / f"exl2-{name}.log").write_text(text + "\n")
     last = text.splitlines()[-1] if text else ""
     try:
@@ -348,7 +532,7 @@ def one_phase(name: str, out: Path, payload: Path, rehearse: bool) -> dict[str, 
     try:
         return {"status": "done", **globals()[f"phase_{name}"](out, payload, rehearse)}
     except NeedsGPU as e:
-        return {"status": "needs a GPU", "why": str(e)}
+        return {**e.done, "status": "needs a GPU", "why": str(e)}
     except SystemExit as e:
         return {"status": "stopped", "why": str(e)}
     except Exception as e:  # a phase's bug is its result too: the next phase still runs
@@ -373,8 +557,6 @@ def run(out: Path, payload: Path, rehearse: bool) -> int:
         with tarfile.open(out / "results.tgz", "w:gz") as tar:
             for f in sorted(out.glob("exl2-*")):
                 tar.add(f, arcname=f.name)
-    for name in NOT_WRITTEN:
-        print(f"== exl2 {name}: not written yet (issue 37 item 2)")
     return 0 if all(s in ("done", "needs a GPU") for s in status.values()) else 1
 
 

@@ -17,6 +17,7 @@ models/<id>/gguf/); quantize's own run of it is tested in test_quantize_real.py,
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shlex
 import subprocess
@@ -218,6 +219,14 @@ def test_deploy_as_a_process_where_there_is_no_systemd(sshd_host, tiny_q4, tmp_p
         assert b"--fit" in cmdline and shlex.join(a.decode() for a in cmdline[1:4]) in unit_text
         text, tokens = _chat(port)
         assert tokens == 12
+        # the device check's streamed chat (scripts/device_exl2.py, what it asks TabbyAPI on a
+        # GPU) against this real server: the same client, the same stream, content chunks counted
+        spec = importlib.util.spec_from_file_location("device_exl2", ROOT / "scripts" / "device_exl2.py")
+        assert spec and spec.loader
+        device_exl2 = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(device_exl2)
+        chat = device_exl2.streamed_chat(port, "tiny", max_tokens=12)
+        assert chat["completion_tokens"] == 12 and chat["chunks"] >= 1 and 0 < chat["ttft_s"] <= chat["wall_s"]
         # again: ok, the same process
         assert run_deploy("box", str(recipe), settings=settings) == 0
         assert "running, unchanged" in capsys.readouterr().out and pid_file.read_text().strip() == pid

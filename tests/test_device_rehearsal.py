@@ -5,12 +5,15 @@ written. So the device script cannot rot while no GPU is lent (issue 37 item 3).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
+import yaml
 
 from tests.helpers import ROOT
 
@@ -18,10 +21,10 @@ VENDORED = ROOT.parent / "shared" / "vendor" / "tabbyAPI-79126f904c2e00aece026b3
 
 
 @pytest.mark.slow
-def test_the_device_script_rehearses_here_to_its_first_gpu_call():
+def test_the_device_script_rehearses_here_to_its_first_gpu_call(tmp_path):
     if not VENDORED.is_file():
         pytest.skip(f"{VENDORED} is not here")
-    env = {**os.environ, "PYTHON": sys.executable, "VF_TABBYAPI": str(VENDORED)}
+    env = {**os.environ, "PYTHON": sys.executable, "VF_TABBYAPI": str(VENDORED), "VF_REHEARSE_KEEP": str(tmp_path)}
     r = subprocess.run(
         ["bash", "scripts/device_check.sh", "--rehearse"],
         cwd=ROOT,
@@ -39,8 +42,23 @@ def test_the_device_script_rehearses_here_to_its_first_gpu_call():
     assert "== exl2 ext: needs a GPU - needs a GPU: the build step's EnsureExllamav2" in out
     assert "== exl2 convert: needs a GPU - needs a GPU: the quantize step's EnsureExl2Quant at 3.3, 4 bpw" in out
     assert "== exl2 tabbyapi: needs a GPU - needs a GPU: the tabbyapi step (its proof starts TabbyAPI" in out
-    # the archive holds each phase's result
-    names = {f"exl2-{p}.json" for p in ("facts", "install", "ext", "convert", "tabbyapi")}
-    assert names <= set(out.split())
-    # what is not written yet is said, not passed
-    assert "== exl2 bench: not written yet" in out
+    assert "== exl2 serve: needs a GPU - needs a GPU: the deploy step starting TabbyAPI on the EXL2-4.0" in out
+    assert "== exl2 bench: needs a GPU - needs a GPU: the bench of voltaforge-tabbyapi" in out
+    # the archive holds each phase's result, and what each did before its GPU call
+    with tarfile.open(tmp_path / "results.tgz") as tar:
+        got = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+    phases = ("facts", "install", "ext", "convert", "tabbyapi", "serve", "bench")
+    assert {f"exl2-{p}.json" for p in phases} <= set(got)
+    convert = json.loads(got["exl2-convert.json"])
+    # the quantize step's own operations up to the converter: the generated weights pushed and
+    # their FP16 range checked, then the same operations again (the 4.0 bpw run's) all ok
+    before = [(c["step"], c["status"]) for c in convert["before_gpu"]]
+    assert ("Ensure every weight fits FP16 (V100 has no BF16)", "changed") in before, before
+    assert before[len(before) // 2 :] == [(s, "ok") for s, _ in before[: len(before) // 2]], before
+    assert convert["gpu"] == "h200" and all(b > 0 for b in convert["planned_file_bytes"].values())
+    serve = json.loads(got["exl2-serve.json"])
+    assert serve["rendered"] == ["config.yml", "voltaforge-tabbyapi.service"] and serve["planned_vram_bytes"] > 0
+    config = yaml.safe_load(got["exl2-config.yml"])
+    # TabbyAPI on loopback without a key, loading the conversion through the deploy step's link
+    assert config["network"]["host"] == "127.0.0.1" and config["network"]["disable_auth"] is True
+    assert config["model"]["model_name"] == "tiny-llama"
