@@ -23,8 +23,8 @@ later failure still returns them) and packs ``DIR/results.tgz`` after every phas
   install   a venv seeing the device's torch (--system-site-packages; the rehearsal's is clean)
             and the wheelhouse installed into it offline (pip --no-index; exllamav2 --no-deps)
   ext       the build step's EnsureExllamav2 against the device's torch, for its GPU's arch, run
-            twice (the build, then the no-op); TORCH_EXTENSIONS_DIR under .device-exl2/prefix,
-            whose size it records (what a second call carries beside the payload)
+            twice (the build, then the no-op); TORCH_EXTENSIONS_DIR under the prefix, whose
+            size it records
   convert   the device recipe (``device_recipe``: the generated EXL2_MODEL at 4.0 bpw on this
             GPU, TabbyAPI on loopback); the quantize step's own operations for --bpw 3.3 and
             4.0: the generated weights and their FP16 range (here too), then on the GPU the
@@ -43,10 +43,14 @@ Everything from ``ext`` on runs in that venv (``phase NAME``). Each asks for the
 first needs one and, without one, stops with "needs a GPU" and what it would have run: the
 rehearsal runs every phase that far. A device whose torch and toolkit cannot build ExLlamaV2
 (another CUDA major) stops ``ext`` with the step's own reason, saved: the "blocked" outcome.
-Generated weights and the bench history go under DIR/cache (VOLTAFORGE_CACHE), not $HOME.
+The generated weights, the bench history and the staged TabbyAPI go under the prefix's cache/
+(VOLTAFORGE_CACHE), not $HOME: a warm device keeps them too.
 
-Not measured yet (needs the GPU): the extension's build directory, which a second call carries
-beside the payload (~56 MiB of 64): ``ext`` records it.
+Where things live: DIR holds the results only (a device call's $OUT starts empty); the prefix
+(``--prefix``, default ``.device-exl2-prefix/``: ignored by git and never carried, since a carried
+path replaces what is there) holds the venv, the extension's build, the models, TabbyAPI and the
+deployment, as a host's prefix does. A warm device keeps ignored paths between calls, so a
+second call finds the venv, the extension and the conversions and changes nothing there.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,9 @@ sys.path.insert(0, str(ROOT))
 # others run in the venv that `install` made (python scripts/device_exl2.py phase NAME)
 
 PAYLOAD = ROOT / ".device-exl2"
+#: the prefix on the device: ignored by git, not carried (a carried path is replaced), so a warm
+#: device keeps it between calls
+PREFIX = ROOT / ".device-exl2-prefix"
 CARRY_LIMIT = 64 * 2**20  # what one device call carries, working tree included
 EXLLAMAV2 = "exllamav2==0.3.2"
 # ExLlamaV2 0.3.2's requirements (its wheel's METADATA) but torch, which is the device's
@@ -107,6 +115,23 @@ class NeedsGPU(Exception):
     def __init__(self, why: str, done: dict[str, Any] | None = None):
         super().__init__(why)
         self.done = done or {}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One run's places: ``out`` its results (the device call's $OUT, empty each call),
+    ``payload`` what it carried, ``prefix`` the voltaforge prefix (venv, extension build,
+    models, TabbyAPI, the deployment), kept where a warm device keeps ignored paths between
+    calls, so a second call finds the build and the conversions and changes nothing."""
+
+    out: Path
+    payload: Path
+    prefix: Path
+    rehearse: bool
+
+    def argv(self) -> list[str]:
+        flags = ["--out", str(self.out), "--payload", str(self.payload), "--prefix", str(self.prefix)]
+        return flags + (["--rehearse"] if self.rehearse else [])
 
 
 def sh(cmd: list[str] | str, timeout: float = 300, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -175,7 +200,7 @@ def gpu_or_stop(what: str, done: dict[str, Any] | None = None) -> str:
     return out.splitlines()[0]
 
 
-def phase_facts(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+def phase_facts(c: Call) -> dict[str, Any]:
     probe = (
         "import sys, json\n"
         "d = {'python': '%d.%d.%d' % sys.version_info[:3]}\n"
@@ -190,35 +215,36 @@ def phase_facts(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     facts: dict[str, Any] = json.loads(py.splitlines()[-1]) if code == 0 else {"python_error": py[-300:]}
     facts["nvcc"] = sh("ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null; nvcc --version 2>/dev/null | tail -1")[1]
     facts["driver"] = sh("nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader")[1]
-    manifest = payload / "manifest.json"
+    manifest = c.payload / "manifest.json"
     facts["payload"] = json.loads(manifest.read_text()) if manifest.is_file() else None
     return facts
 
 
-def phase_install(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
-    manifest = json.loads((payload / "manifest.json").read_text())
+def phase_install(c: Call) -> dict[str, Any]:
+    manifest = json.loads((c.payload / "manifest.json").read_text())
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
     if manifest["python"] != here:
         raise SystemExit(
             f"blocked: the wheelhouse is for Python {manifest['python']}, this Python is {here}: "
             f"run `python3 scripts/device_exl2.py prepare --python {here}` for the next call"
         )
-    venv = venv_of(out)
-    shutil.rmtree(venv, ignore_errors=True)
-    # the device's torch (and numpy) seen from the venv; here, a clean venv with no site packages
-    flags = [] if rehearse else ["--system-site-packages"]
-    code, text = sh([sys.executable, "-m", "venv", *flags, str(venv)])
+    venv = venv_of(c)
+    # the device's torch (and numpy) seen from the venv; here, a clean venv with no site packages.
+    # A venv an earlier call made is kept: the extension and its stamp live in it
+    flags = [] if c.rehearse else ["--system-site-packages"]
+    kept = (venv / "bin/python").exists()
+    code, text = sh([sys.executable, "-m", "venv", *flags, str(venv)]) if not kept else (0, "")
     if code != 0:
         raise SystemExit(f"venv: {text[-300:]}")
-    links = [str(payload / "wheels" / f"cp{here.replace('.', '')}")]
-    if rehearse:  # what the device is expected to hold itself (DEVICE_PROVIDES), fetched for the rehearsal
-        extra = out / "device-provides"
+    links = [str(c.payload / "wheels" / f"cp{here.replace('.', '')}")]
+    if c.rehearse:  # what the device is expected to hold itself (DEVICE_PROVIDES), fetched for the rehearsal
+        extra = c.out / "device-provides"
         code, text = sh([sys.executable, "-m", "pip", "download", "-q", "-d", str(extra), *DEVICE_PROVIDES])
         links.append(str(extra))
-    tabby = out / "tabbyAPI"
+    tabby = c.out / "tabbyAPI"
     shutil.rmtree(tabby, ignore_errors=True)
     tabby.mkdir()
-    with tarfile.open(payload / manifest["tabbyapi"]) as tar:
+    with tarfile.open(c.payload / manifest["tabbyapi"]) as tar:
         tar.extractall(tabby, filter="data")
     argv = [str(venv / "bin/pip"), "install", "--disable-pip-version-check", "--no-index"]
     for link in links:
@@ -228,38 +254,36 @@ def phase_install(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     if code == 0:  # exllamav2 itself without its torch requirement: torch is the device's
         code, more = sh([*argv, "--no-deps", EXLLAMAV2], timeout=300)
         text += "\n" + more
-    (out / "exl2-install.log").write_text(text + "\n")
+    (c.out / "exl2-install.log").write_text(text + "\n")
     if code != 0:
         missing = [ln for ln in text.splitlines() if "No matching distribution" in ln]
         raise SystemExit(f"blocked: the offline install failed: {(missing or text.splitlines()[-1:])[0][-300:]}")
     _, freeze = sh([str(venv / "bin/pip"), "freeze"])
-    return {"install_s": round(time.monotonic() - t0, 1), "installed": len(freeze.splitlines()), "offline": True}
+    return {
+        "install_s": round(time.monotonic() - t0, 1),
+        "installed": len(freeze.splitlines()),
+        "offline": True,
+        "venv": "kept from an earlier call" if kept else "made",
+    }
 
 
-def _facts(out: Path) -> dict[str, Any]:
-    return json.loads((out / "exl2-facts.json").read_text())
+def _facts(c: Call) -> dict[str, Any]:
+    return json.loads((c.out / "exl2-facts.json").read_text())
 
 
-def prefix_of(out: Path) -> Path:
-    """The voltaforge prefix on the device: the venv (venv_path), the models, TabbyAPI, the
-    deployment's state, all as on a host; only the extension's build directory is elsewhere
-    (the payload's prefix), since the next call carries it."""
-    return out / "prefix"
-
-
-def venv_of(out: Path) -> Path:
+def venv_of(c: Call) -> Path:
     """The prefix's venv (steps/build/toolchain.venv_path; `install` makes it with the standard
     library alone, so the path is spelled here and checked against venv_path in the venv)."""
-    return prefix_of(out) / "venv"
+    return c.prefix / "venv"
 
 
-def _device_toolchain(out: Path, arch: str) -> Any:
+def _device_toolchain(c: Call, arch: str) -> Any:
     """The pinned toolchain with the device's own torch, its CUDA and its GPU's arch: the build
     step's operation then checks what it checks on a V100 host (torch's CUDA major against the
     toolkit's) against what this device really has."""
     from playbooks.config.recipe import Toolchain
 
-    f = _facts(out)
+    f = _facts(c)
     if not f.get("torch") or not f.get("torch_cuda"):
         raise SystemExit(f"blocked: no CUDA torch on the device (torch {f.get('torch')}, CUDA {f.get('torch_cuda')})")
     major, minor = str(f["torch_cuda"]).split(".")[:2]
@@ -283,7 +307,7 @@ def _ops(ops: list[Any]) -> list[dict[str, str]]:
     return done
 
 
-def device_recipe(out: Path) -> Any:
+def device_recipe(c: Call) -> Any:
     """The recipe the device serves: the generated EXL2_MODEL at 4.0 bpw on this GPU (the
     catalogue's entry for nvidia-smi's name; without a GPU, the lent kind, an H200), TabbyAPI
     on loopback without a key, a gate that measures and does not judge (random weights)."""
@@ -310,7 +334,7 @@ def device_recipe(out: Path) -> Any:
         "service": {"port": SERVE_PORT},
         "gate": {"levels": [1, 4], "prompt_tokens": 128, "max_tokens": 64},
     }
-    path = out / "recipes" / "exl2-device.yaml"
+    path = c.out / "recipes" / "exl2-device.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return load_recipe(path)
@@ -322,19 +346,19 @@ def _is_conversion(op: Any) -> bool:
     return type(op).__module__ == exl2_convert.__name__
 
 
-def phase_ext(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+def phase_ext(c: Call) -> dict[str, Any]:
     from playbooks.steps.build.exllamav2 import EnsureExllamav2
 
     gpu = gpu_or_stop("the build step's EnsureExllamav2 (JIT build of exllamav2_ext for this arch)")
-    tc = _device_toolchain(out, _arch(gpu))
-    # the extension's build directory (TORCH_EXTENSIONS_DIR, <prefix>/exllamav2/ext/<id>) under
-    # the payload: the next call carries it and ninja finds its objects; the stamp is the venv's
-    step = EnsureExllamav2(str(payload / "prefix"), str(venv_of(out)), tc)
+    tc = _device_toolchain(c, _arch(gpu))
+    # the extension's build directory (TORCH_EXTENSIONS_DIR, <prefix>/exllamav2/ext/<id>) and the
+    # venv it is installed into are the prefix's: a warm device keeps them for the next call
+    step = EnsureExllamav2(str(c.prefix), str(venv_of(c)), tc)
     t0 = time.monotonic()
     first = _ops([step])
     t1 = time.monotonic()
     again = _ops([step])
-    ext = payload / "prefix" / "exllamav2"
+    ext = c.prefix / "exllamav2"
     build_bytes = sum(f.stat().st_size for f in ext.rglob("*") if f.is_file()) if ext.is_dir() else 0
     return {
         "gpu": gpu,
@@ -342,12 +366,12 @@ def phase_ext(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
         "first_s": round(t1 - t0, 1),
         "again": again,
         "arch": tc.cuda_arch,
-        # what the next call carries beside the payload (measured here, on the device)
+        # what it leaves on the device (measured there)
         "build_dir_bytes": build_bytes,
     }
 
 
-def phase_convert(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+def phase_convert(c: Call) -> dict[str, Any]:
     """The quantize step's own operations for the device recipe (`invoke quantize --bpw 3.3`,
     then the recipe's 4.0): the generated weights, their FP16 range, then on the GPU the
     conversions, the second reusing the first's measurement; the real files against the
@@ -357,15 +381,15 @@ def phase_convert(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     from playbooks.steps.build.toolchain import venv_path
     from playbooks.steps.weights.exl2_convert import Exl2Layout
 
-    loaded = device_recipe(out)
-    prefix = str(prefix_of(out))
-    assert venv_path(prefix) == str(venv_of(out)), "the venv `install` made is not the prefix's"
+    loaded = device_recipe(c)
+    prefix = str(c.prefix)
+    assert venv_path(prefix) == str(venv_of(c)), "the venv `install` made is not the prefix's"
     planned = {f"{b:g}": estimate_exl2(loaded.shape, b, hb).file_bytes for b, hb in BPWS}
     result: dict[str, Any] = {"recipe": loaded.recipe.name, "gpu": loaded.recipe.gpu, "planned_file_bytes": planned}
     ops = [op for b, _ in BPWS for op in quantize_step(loaded, prefix, bpw=f"{b:g}")]
     # what needs no GPU runs everywhere (the rehearsal too): the weights and their FP16 range
     result["before_gpu"] = _ops([op for op in ops if not _is_conversion(op)])
-    (out / "exl2-convert.json").write_text(json.dumps({"status": "running", **result}, indent=2) + "\n")
+    (c.out / "exl2-convert.json").write_text(json.dumps({"status": "running", **result}, indent=2) + "\n")
     gpu = gpu_or_stop(
         f"the quantize step's EnsureExl2Quant at {', '.join(planned)} bpw (planned bytes {planned})", result
     )
@@ -386,7 +410,7 @@ def phase_convert(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     return result
 
 
-def phase_tabbyapi(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+def phase_tabbyapi(c: Call) -> dict[str, Any]:
     """TabbyAPI through its step, pushed from the payload's archive and installed offline from
     its wheels, its proof run, twice (the second changes nothing)."""
     from playbooks.config.recipe import Toolchain
@@ -396,39 +420,39 @@ def phase_tabbyapi(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     # TabbyAPI's start imports exllamav2 where it is installed (common/multimodal.py ->
     # backends/exllamav2/vision.py), so its proof needs torch and the extension `ext` built
     gpu_or_stop("the tabbyapi step (its proof starts TabbyAPI, which imports exllamav2 and the extension ext built)")
-    manifest = json.loads((payload / "manifest.json").read_text())
-    cache = out / "cache" / "sources"
+    manifest = json.loads((c.payload / "manifest.json").read_text())
+    cache = c.prefix / "cache" / "sources"
     cache.mkdir(parents=True, exist_ok=True)
-    shutil.copy(payload / manifest["tabbyapi"], cache / manifest["tabbyapi"])
+    shutil.copy(c.payload / manifest["tabbyapi"], cache / manifest["tabbyapi"])
     # the payload's wheels where the step looks for a wheelhouse: it installs offline, as on a host
     tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
     tar = wheelhouse.packed(Toolchain().tabbyapi_ref, tag, cache)
     tar.parent.mkdir(parents=True, exist_ok=True)
-    wheelhouse.pack(payload / "wheels" / tag, tar)
-    step = EnsureTabbyAPI(str(prefix_of(out)), str(venv_of(out)), Toolchain(), cache=cache)
+    wheelhouse.pack(c.payload / "wheels" / tag, tar)
+    step = EnsureTabbyAPI(str(c.prefix), str(venv_of(c)), Toolchain(), cache=cache)
     return {"install": _ops([step]), "again": _ops([step])}
 
 
-def _deploy(out: Path) -> tuple[Any, list[Any]]:
+def _deploy(c: Call) -> tuple[Any, list[Any]]:
     from playbooks.conduct.deploy import deploy_ops
     from playbooks.host.local import LocalHost
 
-    loaded = device_recipe(out)
+    loaded = device_recipe(c)
     # a managed process: a device (a container) runs no systemd, and `auto` would say so too
-    return loaded, deploy_ops(loaded, LocalHost(), str(prefix_of(out)), "process")
+    return loaded, deploy_ops(loaded, LocalHost(), str(c.prefix), "process")
 
 
-def phase_serve(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+def phase_serve(c: Call) -> dict[str, Any]:
     """The deploy step serving the 4.0 bpw conversion (TabbyAPI as a managed process, /health
     waited for, the record written), run twice; a streamed chat completion through the official
     openai client; the GPU memory TabbyAPI holds against the plan's VRAM."""
     from playbooks.config.planning import plan_recipe
     from playbooks.steps.serve.deploy import EnsureServiceFile
 
-    loaded, ops = _deploy(out)
+    loaded, ops = _deploy(c)
     files = {Path(op.file.path).name: op.file.text for op in ops if isinstance(op, EnsureServiceFile)}
     result: dict[str, Any] = {"planned_ops": [op.name for op in ops], "rendered": sorted(files)}
-    (out / "exl2-config.yml").write_text(files.get("config.yml", ""))
+    (c.out / "exl2-config.yml").write_text(files.get("config.yml", ""))
     plan = plan_recipe(loaded)
     option = next((o for o in plan.options if o.quant == loaded.recipe.quant_name), None)
     result["planned_vram_bytes"] = option.vram_bytes if option else None
@@ -438,7 +462,7 @@ def phase_serve(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     t0 = time.monotonic()
     result["deploy"] = _ops(ops)
     result["deploy_s"] = round(time.monotonic() - t0, 1)
-    result["again"] = _ops(_deploy(out)[1])
+    result["again"] = _ops(_deploy(c)[1])
     result["chat"] = streamed_chat(loaded.recipe.service.port, loaded.recipe.served_name)
     code, apps = sh("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits", timeout=30)
     used = sum(int(x.rsplit(",", 1)[1]) for x in apps.splitlines() if "," in x) * 2**20 if code == 0 else None
@@ -483,24 +507,24 @@ def streamed_chat(port: int, model: str, max_tokens: int = 32) -> dict[str, Any]
     }
 
 
-def phase_bench(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+def phase_bench(c: Call) -> dict[str, Any]:
     """`invoke bench`'s run against the served conversion (the gate's sweep, levels 1 and 4,
     each figure with its interval), then the server stopped."""
     from playbooks.conduct.deploy import single_service
     from playbooks.steps.measure.bench_run import gate_run, thresholds
 
-    loaded = device_recipe(out)
-    _, _, layout = single_service(loaded, str(prefix_of(out)))
+    loaded = device_recipe(c)
+    _, _, layout = single_service(loaded, str(c.prefix))
     result: dict[str, Any] = {"thresholds": thresholds(loaded), "service": layout.service}
     gpu_or_stop(f"the bench of {layout.service} (the gate's sweep at levels {loaded.recipe.gate.levels})", result)
     from playbooks.host.local import LocalHost
 
     try:
-        run, files, _ = gate_run(loaded, LocalHost(), str(prefix_of(out)), layout, out / "bench")
+        run, files, _ = gate_run(loaded, LocalHost(), str(c.prefix), layout, c.out / "bench")
     finally:  # the server stopped as `invoke stop` stops it: the device is left as it was found
         from playbooks.steps.serve.deploy import EnsureServing
 
-        serving = [op for op in _deploy(out)[1] if isinstance(op, EnsureServing)]
+        serving = [op for op in _deploy(c)[1] if isinstance(op, EnsureServing)]
         for op in serving:
             LocalHost().run(op.manager.stop().command, check=False, stream=False)
     result["files"] = {k: str(v) for k, v in files.items()}
@@ -515,12 +539,12 @@ def phase_bench(out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
     return result
 
 
-def run_in_venv(name: str, out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+def run_in_venv(name: str, c: Call) -> dict[str, Any]:
     """A phase in the venv `install` made: the device's torch and the payload's wheels."""
-    argv = [str(venv_of(out) / "bin/python"), __file__, "phase", name, "--out", str(out), "--payload", str(payload)]
-    env = {**os.environ, "VOLTAFORGE_CACHE": str(out / "cache")}
-    code, text = sh([*argv, *(["--rehearse"] if rehearse else [])], timeout=600, env=env)
-    (out / f"exl2-{name}.log").write_text(text + "\n")
+    argv = [str(venv_of(c) / "bin/python"), __file__, "phase", name, *c.argv()]
+    env = {**os.environ, "VOLTAFORGE_CACHE": str(c.prefix / "cache")}
+    code, text = sh(argv, timeout=600, env=env)
+    (c.out / f"exl2-{name}.log").write_text(text + "\n")
     last = text.splitlines()[-1] if text else ""
     try:
         return dict(json.loads(last))
@@ -528,9 +552,9 @@ def run_in_venv(name: str, out: Path, payload: Path, rehearse: bool) -> dict[str
         return {"status": "failed", "why": f"exit {code}: {last[-400:]}"}
 
 
-def one_phase(name: str, out: Path, payload: Path, rehearse: bool) -> dict[str, Any]:
+def one_phase(name: str, c: Call) -> dict[str, Any]:
     try:
-        return {"status": "done", **globals()[f"phase_{name}"](out, payload, rehearse)}
+        return {"status": "done", **globals()[f"phase_{name}"](c)}
     except NeedsGPU as e:
         return {**e.done, "status": "needs a GPU", "why": str(e)}
     except SystemExit as e:
@@ -539,23 +563,23 @@ def one_phase(name: str, out: Path, payload: Path, rehearse: bool) -> dict[str, 
         return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:500]}
 
 
-def run(out: Path, payload: Path, rehearse: bool) -> int:
-    out.mkdir(parents=True, exist_ok=True)
+def run(c: Call) -> int:
+    c.out.mkdir(parents=True, exist_ok=True)
     status: dict[str, str] = {}
     for name in PHASES:
         t0 = time.monotonic()
         if name in IN_VENV and status.get("install") != "done":
             result: dict[str, Any] = {"status": "stopped", "why": "no venv: the install phase did not finish"}
         elif name in IN_VENV:
-            result = run_in_venv(name, out, payload, rehearse)
+            result = run_in_venv(name, c)
         else:
-            result = one_phase(name, out, payload, rehearse)
+            result = one_phase(name, c)
         result["seconds"] = round(time.monotonic() - t0, 1)
-        (out / f"exl2-{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n")
+        (c.out / f"exl2-{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n")
         status[name] = result["status"]
         print(f"== exl2 {name}: {result['status']}" + (f" - {result['why']}" if "why" in result else ""), flush=True)
-        with tarfile.open(out / "results.tgz", "w:gz") as tar:
-            for f in sorted(out.glob("exl2-*")):
+        with tarfile.open(c.out / "results.tgz", "w:gz") as tar:
+            for f in sorted(c.out.glob("exl2-*")):
                 tar.add(f, arcname=f.name)
     return 0 if all(s in ("done", "needs a GPU") for s in status.values()) else 1
 
@@ -568,17 +592,17 @@ def main() -> int:
     pp.add_argument("--tabbyapi", type=Path, default=None, help="the staged archive (default: the controller's)")
     pp.add_argument("--payload", type=Path, default=PAYLOAD)
     pr = sub.add_parser("run")
-    pr.add_argument("--out", type=Path, required=True)
-    pr.add_argument("--payload", type=Path, default=PAYLOAD)
-    pr.add_argument("--rehearse", action="store_true")
     ph = sub.add_parser("phase", help="one phase, in the venv `install` made (run calls it)")
     ph.add_argument("name", choices=IN_VENV)
-    ph.add_argument("--out", type=Path, required=True)
-    ph.add_argument("--payload", type=Path, default=PAYLOAD)
-    ph.add_argument("--rehearse", action="store_true")
+    for q in (pr, ph):
+        q.add_argument("--out", type=Path, required=True)
+        q.add_argument("--payload", type=Path, default=PAYLOAD)
+        q.add_argument("--prefix", type=Path, default=PREFIX)
+        q.add_argument("--rehearse", action="store_true")
     a = p.parse_args()
     if a.cmd == "phase":
-        print(json.dumps(one_phase(a.name, a.out, a.payload, a.rehearse), default=str))
+        call = Call(a.out, a.payload, a.prefix, a.rehearse)
+        print(json.dumps(one_phase(a.name, call), default=str))
         return 0
     if a.cmd == "prepare":
         from playbooks.config.recipe import Toolchain
@@ -592,7 +616,7 @@ def main() -> int:
             f"{total / 2**20:.1f} MiB of {CARRY_LIMIT / 2**20:.0f} ({len(m['wheels'])} wheels, Python {a.python})"
         )
         return 0 if total <= CARRY_LIMIT else 1
-    return run(a.out, a.payload, a.rehearse)
+    return run(Call(a.out.resolve(), a.payload.resolve(), a.prefix.resolve(), a.rehearse))
 
 
 if __name__ == "__main__":

@@ -45,8 +45,7 @@ def test_the_device_script_rehearses_here_to_its_first_gpu_call(tmp_path):
     assert "== exl2 serve: needs a GPU - needs a GPU: the deploy step starting TabbyAPI on the EXL2-4.0" in out
     assert "== exl2 bench: needs a GPU - needs a GPU: the bench of voltaforge-tabbyapi" in out
     # the archive holds each phase's result, and what each did before its GPU call
-    with tarfile.open(tmp_path / "results.tgz") as tar:
-        got = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+    got = _archive(tmp_path / "results.tgz")
     phases = ("facts", "install", "ext", "convert", "tabbyapi", "serve", "bench")
     assert {f"exl2-{p}.json" for p in phases} <= set(got)
     convert = json.loads(got["exl2-convert.json"])
@@ -62,3 +61,17 @@ def test_the_device_script_rehearses_here_to_its_first_gpu_call(tmp_path):
     # TabbyAPI on loopback without a key, loading the conversion through the deploy step's link
     assert config["network"]["host"] == "127.0.0.1" and config["network"]["disable_auth"] is True
     assert config["model"]["model_name"] == "tiny-llama"
+    # a second call on a warm device (the same prefix, fresh results): the venv kept, the
+    # quantize step's operations before the GPU all ok, every later phase at the same GPU call
+    first, again = out.split("== again")
+    assert again.count(": needs a GPU - ") == 5, again
+    second = _archive(tmp_path / "results-again.tgz")
+    assert json.loads(second["exl2-install.json"])["venv"] == "kept from an earlier call"
+    assert json.loads(got["exl2-install.json"])["venv"] == "made"
+    redo = json.loads(second["exl2-convert.json"])["before_gpu"]
+    assert redo and all(c["status"] == "ok" for c in redo), redo
+
+
+def _archive(path):
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]

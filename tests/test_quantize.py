@@ -380,3 +380,16 @@ def test_the_generated_models_id_changes_with_the_generator_not_only_the_config(
         first.model_id,
         newer.model_id,
     )
+
+
+def test_the_generated_model_is_the_same_bytes_wherever_it_is_generated(tmp_path):
+    """The same config and seed give the same files in any directory: two caches (a device's
+    and the controller's, say) hold one model, and a second run pushes nothing. The tokenizer
+    differed once: the trainer spec inside tokenizer.model named the corpus file's path."""
+    from playbooks.steps.weights.sources import generated_weights
+
+    config = {**TINY.recipe.model.config, "num_hidden_layers": 1}
+    one, two = generated_weights(config, tmp_path / "a"), generated_weights(config, tmp_path / "b")
+    assert one.directory != two.directory and "tokenizer.model" in one.files
+    # name -> (bytes, sha256) of every file, hashed from what was written
+    assert one.files == two.files

@@ -15,6 +15,7 @@ Random weights produce random text; that is fine for sizes, speed and plumbing.
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import struct
@@ -115,11 +116,12 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
     import sentencepiece as spm
 
     rng = random.Random(seed)
-    text_file = out_dir / "tokenizer-corpus.txt"
-    text_file.write_text(corpus(20000, rng))
+    model = io.BytesIO()
+    # the corpus from memory and the model into memory: with files, the trainer spec inside
+    # tokenizer.model names their paths, so the same seed gave other bytes in another directory
     spm.SentencePieceTrainer.train(
-        input=str(text_file),
-        model_prefix=str(out_dir / "tokenizer"),
+        sentence_iterator=iter(corpus(20000, rng).splitlines()),
+        model_writer=model,
         vocab_size=vocab_size,
         model_type="bpe",
         character_coverage=1.0,
@@ -134,8 +136,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
         # person types, and calibration text with newlines, must tokenize
         byte_fallback=True,
     )
-    text_file.unlink()
-    (out_dir / "tokenizer.vocab").unlink(missing_ok=True)
+    (out_dir / "tokenizer.model").write_bytes(model.getvalue())
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(
             {
