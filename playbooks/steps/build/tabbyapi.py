@@ -158,15 +158,17 @@ class EnsureTabbyAPI(Operation):
             pip = pip_install_keeping_torch(self.venv, self.tc, tree)
             return [Shell(pip)], f"from the host's index (no wheelhouse for Python {facts.python} on the controller)"
         tar = self.wheelhouse(facts.python)
-        pushed, unpacked = f"{src}/{tar.name}", shlex.quote(f"{src}/{tar.name.removesuffix('.tar')}")
+        pushed = f"{src}/{tar.name}"
+        wheels = pushed.removesuffix(".tar")
         keep = [f"torch=={facts.torch}"] if facts.torch else []
         argv = [f"{self.venv}/bin/pip", "install", "--disable-pip-version-check", "--no-index"]
-        pip = " ".join(shlex.quote(a) for a in [*argv, "--find-links", pushed.removesuffix(".tar"), tree, *keep])
+        pip = " ".join(shlex.quote(a) for a in [*argv, "--find-links", wheels, tree, *keep])
+        w = shlex.quote(wheels)
         return [
             Shell(f"mkdir -p -- {shlex.quote(src)}"),
             PushFile(pushed, tar, file_sha256(tar)),
-            Shell(f"rm -rf -- {unpacked} && mkdir -p -- {unpacked} && tar -xf {shlex.quote(pushed)} -C {unpacked}"),
-            Shell(f"{pip} && rm -rf -- {unpacked}"),
+            Shell(f"rm -rf -- {w} && mkdir -p -- {w} && tar -xf {shlex.quote(pushed)} -C {w}"),
+            Shell(f"{pip} && rm -rf -- {w}"),
         ], f"offline from the controller's wheelhouse ({tar.name})"
 
     def apply(self, host: Host, decision: Decision) -> None:

@@ -69,9 +69,9 @@ def prove(tree: Path) -> dict[str, int]:
                 }
             )
         )
-        log = (work / "server.log").open("wb")
         argv = [sys.executable, str(tree / "main.py"), "--config", str(work / "config.yml")]
-        proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        with (work / "server.log").open("wb") as log:  # the child holds its own copy of the descriptor
+            proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         base, health, deadline = f"http://127.0.0.1:{port}", 0, time.monotonic() + WAIT_S
         while time.monotonic() < deadline and proc.poll() is None:
             try:
