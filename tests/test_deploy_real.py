@@ -224,6 +224,7 @@ def test_deploy_as_a_process_where_there_is_no_systemd(sshd_host, tiny_q4, tmp_p
         spec = importlib.util.spec_from_file_location("device_exl2", ROOT / "scripts" / "device_exl2.py")
         assert spec and spec.loader
         device_exl2 = importlib.util.module_from_spec(spec)
+        sys.modules["device_exl2"] = device_exl2  # its dataclass looks its module up there
         spec.loader.exec_module(device_exl2)
         chat = device_exl2.streamed_chat(port, "tiny", max_tokens=12)
         assert chat["completion_tokens"] == 12 and chat["chunks"] >= 1 and 0 < chat["ttft_s"] <= chat["wall_s"]
