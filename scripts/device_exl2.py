@@ -314,15 +314,17 @@ def device_recipe(c: Call) -> Any:
     import yaml
 
     from playbooks.config.recipe import load_recipe
+    from playbooks.facts.gpu import NVIDIA_SMI_CSV_COMMAND, parse_nvidia_smi_csv
     from playbooks.plan.gpus import gpu_from_nvidia_name
 
-    code, smi = sh("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits", timeout=30)
+    # the GPU fact preflight reads, matched to the catalogue as preflight matches it
+    facts = parse_nvidia_smi_csv(sh(NVIDIA_SMI_CSV_COMMAND, timeout=30)[1])
     gpu = "h200"
-    if code == 0 and smi:
-        name, _, mib = smi.splitlines()[0].rpartition(",")
-        found = gpu_from_nvidia_name(name.strip(), int(float(mib)) if mib.strip() else None)
+    if facts.available and facts.gpus:
+        g = facts.gpus[0]
+        found = gpu_from_nvidia_name(g.name or "", g.memory_total_mib)
         if found is None:
-            raise SystemExit(f"blocked: {name.strip()} is not in the planner's catalogue (playbooks/plan/gpus.py)")
+            raise SystemExit(f"blocked: {g.name} is not in the planner's catalogue (playbooks/plan/gpus.py)")
         gpu = found.key
     recipe = {
         "description": "the device check's generated Llama, EXL2 4.0 bpw through TabbyAPI",
@@ -376,10 +378,9 @@ def phase_convert(c: Call) -> dict[str, Any]:
     then the recipe's 4.0): the generated weights, their FP16 range, then on the GPU the
     conversions, the second reusing the first's measurement; the real files against the
     planner's sizes."""
-    from playbooks.conduct.quantize import quantize_step
+    from playbooks.conduct.quantize import made_artifacts, quantize_step
     from playbooks.plan.exl2_size import estimate_exl2
     from playbooks.steps.build.toolchain import venv_path
-    from playbooks.steps.weights.exl2_convert import Exl2Layout
 
     loaded = device_recipe(c)
     prefix = str(c.prefix)
@@ -397,14 +398,10 @@ def phase_convert(c: Call) -> dict[str, Any]:
     result["changes"] = _ops(ops)
     result["convert_s"] = round(time.monotonic() - t0, 1)
     result["again"] = _ops(ops)  # a second run: every operation ok, nothing converted again
-    from playbooks.conduct.quantize import recipe_weights
-    from playbooks.steps.weights.model_layout import ModelLayout
-
-    root = Exl2Layout(ModelLayout(prefix, recipe_weights(loaded).model_id).root)
     real = {}
-    for b, hb in BPWS:
-        done = Path(root.output(Exl2Layout.tag(b, hb)))
-        real[f"{b:g}"] = sum(f.stat().st_size for f in done.glob("*.safetensors"))
+    for b, _ in BPWS:  # where the quantize conductor says each conversion is (what --on copies)
+        (made,) = made_artifacts(loaded, None, f"{b:g}", prefix)
+        real[f"{b:g}"] = sum(f.stat().st_size for f in Path(made.path).glob("*.safetensors"))
     result.update(gpu=gpu, real_file_bytes=real)
     result["real_over_planned"] = {k: round(real[k] / planned[k], 4) if planned[k] else None for k in real}
     return result
@@ -510,23 +507,21 @@ def streamed_chat(port: int, model: str, max_tokens: int = 32) -> dict[str, Any]
 def phase_bench(c: Call) -> dict[str, Any]:
     """`invoke bench`'s run against the served conversion (the gate's sweep, levels 1 and 4,
     each figure with its interval), then the server stopped."""
-    from playbooks.conduct.deploy import single_service
+    from playbooks.host.local import LocalHost
+    from playbooks.host.ops import run_command
     from playbooks.steps.measure.bench_run import gate_run, thresholds
+    from playbooks.steps.serve.deploy import EnsureServing
 
-    loaded = device_recipe(c)
-    _, _, layout = single_service(loaded, str(c.prefix))
+    loaded, ops = _deploy(c)
+    (serving,) = [op for op in ops if isinstance(op, EnsureServing)]  # the deployment serve started
+    layout = serving.layout
     result: dict[str, Any] = {"thresholds": thresholds(loaded), "service": layout.service}
     gpu_or_stop(f"the bench of {layout.service} (the gate's sweep at levels {loaded.recipe.gate.levels})", result)
-    from playbooks.host.local import LocalHost
-
+    host = LocalHost()
     try:
-        run, files, _ = gate_run(loaded, LocalHost(), str(c.prefix), layout, c.out / "bench")
-    finally:  # the server stopped as `invoke stop` stops it: the device is left as it was found
-        from playbooks.steps.serve.deploy import EnsureServing
-
-        serving = [op for op in _deploy(c)[1] if isinstance(op, EnsureServing)]
-        for op in serving:
-            LocalHost().run(op.manager.stop().command, check=False, stream=False)
+        run, files, _ = gate_run(loaded, host, str(c.prefix), layout, c.out / "bench")
+    finally:  # the server stopped by its manager, as `invoke stop` does: the device left as found
+        run_command(host, serving.manager.stop())
     result["files"] = {k: str(v) for k, v in files.items()}
     result["error"] = run.get("error")
     result["levels"] = [
