@@ -116,6 +116,33 @@ def test_whether_the_client_can_time_tokens_is_decided_by_their_arrival_times():
     assert not bench.level_summary(1, [packed], wall_s=0.4)["timing"]["timeable"]
 
 
+def test_a_stream_that_arrived_whole_within_one_read_lends_no_rate():
+    """A client descheduled while the server made a whole stream reads every token at once: its
+    gaps are all microseconds, so against its own mean gap none is a burst, and its first-to-last
+    span (63 tokens in 0.1 ms) made a rate of 600,000 tok/s that outweighed fifteen true ones
+    (the quick start's gate once said 23,515 tok/s single stream for a server at about 2,500).
+    Such a stream is found against the server's own rate for it, or, where the server reports
+    none (TabbyAPI), against the level's typical stream; it counts as bursts and lends no rate."""
+    true = [_sample(64, 1 / 2500.0, server=2450.0) for _ in range(15)]
+    whole = _bursty(64, 64, 0.003, 2450.0)
+    lv = bench.level_summary(1, [*true, whole], wall_s=0.5)
+    assert lv["timing"]["compressed_streams"] == 1
+    assert lv["decode"]["source"] == "client" and lv["decode"]["n"] == 15
+    assert bench.decode_figure(lv) == pytest.approx(2500.0, rel=1e-3)
+    # no server rates: the level's typical stream is the reference
+    for s in [*true, whole]:
+        s.timings = {}
+    bare = bench.level_summary(1, [*true, whole], wall_s=0.5)
+    assert bare["timing"]["compressed_streams"] == 1 and bench.decode_figure(bare) == pytest.approx(2500.0, rel=1e-3)
+    # more than MAX_BURST_SHARE of the streams whole: the level is not timeable, the server judges
+    many = [_sample(64, 1 / 2500.0, server=2450.0) for _ in range(6)] + [
+        _bursty(64, 64, 0.003, 2450.0) for _ in range(2)
+    ]
+    lv = bench.level_summary(1, many, wall_s=0.5)
+    assert not lv["timing"]["timeable"] and "2 of 8 streams arrived whole within one read" in lv["timing"]["why_not"]
+    assert lv["decode"]["source"] == "server" and bench.decode_figure(lv) == pytest.approx(2450.0, rel=1e-3)
+
+
 def test_knee_and_scaling():
     def lv(c, agg, ttft=0.1):
         return {"concurrency": c, "aggregate_tok_s": agg, "ttft_p95_s": ttft}

@@ -141,8 +141,11 @@ def test_the_client_figure_has_its_own_name_in_the_crosscheck():
 
 def test_the_gate_and_the_device_check_read_the_same_figure(old):
     figures = gate_figures(old)
-    assert figures["single_tok_s"] == 1732.0
-    assert figures_line(figures).startswith("1732 tok/s single stream (12% of the 14531 tok/s roofline)")
+    assert figures["single_tok_s"] == 1732.0 and figures["single_halfwidth"] == 244.0
+    # the figure with the 95% half-width it was measured with
+    assert figures_line(figures).startswith("1732 ± 244 tok/s single stream (12% of the 14531 tok/s roofline)")
+    # a stored verdict from before the half-width: the figure alone
+    assert figures_line(figures | {"single_halfwidth": None}).startswith("1732 tok/s single stream (12%")
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,7 +193,7 @@ def test_a_cache_resident_result_prints_no_percentage(old):
     terminal = _text(br.render_sweep_table, r)
     assert "no roofline, rates without a share: cache-resident" in terminal and "(12%)" not in terminal
     line = figures_line(gate_figures(r))
-    assert line.startswith("1732 tok/s single stream (cache-resident: the DRAM ceiling does not bind)")
+    assert line.startswith("1732 ± 244 tok/s single stream (cache-resident: the DRAM ceiling does not bind)")
     assert "%" not in line
 
 
@@ -238,7 +241,7 @@ def test_an_mbu_above_one_is_reported_as_a_ceiling_or_measurement_error(old):
     )
     line = figures_line(gate_figures(r))
     assert line.startswith(
-        "14822 tok/s single stream (above the ceiling: a ceiling or measurement error: 1.02x the 14531 tok/s roofline)"
+        "14822 ± 300 tok/s single stream (above the ceiling: a ceiling or measurement error: 1.02x the 14531 tok/s roofline)"
     )
     assert "102%" not in line
     # an aggregate above the single-stream roofline is batching, not an error: still a share

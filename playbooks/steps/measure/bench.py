@@ -20,7 +20,7 @@ from typing import Any
 
 from playbooks.steps.measure import roofline
 from playbooks.steps.measure.bench_client import Sample
-from playbooks.steps.measure.bench_stats import arrivals, estimate
+from playbooks.steps.measure.bench_stats import arrivals, compressed_streams, estimate
 
 #: the client's decode rate must agree with the server's own this closely
 CROSSCHECK_TOLERANCE = 0.05
@@ -107,13 +107,22 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
+def client_rates(samples: Sequence[Sample]) -> dict[int, float]:
+    """Each stream's own decode rate as the client timed it, by ``id`` of its sample: none for
+    a failed stream, nor for one that arrived whole within one read (its span is no decode
+    time: :func:`bench_stats.compressed_streams`)."""
+    ok = [s for s in samples if s.error is None]
+    whole = {id(s) for s in compressed_streams(ok)}
+    return {id(s): rate for s in ok if (rate := s.decode_tok_s) and id(s) not in whole}
+
+
 def judged_values(samples: Sequence[Sample]) -> tuple[list[float], str]:
     """The per-request decode rates a level is judged by, and whose they are: the client's
     (tokens after the first over the time after the first token, so the first token's delay is
     left out) where its tokens could be timed (:func:`bench_stats.arrivals`), else the server's
     own ``predicted_per_second``; the client's when the server reports none (TabbyAPI)."""
     ok = [s for s in samples if s.error is None]
-    client = [d for d in (s.decode_tok_s for s in ok) if d]
+    client = list(client_rates(ok).values())
     server = [s.timings["predicted_per_second"] for s in ok if "predicted_per_second" in s.timings]
     if server and not arrivals(ok)["timeable"]:
         return server, "server"
@@ -124,12 +133,12 @@ def judged_values(samples: Sequence[Sample]) -> tuple[list[float], str]:
 Round = tuple[Sequence[Sample], float]
 
 
-def _request_rate(s: Sample, source: str) -> float | None:
+def _request_rate(s: Sample, source: str, client: dict[int, float]) -> float | None:
     if s.error is not None:
         return None
     if source == "server":
         return s.timings.get("predicted_per_second")
-    return s.decode_tok_s or None
+    return client.get(id(s))
 
 
 def round_observations(rounds: Sequence[Round], source: str) -> dict[str, list[float | None]]:
@@ -140,9 +149,10 @@ def round_observations(rounds: Sequence[Round], source: str) -> dict[str, list[f
     decode: list[float | None] = []
     aggregate: list[float | None] = []
     ttft: list[float | None] = []
+    client = client_rates([s for samples, _ in rounds for s in samples])
     for samples, took in rounds:
         ok = [s for s in samples if s.error is None]
-        rates = [r for r in (_request_rate(s, source) for s in ok) if r]
+        rates = [r for r in (_request_rate(s, source, client) for s in ok) if r]
         decode.append(statistics.fmean(rates) if rates else None)
         tokens = sum(s.completion_tokens or 0 for s in ok)
         aggregate.append(tokens / took if ok and took > 0 else None)
@@ -186,7 +196,7 @@ def level_summary(
     ok = [s for s in samples if s.error is None]
     errors = [s.error for s in samples if s.error is not None]
     out_tokens = sum(s.completion_tokens or 0 for s in ok)
-    client = estimate([d for d in (s.decode_tok_s for s in ok) if d])
+    client = estimate(list(client_rates(ok).values()))
     server = estimate([s.timings["predicted_per_second"] for s in ok if "predicted_per_second" in s.timings])
     timing = arrivals(ok)
     _, source = judged_values(ok)

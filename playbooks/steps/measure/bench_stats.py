@@ -303,6 +303,28 @@ def detectable_change(
 # ------------------------------------------------------------------------------------------
 
 
+def compressed_streams(samples: Sequence[Sample]) -> list[Sample]:
+    """The streams that arrived whole, or nearly, within one read: a client descheduled while
+    the server made the stream reads every token at once. Against its own mean gap none of its
+    gaps is a burst (they are all microseconds), yet its first-to-last span is no decode time,
+    and one such stream's rate (63 tokens in 0.1 ms: 600,000 tok/s) outweighs many true ones.
+    A stream is compressed when its mean gap is under BURST_GAP_SHARE of the gap its tokens
+    should have had: the server's own rate for that request where it reports one, else the
+    level's median stream (TabbyAPI reports none)."""
+    timed = [s for s in samples if s.error is None and len(s.chunks) >= 2]
+    if not timed:
+        return []
+    gap = {id(s): (s.chunks[-1] - s.chunks[0]) / (len(s.chunks) - 1) for s in timed}
+    typical = statistics.median(gap.values())
+    out = []
+    for s in timed:
+        server = s.timings.get("predicted_per_second")
+        expected = 1 / server if server and server > 0 else typical
+        if gap[id(s)] < BURST_GAP_SHARE * expected:
+            out.append(s)
+    return out
+
+
 def burst_gaps(sample: Sample) -> tuple[int, int]:
     """(gaps shorter than BURST_GAP_SHARE of the stream's mean gap, all gaps) of one stream."""
     gaps = sample.itls
@@ -316,11 +338,15 @@ def burst_gaps(sample: Sample) -> tuple[int, int]:
 
 def arrivals(samples: Sequence[Sample]) -> dict[str, Any]:
     """Whether the client timed the tokens of these streams, from their arrival times: the
-    share of tokens that came in a burst within one read, the chunks per token, the verdict
+    streams that came whole within one read (:func:`compressed_streams`: they lend no rate
+    whatever the verdict, and too many of them leave the level untimed), the share of the other
+    streams' tokens that came in a burst within one read, the chunks per token, the verdict
     and, when the tokens cannot be timed, why."""
     ok = [s for s in samples if s.error is None and len(s.chunks) >= 2]
-    bursts = sum(burst_gaps(s)[0] for s in ok)
-    gaps = sum(burst_gaps(s)[1] for s in ok)
+    whole = {id(s) for s in compressed_streams(ok)}
+    counts = [burst_gaps(s) for s in ok if id(s) not in whole]
+    bursts = sum(b for b, _ in counts)
+    gaps = sum(g for _, g in counts)
     tokens = sum(s.completion_tokens or 0 for s in ok)
     chunks = sum(len(s.chunks) for s in ok)
     share = bursts / gaps if gaps else None
@@ -330,6 +356,8 @@ def arrivals(samples: Sequence[Sample]) -> dict[str, Any]:
         why = "no stream with two timed tokens"
     elif per_token is not None and per_token < MIN_CHUNKS_PER_TOKEN:
         why = f"the server sent {per_token:.2f} chunks per token: several tokens share a chunk"
+    elif len(whole) > MAX_BURST_SHARE * len(ok):
+        why = f"{len(whole)} of {len(ok)} streams arrived whole within one read: the client was not reading"
     elif share is not None and share > MAX_BURST_SHARE:
         why = (
             f"{share:.0%} of the tokens arrived in bursts within one read (over {MAX_BURST_SHARE:.0%}): they came "
@@ -337,6 +365,7 @@ def arrivals(samples: Sequence[Sample]) -> dict[str, Any]:
         )
     return {
         "burst_share": None if share is None else round(share, 4),
+        "compressed_streams": len(whole),
         "chunks_per_token": None if per_token is None else round(per_token, 4),
         "timeable": why is None,
         "why_not": why,

@@ -37,10 +37,14 @@ def gate_figures(result: dict[str, Any]) -> dict[str, Any]:
     """The figures a provision summary shows (the report has the rest)."""
     levels = result.get("levels") or []
     single = bench.decode_figure(levels[0]) if levels else None
+    # the judged decode's 95% half-width over this run's rounds (none in a result from before
+    # the estimates): the line shows the figure with the spread it was measured with
+    spread = ((levels[0].get("decode") or {}).get("halfwidth") if levels else None) or None
     best = max(levels, key=lambda lv: lv.get("aggregate_tok_s") or 0, default=None)
     ttft = (levels[0].get("ttft_p95_s") if levels else None) or None
     return {
         "single_tok_s": round(single, 1) if single else None,
+        "single_halfwidth": round(spread, 1) if single and spread else None,
         "roofline_tok_s": result.get("roofline_tok_s"),
         "mbu": result.get("mbu"),
         "cache_resident": bool(result.get("cache_resident")),
@@ -60,7 +64,8 @@ def figures_line(fig: dict[str, Any]) -> str:
             mbu = f" ({fig['mbu']:.0%} of the {fig['roofline_tok_s']:g} tok/s roofline)"
         elif fig.get("cache_resident"):
             mbu = f" (cache-resident: {roofline.DOES_NOT_BIND})"
-        parts.append(f"{fig['single_tok_s']:g} tok/s single stream{mbu}")
+        spread = f" ± {fig['single_halfwidth']:g}" if fig.get("single_halfwidth") else ""
+        parts.append(f"{fig['single_tok_s']:g}{spread} tok/s single stream{mbu}")
     if fig.get("peak_aggregate_tok_s") is not None:
         parts.append(f"{fig['peak_aggregate_tok_s']:g} tok/s aggregate at {fig['peak_at']}")
     if fig.get("ttft_p95_ms") is not None:
