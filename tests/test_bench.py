@@ -120,7 +120,8 @@ def test_a_stream_that_arrived_whole_within_one_read_lends_no_rate():
     """A client descheduled while the server made a whole stream reads every token at once: its
     gaps are all microseconds, so against its own mean gap none is a burst, and its first-to-last
     span (63 tokens in 0.1 ms) made a rate of 600,000 tok/s that outweighed fifteen true ones
-    (the quick start's gate once said 23,515 tok/s single stream for a server at about 2,500).
+    (the quick start's gate once said 23,515 tok/s single stream for a server at about 2,500;
+    its samples are gone, but one such stream among sixteen does that).
     Such a stream is found against the server's own rate for it, or, where the server reports
     none (TabbyAPI), against the level's typical stream; it counts as bursts and lends no rate."""
     true = [_sample(64, 1 / 2500.0, server=2450.0) for _ in range(15)]
