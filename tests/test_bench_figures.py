@@ -241,7 +241,8 @@ def test_an_mbu_above_one_is_reported_as_a_ceiling_or_measurement_error(old):
     )
     line = figures_line(gate_figures(r))
     assert line.startswith(
-        "14822 ± 300 tok/s single stream (above the ceiling: a ceiling or measurement error: 1.02x the 14531 tok/s roofline)"
+        "14822 ± 300 tok/s single stream "
+        "(above the ceiling: a ceiling or measurement error: 1.02x the 14531 tok/s roofline)"
     )
     assert "102%" not in line
     # an aggregate above the single-stream roofline is batching, not an error: still a share

@@ -20,6 +20,7 @@ from playbooks.steps.serve.units import (
     exec_line,
     parse_exec_start,
     render_service_files,
+    render_tabbyapi_config,
 )
 from tests.helpers import ROOT, recipe_with
 
@@ -248,6 +249,22 @@ def test_tabbyapi_with_a_key_keeps_it_out_of_the_config(tmp_path):
     assert "IPAddressDeny" not in unit.text
     links = ServerLayout().tabbyapi_links()
     assert links["api_tokens.yml"] == "/run/credentials/voltaforge-tabbyapi.service/api_tokens.yml"
+
+
+def test_the_tabbyapi_config_says_where_it_and_its_keys_are_as_the_server_runs():
+    """Its header names its own path and the keys' file: /etc and a credential under systemd,
+    the state directory as a managed process (the header said /etc and a credential for both)."""
+    r = load_recipe("seed-exl2-3.3-v100-16gb").recipe
+    head = render_tabbyapi_config(r).splitlines()[:3]
+    assert head[0].startswith("# /etc/voltaforge/tabbyapi/config.yml: rendered by voltaforge")
+    assert head[2] == (
+        "# API keys are never here: they are /etc/voltaforge/tabbyapi/api_tokens.yml, 0600, "
+        "the unit's credential (LoadCredential)."
+    )
+    state = "/opt/vf/state/voltaforge-tabbyapi"
+    head = render_tabbyapi_config(r, ServerLayout(prefix="/opt/vf", process_state=state)).splitlines()[:3]
+    assert head[0].startswith(f"# {state}/config.yml: rendered by voltaforge")
+    assert head[2] == f"# API keys are never here: they are {state}/api_tokens.yml, 0600."
 
 
 AWKWARD = [

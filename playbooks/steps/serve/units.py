@@ -467,6 +467,10 @@ def render_tabbyapi_config(
     return render_template(
         "tabbyapi-config.yml.j2",
         recipe=recipe.name,
+        path=layout.tabbyapi_config,
+        # where the keys are, by how the server runs (ServerLayout.tabbyapi_tokens)
+        tokens=f"{layout.tabbyapi_tokens}, 0600"
+        + ("" if layout.process_state else ", the unit's credential (LoadCredential)"),
         host=recipe.service.bind,
         port=recipe.service.port,
         disable_auth=not recipe.service.api_key_ref,
