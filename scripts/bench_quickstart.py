@@ -35,6 +35,7 @@ from playbooks.results import write_result  # noqa: E402
 INVOKE = [sys.executable, "-m", "invoke", "-r", str(ROOT)]
 #: what the two result files measure (results.py, ``measures``): the cold run's time is the
 #: install and the steps' (the compile most of it); the no-op's is the read pass and the summary
+#: (its gate line is gate.py's figures_line)
 COLD_MEASURES = [
     "scripts/install.sh",
     "pyproject.toml",
@@ -54,6 +55,7 @@ NOOP_MEASURES = [
     "playbooks/conduct/known_reads.py",
     "playbooks/host/prefetch.py",
     "playbooks/cli/provision.py",
+    "playbooks/steps/measure/gate.py",
 ]
 REMOTE_CALLS = re.compile(r", (\d+) remote calls?\b")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
