@@ -119,7 +119,7 @@ def test_whether_the_client_can_time_tokens_is_decided_by_their_arrival_times():
 def test_a_stream_that_arrived_whole_within_one_read_lends_no_rate():
     """A client descheduled while the server made a whole stream reads every token at once: its
     gaps are all microseconds, so against its own mean gap none is a burst, and its first-to-last
-    span (63 tokens in 0.1 ms) made a rate of 600,000 tok/s that outweighed fifteen true ones
+    span (63 tokens in 0.126 ms) made a rate of 500,000 tok/s that outweighed fifteen true ones
     (the quick start's gate once said 23,515 tok/s single stream for a server at about 2,500;
     its samples are gone, but one such stream among sixteen does that).
     Such a stream is found against the server's own rate for it, or, where the server reports

@@ -151,17 +151,20 @@ def test_tiny_model_carries_a_chat_template_and_answers_whatever_is_typed(tiny_q
 
 def test_a_stream_the_client_read_all_at_once_lends_the_level_no_rate(tiny_q4, tmp_path):
     """Real streams from the real server: twelve read as they come, and one whose reader stops
-    for half a second as soon as the answer's headers arrive (a client descheduled on a busy
+    (ten times the slowest request's time) as soon as the answer's headers arrive (a client descheduled on a busy
     2-core machine), so that its 64 tokens wait in the socket and come in one read. Its raw
     span makes a rate many times the server's own; the level's figure stays with the server's."""
     with _local_server(tiny_q4, tmp_path) as port:
         url = f"http://127.0.0.1:{port}"
         prompts = [f"Once upon a time, in the village number {i}, there lived" for i in range(12)]
         read, _ = asyncio.run(bench_client.run_level(url, prompts, 1, 64, 1, "llama-server", 60))
+        # the stall: ten times the slowest whole request just measured, so the server has made
+        # every token before the client reads one, on a fast machine or a slow one
+        stall_s = 10 * max(s.e2e or 0.0 for s in read)
 
         async def descheduled() -> bench_client.Sample:
             async def stall(response: httpx.Response) -> None:
-                time.sleep(0.5)  # blocks the event loop: nothing is read meanwhile
+                time.sleep(stall_s)  # blocks the event loop: nothing is read meanwhile
 
             async with httpx.AsyncClient(base_url=url, event_hooks={"response": [stall]}) as client:
                 body = bench_client.request_body(prompts[0], 64, 99, "llama-server")
