@@ -16,7 +16,9 @@ if [ "${1:-}" = "--rehearse" ]; then
   # a clean venv, each phase run to its first GPU call, the results archive written.
   # scripts/device_exl2.py says what each phase does and what is not written yet.
   set -e
-  PY=${PYTHON:-python3}
+  # voltaforge's venv (bash ci/test.sh or scripts/install.sh makes it): prepare imports our code
+  PY=${PYTHON:-.venv/bin/python}
+  [ -x "$PY" ] || { echo "no $PY: run bash scripts/install.sh first, or set PYTHON" >&2; exit 2; }
   R=$(mktemp -d /tmp/vf-rehearse-XXXXXX)
   TABBY=${VF_TABBYAPI:-../shared/vendor/tabbyAPI-79126f904c2e00aece026b36bb70bbb87e4892b2.tar.gz}
   HERE=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -27,6 +29,10 @@ if [ "${1:-}" = "--rehearse" ]; then
   # a second call on a warm device: a fresh results directory, the same prefix
   echo "== again"
   "$PY" scripts/device_exl2.py run --rehearse --out "$R/again" --payload "$R/payload" --prefix "$R/prefix"
+  # the rehearsal's venv is clean (it proves the wheelhouse complete); what the device's needs,
+  # seeing the packages of a venv's interpreter, is proven apart, from this venv's interpreter
+  echo "== venv-check"
+  "$PY" scripts/device_exl2.py venv-check
   # VF_REHEARSE_KEEP=DIR: the results archives kept there (the rehearsal's test reads them)
   if [ -n "${VF_REHEARSE_KEEP:-}" ]; then
     cp "$R/out/results.tgz" "$VF_REHEARSE_KEEP/"

@@ -175,16 +175,37 @@ def prepare(python: str, tabbyapi: Path, payload: Path = PAYLOAD) -> dict[str, A
     for name in DEVICE_PROVIDES:
         for w in wheels.glob(f"{name}-*.whl"):
             w.unlink()
+    made = premade_tokenizer(payload / "tokenizers")
     manifest = {
         "python": python,
         "wheels": sorted(w.name for w in wheels.glob("*.whl")),
         "tabbyapi": tabbyapi.name,
+        "tokenizer_json": made.name,
         "left_to_the_device": DEVICE_PROVIDES,
         "payload_bytes": payload_bytes(payload),
         "tree_bytes": tree_bytes(),
     }
     (payload / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def premade_tokenizer(where: Path) -> Path:
+    """The generated EXL2_MODEL's tokenizer.json, made here: the device has no transformers
+    (11.4 MiB the payload has no room for), so the generator there takes this file, named by the
+    sha256 of the tokenizer.model it was made from (tinymodel.write_tokenizer_json). The
+    tokenizer's training is deterministic, so the device trains the same bytes."""
+    import hashlib
+    import tempfile
+
+    from playbooks.weights.tinymodel import train_tokenizer, write_tokenizer_json
+
+    where.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        train_tokenizer(Path(tmp), int(EXL2_MODEL["vocab_size"]))  # the generator's seed: 0
+        sha = hashlib.sha256((Path(tmp) / "tokenizer.model").read_bytes()).hexdigest()
+        out = where / f"{sha}.json"
+        shutil.copyfile(write_tokenizer_json(Path(tmp)), out)
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -229,13 +250,18 @@ def phase_install(c: Call) -> dict[str, Any]:
             f"run `python3 scripts/device_exl2.py prepare --python {here}` for the next call"
         )
     venv = venv_of(c)
-    # the device's torch (and numpy) seen from the venv; here, a clean venv with no site packages.
-    # A venv an earlier call made is kept: the extension and its stamp live in it
-    flags = [] if c.rehearse else ["--system-site-packages"]
+    # the device's torch (and numpy) seen from the venv; here, a clean venv with no site packages
+    # (it proves the wheelhouse complete). A venv an earlier call made is kept: the extension
+    # and its stamp live in it
     kept = (venv / "bin/python").exists()
-    code, text = sh([sys.executable, "-m", "venv", *flags, str(venv)]) if not kept else (0, "")
-    if code != 0:
-        raise SystemExit(f"venv: {text[-300:]}")
+    if not kept:
+        make_venv(venv, see_interpreter=not c.rehearse)
+    # the generated model's tokenizer.json, made on the controller (transformers is not carried):
+    # where the generator looks for it (tinymodel.tokenizer_cache, VOLTAFORGE_CACHE=<prefix>/cache)
+    made = c.prefix / "cache" / "tokenizers"
+    made.mkdir(parents=True, exist_ok=True)
+    for f in (c.payload / "tokenizers").glob("*.json"):
+        shutil.copyfile(f, made / f.name)
     links = [str(c.payload / "wheels" / f"cp{here.replace('.', '')}")]
     if c.rehearse:  # what the device is expected to hold itself (DEVICE_PROVIDES), fetched for the rehearsal
         extra = c.out / "device-provides"
@@ -265,6 +291,59 @@ def phase_install(c: Call) -> dict[str, Any]:
         "offline": True,
         "venv": "kept from an earlier call" if kept else "made",
     }
+
+
+def make_venv(venv: Path, see_interpreter: bool, python: str = sys.executable) -> None:
+    """A venv of ``python`` that sees its packages (the device's torch and numpy).
+
+    ``--system-site-packages`` gives a venv the *base* interpreter's site-packages. Where
+    ``python`` is itself a venv's (a lent H200's is /opt/torch/.venv, its torch in there), that
+    base is /usr's and torch is not seen (``ModuleNotFoundError``). So the interpreter's own
+    site-packages directories are named in a .pth file of the new venv as well: searched after
+    the venv's own, so what the phase installs comes first."""
+    flags = ["--system-site-packages"] if see_interpreter else []
+    code, text = sh([python, "-m", "venv", *flags, str(venv)])
+    if code != 0:
+        raise SystemExit(f"venv: {text[-300:]}")
+    if not see_interpreter:
+        return
+    probe = (
+        "import json, site, sys, sysconfig; p = sysconfig.get_paths(); "
+        "print(json.dumps({'venv': sys.prefix != sys.base_prefix, 'dirs': [p['purelib'], p['platlib']]}))"
+    )
+    code, text = sh([python, "-c", probe])
+    own = json.loads(text.splitlines()[-1]) if code == 0 else {"venv": False}
+    if own["venv"]:
+        code, site = sh([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+        if code != 0:
+            raise SystemExit(f"venv: {site[-300:]}")
+        dirs = "\n".join(dict.fromkeys(own["dirs"]))
+        (Path(site.splitlines()[-1]) / "_voltaforge_interpreter.pth").write_text(dirs + "\n")
+
+
+def venv_check(python: str = sys.executable) -> dict[str, Any]:
+    """Proves make_venv on this machine: a venv made from ``python`` (CI's .venv/bin/python, a
+    venv's interpreter, as the lent H200's was) imports a package that only ``python``'s own
+    site-packages holds."""
+    import tempfile
+
+    probe = "import sys; print(sys.prefix != sys.base_prefix)"
+    if sh([python, "-c", probe])[1].splitlines()[-1] != "True":
+        raise SystemExit(f"venv-check: {python} is not a venv's interpreter: nothing to prove")
+    # a package of the interpreter's venv that its base interpreter cannot import
+    base = sh([python, "-c", "import sys; print(sys.base_prefix)"])[1].splitlines()[-1]
+    base_py = f"{base}/bin/python3"
+    package = next(
+        (p for p in ("yaml", "pydantic", "gguf", "jinja2") if sh([base_py, "-c", f"import {p}"])[0] != 0), None
+    )
+    if package is None:
+        raise SystemExit(f"venv-check: {base_py} imports every candidate package: nothing to prove")
+    with tempfile.TemporaryDirectory() as tmp:
+        make_venv(Path(tmp) / "v", see_interpreter=True, python=python)
+        code, out = sh([f"{tmp}/v/bin/python", "-c", f"import {package}; print({package}.__file__)"])
+    if code != 0:
+        raise SystemExit(f"venv-check: a venv made from {python} cannot import {package}: {out.splitlines()[-1]}")
+    return {"interpreter": python, "package": package, "from": out.splitlines()[-1]}
 
 
 def _facts(c: Call) -> dict[str, Any]:
@@ -349,9 +428,19 @@ def _is_conversion(op: Any) -> bool:
 
 
 def phase_ext(c: Call) -> dict[str, Any]:
-    from playbooks.steps.build.exllamav2 import EnsureExllamav2
+    from playbooks.steps.build.buildenv import SYSTEM_PATH
+    from playbooks.steps.build.exllamav2 import EnsureExllamav2, jit_env
 
-    gpu = gpu_or_stop("the build step's EnsureExllamav2 (JIT build of exllamav2_ext for this arch)")
+    # the PATH the step gives the JIT build (here without a toolkit's directory in front): torch's
+    # cpp_extension runs the ninja it finds there, which must be the venv's (pip's wheel)
+    venv = venv_of(c)
+    path = jit_env({"PATH": ":".join(SYSTEM_PATH)}, str(venv), str(c.prefix / "exllamav2"), 1)["PATH"]
+    ninja = shutil.which("ninja", path=path)
+    if ninja is None or Path(ninja).parent != venv / "bin":
+        raise SystemExit(
+            f"the extension's build would run ninja {ninja or '(none)'}, not {venv}/bin/ninja (PATH {path})"
+        )
+    gpu = gpu_or_stop("the build step's EnsureExllamav2 (JIT build of exllamav2_ext for this arch)", {"ninja": ninja})
     tc = _device_toolchain(c, _arch(gpu))
     # the extension's build directory (TORCH_EXTENSIONS_DIR, <prefix>/exllamav2/ext/<id>) and the
     # venv it is installed into are the prefix's: a warm device keeps them for the next call
@@ -390,6 +479,16 @@ def phase_convert(c: Call) -> dict[str, Any]:
     ops = [op for b, _ in BPWS for op in quantize_step(loaded, prefix, bpw=f"{b:g}")]
     # what needs no GPU runs everywhere (the rehearsal too): the weights and their FP16 range
     result["before_gpu"] = _ops([op for op in ops if not _is_conversion(op)])
+    # exllamav2 0.3.2 reads tokenizer.json only: the model the conversions read must have one
+    from playbooks.conduct.quantize import recipe_weights
+    from playbooks.steps.weights.model_layout import ModelLayout
+
+    hf = Path(ModelLayout(prefix, recipe_weights(loaded).model_id).hf)
+    if not (hf / "tokenizer.json").is_file():
+        raise SystemExit(
+            f"{hf} has no tokenizer.json: exllamav2's converter would stop with 'No supported tokenizer found'"
+        )
+    result["tokenizer"] = sorted(f.name for f in hf.glob("tokenizer*"))
     (c.out / "exl2-convert.json").write_text(json.dumps({"status": "running", **result}, indent=2) + "\n")
     gpu = gpu_or_stop(
         f"the quantize step's EnsureExl2Quant at {', '.join(planned)} bpw (planned bytes {planned})", result
@@ -444,11 +543,18 @@ def phase_serve(c: Call) -> dict[str, Any]:
     waited for, the record written), run twice; a streamed chat completion through the official
     openai client; the GPU memory TabbyAPI holds against the plan's VRAM."""
     from playbooks.config.planning import plan_recipe
-    from playbooks.steps.serve.deploy import EnsureServiceFile
+    from playbooks.steps.serve.deploy import EnsureServiceFile, EnsureServing
 
     loaded, ops = _deploy(c)
     files = {Path(op.file.path).name: op.file.text for op in ops if isinstance(op, EnsureServiceFile)}
     result: dict[str, Any] = {"planned_ops": [op.name for op in ops], "rendered": sorted(files)}
+    # the managed process's environment as it will start: no systemd specifier (%C) left in it
+    (serving,) = [op for op in ops if isinstance(op, EnsureServing)]
+    env = dict(getattr(serving.manager, "environment", ()))
+    result["process_environment"] = env
+    unresolved = {k: v for k, v in env.items() if "%" in v}
+    if unresolved:
+        raise SystemExit(f"the managed process would start with systemd specifiers unresolved: {unresolved}")
     (c.out / "exl2-config.yml").write_text(files.get("config.yml", ""))
     plan = plan_recipe(loaded)
     option = next((o for o in plan.options if o.quant == loaded.recipe.quant_name), None)
@@ -549,7 +655,10 @@ def run_in_venv(name: str, c: Call) -> dict[str, Any]:
 
 def one_phase(name: str, c: Call) -> dict[str, Any]:
     try:
-        return {"status": "done", **globals()[f"phase_{name}"](c)}
+        result = globals()[f"phase_{name}"](c)
+        if result.get("error"):  # a phase that ran to its end and says it failed (the gate's run)
+            return {**result, "status": "failed", "why": str(result["error"])[:500]}
+        return {"status": "done", **result}
     except NeedsGPU as e:
         return {**e.done, "status": "needs a GPU", "why": str(e)}
     except SystemExit as e:
@@ -586,6 +695,7 @@ def main() -> int:
     pp.add_argument("--python", default="3.12")
     pp.add_argument("--tabbyapi", type=Path, default=None, help="the staged archive (default: the controller's)")
     pp.add_argument("--payload", type=Path, default=PAYLOAD)
+    sub.add_parser("venv-check", help="a venv made from this (venv's) interpreter sees its packages")
     pr = sub.add_parser("run")
     ph = sub.add_parser("phase", help="one phase, in the venv `install` made (run calls it)")
     ph.add_argument("name", choices=IN_VENV)
@@ -599,7 +709,19 @@ def main() -> int:
         call = Call(a.out, a.payload, a.prefix, a.rehearse)
         print(json.dumps(one_phase(a.name, call), default=str))
         return 0
+    if a.cmd == "venv-check":
+        print(json.dumps(venv_check()))
+        return 0
     if a.cmd == "prepare":
+        import importlib.util
+
+        # the planner's tensor names, and the generated model's tokenizer.json
+        lacking = [m for m in ("gguf", "transformers") if importlib.util.find_spec(m) is None]
+        if lacking:
+            raise SystemExit(
+                f"prepare needs voltaforge's venv ({', '.join(lacking)} not installed for {sys.executable}): "
+                "run it as .venv/bin/python scripts/device_exl2.py prepare (bash scripts/install.sh makes it)"
+            )
         from playbooks.config.recipe import Toolchain
         from playbooks.steps.build.tabbyapi import staged_archive
 

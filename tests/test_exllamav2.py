@@ -55,7 +55,7 @@ def test_the_extension_is_built_ahead_of_time_for_sm70_with_the_pinned_toolkit()
     assert d.reason == "exllamav2 is not installed, want 0.3.2"
     # the pinned exllamav2 beside the pinned torch, which the resolver may not move
     assert pip.show() == (
-        "/opt/vf/venv/bin/pip install --disable-pip-version-check exllamav2==0.3.2 tokenizers torch==2.7.1+cu118 "
+        "/opt/vf/venv/bin/pip install --disable-pip-version-check exllamav2==0.3.2 tokenizers ninja torch==2.7.1+cu118 "
         "--extra-index-url https://download.pytorch.org/whl/cu118"
     )
     assert "exllamav2_ext*.so" in clear.show() and clear.show().startswith("site=$(")
@@ -64,6 +64,9 @@ def test_the_extension_is_built_ahead_of_time_for_sm70_with_the_pinned_toolkit()
     j = jit.show()
     assert "CUDACXX=/usr/bin/nvcc" in j and "CUDA_HOME=/usr" in j and "cuda-13" not in j
     assert "TORCH_CUDA_ARCH_LIST=7.0" in j and "MAX_JOBS=16" in j
+    # torch's cpp_extension runs ninja from PATH: the venv's (pip's wheel), right after the
+    # toolkit's own directory and before the system's, where apt's may be or may not
+    assert "PATH=/usr/lib/nvidia-cuda-toolkit/bin:/opt/vf/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin " in j
     assert f"TORCH_EXTENSIONS_DIR=/opt/vf/exllamav2/ext/{bid}" in j and j.endswith("-c 'import exllamav2.ext'")
     assert f"/opt/vf/exllamav2/ext/{bid}/exllamav2_ext/exllamav2_ext.so" in install.show()
     assert install.show().endswith('mv -f -- "$site"/.exllamav2_ext.so.new "$site"/exllamav2_ext.so')
@@ -99,12 +102,41 @@ def test_proven_is_ok_and_other_inputs_rebuild_without_reinstalling():
     ("torch", "error"),
     [
         (None, "no torch in /opt/vf/venv: run `invoke toolchain` first"),
-        ("2.7.1+cu126", "torch 2.7.1+cu126 is in /opt/vf/venv, the recipe pins 2.7.1+cu118"),
+        ("2.7.0+cu118", "torch 2.7.0+cu118 is in /opt/vf/venv, the recipe pins 2.7.1+cu118"),
+        ("2.6.0", "torch 2.6.0 is in /opt/vf/venv, the recipe pins 2.7.1+cu118"),
     ],
 )
 def test_torch_must_be_the_pinned_one(torch, error):
     with pytest.raises(OperationError, match=error.replace("+", r"\+")):
         op().decide(facts(torch=torch))
+
+
+def test_the_pin_is_compared_as_pip_compares_versions():
+    """A lent H200's torch: torch.__version__ 2.11.0+cu130 (the pin), pip's 2.11.0. The public
+    versions are compared; which CUDA it was built with is torch.version.cuda's word against the
+    toolkit's major, checked apart (the next test)."""
+    from playbooks.steps.build.exllamav2 import same_release
+
+    assert same_release("2.11.0", "2.11.0+cu130") and same_release("2.7.1+cu118", "2.7.1+cu118")
+    assert not same_release("2.10.0", "2.11.0+cu130")
+    h200 = Toolchain(cuda="13.0", torch="2.11.0+cu130", cuda_arch="90")
+    cuda13 = tuple(t for t in TOOLKITS if t.release == (13, 0))
+    inputs, _, _ = op(h200).plan(
+        facts(torch="2.11.0", torch_cuda=(13, 0), compile=BuildFacts(toolkits=cuda13, gcc=GCC12, gpus=NO_GPU))
+    )
+    assert inputs.torch == "2.11.0" and inputs.arch == "9.0"
+    # a +cu126 torch under a +cu118 pin has the same public version: its CUDA major refuses it
+    with pytest.raises(OperationError, match=r"built with CUDA 12.6, the toolkit is 11.8"):
+        op().decide(facts(torch="2.7.1+cu126", torch_cuda=(12, 6)))
+
+
+def test_a_venv_without_ninja_gets_it_before_the_build():
+    """exllamav2 at the pin but no ninja in the venv (installed --no-deps): pip installs ninja
+    first, since the JIT build runs the venv's (a lent H200 had no other: "Ninja is required")."""
+    d = op().decide(facts(installed="0.3.2", ninja=False))
+    assert d.reason == "no ninja in /opt/vf/venv/bin (the extension's build runs it from there)"
+    assert " ninja torch==2.7.1+cu118" in d.commands[0].show()
+    assert "pip install" not in op().decide(facts(installed="0.3.2")).commands[0].show()
 
 
 def test_torch_of_another_cuda_major_or_without_cuda_is_refused_before_compiling():

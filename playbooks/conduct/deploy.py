@@ -38,6 +38,7 @@ from playbooks.steps.serve.service_manager import (
     ProcessRunner,
     Systemd,
     process_argv,
+    process_environment,
     unit_environment,
     unit_working_directory,
 )
@@ -97,12 +98,16 @@ def make_manager(kind: str, state: DeployLayout, unit_name: str, unit_text: str)
     if kind == "systemd":
         return Systemd(unit_name)
     argv = parse_exec_start(unit_text)
+    unit_env = unit_environment(unit_text)
+    env = process_environment(unit_env, f"{state.state_dir}/cache")
     return ProcessRunner(
         state.state_dir,
         argv[0],
         process_argv(argv, f"{state.state_dir}/credentials"),
-        unit_environment(unit_text),
+        env,
         cwd=unit_working_directory(unit_text),
+        # what CacheDirectory= would have made: the directories %C named
+        make_dirs=tuple(v for (_, unit_v), (_, v) in zip(unit_env, env, strict=True) if "%C" in unit_v),
     )
 
 

@@ -25,6 +25,7 @@ from playbooks.steps.build.toolchain import venv_path
 from playbooks.steps.weights.artifact_copy import Artifact
 from playbooks.steps.weights.exl2_convert import STAMP_NAME as EXL2_STAMP
 from playbooks.steps.weights.exl2_convert import Exl2Layout, exl2_ops
+from playbooks.steps.weights.exl2_tokenizer import EnsureTokenizerJson
 from playbooks.steps.weights.fetch import EnsureHubWeights, EnsureWeights
 from playbooks.steps.weights.fp16_range import EnsureFp16Range
 from playbooks.steps.weights.gguf import EnsureConvertDeps, EnsureGguf
@@ -234,6 +235,8 @@ def _exl2_step(loaded: LoadedRecipe, prefix: str, bpw: str | None, force: bool) 
         EnsureDirectory(layout.root, 0o755),
         weights_op(layout, weights, venv, loaded.shape),
         EnsureFp16Range(layout, venv, weights.source_sha256, clamp=r.model.fp16_overflow == "clamp"),
+        # before the GPU: exllamav2 reads tokenizer.json only
+        EnsureTokenizerJson(layout, venv),
         *exl2_ops(venv, layout.hf, layout.root, [(rate, head_bits)], source_sha=weights.source_sha256),
     ]
 

@@ -123,6 +123,13 @@ _PROBLEMS: tuple[tuple[re.Pattern[str], str], ...] = (
         "the build was not compiled for this GPU's arch",
     ),
     (
+        # exllamav2 found no exllamav2_ext to import and compiles one (minutes): the build step
+        # installs it into the venv, so a start that prints this has a venv the step did not make
+        re.compile(r"Loading exllamav2_ext extension \(JIT\)|Building C\+\+/CUDA extension"),
+        "the server was compiling exllamav2's extension at start: its venv has no exllamav2_ext "
+        "built by `invoke build` (run it, then deploy again)",
+    ),
+    (
         re.compile(r"PTX JIT|JIT compil|PTX was compiled with an unsupported toolchain", re.I),
         "the driver JIT-compiles PTX for this GPU (a build without its real cubins)",
     ),

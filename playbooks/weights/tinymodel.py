@@ -9,15 +9,20 @@ Qwen MoE converters want a BPE tokenizer.json with a known pre-tokenizer.
 The tests and the README demo need a model that is real to every tool downstream
 (convert_hf_to_gguf.py, llama-quantize, llama-server) without a download: a Hugging Face
 directory with config.json, BF16 safetensors (as real checkpoints ship them, so the BF16 ->
-FP16 step is exercised) and a SentencePiece tokenizer trained here on generated text.
+FP16 step is exercised) and a SentencePiece tokenizer trained here on generated text, with the
+tokenizer.json Hugging Face's converter makes from it (exllamav2 reads only that; llama.cpp's
+converter still takes tokenizer.model, its `llama` vocabulary).
 Random weights produce random text; that is fine for sizes, speed and plumbing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
 import random
+import shutil
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,8 +59,10 @@ _HF_EXPERT = {
 
 # What the generator writes: part of the generated model's id (steps/weights/sources.py
 # generated_weights), so a changed generator never reuses a model an older one cached.
-# 1: weights, config and tokenizer; 2: a chat template in tokenizer_config.json.
-GENERATOR_VERSION = 2
+# 1: weights, config and tokenizer; 2: a chat template in tokenizer_config.json; 3: the
+# tokenizer trained as Llama's (identity normalization, spaces kept) and tokenizer.json beside
+# tokenizer.model (exllamav2 0.3.2 reads tokenizer.json only).
+GENERATOR_VERSION = 3
 
 # ChatML's layout ("<|im_start|>role\n...") with this tokenizer's own special tokens. The
 # template opens with bos_token, as Hugging Face chat templates do: llama.cpp drops it again
@@ -135,6 +142,10 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
         # any byte has a token (<0x0A> for a newline, <0x48> for an "H" it never saw): text a
         # person types, and calibration text with newlines, must tokenize
         byte_fallback=True,
+        # as Llama's own tokenizer.model: text kept as it is (no NFKC, spaces not collapsed), so
+        # the tokenizer.json Hugging Face's Llama converter makes from it encodes alike
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",  # a newline stays <0x0A>, not a space (NFKC's rule)
     )
     (out_dir / "tokenizer.model").write_bytes(model.getvalue())
     (out_dir / "tokenizer_config.json").write_text(
@@ -198,4 +209,44 @@ def write_tiny_llama(out_dir: Path, config: dict[str, Any], seed: int = 0) -> Pa
     }
     (out_dir / "config.json").write_text(json.dumps(full, indent=2))
     train_tokenizer(out_dir, shape.vocab_size, seed)
+    write_tokenizer_json(out_dir)
     return out_dir
+
+
+def tokenizer_cache() -> Path:
+    """Made tokenizer.json files, by the sha256 of the tokenizer.model they were made from."""
+    base = os.environ.get("VOLTAFORGE_CACHE") or Path.home() / ".cache" / "voltaforge"
+    return Path(base) / "tokenizers"
+
+
+def write_tokenizer_json(out_dir: Path) -> Path:
+    """tokenizer.json beside the generated tokenizer.model, made by Hugging Face's Llama
+    converter and checked to encode like the SentencePiece model (facts/probes/tokenizer_json.py,
+    the same code the quantize step runs on a host for a real model), on its sample text and on
+    lines of the text the tokenizer was trained on.
+
+    The training is deterministic (the same seed and size give the same bytes), so one made file
+    serves every generation of that tokenizer: it is kept in ``tokenizer_cache()`` by the
+    tokenizer.model's sha256, and taken from there where transformers is not installed (a GPU
+    device, whose payload has no room for it, carries the file made on the controller)."""
+    model = out_dir / "tokenizer.model"
+    out = out_dir / "tokenizer.json"
+    cached = tokenizer_cache() / f"{hashlib.sha256(model.read_bytes()).hexdigest()}.json"
+    if cached.is_file():
+        shutil.copyfile(cached, out)
+        return out
+    from playbooks.facts.probes.tokenizer_json import convert
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            f"the generated model's tokenizer.json is made with transformers, which is not installed "
+            f"here: pip install 'voltaforge[tiny]', or put the file made elsewhere at {cached}"
+        ) from None
+    convert(str(model), str(out), corpus(50, random.Random(1)).splitlines())
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".partial")
+    shutil.copyfile(out, tmp)
+    tmp.replace(cached)
+    return out

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from playbooks.config.recipe import Toolchain
 from playbooks.facts import builds, cuda, python, read_fact
 from playbooks.host.base import Host
@@ -37,6 +39,8 @@ from playbooks.steps.build.proven_build import Probe, inputs_id, run_proven
 from playbooks.steps.build.toolchain import pip_install_keeping_torch
 
 EXT = "exllamav2_ext"
+#: torch's cpp_extension builds with ninja; pip's wheel puts it in the venv's bin/
+NINJA = "ninja"
 STAMP_NAME = "voltaforge-exllamav2.json"
 PROOF = (
     "import torch, exllamav2_ext, exllamav2; print('version:', exllamav2.__version__); "
@@ -65,6 +69,7 @@ class ExtFacts:
     torch_cuda: tuple[int, int] | None = None  # torch.version.cuda
     installed: str | None = None  # exllamav2's version in the venv
     stamp: dict[str, Any] | None = None
+    ninja: bool = True  # the venv's bin/ninja (pip's wheel): the JIT build runs that one
 
 
 class EnsureExllamav2(Operation):
@@ -87,12 +92,14 @@ class EnsureExllamav2(Operation):
             torch_cuda=python.parse_torch_cuda(read_fact(host, python.torch_cuda_command(self.venv))),
             installed=version("exllamav2"),
             stamp=builds.parse_stamp(read_fact(host, f"cat -- {shlex.quote(self.stamp_path)} 2>/dev/null || true")),
+            ninja=read_fact(host, f"test -x {shlex.quote(self.venv + '/bin/ninja')} && echo yes || true").strip()
+            == "yes",
         )
 
     def plan(self, facts: ExtFacts) -> tuple[ExtInputs, dict[str, str], str]:
         if facts.torch is None:
             raise OperationError(f"no torch in {self.venv}: run `invoke toolchain` first (exllamav2 builds against it)")
-        if facts.torch != self.tc.torch:
+        if not same_release(facts.torch, self.tc.torch):
             raise OperationError(
                 f"torch {facts.torch} is in {self.venv}, the recipe pins {self.tc.torch}: run `invoke toolchain`"
             )
@@ -118,11 +125,20 @@ class EnsureExllamav2(Operation):
         if stamp.get("id") == bid and facts.installed == self.tc.exllamav2:
             return Decision.ok(f"built {stamp.get('built_at', '?')}, {bid} ({inputs.arch})")
         commands: list[Shell | Record] = []
-        if facts.installed != self.tc.exllamav2:
-            why = f"exllamav2 is {facts.installed or 'not installed'}, want {self.tc.exllamav2}"
+        if facts.installed != self.tc.exllamav2 or not facts.ninja:
+            why = (
+                f"exllamav2 is {facts.installed or 'not installed'}, want {self.tc.exllamav2}"
+                if facts.installed != self.tc.exllamav2
+                else f"no ninja in {self.venv}/bin (the extension's build runs it from there)"
+            )
             # tokenizers: exllamav2's import needs it, its metadata omits it
+            # ninja: the JIT build runs it from the venv (jit_env), never whatever apt installed
             commands.append(
-                Shell(pip_install_keeping_torch(self.venv, self.tc, f"exllamav2=={self.tc.exllamav2}", "tokenizers"))
+                Shell(
+                    pip_install_keeping_torch(
+                        self.venv, self.tc, f"exllamav2=={self.tc.exllamav2}", "tokenizers", NINJA
+                    )
+                )
             )
         else:
             why = "its extension is not built for these inputs" if not stamp else f"built from other inputs ({bid} now)"
@@ -130,7 +146,7 @@ class EnsureExllamav2(Operation):
         site = f"$({py} -c 'import sysconfig; print(sysconfig.get_paths()[\"platlib\"])')"
         ext_dir = f"{self.prefix}/exllamav2/ext/{bid}"
         built = shlex.quote(f"{ext_dir}/{EXT}/{EXT}.so")
-        jit = {**env, "TORCH_EXTENSIONS_DIR": ext_dir, "MAX_JOBS": str(facts.compile.nproc or 2)}
+        jit = jit_env(env, self.venv, ext_dir, facts.compile.nproc or 2)
         commands += [
             # a module from other inputs would be imported instead of building (ext.py tries it first)
             Shell(f'site={site} && rm -f -- "$site"/{EXT}*.so'),
@@ -156,6 +172,35 @@ class EnsureExllamav2(Operation):
 
     def apply(self, host: Host, decision: Decision) -> None:
         run_proven(host, decision, ext_stamp, after="re-run to resume the extension build")
+
+
+def same_release(installed: str, pinned: str) -> bool:
+    """The installed torch is the pinned one, compared as pip compares versions: the public
+    version only. The pin carries torch.__version__'s local tag (``2.7.1+cu118``), the installed
+    distribution may not (PyPI's ``2.11.0`` is ``2.11.0+cu130`` at run time); which CUDA torch
+    was built with is decided apart, from torch.version.cuda against the toolkit's major."""
+    try:
+        return Version(installed).public == Version(pinned).public
+    except InvalidVersion:
+        return installed == pinned
+
+
+def jit_env(env: dict[str, str], venv: str, ext_dir: str, jobs: int) -> dict[str, str]:
+    """The extension's JIT build environment: ``compile_env``'s (one toolkit, system directories)
+    with the venv's ``bin/`` right after the toolkit's own directory, because torch's
+    cpp_extension runs ``ninja`` from PATH and the only ninja this step can count on is the
+    venv's (pip's wheel, a requirement of exllamav2): a host's apt may have none (a lent H200's
+    image had none: "Ninja is required to load C++ extensions"). The venv's bin/ holds no nvcc or
+    ptxas (pip's CUDA wheels keep theirs under site-packages), so the one-toolkit rule holds."""
+    path = env.get("PATH", "").split(":")
+    own = path[:1] if env.get("CUDA_HOME") else []
+    rest = [d for d in path if d not in own]
+    return {
+        **env,
+        "PATH": ":".join([*own, f"{venv}/bin", *rest]),
+        "TORCH_EXTENSIONS_DIR": ext_dir,
+        "MAX_JOBS": str(jobs),
+    }
 
 
 def cubin_archs(torch_list: str) -> list[str]:

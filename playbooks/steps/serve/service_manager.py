@@ -78,6 +78,7 @@ class ProcessRunner:
     environment: tuple[tuple[str, str], ...] = ()
     kind: str = "process"
     cwd: str | None = None  # the unit's WorkingDirectory= (TabbyAPI's serve directory), else state_dir
+    make_dirs: tuple[str, ...] = ()  # made before a start, as systemd makes CacheDirectory=
 
     @property
     def pid_file(self) -> str:
@@ -110,8 +111,9 @@ class ProcessRunner:
         env = " ".join(shlex.quote(f"{k}={v}") for k, v in self.environment)
         run = " ".join(shlex.quote(a) for a in self.argv)
         log = shlex.quote(self.log_file)
+        mkdir = f"mkdir -p -m 0700 -- {' '.join(shlex.quote(d) for d in self.make_dirs)} && " if self.make_dirs else ""
         return Shell(
-            f"{self._stop_script()} && cd -- {shlex.quote(self.cwd or self.state_dir)} && "
+            f"{self._stop_script()} && {mkdir}cd -- {shlex.quote(self.cwd or self.state_dir)} && "
             f"{{ setsid env {env} {run} > {log} 2>&1 < /dev/null & echo $! > {shlex.quote(self.pid_file)}; }}"
         )
 
@@ -136,6 +138,22 @@ def unit_environment(unit_text: str) -> tuple[tuple[str, str], ...]:
             key, _, value = line.removeprefix("Environment=").partition("=")
             found.append((key, value))
     return tuple(found)
+
+
+def process_environment(env: tuple[tuple[str, str], ...], cache_dir: str) -> tuple[tuple[str, str], ...]:
+    """The unit's Environment= as a process gets it: systemd's %C (the cache directory root,
+    where CacheDirectory= lives) is ``cache_dir``, the deployment's own, and %% a percent sign;
+    any other specifier has no meaning outside systemd: refused. Passed on as it is, ``%C/x``
+    became a directory named ``%C`` in the process's working directory."""
+    out = []
+    for key, value in env:
+        rest = value.replace("%%", "").replace("%C", "")
+        if "%" in rest:
+            raise VoltaforgeError(
+                f"the unit's Environment={key}={value} uses a systemd specifier a process cannot resolve"
+            )
+        out.append((key, value.replace("%C", cache_dir).replace("%%", "%")))
+    return tuple(out)
 
 
 def unit_working_directory(unit_text: str) -> str | None:
