@@ -139,6 +139,23 @@ def test_health_timeout_grows_with_the_model_and_process_argv_resolves_only_d():
     assert unit_environment("[Service]\nEnvironment=CUDA_VISIBLE_DEVICES=0,1\n") == (("CUDA_VISIBLE_DEVICES", "0,1"),)
 
 
+def test_a_managed_process_gets_no_systemd_specifier_in_its_environment():
+    """TabbyAPI's unit sets XDG_CACHE_HOME and HOME under %C (CacheDirectory='s root). A lent H200
+    started it as a process with %C passed on: a directory named "%C" in its working directory.
+    %C is the deployment's own cache directory there, made before the start; %% a percent sign;
+    any other specifier is refused."""
+    from playbooks.steps.serve.service_manager import process_environment
+
+    unit = [("XDG_CACHE_HOME", "%C/voltaforge-tabbyapi"), ("HOME", "%C/voltaforge-tabbyapi"), ("P", "50%%")]
+    assert process_environment(tuple(unit), "/s/cache") == (
+        ("XDG_CACHE_HOME", "/s/cache/voltaforge-tabbyapi"),
+        ("HOME", "/s/cache/voltaforge-tabbyapi"),
+        ("P", "50%"),
+    )
+    with pytest.raises(VoltaforgeError, match=r"Environment=X=%t/x uses a systemd specifier"):
+        process_environment((("X", "%t/x"),), "/s/cache")
+
+
 def test_a_server_whose_health_never_turns_green_fails_in_one_line_and_is_stopped(tmp_path, monkeypatch):
     """A real process on a real port that answers 404 on /health, and nothing served before:
     the wait ends at its timeout, the new process is stopped, one line says so."""
@@ -307,6 +324,16 @@ def test_tabbyapi_without_systemd_is_a_managed_process_with_its_files_its_own(tm
     assert isinstance(runner, ProcessRunner) and runner.cwd == "/opt/vf/serve/voltaforge-tabbyapi"
     assert runner.argv == ("/opt/vf/venv/bin/python", "/opt/vf/tabbyAPI/main.py", "--config", f"{state}/config.yml")
     assert "cd -- /opt/vf/serve/voltaforge-tabbyapi && " in runner.restart().command
+    # its cache and home where the user owns them, made before the start; no %C left (issue 49)
+    env = dict(runner.environment)
+    assert env["XDG_CACHE_HOME"] == env["HOME"] == f"{state}/cache/voltaforge-tabbyapi"
+    assert runner.make_dirs == (f"{state}/cache/voltaforge-tabbyapi",) * 2
+    assert f"mkdir -p -m 0700 -- {state}/cache/voltaforge-tabbyapi" in runner.restart().command
+    assert not any("%" in v for v in env.values()) and "%" not in runner.restart().command
+    # the hardened unit keeps torch's extension directory out: it cannot write there, and the
+    # build step's exllamav2_ext is imported from the venv, never compiled at start
+    unit = next(op.file.text for op in ops if isinstance(op, EnsureServiceFile) and op.file.path.endswith(".service"))
+    assert "TORCH_EXTENSIONS_DIR" not in unit and "XDG_CACHE_HOME=%C/voltaforge-tabbyapi" in unit
     (tokens,) = [op for op in ops if isinstance(op, EnsureTabbyTokens)]
     assert tokens.tokens == f"{state}/api_tokens.yml" and tokens.owner == "deploy"
     assert "chown -- deploy " in tokens.decide("missing").commands[0].command

@@ -60,3 +60,14 @@ def test_llama_quantize_types_and_bytes_match_prediction(tiny_f16, ftype):
     predicted = {t.name: ty.name for t, ty in assign_types(shape, ftype, imatrix=False)}
     assert {n: ty for n, (ty, _) in real.items()} == predicted
     assert sum(b for _, b in real.values()) == estimate_gguf(shape, ftype, imatrix=False).tensor_bytes
+
+
+def test_the_converter_still_reads_the_sentencepiece_vocabulary(tiny_f16):
+    """The generated model ships tokenizer.json beside tokenizer.model (for exllamav2); llama.cpp's
+    converter must still take the SentencePiece vocabulary (its `llama` tokenizer), not the BPE
+    one it would build from tokenizer.json alone."""
+    from gguf import GGUFReader
+
+    assert (tiny_f16.parent / "hf" / "tokenizer.json").is_file()
+    field = GGUFReader(tiny_f16).fields["tokenizer.ggml.model"]
+    assert bytes(field.parts[field.data[0]]).decode() == "llama"

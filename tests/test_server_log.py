@@ -363,3 +363,18 @@ def test_commands_are_read_only_and_quoted():
     cmd = journal_command("voltaforge-llama@a b.service")
     assert "journalctl --no-pager -o cat _SYSTEMD_INVOCATION_ID=" in cmd
     assert "'voltaforge-llama@a b.service'" in cmd
+
+
+def test_a_start_that_compiles_exllamav2s_extension_is_named_as_the_cause():
+    """TabbyAPI whose venv has no exllamav2_ext (the build step's) compiles it at start, for
+    minutes, and the health wait ends first: the deploy step says why, from the log's own line
+    (a lent H200's log ended with it), instead of a bare timeout."""
+    log = (
+        "INFO:     Using backend exllamav2\n"
+        "Loading exllamav2_ext extension (JIT)...\n"
+        "Building C++/CUDA extension \u2501\u2501\u2501\u2501 12% 0:01:53\n"
+    )
+    first, second = parse_load_log(log).problems  # each line quoted: the first is what _log_tail says
+    why = "the server was compiling exllamav2's extension at start: its venv has no exllamav2_ext"
+    assert first.startswith(why) and second.startswith(why)
+    assert first.endswith("'Loading exllamav2_ext extension (JIT)...'")

@@ -25,7 +25,7 @@ protobuf runtime older than the one it was generated with (7.x); transformers' c
 Python 3.8 compatible.
 """
 
-
+import importlib
 import json
 import os
 import sys
@@ -52,13 +52,9 @@ SAMPLES = (
 
 def _own_protobuf_module() -> Any:
     """transformers' generated sentencepiece_model module (works with protobuf >= 4)."""
-    import google.protobuf
-
-    if int(google.protobuf.__version__.split(".")[0]) < 4:
-        from transformers.utils import sentencepiece_model_pb2 as pb2
-    else:
-        from transformers.utils import sentencepiece_model_pb2_new as pb2
-    return pb2
+    protobuf = importlib.import_module("google.protobuf")
+    new = int(protobuf.__version__.split(".")[0]) >= 4
+    return importlib.import_module("transformers.utils.sentencepiece_model_pb2" + ("_new" if new else ""))
 
 
 def convert(model_file: str, out: str, samples: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -66,12 +62,13 @@ def convert(model_file: str, out: str, samples: Optional[List[str]] = None) -> D
     encodes every sample like the model does; raises ValueError saying which sample differs."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not "None of PyTorch ... found" on every call
     import sentencepiece as spm
-    import transformers
-    from tokenizers import Tokenizer
-    from transformers import LlamaTokenizer
-    from transformers import convert_slow_tokenizer as cst
 
-    cst.import_protobuf = lambda error_message="": _own_protobuf_module()
+    transformers = importlib.import_module("transformers")
+    cst = importlib.import_module("transformers.convert_slow_tokenizer")
+    Tokenizer = importlib.import_module("tokenizers").Tokenizer
+
+    setattr(cst, "import_protobuf", lambda error_message="": _own_protobuf_module())  # noqa: B010 (a module's function replaced)
+    LlamaTokenizer = transformers.LlamaTokenizer
     slow = LlamaTokenizer(vocab_file=model_file, legacy=True)
     fast = cst.LlamaConverter(slow).converted()
     tmp = out + ".partial"
