@@ -55,8 +55,18 @@ def test_the_device_script_rehearses_here_to_its_first_gpu_call(tmp_path):
     assert ("Ensure every weight fits FP16 (V100 has no BF16)", "changed") in before, before
     assert before[len(before) // 2 :] == [(s, "ok") for s, _ in before[: len(before) // 2]], before
     assert convert["gpu"] == "h200" and all(b > 0 for b in convert["planned_file_bytes"].values())
+    # what a lent H200 met only on the GPU, seen before it now (issue 49): the converter's model
+    # has its tokenizer.json (the file prepare made, this venv having no transformers), the
+    # extension's build would run the venv's ninja, the managed process has no %C left
+    assert convert["tokenizer"] == ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"], convert
+    assert ("Ensure the model has a tokenizer.json (exllamav2 reads no other)", "ok") in before, before
+    ext = json.loads(got["exl2-ext.json"])
+    assert ext["ninja"].endswith("/prefix/venv/bin/ninja"), ext
     serve = json.loads(got["exl2-serve.json"])
     assert serve["rendered"] == ["config.yml", "voltaforge-tabbyapi.service"] and serve["planned_vram_bytes"] > 0
+    env = serve["process_environment"]
+    assert env["HOME"].endswith("/prefix/deploy/voltaforge-tabbyapi/cache/voltaforge-tabbyapi"), env
+    assert not any("%" in v for v in env.values()), env
     config = yaml.safe_load(got["exl2-config.yml"])
     # TabbyAPI on loopback without a key, loading the conversion through the deploy step's link
     assert config["network"]["host"] == "127.0.0.1" and config["network"]["disable_auth"] is True
@@ -70,6 +80,9 @@ def test_the_device_script_rehearses_here_to_its_first_gpu_call(tmp_path):
     assert json.loads(got["exl2-install.json"])["venv"] == "made"
     redo = json.loads(second["exl2-convert.json"])["before_gpu"]
     assert redo and all(c["status"] == "ok" for c in redo), redo
+    # the venv fix proven apart: a venv made from this suite's venv interpreter sees its packages
+    check = json.loads(out.split("== venv-check")[1].strip().splitlines()[0])
+    assert check["interpreter"] == sys.executable and check["from"].startswith(sys.prefix), check
 
 
 def _archive(path):
