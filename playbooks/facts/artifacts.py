@@ -13,7 +13,6 @@ from playbooks.facts import last_json_line, lines
 
 #: the check script pushed next to the model and run by the venv's python
 GGUF_CHECK_PATH = Path(__file__).resolve().parent / "probes" / "gguf_check.py"
-TOKENIZER_JSON_PATH = Path(__file__).resolve().parent / "probes" / "tokenizer_json.py"
 #: the download script run by the venv's python (huggingface_hub)
 HUB_FETCH_PATH = Path(__file__).resolve().parent / "probes" / "hub_fetch.py"
 

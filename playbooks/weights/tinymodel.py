@@ -221,7 +221,7 @@ def tokenizer_cache() -> Path:
 
 def write_tokenizer_json(out_dir: Path) -> Path:
     """tokenizer.json beside the generated tokenizer.model, made by Hugging Face's Llama
-    converter and checked to encode like the SentencePiece model (facts/probes/tokenizer_json.py,
+    converter and checked to encode like the SentencePiece model (weights/tokenizer_json.py,
     the same code the quantize step runs on a host for a real model), on its sample text and on
     lines of the text the tokenizer was trained on.
 
@@ -235,7 +235,7 @@ def write_tokenizer_json(out_dir: Path) -> Path:
     if cached.is_file():
         shutil.copyfile(cached, out)
         return out
-    from playbooks.facts.probes.tokenizer_json import convert
+    from playbooks.weights.tokenizer_json import convert
 
     try:
         import transformers  # noqa: F401

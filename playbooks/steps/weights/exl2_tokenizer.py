@@ -5,7 +5,7 @@ removed in 0.3.1, so a model that ships ``tokenizer.model`` alone (several Llama
 repositories do) fails in the converter with "No supported tokenizer found", after the
 measurement pass has been scheduled on the GPU. So before the conversion this step finds the
 file; where only ``tokenizer.model`` is there it writes ``tokenizer.json`` beside it with Hugging
-Face's Llama converter in the toolchain venv (facts/probes/tokenizer_json.py, which checks the
+Face's Llama converter in the toolchain venv (weights/tokenizer_json.py, which checks the
 result encodes like the SentencePiece model) and says so; with neither, or without transformers
 to convert with, it refuses in one line naming the file.
 """
@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 from playbooks.facts import python, read_fact
-from playbooks.facts.artifacts import TOKENIZER_JSON_PATH
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, Shell
 from playbooks.steps.weights.model_layout import ModelLayout
+from playbooks.weights import tokenizer_json
+
+#: the converter, pushed beside the model and run with the venv's python (a script of its own)
+TOKENIZER_JSON_PATH = Path(tokenizer_json.__file__)
 
 #: the converter's packages (steps/weights/gguf.py installs them for a GGUF quant as well)
 NEEDS = ("transformers", "sentencepiece", "protobuf")
