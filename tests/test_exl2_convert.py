@@ -541,8 +541,21 @@ def test_a_finished_conversion_is_proven_stamped_and_renamed_on_a_real_host(tmp_
     host = LocalHost()
     host.printer.quiet = True
     o = EnsureExl2Quant(str(venv), str(hf), str(root), 4.0, 6, gpu_available=True)
+    # exllamav2 without the build step's exllamav2_ext: the converter would JIT-compile it (a
+    # lent H200's did, for minutes): refused before it runs
+    assert not o.read(host).ext_built
+    with pytest.raises(OperationError, match=r"has exllamav2 but not the exllamav2_ext `invoke build` builds"):
+        o.decide(o.read(host))
+    # where EnsureExllamav2 installs it (a file of that name is all this fact reads)
+    (site,) = venv.glob("lib/python3*/site-packages")
+    (site / "exllamav2_ext.so").write_bytes(b"")
     f = o.read(host)
-    assert f.exllamav2 == "0.3.2" and f.model is not None and f.model.weights == (("model.safetensors", 100),)
+    assert (
+        f.ext_built
+        and f.exllamav2 == "0.3.2"
+        and f.model is not None
+        and f.model.weights == (("model.safetensors", 100),)
+    )
     assert f.measure_job == exl2.JobState() and f.paths == dict.fromkeys(o.watched, "-")
     fresh = o.decide(f)
     # both jobs ran to the end (as a GPU host would) for the inputs the markers name

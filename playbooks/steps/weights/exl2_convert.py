@@ -153,6 +153,7 @@ class Exl2Layout:
 class Exl2Facts:
     gpus: gpu.GpuFacts = gpu.GpuFacts(available=False, reason="not read")
     exllamav2: str | None = None  # the installed version in the venv
+    ext_built: bool = True  # the venv holds exllamav2_ext (the build step's), so nothing JIT-compiles
     model: exl2.ModelFiles | None = None
     calibration_sha256: str | None = None
     paths: dict[str, str] = field(default_factory=dict)  # exl2.parse_exist: "d" | "f" | "-"
@@ -239,6 +240,7 @@ class EnsureExl2Quant(Operation):
         return Exl2Facts(
             gpus=gpus,
             exllamav2=python.read_package_version(host, self.venv, "exllamav2"),
+            ext_built=bool(read_fact(host, ext_module_command(self.venv)).strip()),
             model=exl2.parse_model_files(read_fact(host, exl2.model_files_command(self.model_dir))),
             calibration_sha256=cal,
             paths=exl2.parse_exist(read_fact(host, exl2.exist_command(self.watched)), self.watched),
@@ -301,6 +303,13 @@ class EnsureExl2Quant(Operation):
             )
         if facts.exllamav2 is None:
             raise OperationError(f"no exllamav2 in {self.venv}: run `invoke build` first (its converter does this)")
+        if not facts.ext_built:
+            # exllamav2 imports a ready exllamav2_ext before it compiles one: without it the
+            # converter compiles for minutes into a directory of its own (a lent H200's did)
+            raise OperationError(
+                f"{self.venv} has exllamav2 but not the exllamav2_ext `invoke build` builds: the converter "
+                "would compile the extension itself; run `invoke build` first"
+            )
 
         commands: list[Command] = []
         if (facts.measurement_stamp or {}).get("id") == m_id and facts.paths.get(lay.measurement) == "f":
@@ -457,6 +466,11 @@ def exl2_stamp(record: Record, proof: dict[str, str]) -> bytes:
             "measurement_inputs": meta["measurement_inputs"],
         }
     return (json.dumps(stamp, indent=2, sort_keys=True) + "\n").encode()
+
+
+def ext_module_command(venv: str) -> str:
+    """The build step's exllamav2_ext module in the venv's site-packages (steps/build/exllamav2.py)."""
+    return f"ls -1 -- {shlex.quote(venv)}/lib/python3*/site-packages/exllamav2_ext*.so 2>/dev/null || true"
 
 
 def exl2_ops(
