@@ -156,51 +156,45 @@ def test_a_managed_process_gets_no_systemd_specifier_in_its_environment():
         process_environment((("X", "%t/x"),), "/s/cache")
 
 
-def test_a_server_whose_health_never_turns_green_fails_in_one_line_and_is_stopped(tmp_path, monkeypatch):
-    """A real process on a real port that answers 404 on /health, and nothing served before:
-    the wait ends at its timeout, the new process is stopped, one line says so."""
+def _start_failing(tmp_path, monkeypatch, *args: str):
+    """A real process (this Python with ``args``) deployed on a free port with a 2 s health
+    wait and nothing served before: (its port, its state directory, the runner, the change)."""
     monkeypatch.setattr(deploy, "MIN_HEALTH_TIMEOUT_S", 2)
     monkeypatch.setattr(deploy, "HEALTH_GRACE_S", 0)
     port = free_port()
     state = tmp_path / "deploy" / "x"
     state.mkdir(parents=True)
     python = sys.executable
-    runner = ProcessRunner(str(state), python, (python, "-m", "http.server", str(port), "--bind", "127.0.0.1"))
+    runner = ProcessRunner(str(state), python, (python, *(a.format(port=port) for a in args)))
     unit = ServiceFile(str(state / "x.service"), "ExecStart=...\n")
     op = _serving(manager=runner, layout=DeployLayout(str(tmp_path), "x"), files=[unit], port=port)
     with LocalHost() as host:
         host.write_file(unit.path, unit.text.encode(), 0o644)
         [change] = run_ops(host, [op])
-        assert change.status == "failed", change.why
-        assert change.why.startswith(f"/health on 127.0.0.1:{port} still 404 after 2 s")
-        assert change.why.endswith("nothing served here before: the new service is stopped")
         assert not runner.running(host.run(runner.state_command(), stream=False).stdout).up
-        assert not (state / "deployed.json").exists()
+    assert change.status == "failed", change.why
+    return port, state, change
+
+
+def test_a_server_whose_health_never_turns_green_fails_in_one_line_and_is_stopped(tmp_path, monkeypatch):
+    """A real process on a real port that answers 404 on /health, and nothing served before:
+    the wait ends at its timeout, the new process is stopped, one line says so."""
+    port, state, change = _start_failing(tmp_path, monkeypatch, "-m", "http.server", "{port}", "--bind", "127.0.0.1")
+    assert change.why.startswith(f"/health on 127.0.0.1:{port} still 404 after 2 s")
+    assert change.why.endswith("nothing served here before: the new service is stopped")
+    assert not (state / "deployed.json").exists()
 
 
 def test_a_server_compiling_exllamav2s_extension_at_start_fails_with_that_cause(tmp_path, monkeypatch):
     """A real process that logs what exllamav2 logs when its venv has no exllamav2_ext (a lent
     H200's TabbyAPI did, then the health wait stopped it): the deploy step's one line names the
     compile, from the log, instead of a bare timeout."""
-    monkeypatch.setattr(deploy, "MIN_HEALTH_TIMEOUT_S", 2)
-    monkeypatch.setattr(deploy, "HEALTH_GRACE_S", 0)
-    port = free_port()
-    state = tmp_path / "deploy" / "x"
-    state.mkdir(parents=True)
-    python = sys.executable
     jit = "import time; print('Loading exllamav2_ext extension (JIT)...', flush=True); time.sleep(60)"
-    runner = ProcessRunner(str(state), python, (python, "-c", jit))
-    unit = ServiceFile(str(state / "x.service"), "ExecStart=...\n")
-    op = _serving(manager=runner, layout=DeployLayout(str(tmp_path), "x"), files=[unit], port=port)
-    with LocalHost() as host:
-        host.write_file(unit.path, unit.text.encode(), 0o644)
-        [change] = run_ops(host, [op])
-        assert change.status == "failed", change.why
-        assert change.why.startswith(
-            f"/health on 127.0.0.1:{port} still not answering after 2 s: the server was compiling exllamav2's "
-            "extension at start: its venv has no exllamav2_ext built by `invoke build`"
-        ), change.why
-        assert not runner.running(host.run(runner.state_command(), stream=False).stdout).up
+    port, _, change = _start_failing(tmp_path, monkeypatch, "-c", jit)
+    assert change.why.startswith(
+        f"/health on 127.0.0.1:{port} still not answering after 2 s: the server was compiling exllamav2's "
+        "extension at start: its venv has no exllamav2_ext built by `invoke build`"
+    ), change.why
 
 
 def test_tabbyapi_tokens_come_from_the_secret_on_the_host_and_never_leave_it(tmp_path, capsys):
