@@ -192,18 +192,16 @@ def prepare(python: str, tabbyapi: Path, payload: Path = PAYLOAD) -> dict[str, A
 def premade_tokenizer(where: Path) -> Path:
     """The generated EXL2_MODEL's tokenizer.json, made here: the device has no transformers
     (11.4 MiB the payload has no room for), so the generator there takes this file, named by the
-    sha256 of the tokenizer.model it was made from (tinymodel.write_tokenizer_json). The
+    sha256 of the tokenizer.model it was made from (tinymodel.cached_tokenizer_json). The
     tokenizer's training is deterministic, so the device trains the same bytes."""
-    import hashlib
     import tempfile
 
-    from playbooks.weights.tinymodel import train_tokenizer, write_tokenizer_json
+    from playbooks.weights.tinymodel import cached_tokenizer_json, train_tokenizer, write_tokenizer_json
 
     where.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         train_tokenizer(Path(tmp), int(EXL2_MODEL["vocab_size"]))  # the generator's seed: 0
-        sha = hashlib.sha256((Path(tmp) / "tokenizer.model").read_bytes()).hexdigest()
-        out = where / f"{sha}.json"
+        out = where / cached_tokenizer_json(Path(tmp) / "tokenizer.model").name
         shutil.copyfile(write_tokenizer_json(Path(tmp)), out)
     return out
 
@@ -257,7 +255,7 @@ def phase_install(c: Call) -> dict[str, Any]:
     if not kept:
         make_venv(venv, see_interpreter=not c.rehearse)
     # the generated model's tokenizer.json, made on the controller (transformers is not carried):
-    # where the generator looks for it (tinymodel.tokenizer_cache, VOLTAFORGE_CACHE=<prefix>/cache)
+    # where the generator looks for it (tinymodel.cached_tokenizer_json, VOLTAFORGE_CACHE=<prefix>/cache)
     made = c.prefix / "cache" / "tokenizers"
     made.mkdir(parents=True, exist_ok=True)
     for f in (c.payload / "tokenizers").glob("*.json"):
@@ -308,7 +306,7 @@ def make_venv(venv: Path, see_interpreter: bool, python: str = sys.executable) -
     if not see_interpreter:
         return
     probe = (
-        "import json, site, sys, sysconfig; p = sysconfig.get_paths(); "
+        "import json, sys, sysconfig; p = sysconfig.get_paths(); "
         "print(json.dumps({'venv': sys.prefix != sys.base_prefix, 'dirs': [p['purelib'], p['platlib']]}))"
     )
     code, text = sh([python, "-c", probe])
@@ -327,11 +325,11 @@ def venv_check(python: str = sys.executable) -> dict[str, Any]:
     site-packages holds."""
     import tempfile
 
-    probe = "import sys; print(sys.prefix != sys.base_prefix)"
-    if sh([python, "-c", probe])[1].splitlines()[-1] != "True":
+    probe = "import sys; print(sys.base_prefix if sys.prefix != sys.base_prefix else '')"
+    base = sh([python, "-c", probe])[1].splitlines()[-1].strip()
+    if not base:
         raise SystemExit(f"venv-check: {python} is not a venv's interpreter: nothing to prove")
     # a package of the interpreter's venv that its base interpreter cannot import
-    base = sh([python, "-c", "import sys; print(sys.base_prefix)"])[1].splitlines()[-1]
     base_py = f"{base}/bin/python3"
     package = next(
         (p for p in ("yaml", "pydantic", "gguf", "jinja2") if sh([base_py, "-c", f"import {p}"])[0] != 0), None

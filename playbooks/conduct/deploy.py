@@ -107,7 +107,7 @@ def make_manager(kind: str, state: DeployLayout, unit_name: str, unit_text: str)
         env,
         cwd=unit_working_directory(unit_text),
         # what CacheDirectory= would have made: the directories %C named
-        make_dirs=tuple(v for (_, unit_v), (_, v) in zip(unit_env, env, strict=True) if "%C" in unit_v),
+        make_dirs=tuple(dict.fromkeys(v for (_, unit_v), (_, v) in zip(unit_env, env, strict=True) if "%C" in unit_v)),
     )
 
 

@@ -213,10 +213,10 @@ def write_tiny_llama(out_dir: Path, config: dict[str, Any], seed: int = 0) -> Pa
     return out_dir
 
 
-def tokenizer_cache() -> Path:
-    """Made tokenizer.json files, by the sha256 of the tokenizer.model they were made from."""
+def cached_tokenizer_json(model: Path) -> Path:
+    """Where the tokenizer.json made from this tokenizer.model is kept: by the model's sha256."""
     base = os.environ.get("VOLTAFORGE_CACHE") or Path.home() / ".cache" / "voltaforge"
-    return Path(base) / "tokenizers"
+    return Path(base) / "tokenizers" / f"{hashlib.sha256(model.read_bytes()).hexdigest()}.json"
 
 
 def write_tokenizer_json(out_dir: Path) -> Path:
@@ -226,12 +226,12 @@ def write_tokenizer_json(out_dir: Path) -> Path:
     lines of the text the tokenizer was trained on.
 
     The training is deterministic (the same seed and size give the same bytes), so one made file
-    serves every generation of that tokenizer: it is kept in ``tokenizer_cache()`` by the
-    tokenizer.model's sha256, and taken from there where transformers is not installed (a GPU
+    serves every generation of that tokenizer: it is kept by the tokenizer.model's sha256
+    (``cached_tokenizer_json``), and taken from there where transformers is not installed (a GPU
     device, whose payload has no room for it, carries the file made on the controller)."""
     model = out_dir / "tokenizer.model"
     out = out_dir / "tokenizer.json"
-    cached = tokenizer_cache() / f"{hashlib.sha256(model.read_bytes()).hexdigest()}.json"
+    cached = cached_tokenizer_json(model)
     if cached.is_file():
         shutil.copyfile(cached, out)
         return out

@@ -156,7 +156,7 @@ class EnsureExllamav2(Operation):
                 f'mv -f -- "$site"/.{EXT}.so.new "$site"/{EXT}.so'
             ),
         ]
-        lib = f"{shlex.quote(self.venv)}/lib/python3*/site-packages/{EXT}.so"
+        lib = ext_module(self.venv)
         proof = [
             Probe(f"{py} -c {shlex.quote(PROOF)} 2>&1", key="version"),
             Probe(
@@ -172,6 +172,11 @@ class EnsureExllamav2(Operation):
 
     def apply(self, host: Host, decision: Decision) -> None:
         run_proven(host, decision, ext_stamp, after="re-run to resume the extension build")
+
+
+def ext_module(venv: str) -> str:
+    """Where this step installs the built module: a shell glob (the venv's python3.X), quoted."""
+    return f"{shlex.quote(venv)}/lib/python3*/site-packages/{EXT}.so"
 
 
 def same_release(installed: str, pinned: str) -> bool:

@@ -48,6 +48,7 @@ from playbooks.host.commands import check_path
 from playbooks.host.ops import Command, Decision, Operation, OperationError, Record, Shell, Upload
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
 from playbooks.steps.build.buildenv import env_prefix
+from playbooks.steps.build.exllamav2 import ext_module
 from playbooks.steps.build.proven_build import Probe, run_proven
 
 #: ``python -m`` target: the converter module of the installed wheel (see the module doc).
@@ -240,7 +241,7 @@ class EnsureExl2Quant(Operation):
         return Exl2Facts(
             gpus=gpus,
             exllamav2=python.read_package_version(host, self.venv, "exllamav2"),
-            ext_built=bool(read_fact(host, ext_module_command(self.venv)).strip()),
+            ext_built=bool(read_fact(host, f"ls -1 -- {ext_module(self.venv)} 2>/dev/null || true").strip()),
             model=exl2.parse_model_files(read_fact(host, exl2.model_files_command(self.model_dir))),
             calibration_sha256=cal,
             paths=exl2.parse_exist(read_fact(host, exl2.exist_command(self.watched)), self.watched),
@@ -466,11 +467,6 @@ def exl2_stamp(record: Record, proof: dict[str, str]) -> bytes:
             "measurement_inputs": meta["measurement_inputs"],
         }
     return (json.dumps(stamp, indent=2, sort_keys=True) + "\n").encode()
-
-
-def ext_module_command(venv: str) -> str:
-    """The build step's exllamav2_ext module in the venv's site-packages (steps/build/exllamav2.py)."""
-    return f"ls -1 -- {shlex.quote(venv)}/lib/python3*/site-packages/exllamav2_ext*.so 2>/dev/null || true"
 
 
 def exl2_ops(
