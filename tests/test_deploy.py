@@ -156,16 +156,16 @@ def test_a_managed_process_gets_no_systemd_specifier_in_its_environment():
         process_environment((("X", "%t/x"),), "/s/cache")
 
 
-def _start_failing(tmp_path, monkeypatch, *args: str):
+def _start_failing(tmp_path, monkeypatch, *args: str, **runner_kw):
     """A real process (this Python with ``args``) deployed on a free port with a 2 s health
-    wait and nothing served before: (its port, its state directory, the runner, the change)."""
+    wait and nothing served before: (its port, its state directory, the change)."""
     monkeypatch.setattr(deploy, "MIN_HEALTH_TIMEOUT_S", 2)
     monkeypatch.setattr(deploy, "HEALTH_GRACE_S", 0)
     port = free_port()
     state = tmp_path / "deploy" / "x"
     state.mkdir(parents=True)
     python = sys.executable
-    runner = ProcessRunner(str(state), python, (python, *(a.format(port=port) for a in args)))
+    runner = ProcessRunner(str(state), python, (python, *(a.format(port=port) for a in args)), **runner_kw)
     unit = ServiceFile(str(state / "x.service"), "ExecStart=...\n")
     op = _serving(manager=runner, layout=DeployLayout(str(tmp_path), "x"), files=[unit], port=port)
     with LocalHost() as host:
@@ -189,8 +189,16 @@ def test_a_server_compiling_exllamav2s_extension_at_start_fails_with_that_cause(
     """A real process that logs what exllamav2 logs when its venv has no exllamav2_ext (a lent
     H200's TabbyAPI did, then the health wait stopped it): the deploy step's one line names the
     compile, from the log, instead of a bare timeout."""
-    jit = "import time; print('Loading exllamav2_ext extension (JIT)...', flush=True); time.sleep(60)"
-    port, _, change = _start_failing(tmp_path, monkeypatch, "-c", jit)
+    jit = (
+        "import os, time; open(os.environ['HOME'] + '/started', 'w').close(); "
+        "print('Loading exllamav2_ext extension (JIT)...', flush=True); time.sleep(60)"
+    )
+    # HOME as a unit's %C/<service> becomes for a process: made before the start (0700)
+    home = tmp_path / "deploy" / "x" / "cache" / "svc"
+    port, _, change = _start_failing(
+        tmp_path, monkeypatch, "-c", jit, environment=(("HOME", str(home)),), make_dirs=(str(home),)
+    )
+    assert (home / "started").is_file() and home.stat().st_mode & 0o777 == 0o700
     assert change.why.startswith(
         f"/health on 127.0.0.1:{port} still not answering after 2 s: the server was compiling exllamav2's "
         "extension at start: its venv has no exllamav2_ext built by `invoke build`"

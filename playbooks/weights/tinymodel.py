@@ -237,6 +237,7 @@ def write_tokenizer_json(out_dir: Path) -> Path:
         return out
     from playbooks.weights.tokenizer_json import convert
 
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its import warns that there is no torch
     try:
         import transformers  # noqa: F401
     except ImportError:
