@@ -66,15 +66,23 @@ def recipe_with(tmp_path: Path, base: str, extra: str, name: str = "test-recipe"
     return path
 
 
+def session_ccache() -> Path:
+    """The ccache directory this test run's SSH hosts share: one per run, not per process, so
+    pytest-xdist's workers (tests/workers.py) find what another worker's build compiled."""
+    import os
+    import tempfile
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())  # the same in every worker
+    return Path(tempfile.gettempdir()) / f"vf-test-ccache-{run}"
+
+
 def shared_ccache(prefix: Path, user: str) -> None:
     """Point a test host's ccache (<prefix>/llama.cpp/ccache) at one directory shared by this
     test session's hosts (same user), so the second host's build hits what the first compiled:
     the build step sets CCACHE_BASEDIR to the prefix, which makes the paths match."""
-    import os
     import shutil
-    import tempfile
 
-    shared = Path(tempfile.gettempdir()) / f"vf-test-ccache-{os.getpid()}"
+    shared = session_ccache()
     shared.mkdir(exist_ok=True)
     shutil.chown(shared, user, user)
     for d in (prefix, prefix / "llama.cpp"):

@@ -94,6 +94,7 @@ BAD = {
     ("bench", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("bench", "inventory"): [("BROKEN", "inventory")],
     ("bench", "lb"): [("0", "must be a positive number"), ("70000", "at most 65535"), ("x", "a TCP port")],
+    ("test", "workers"): [("0", "must be a positive number of workers"), ("x", "not a number of workers")],
     ("stop", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
     ("stop", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("stop", "inventory"): [("BROKEN", "inventory")],

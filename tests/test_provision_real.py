@@ -27,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import pytest
 import yaml
 
 from tests.argv_sampler import ArgvSampler, hold_in_argv
-from tests.helpers import ROOT
+from tests.helpers import ROOT, session_ccache
 from tests.testhosts import shared_nspawn_ccache
 
 pytestmark = pytest.mark.slow
@@ -167,7 +166,7 @@ def seeded_ccache() -> None:
     hashes paths relative to the prefix (CCACHE_BASEDIR) and the image's gcc is this machine's
     (same package, same size and mtime), so the container's server compile hits most of it:
     the same objects a fleet's second host reuses, not compiled twice in one CI run."""
-    session = Path(tempfile.gettempdir()) / f"vf-test-ccache-{os.getpid()}"
+    session = session_ccache()
     if session.is_dir():
         shutil.copytree(session, shared_nspawn_ccache(), dirs_exist_ok=True, symlinks=True)
 

@@ -9,6 +9,7 @@ task loads only what it needs.
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -649,9 +650,16 @@ def verify_recipe(c: Context, recipe: str | None = None, reports: str | None = N
     )
 
 
-@command(help={"k": "only tests matching this pytest -k expression", "fast": "skip tests marked slow"})
-def test(c: Context, k: str | None = None, fast: bool = False) -> None:
+@command(
+    help={
+        "k": "only tests matching this pytest -k expression",
+        "fast": "skip tests marked slow",
+        "workers": "pytest-xdist workers (default: the cores, at most 4; 1 runs the tests in one process)",
+    }
+)
+def test(c: Context, k: str | None = None, fast: bool = False, workers: str | None = None) -> None:
     """Run the test suite (what .ci/run runs): ruff, mypy, then pytest."""
+    n = flags.positive_int("--workers", workers, "workers") or min(4, os.cpu_count() or 1)
     # the interpreter running invoke, so the venv's tools are used whatever PATH says
     py = shlex.quote(sys.executable)
     c.run(f"{py} -m ruff check playbooks tests scripts tasks.py", pty=False)
@@ -659,6 +667,10 @@ def test(c: Context, k: str | None = None, fast: bool = False) -> None:
     c.run(f"{py} -m mypy", pty=False)
     # the slowest tests named at the end: where the suite's time goes, in every CI log
     args = [sys.executable, "-m", "pytest", "-q", "--durations=25"]
+    # most real tests wait (servers, containers, SSH): a second worker fills that time; the
+    # tests that must follow one another share a group (tests/workers.py)
+    if n > 1:
+        args += ["-n", str(n), "--dist", "loadgroup"]
     if k:
         args += ["-k", k]
     if fast:
