@@ -290,6 +290,36 @@ def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f16") -> Path:
     return out
 
 
+def tiny_f16(work: Path, config: dict, name: str = "f16.gguf") -> Path:
+    """``convert_to_gguf(write_tiny_llama(work / "hf", config), work / name)``, made once per shape.
+
+    The generator is deterministic (the same config and GENERATOR_VERSION give the same bytes)
+    and so is the converter, so the F16 GGUF of a shape is converted once and kept in the cache
+    under the hash of both; each caller gets its own copy in ``work`` (a test may change its
+    file). tests/test_gguf_real.py still converts on every run (and checks the checkpoint)."""
+    import hashlib
+    import json
+
+    from playbooks.weights.tinymodel import GENERATOR_VERSION, write_tiny_llama
+
+    key = hashlib.sha256(json.dumps([GENERATOR_VERSION, SDIST, config], sort_keys=True).encode()).hexdigest()[:16]
+    cached = cache_dir() / "tiny-gguf" / f"{key}-f16.gguf"
+    if not cached.exists():
+        with _cache_lock(f"tiny-gguf-{key}"):
+            if not cached.exists():
+                made = tempfile.mkdtemp(prefix="vf-tiny-")
+                try:
+                    f16 = convert_to_gguf(write_tiny_llama(Path(made) / "hf", config), Path(made) / "f16.gguf")
+                    cached.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(f16, cached.with_suffix(".part"))
+                    cached.with_suffix(".part").rename(cached)  # whole or absent
+                finally:
+                    shutil.rmtree(made, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(cached, work / name)
+    return work / name
+
+
 def quantize(src: Path, out: Path, ftype: str) -> Path:
     _run([str(llama_quantize()), str(src), str(out), ftype], out.with_suffix(".quantize.log"))
     return out

@@ -31,7 +31,6 @@ from playbooks.host.ops import run_ops
 from playbooks.steps.weights.artifact_copy import Artifact, EnsureArtifactCopy, parse_files_with_sha256
 from playbooks.steps.weights.exl2_convert import STAMP_NAME
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
 
@@ -122,7 +121,7 @@ def tiny_q4(tmp_path_factory) -> Path:
     quantized to Q4_K_M by the real llama-quantize (the pinned CPU build)."""
     work = tmp_path_factory.mktemp("copy")
     config = yaml.safe_load(TINY_RECIPE.read_text())["model"]["config"]
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
+    f16 = llamacpp_tools.tiny_f16(work, config)
     return llamacpp_tools.quantize(f16, work / "tiny-Q4_K_M.gguf", "Q4_K_M")
 
 

@@ -20,7 +20,6 @@ from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.conduct.settings import Settings
 from playbooks.host import connect
 from playbooks.steps.measure.bench_run import bench_dir
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
 from tests.testhosts import free_port
@@ -34,7 +33,7 @@ BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, 
 def membound(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("bench-model")
     config = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())["model"]["config"] | BIG
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
+    f16 = llamacpp_tools.tiny_f16(work, config)
     return llamacpp_tools.quantize(f16, work / "m-Q8_0.gguf", "Q8_0")
 
 

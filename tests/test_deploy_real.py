@@ -35,7 +35,6 @@ from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import connect
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
 from tests.testhosts import free_port
@@ -47,7 +46,7 @@ TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("deploy")
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY["model"]["config"]), work / "f16.gguf")
+    f16 = llamacpp_tools.tiny_f16(work, TINY["model"]["config"])
     return llamacpp_tools.quantize(f16, work / "tiny-Q4_K_M.gguf", "Q4_K_M")
 
 

@@ -37,7 +37,6 @@ from playbooks.conduct.balancer import tls_dir
 from playbooks.conduct.settings import Settings
 from playbooks.host import connect
 from playbooks.steps.serve.balancer import parse_stats, stats_command
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, host_entry, spec_for, stage_served_model
 from tests.test_keyed_real import api_secret  # noqa: F401
@@ -53,7 +52,7 @@ NO_EOS = {"ignore_eos": True}  # a random model may end a reply at any token: co
 @pytest.fixture(scope="module")
 def quants(tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("fleet")
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY["model"]["config"]), work / "f16.gguf")
+    f16 = llamacpp_tools.tiny_f16(work, TINY["model"]["config"])
     return {q: llamacpp_tools.quantize(f16, work / f"tiny-{q}.gguf", q) for q in ("Q8_0", "Q4_K_M")}
 
 

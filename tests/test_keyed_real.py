@@ -44,7 +44,6 @@ from playbooks.conduct.balancer import tls_dir
 from playbooks.conduct.settings import Settings
 from playbooks.host import connect
 from playbooks.steps.serve.tls import TlsPair
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.argv_sampler import ArgvSampler, hold_in_argv
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
@@ -58,7 +57,7 @@ LB_PORT = 18200
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("keyed")
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY["model"]["config"]), work / "f16.gguf")
+    f16 = llamacpp_tools.tiny_f16(work, TINY["model"]["config"])
     return llamacpp_tools.quantize(f16, work / "tiny-Q4_K_M.gguf", "Q4_K_M")
 
 

@@ -39,7 +39,6 @@ from playbooks.host import connect
 from playbooks.host.base import Printer
 from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.serve.deploy import EnsureServing
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, stage_served_model
 
@@ -125,7 +124,7 @@ def record(prefix: str, name: str) -> dict:
 @pytest.mark.timeout(900)
 def test_a_rolling_change_under_load_loses_no_request(tmp_path, tmp_path_factory, monkeypatch, capsys):
     work = tmp_path / "w"
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY["model"]["config"]), work / "f16.gguf")
+    f16 = llamacpp_tools.tiny_f16(work, TINY["model"]["config"])
     q4 = llamacpp_tools.quantize(f16, work / "tiny-Q4_K_M.gguf", "Q4_K_M")
     prefix = str(tmp_path_factory.mktemp("vf"))  # short: the runtime API's socket lives under it
     recipes = tmp_path / "recipes"

@@ -25,7 +25,7 @@ from playbooks.host import connect
 from playbooks.steps.measure import bench, bench_client
 from playbooks.steps.measure.bench_stats import compressed_streams
 from playbooks.steps.serve.units import ServerLayout, render_llama_server_unit
-from playbooks.weights.tinymodel import CHAT_TEMPLATE, write_tiny_llama
+from playbooks.weights.tinymodel import CHAT_TEMPLATE
 from tests import llamacpp_tools
 from tests.helpers import ROOT, spec_for
 from tests.testhosts import free_port
@@ -37,7 +37,7 @@ TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())["model"]["co
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY), work / "tiny-f16.gguf")
+    f16 = llamacpp_tools.tiny_f16(work, TINY, "tiny-f16.gguf")
     return llamacpp_tools.quantize(f16, work / "tiny-Q4_K_M.gguf", "Q4_K_M")
 
 

@@ -31,7 +31,6 @@ from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import connect
 from playbooks.steps.measure.bench_run import bench_health
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
 from tests.testhosts import free_port
@@ -43,7 +42,7 @@ TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
 @pytest.fixture(scope="module")
 def tiny_quants(tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("tune")
-    f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", TINY["model"]["config"]), work / "f16.gguf")
+    f16 = llamacpp_tools.tiny_f16(work, TINY["model"]["config"])
     return {q: llamacpp_tools.quantize(f16, work / f"tiny-{q}.gguf", q) for q in ("Q4_K_M", "Q8_0")}
 
 
