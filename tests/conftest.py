@@ -3,8 +3,7 @@
 Real SSH test hosts (private sshd, sshd in a network namespace, Debian 12 booted with
 systemd-nspawn) live in tests/testhosts.py; importing them here registers them as fixtures.
 Strict mode (VOLTAFORGE_STRICT=1, set by ci/test.sh: every skip is a failure) lives in
-tests/strict.py; importing its hooks here puts them in force for the whole suite. How the tests
-share pytest-xdist's workers lives in tests/workers.py, imported the same way.
+tests/strict.py; importing its hooks here puts them in force for the whole suite.
 """
 
 from strict import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks)
@@ -16,4 +15,3 @@ from testhosts import (  # noqa: F401  (imported to register the fixtures)
     sshd_host,
     testhost_user,
 )
-from workers import pytest_collection_modifyitems  # noqa: F401  (hook)

@@ -68,7 +68,7 @@ def recipe_with(tmp_path: Path, base: str, extra: str, name: str = "test-recipe"
 
 def session_ccache() -> Path:
     """The ccache directory this test run's SSH hosts share: one per run, not per process, so
-    pytest-xdist's workers (tests/workers.py) find what another worker's build compiled."""
+    each pytest-xdist worker finds what another worker's build compiled."""
     import os
     import tempfile
 
@@ -84,7 +84,10 @@ def shared_ccache(prefix: Path, user: str) -> None:
 
     shared = session_ccache()
     shared.mkdir(exist_ok=True)
-    shutil.chown(shared, user, user)
+    # each xdist worker has its own test user (tests/testhosts.py): what one user's compile
+    # leaves here, the next one's writes beside (ccache applies its own umask setting)
+    shared.chmod(0o777)
+    (shared / "ccache.conf").write_text("umask = 000\n")
     for d in (prefix, prefix / "llama.cpp"):
         d.mkdir(exist_ok=True)
         shutil.chown(d, user, user)

@@ -41,7 +41,8 @@ def _recipe(tmp_path: Path, port: int, **gate) -> Path:
     data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
     data["model"]["config"] |= BIG
     data |= {"quant": "Q8_0", "parallel": 4, "service": {"port": port}}
-    data["gate"] = {"levels": [1, 2, 4, 8], "prompt_tokens": 64, "max_tokens": 48} | gate
+    # three levels: a sweep (rising concurrency, each checked); 8 streams would only cost time
+    data["gate"] = {"levels": [1, 2, 4], "prompt_tokens": 64, "max_tokens": 48} | gate
     where = tmp_path / str(abs(hash(json.dumps(gate, sort_keys=True))))
     where.mkdir(exist_ok=True)
     (where / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
@@ -67,7 +68,7 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound,
         assert run_bench("box", str(passing), as_json=True, settings=settings) == 0
         result = json.loads(capsys.readouterr().out)
         levels = result["levels"]
-        assert [lv["concurrency"] for lv in levels] == [1, 2, 4, 8] and result["complete"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2, 4] and result["complete"]
         for lv in levels:
             c = lv["concurrency"]
             assert lv["errors"] == 0 and lv["output_tokens"] == lv["requests"] * 48 and lv["short_completions"] == 0
@@ -114,7 +115,7 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound,
         reports = next((bench_dir() / "box" / "bench-cpu").iterdir())
         assert json.loads((reports / "bench.json").read_text())["levels"] == levels
         md = (reports / "bench.md").read_text()
-        assert all(re.search(rf"^\|\s*{c}\s*\|", md, re.M) for c in (1, 2, 4, 8)), md
+        assert all(re.search(rf"^\|\s*{c}\s*\|", md, re.M) for c in (1, 2, 4)), md
         import matplotlib.image
 
         assert matplotlib.image.imread(reports / "bench.png").shape == (600, 1000, 4)
