@@ -6,6 +6,9 @@ Strict mode (VOLTAFORGE_STRICT=1, set by ci/test.sh: every skip is a failure) li
 tests/strict.py; importing its hooks here puts them in force for the whole suite.
 """
 
+import pytest
+
+from helpers import cpu_alone as _cpu_alone
 from strict import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks)
 from testhosts import (  # noqa: F401  (imported to register the fixtures)
     make_sshd_host,
@@ -15,3 +18,10 @@ from testhosts import (  # noqa: F401  (imported to register the fixtures)
     sshd_host,
     testhost_user,
 )
+
+
+@pytest.fixture
+def cpu_alone():
+    """The run-wide lock of the tests that keep the CPU busy or measure it (helpers.cpu_alone)."""
+    with _cpu_alone():
+        yield

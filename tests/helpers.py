@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -74,6 +75,24 @@ def session_ccache() -> Path:
 
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())  # the same in every worker
     return Path(tempfile.gettempdir()) / f"vf-test-ccache-{run}"
+
+
+@contextlib.contextmanager
+def cpu_alone():
+    """Held by the tests that keep both cores busy for minutes (a llama.cpp compile over SSH or
+    in a container) or measure the CPU (the bench's sweep, tune's search): with two xdist
+    workers, no two of them run at once, so a measurement never shares the CPU with a compile
+    (its cross-check compares the client's clock with the server's, not with a neighbour's
+    load) and the compiles follow one another, each finding the one before in the run's ccache.
+    The other worker goes on with the rest. One lock per run (all workers share its id)."""
+    import fcntl
+    import os
+    import tempfile
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    with open(Path(tempfile.gettempdir()) / f"vf-test-cpu-{run}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def shared_ccache(prefix: Path, user: str) -> None:

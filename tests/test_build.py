@@ -132,6 +132,7 @@ def test_cubin_proof_on_real_listings():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a cold compile, then four more builds, on 2 cores
+@pytest.mark.usefixtures("cpu_alone")  # tests/helpers.cpu_alone
 def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host, tmp_path, capsys, monkeypatch):
     """The CPU build from the pinned sdist on a real SSH host, through `run_build` (the task's
     own code). One target (llama-server) keeps it to one compile; ccache (from ci/) makes the

@@ -123,6 +123,7 @@ def invoke(inv: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(3600)
+@pytest.mark.usefixtures("cpu_alone")  # tests/helpers.cpu_alone
 def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_nspawn_host, tmp_path):  # noqa: F811
     host = provisionable_nspawn_host
     inv = layout_inventory(tmp_path, host)

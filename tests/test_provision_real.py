@@ -172,6 +172,7 @@ def seeded_ccache() -> None:
 
 
 @pytest.mark.timeout(3600)
+@pytest.mark.usefixtures("cpu_alone")  # tests/helpers.cpu_alone
 def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn_host, make_sshd_host, tmp_path):
     host = provisionable_nspawn_host
     base = recipe(tmp_path, host, "base")

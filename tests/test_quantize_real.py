@@ -77,6 +77,7 @@ def _with_overflow(src: Path, dst: Path) -> None:
 
 
 @pytest.mark.timeout(2400)  # toolchain, a build and the bindings (cold in CI), then quantize
+@pytest.mark.usefixtures("cpu_alone")  # tests/helpers.cpu_alone
 def test_quantize_over_ssh_twice_dry_and_its_bad_inputs(sshd_host, tmp_path, capsys, monkeypatch):
     from playbooks.cli.build import run_build
     from playbooks.cli.quantize import run_artifacts, run_quantize

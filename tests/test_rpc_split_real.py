@@ -79,6 +79,7 @@ def active(host, unit: str) -> bool:
 
 
 @pytest.mark.timeout(3600)
+@pytest.mark.usefixtures("cpu_alone")  # tests/helpers.cpu_alone
 def test_a_model_split_across_two_rpc_workers(seeded_ccache, provisionable_nspawn_host, tmp_path):  # noqa: F811
     host = provisionable_nspawn_host
     path = rpc_recipe(tmp_path, host)
