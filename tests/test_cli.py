@@ -14,17 +14,10 @@ import sys
 import pytest
 
 from playbooks.cli.tasks import ns
-from tests.cli_fork import run_cli
 from tests.helpers import ROOT
 
 QWEN7 = "recipes/models/qwen2.5-7b-instruct.config.json"
 QWEN3_MOE = "recipes/models/qwen3-30b-a3b.config.json"
-
-
-def forked(*args, env=None, cwd=ROOT):
-    """``invoke ARGS`` in its own process forked with invoke and voltaforge imported (the many
-    bad values below: tests/cli_fork.py); invoke() starts a fresh interpreter."""
-    return run_cli(list(args), cwd=cwd, env={**os.environ, **(env or {})})
 
 
 def invoke(*args, env=None, cwd=ROOT):
@@ -275,7 +268,7 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
     if value == "BROKEN":
         value = str(tmp_path / "inventory.yaml")
         (tmp_path / "inventory.yaml").write_text("hosts:\n  some-host: {host: [unclosed\n")
-    r = forked(task, f"--{flag}={value}", *CONTEXT.get((task, flag), []))
+    r = invoke(task, f"--{flag}={value}", *CONTEXT.get((task, flag), []))
     assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
@@ -300,7 +293,7 @@ def test_bad_value_is_one_line_and_exit_2(task, flag, value, words, tmp_path):
     ],
 )
 def test_dash_h_is_help_not_host(task):
-    r = forked(task, "-h")
+    r = invoke(task, "-h")
     assert r.returncode == 0 and "Usage:" in r.stdout and "--host" not in r.stderr
     assert "-h STRING" not in r.stdout and "-h, --host" not in r.stdout
 

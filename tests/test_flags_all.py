@@ -1,6 +1,5 @@
 """Bad input, walked from the collection itself: every value-taking flag of every task, each
-given junk, through the real CLI (`python -m invoke TASK --FLAG=VALUE`, each in its own process:
-tests/cli_fork.py).
+given junk, through the real CLI (`python -m invoke TASK --FLAG=VALUE` in a subprocess).
 
 A wrong value is one line on stderr, ``error: ...`` naming the flag or the value, and exit 2:
 never a traceback, never exit 70 (a bug), never two lines. The tasks are read from
@@ -32,7 +31,6 @@ import yaml
 
 from playbooks.cli.configured import DEFAULTS
 from playbooks.cli.tasks import ns
-from tests.cli_fork import run_cli
 from tests.helpers import ROOT
 
 NOWHERE = "nowhere.invalid"
@@ -149,14 +147,14 @@ def made_for_the_run(home: Path, value: str) -> str:
 
 
 def run(args: list[str], home: Path, program: str = "invoke") -> subprocess.CompletedProcess[str]:
-    """One run of the CLI in its own process (tests/cli_fork.py: forked with invoke and voltaforge
-    already imported; tests/test_cli.py covers a fresh interpreter's start)."""
     cwd = home / "a" / "b" / "c"
     cwd.mkdir(parents=True, exist_ok=True)
     if program == "invoke":
-        args = ["--search-root", str(ROOT), *args]
+        cmd = [sys.executable, "-m", "invoke", "--search-root", str(ROOT), *args]
+    else:  # the installed wheel's `voltaforge` command
+        cmd = [sys.executable, "-c", "from playbooks.cli.main import program; program.run()", *args]
     env = clean_env(home, prefix="-f" not in args)
-    return run_cli(args, cwd=cwd, env=env, program=program)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def judge(what: str, r: subprocess.CompletedProcess[str], names: tuple[str, ...], accepted: bool) -> str | None:
@@ -296,28 +294,3 @@ def test_a_file_invoke_cannot_merge_is_one_line_from_the_voltaforge_command(text
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith("error: the Invoke configuration (invoke.yaml, ~/.invoke.yaml or -f FILE): ")
     assert says in lines[0] and "Traceback" not in r.stderr
-
-
-@pytest.mark.parametrize(
-    "args,status",
-    [
-        (["plan", "--ctx=abc", "--recipe", "tiny-cpu"], 2),  # a flag's own refusal
-        (["no-such-task"], 1),  # Invoke's own
-        (["plan", "--recipe", "tiny-cpu"], 0),  # a task that runs: its table on stdout
-    ],
-)
-def test_a_forked_run_is_what_a_fresh_interpreter_prints(args, status, tmp_path):
-    """The walks above fork their runs (tests/cli_fork.py); the same run in a fresh interpreter
-    gives the same status, stdout and stderr."""
-
-    def seen(r: subprocess.CompletedProcess[str], home: Path) -> tuple[int, str, str]:
-        return r.returncode, r.stdout.replace(str(home), "HOME"), r.stderr.replace(str(home), "HOME")
-
-    forked = run(args, tmp_path / "forked")
-    home = tmp_path / "fresh"
-    cwd = home / "a" / "b" / "c"
-    cwd.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "invoke", "--search-root", str(ROOT), *args]
-    fresh = subprocess.run(cmd, cwd=cwd, env=clean_env(home, prefix=True), capture_output=True, text=True, timeout=120)
-    assert fresh.returncode == status
-    assert seen(forked, tmp_path / "forked") == seen(fresh, home)
