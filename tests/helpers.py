@@ -67,14 +67,20 @@ def recipe_with(tmp_path: Path, base: str, extra: str, name: str = "test-recipe"
     return path
 
 
-def session_ccache() -> Path:
-    """The ccache directory this test run's SSH hosts share: one per run, not per process, so
-    each pytest-xdist worker finds what another worker's build compiled."""
+def per_run(name: str) -> Path:
+    """/tmp/vf-test-NAME-<run>: one per test run, not per process (every xdist worker has the
+    run's id in PYTEST_XDIST_TESTRUNUID; one process alone uses its pid)."""
     import os
     import tempfile
 
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())  # the same in every worker
-    return Path(tempfile.gettempdir()) / f"vf-test-ccache-{run}"
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    return Path(tempfile.gettempdir()) / f"vf-test-{name}-{run}"
+
+
+def session_ccache() -> Path:
+    """The ccache directory this test run's SSH hosts share, so each pytest-xdist worker finds
+    what another worker's build compiled."""
+    return per_run("ccache")
 
 
 @contextlib.contextmanager
@@ -86,18 +92,15 @@ def cpu_alone():
     load) and the compiles follow one another, each finding the one before in the run's ccache.
     The other worker goes on with the rest. One lock per run (all workers share its id)."""
     import fcntl
-    import os
-    import tempfile
 
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
-    with open(Path(tempfile.gettempdir()) / f"vf-test-cpu-{run}.lock", "w") as lock:
+    with open(per_run("cpu.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
 def shared_ccache(prefix: Path, user: str) -> None:
     """Point a test host's ccache (<prefix>/llama.cpp/ccache) at one directory shared by this
-    test session's hosts (same user), so the second host's build hits what the first compiled:
+    test run's hosts (every worker's test user), so the second host's build hits what the first compiled:
     the build step sets CCACHE_BASEDIR to the prefix, which makes the paths match."""
     import shutil
 

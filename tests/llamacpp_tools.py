@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -140,11 +139,10 @@ def reserve_compute_buffer(model: Path, args: list[str], timeout: float = 300) -
     (its graph's node count) or something failed. Returns the log's compute-buffer, graph and
     failure lines, without their time and level prefix."""
     cmd = [str(llama_server()), "-m", str(model), *args, "--fit", "off", "-t", "1", "--host", "127.0.0.1"]
+    from tests.testhosts import free_port  # here: scripts import this module without pytest
+
     # a port the kernel says is free now (a random one could be another worker's server)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    cmd += ["--port", str(port), "-lv", "4"]
+    cmd += ["--port", str(free_port()), "-lv", "4"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
     timer.start()
