@@ -302,6 +302,9 @@ def test_the_contenders_are_measured_again_interleaved_and_the_drift_cancels(v10
     # the last rung: B measured later, after the machine slowed: the two look tied
     rung = [_measured(a, 1, 100.0, 2.0), _measured(b, 1, 123.5, 2.0)]
     assert tune_search.contenders(rung) == (b, a)
+    # on a quiet host (the recipe's gate.run_noise 1%) the same figures are told apart: no rematch
+    assert tune_search.contenders(rung, run_noise=0.01) is None
+    assert tune_search.contenders(rung, run_noise=0.09) == (b, a)
     truth, slot = {a: 100.0, b: 130.0}, iter(range(4))
 
     def block(c: Candidate, i: int) -> tune_search.Measured:

@@ -253,7 +253,8 @@ def pair_noise(a: Measured, b: Measured, run_noise: float = RUN_NOISE, block_noi
 def contenders(measured: Sequence[Measured], run_noise: float = RUN_NOISE) -> tuple[Candidate, Candidate] | None:
     """The last rung's best and the nearest candidate the test (figures measured apart) cannot
     tell from it: the two measured again interleaved, so the decision between them rests on
-    figures of one time window. None when the best stands alone."""
+    figures of one time window. None when the best stands alone. ``run_noise``: the host's
+    between-run noise (the recipe's gate.run_noise where it gives one)."""
     final = [m for m in latest(measured) if m.error is None and m.figure is not None]
     if len(final) < 2:
         return None
@@ -261,7 +262,9 @@ def contenders(measured: Sequence[Measured], run_noise: float = RUN_NOISE) -> tu
     final = [m for m in final if m.rung == top]
     best = max(final, key=lambda m: m.figure or 0)
     tied = [
-        m for m in final if m is not best and distinct(m.estimate, best.estimate, comparisons=len(final) - 1) is False
+        m
+        for m in final
+        if m is not best and distinct(m.estimate, best.estimate, run_noise, comparisons=len(final) - 1) is False
     ]
     if not tied:
         return None
