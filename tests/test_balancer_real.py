@@ -26,6 +26,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -290,11 +291,27 @@ def test_one_endpoint_routes_by_model_name(model, tmp_path):
         assert nameless.status_code == 400 and "alpha, beta" in nameless.json()["error"]["message"]
         huge = httpx.post(f"{base}/v1/completions", json={"model": "alpha", "prompt": "x" * (lb.body_limit + 1)})
         assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+        # the same body sent chunked declares no length: still a 413 (it was routed by its first
+        # bufsize bytes before), and a chunked body within the limit is read whole and routed
+        big = json.dumps({"model": "alpha", "prompt": "x" * (lb.body_limit + 1)}).encode()
+        huge = httpx.post(f"{base}/v1/completions", content=pieces(big, 4096), timeout=60)
+        assert huge.request.headers["transfer-encoding"] == "chunked" and "content-length" not in huge.request.headers
+        assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large", huge.text[:300]
+        small = json.dumps({"prompt": "Hi", "max_tokens": 2, "model": "beta"}).encode()
+        routed = httpx.post(f"{base}/v1/completions", content=pieces(small, 7), timeout=120)
+        assert routed.request.headers["transfer-encoding"] == "chunked"
+        assert routed.status_code == 200 and routed.json()["model"] == "beta", routed.text[:300]
     finally:
         for s in servers.values():
             s.kill()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def pieces(body: bytes, size: int) -> Iterator[bytes]:
+    """A body as an iterator: httpx sends it chunked, with no Content-Length."""
+    for i in range(0, len(body), size):
+        yield body[i : i + size]
 
 
 def csv_row(port: int, server: str, backend: str = "model_tiny-llama") -> dict[str, str]:
