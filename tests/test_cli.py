@@ -79,6 +79,8 @@ BAD = {
     ("build", "inventory"): [("BROKEN", "inventory")],
     ("wheelhouse", "python"): [("3.9", "give the Python version as 3.10"), ("3.11 x", "--python '3.11 x'")],
     ("wheelhouse", "recipe"): [("nope", "unknown recipe 'nope'")],
+    ("stage-tabbyapi", "archive"): [("no/such.tar.gz", "--archive 'no/such.tar.gz': no such file")],
+    ("stage-tabbyapi", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("quantize", "host"): [("nosuch..host", "is not a valid host name"), ("a,b", "takes one host")],
     ("quantize", "recipe"): [("nope", "unknown recipe 'nope'")],
     ("quantize", "inventory"): [("BROKEN", "inventory")],

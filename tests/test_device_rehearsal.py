@@ -15,16 +15,13 @@ import tarfile
 import pytest
 import yaml
 
-from tests.helpers import ROOT
-
-VENDORED = ROOT.parent / "shared" / "vendor" / "tabbyAPI-79126f904c2e00aece026b36bb70bbb87e4892b2.tar.gz"
+from tests.helpers import ROOT, tabbyapi_archive
 
 
 @pytest.mark.slow
 def test_the_device_script_rehearses_here_to_its_first_gpu_call(tmp_path):
-    if not VENDORED.is_file():
-        pytest.skip(f"{VENDORED} is not here")
-    env = {**os.environ, "PYTHON": sys.executable, "VF_TABBYAPI": str(VENDORED), "VF_REHEARSE_KEEP": str(tmp_path)}
+    staged = tabbyapi_archive()
+    env = {**os.environ, "PYTHON": sys.executable, "VF_TABBYAPI": str(staged), "VF_REHEARSE_KEEP": str(tmp_path)}
     r = subprocess.run(
         ["bash", "scripts/device_check.sh", "--rehearse"],
         cwd=ROOT,

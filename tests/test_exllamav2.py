@@ -204,7 +204,8 @@ def test_a_copy_staged_on_the_controller_is_pushed_checksummed(tmp_path):
 @pytest.mark.slow
 def test_tabbyapi_on_a_host_without_github_is_one_line_saying_what_to_stage(sshd_host, tmp_path):
     """This machine cannot reach GitHub: the step, over real SSH, fails in one line naming the
-    exact commands and the place on the controller, and leaves nothing on the host."""
+    exact commands (`invoke stage-tabbyapi` with or without a carried archive), and leaves
+    nothing on the host."""
     from playbooks.host import connect
     from playbooks.host.ops import run_ops
     from tests.helpers import spec_for
@@ -216,7 +217,7 @@ def test_tabbyapi_on_a_host_without_github_is_one_line_saying_what_to_stage(sshd
     assert change.status == "failed" and len(change.why.splitlines()) == 1
     assert change.why.startswith(f"TabbyAPI {REF[:12]} is not on the host, it cannot reach https://github.com/")
     assert f"git -C tabbyAPI archive --format=tar.gz -o tabbyAPI-{REF}.tar.gz {REF}" in change.why
-    assert f"copy that file to {tmp_path}/tabbyAPI-{REF}.tar.gz on this controller" in change.why
+    assert f"then here `invoke stage-tabbyapi --archive tabbyAPI-{REF}.tar.gz`" in change.why
     assert not prefix.exists()
 
 

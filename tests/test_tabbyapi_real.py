@@ -1,8 +1,9 @@
-"""TabbyAPI's real path without a GPU: the pinned commit as the staged copy (../shared/vendor,
-made with git archive from the public repository), its dependencies as a wheelhouse this
-controller downloads for the host's Python, the tabbyapi step over real SSH to a private sshd
-and to the booted Debian container (its own network namespace: no index, no GitHub), and the
-proof: the installed server started without a model answers /health, 401 without its key, 200
+"""TabbyAPI's real path without a GPU: the pinned commit as the staged copy (what `invoke
+stage-tabbyapi` staged, or the git archive beside the checkout: helpers.tabbyapi_archive), its
+dependencies as a wheelhouse this controller downloads for the host's Python, the tabbyapi
+step over real SSH to a private sshd and to the booted Debian container (its own network
+namespace: no index, no GitHub), and the proof: the installed server started without a model
+answers /health, 401 without its key, 200
 with it. Then TabbyAPI's own config model at that commit parses the config.yml we render.
 
 What this proves: the step's push, offline install and proof on real hosts, and that TabbyAPI
@@ -30,11 +31,9 @@ from playbooks.host.ops import run_ops
 from playbooks.steps.build import wheelhouse
 from playbooks.steps.build.tabbyapi import MARKER, EnsureTabbyAPI, staged_archive
 from playbooks.steps.serve.units import render_tabbyapi_config
-from tests.helpers import ROOT, spec_for
+from tests.helpers import ROOT, spec_for, tabbyapi_archive
 
 TC = Toolchain()
-VENDORED = ROOT.parent / "shared" / "vendor" / f"tabbyAPI-{TC.tabbyapi_ref}.tar.gz"
-VENDORED_SHA256 = "efacfb59ecf68a620037944be044a6e9f34ed884df12cc07a5f2d9767c3a7167"
 PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"  # this machine's and the container's python3 (Debian 12: 3.11)
 TAG = wheelhouse.python_tag(PYTHON)
 EXL2_RECIPES = [n.stem for n in sorted((ROOT / "recipes").glob("*.yaml")) if "exl2" in n.stem]
@@ -43,22 +42,19 @@ EXL2_RECIPES = [n.stem for n in sorted((ROOT / "recipes").glob("*.yaml")) if "ex
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory) -> Path:
     """A controller cache holding the staged TabbyAPI and a wheelhouse for this Python."""
-    if not VENDORED.is_file():
-        pytest.skip(f"{VENDORED} is not here (CI and developers have ../shared beside the clone)")
     sources = tmp_path_factory.mktemp("cache") / "sources"
     sources.mkdir()
-    shutil.copy(VENDORED, staged_archive(TC.tabbyapi_ref, sources))
+    shutil.copy(tabbyapi_archive(), staged_archive(TC.tabbyapi_ref, sources))
     wheelhouse.build(staged_archive(TC.tabbyapi_ref, sources), PYTHON, sources)
     return sources
 
 
-def test_the_vendored_copy_is_the_pinned_commit():
-    from playbooks.steps.build.llamacpp_source import file_sha256
+def test_the_staged_copy_is_the_pinned_commit():
+    from playbooks.steps.build.tabbyapi_stage import archive_commit
 
-    if not VENDORED.is_file():
-        pytest.skip(f"{VENDORED} is not here")
-    assert file_sha256(VENDORED) == VENDORED_SHA256
-    reqs = wheelhouse.requirements(VENDORED)
+    staged = tabbyapi_archive()
+    assert archive_commit(staged) == TC.tabbyapi_ref  # the id git archive wrote, not a file hash
+    reqs = wheelhouse.requirements(staged)
     assert "pydantic == 2.11.0" in reqs and not any(r.startswith(("torch", "exllamav2")) for r in reqs)
 
 
@@ -162,9 +158,7 @@ def _parse_with_tabbyapi(host, tree: str, venv: str) -> dict[str, tuple[dict, di
 def test_the_proof_fails_in_one_message_where_the_server_cannot_start(tmp_path):
     """The proof is not a formality: run by a Python without TabbyAPI's dependencies (this
     project's own venv has no loguru), it fails saying how the server ended, with its log."""
-    if not VENDORED.is_file():
-        pytest.skip(f"{VENDORED} is not here")
-    subprocess.run(["tar", "-xzf", str(VENDORED), "-C", str(tmp_path)], check=True)
+    subprocess.run(["tar", "-xzf", str(tabbyapi_archive()), "-C", str(tmp_path)], check=True)
     from playbooks.steps.build import tabbyapi_proof
 
     r = subprocess.run([sys.executable, tabbyapi_proof.__file__, str(tmp_path)], capture_output=True, text=True)

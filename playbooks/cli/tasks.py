@@ -148,6 +148,19 @@ def build(
     )
 
 
+@command(
+    help={
+        "archive": "a tabbyAPI-<sha>.tar.gz made by `git archive` of the pinned commit (default: "
+        "$VOLTAFORGE_TABBYAPI_ARCHIVE, else fetched from the repository)",
+    }
+)
+def stage_tabbyapi(c: Context, archive: str | None = None, recipe: str | None = None) -> int:
+    """Stage TabbyAPI's pinned commit on this controller, for hosts without GitHub."""
+    from playbooks.cli.wheelhouse import run_stage_tabbyapi
+
+    return run_stage_tabbyapi(flags.existing_file("--archive", archive), configured.recipe(c, recipe))
+
+
 @command(help={"python": "the hosts' Python version, e.g. 3.11 (their toolchain venv's)"})
 def wheelhouse(c: Context, python: str = "", recipe: str | None = None) -> int:
     """Download TabbyAPI's dependencies as wheels for hosts without a package index."""
@@ -684,6 +697,7 @@ ns = Collection(
     preflight,
     toolchain,
     build,
+    stage_tabbyapi,
     wheelhouse,
     quantize,
     artifacts,

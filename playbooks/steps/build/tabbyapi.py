@@ -55,11 +55,18 @@ def staged_archive(ref: str, cache: Path | None = None) -> Path:
     return (cache or source_cache_dir()) / f"tabbyAPI-{ref}.tar.gz"
 
 
-def stage_hint(tc: Toolchain, where: Path) -> str:
+#: where `invoke stage-tabbyapi` takes a file from when none is given (steps/build/tabbyapi_stage.py)
+ARCHIVE_ENV = "VOLTAFORGE_TABBYAPI_ARCHIVE"
+
+
+def stage_hint(tc: Toolchain) -> str:
+    """What to run where, for a controller that has no staged copy."""
+    ref = tc.tabbyapi_ref
     return (
-        f"on a machine with internet: git clone {tc.tabbyapi_repo} tabbyAPI && git -C tabbyAPI archive "
-        f"--format=tar.gz -o tabbyAPI-{tc.tabbyapi_ref}.tar.gz {tc.tabbyapi_ref}; copy that file to {where} "
-        "on this controller and re-run"
+        f"run `invoke stage-tabbyapi` where {tc.tabbyapi_repo} is reachable; without it, on a machine "
+        f"with internet: git clone {tc.tabbyapi_repo} tabbyAPI && git -C tabbyAPI archive --format=tar.gz "
+        f"-o tabbyAPI-{ref}.tar.gz {ref}, then here `invoke stage-tabbyapi --archive tabbyAPI-{ref}.tar.gz` "
+        f"(or set {ARCHIVE_ENV} to that file)"
     )
 
 
@@ -133,8 +140,7 @@ class EnsureTabbyAPI(Operation):
         else:
             why = "git is not installed there" if not facts.git else f"it cannot reach {self.tc.tabbyapi_repo}"
             raise OperationError(
-                f"TabbyAPI {ref[:12]} is not on the host, {why}, and nothing is staged: "
-                + stage_hint(self.tc, self.archive)
+                f"TabbyAPI {ref[:12]} is not on the host, {why}, and nothing is staged: " + stage_hint(self.tc)
             )
         if facts.python is None:
             raise OperationError(f"neither the toolchain venv {self.venv} nor python3 runs on the host")
