@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -90,12 +91,31 @@ def cpu_alone():
     workers, no two of them run at once, so a measurement never shares the CPU with a compile
     (its cross-check compares the client's clock with the server's, not with a neighbour's
     load) and the compiles follow one another, each finding the one before in the run's ccache.
-    The other worker goes on with the rest. One lock per run (all workers share its id)."""
+    The other worker goes on with the rest. One lock per run (all workers share its id).
+
+    Re-entrant within a process: the static llama.cpp build (llamacpp_tools.build_tools) takes
+    it too, from inside a test that may hold it already (the bench's model fixture). Taken
+    before any cache lock, never after one, so two workers never wait on each other."""
     import fcntl
 
+    global _cpu_held
+    if _cpu_held:
+        _cpu_held += 1
+        try:
+            yield
+        finally:
+            _cpu_held -= 1
+        return
     with open(per_run("cpu.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        _cpu_held = 1
+        try:
+            yield
+        finally:
+            _cpu_held = 0
+
+
+_cpu_held = 0  # how deep this process holds cpu_alone
 
 
 def shared_ccache(prefix: Path, user: str) -> None:
@@ -155,3 +175,25 @@ def stage_served_model(
     put_gguf(host, gguf_file, gguf, quant, manifest_extra)
     host.run(f"chmod -R a+rX {prefix}", stream=False)
     return gguf
+
+
+def tabbyapi_archive() -> Path:
+    """TabbyAPI at its pinned commit, where the project keeps staged sources: the controller's
+    cache, as `invoke stage-tabbyapi` fills it (from $VOLTAFORGE_TABBYAPI_ARCHIVE, or fetched
+    where GitHub is reachable), or staged from the copy a developer's checkout has beside it
+    (../shared/vendor). With none of them the test is skipped (a failure in strict mode) with
+    the message saying which command stages it."""
+    import pytest
+
+    from playbooks.config.recipe import Toolchain
+    from playbooks.errors import VoltaforgeError
+    from playbooks.steps.build.tabbyapi import ARCHIVE_ENV
+    from playbooks.steps.build.tabbyapi_stage import stage
+
+    tc = Toolchain()
+    beside = ROOT.parent / "shared" / "vendor" / f"tabbyAPI-{tc.tabbyapi_ref}.tar.gz"
+    given = beside if beside.is_file() and not os.environ.get(ARCHIVE_ENV) else None
+    try:
+        return stage(tc, given)[0]
+    except VoltaforgeError as exc:
+        pytest.skip(str(exc))

@@ -393,3 +393,30 @@ def test_the_generated_model_is_the_same_bytes_wherever_it_is_generated(tmp_path
     assert one.directory != two.directory and "tokenizer.model" in one.files
     # name -> (bytes, sha256) of every file, hashed from what was written
     assert one.files == two.files
+
+
+def test_a_kld_run_whose_statistics_are_lost_runs_once_more(tmp_path):
+    """Seen once in a cold test run: llama-perplexity exited 0 after printing every row up to
+    chunk 16 of 20 and none of its statistics. The check runs it once more (on this machine,
+    LocalHost, a script standing in for it with the captured report); lost twice: one line
+    saying the statistics are missing."""
+    from playbooks.host.local import LocalHost
+    from playbooks.host.ops import Decision
+    from playbooks.host.output import BufferedPrinter
+
+    report = fixture_body("thishost-llama-perplexity-kld-tiny-q4km.txt")
+    (tmp_path / "full.txt").write_text(report)
+    (tmp_path / "cut.txt").write_text(report[: report.index("\n  17 ")])
+    once = (
+        f"if [ -e {tmp_path}/ran ]; then cat {tmp_path}/full.txt; else touch {tmp_path}/ran; cat {tmp_path}/cut.txt; fi"
+    )
+    op = EnsureGguf(
+        ModelLayout(str(tmp_path), "tiny-llama-abc"), BuildLayout(str(tmp_path)), "/x", WEIGHTS, SHAPE, "Q4_K_M"
+    )
+    host = LocalHost(printer=BufferedPrinter())
+    (tmp_path / "models" / "tiny-llama-abc").mkdir(parents=True)  # what the step's earlier commands make
+    op.apply(host, Decision.act("made", Probe(once, key="kld")))
+    assert (tmp_path / "ran").exists()  # the first run's output had no statistics: run again
+    always_cut = f"cat {tmp_path}/cut.txt"
+    with pytest.raises(OperationError, match=r"exit 0; its statistics \(Mean KLD, Same top p\) are missing"):
+        op.apply(host, Decision.act("made", Probe(always_cut, key="kld")))
