@@ -165,7 +165,8 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     for unit in (*INSTANCES, SINGLE):
         assert unit in again.stdout, again.stdout[-4000:]
     # what `invoke render --host box` writes from the inventory alone, without connecting, is
-    # exactly what the host got: every file, byte for byte, with its mode (issue 36, item 2)
+    # exactly what the host got: every file, byte for byte, with its mode (issue 36, item 2),
+    # and nothing the host got that render did not write (issue 51, item 3)
     out_dir = tmp_path / "rendered"
     shown = invoke(inv, "render", "--host", "box", "--out", str(out_dir))
     assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr[-2000:]
@@ -175,6 +176,14 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
         installed = host.rootfs / p.relative_to(out_dir)
         assert installed.read_text() == p.read_text(), p
         assert installed.stat().st_mode & 0o777 == p.stat().st_mode & 0o777, p
+    # ...and the other way: every file deploy installed (units with any drop-in, environment
+    # files, configurations, under /etc/systemd/system and /etc/voltaforge) is one render wrote.
+    # Not rendered, so not counted: the operator's secrets (/etc/voltaforge/secrets) and the
+    # state deploy keeps under <prefix>/deploy/ (the deployment records; the balancers' records
+    # under deploy/balancers/ are `invoke lb`'s, made after this point)
+    find = "find /etc/systemd/system /etc/voltaforge -path /etc/voltaforge/secrets -prune -o -type f -print"
+    on_host = {p for p in host.run_inside(f"{find} 2>/dev/null || true").stdout.split() if "voltaforge" in p}
+    assert on_host == {"/" + str(p.relative_to(out_dir)) for p in rendered}, on_host
 
     # 2. a balancer in front of every server of the layout, as the deployment records list
     # them (no --recipe): one model (tiny-b is tiny-cpu's model under another recipe name),
