@@ -5,7 +5,8 @@
 # build tools for llama.cpp (cmake, make, g++), systemd for `systemd-analyze security`, and
 # HAProxy, the load balancer `invoke lb` renders a configuration for (the tests run it), and
 # numpy for the test hosts' python3 (the membw probe's copy rate: a pure-Python one is a lower
-# bound the bench refuses as a ceiling; a provisioned host has it in its toolchain venv).
+# bound the bench refuses as a ceiling; a provisioned host has it in its toolchain venv), and
+# strace, which records every exec while keyed runs go (tests/exec_trace.py: no key in an argv).
 # (The CUDA 13 nvcc the mixed-toolkit tests need comes from PyPI: ci/install-cuda13-nvcc.sh.)
 # Idempotent: re-running installs nothing new.
 set -eu
@@ -21,7 +22,7 @@ Components: contrib non-free
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
-pkgs="python3-venv openssh-server openssh-client debootstrap systemd systemd-container zstd iproute2 sudo cmake make g++ nvidia-cuda-toolkit ccache haproxy python3-numpy"
+pkgs="python3-venv openssh-server openssh-client debootstrap systemd systemd-container zstd iproute2 sudo cmake make g++ nvidia-cuda-toolkit ccache haproxy python3-numpy strace"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

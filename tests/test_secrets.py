@@ -1,7 +1,8 @@
 """A keyed server's secret on a real host (this machine through LocalHost, as root: the same
 bash and coreutils a host runs): the file's mode checked, the key read into memory and redacted,
 a managed process's 0600 copy made once and then left alone, and the key never in any argv
-(sampled from /proc, with a positive control that finds today's old TabbyAPI check)."""
+(every exec recorded by strace, tests/exec_trace.py, with a positive control: the old TabbyAPI
+check, run as it was, caught in each of 20 runs)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from playbooks.host.ops import run_ops
 from playbooks.host.output import BufferedPrinter
 from playbooks.steps.serve.deploy import EnsureTabbyTokens
 from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy, read_api_key
-from tests.argv_sampler import ArgvSampler, hold_in_argv
+from tests.exec_trace import ExecTrace
 
 KEY = "vf-test-key-Zq7P0xLm3"
 
@@ -92,39 +93,31 @@ def test_a_managed_process_gets_a_private_copy_once(host, tmp_path):
         EnsureCredentialCopy(str(path), str(dest), "root; rm -rf /")
 
 
-def test_the_key_never_reaches_an_argv_and_the_sampler_sees_one_that_does(host, tmp_path):
+def test_the_key_never_reaches_an_argv_and_the_trace_sees_one_that_does(host, tmp_path):
     """TabbyAPI's tokens check and write, the managed-process copy and the bench client's read,
-    run while every process's argv is sampled; beside them the check deploy ran before issue
-    31 (grep with the key in its pattern argument), which the sampler must find."""
+    run while strace records every exec of this process's children (LocalHost runs each command
+    as `bash -c LINE`, and that bash runs the rest); beside them the check deploy ran before
+    issue 31 (grep with the key in its pattern argument), run unmodified 20 times: caught 20."""
     secret = _secret(tmp_path)
     tokens = tmp_path / "api_tokens.yml"
     dest = tmp_path / "creds" / "api-key"
-    # every command line the host layer sends (LocalHost runs each as `bash -c LINE`: its argv),
-    # beside the sampler that catches only what lives longer than its interval
-    sent: list[str] = []
-    real_exec = host._exec
-
-    def exec_and_keep(command, **kw):
-        sent.append(command)
-        return real_exec(command, **kw)
-
-    host._exec = exec_and_keep
-    with ArgvSampler(KEY) as ours:
+    with ExecTrace(tmp_path / "ours", pids=[os.getpid()]) as ours:
         for _ in range(3):
             run_ops(host, [EnsureTabbyTokens(str(secret), str(tokens))])
             run_ops(host, [EnsureCredentialCopy(str(secret), str(dest), "root")])
             assert read_api_key(host, str(secret)) == KEY
-    assert ours.rounds >= 3 and ours.hits == [], ours.hits
-    assert len(sent) >= 9 and not [c for c in sent if KEY in c]
+    # the host's commands ran under the trace (cat, install, ...) and none held the key
+    assert len(ours.execs()) >= 9 and {"bash", "env", "install"} <= {Path(p).name for p in ours.programs()}
+    assert ours.holding(KEY) == []
     assert f'api_key: "{KEY}"' in tokens.read_text() and stat.S_IMODE(tokens.stat().st_mode) == 0o600
     # what TabbyAPI reads (common/auth.py: AuthKeys, both keys): YAML, the admin key its own
     written = yaml.safe_load(tokens.read_text())
     assert written["api_key"] == KEY and written["admin_key"] and written["admin_key"] != KEY
     [ok] = run_ops(host, [EnsureTabbyTokens(str(secret), str(tokens))])
     assert ok.status == "ok" and ok.why == "the API key is current"
-    # the positive control: the old check, its grep held on a slow stdin so it lives a while
-    old = f'key=$(head -n1 -- {shlex.quote(str(secret))}); grep -qxF "api_key: \\"$key\\"" -'
-    with ArgvSampler(KEY) as control:
-        hold_in_argv(old)
-    assert control.hits and any(cmd.startswith("grep") for _, cmd in control.hits), control.rounds
-    assert os.getpid() not in [pid for pid, _ in control.hits]
+    # the positive control: the old check as it ran, a grep that lives a millisecond
+    old = f'key=$(head -n1 -- {shlex.quote(str(secret))}); printf x | grep -qxF "api_key: \\"$key\\"" - || true'
+    with ExecTrace(tmp_path / "control", pids=[os.getpid()]) as control:
+        for _ in range(20):
+            host.run(old, stream=False)
+    assert len(control.holding(KEY, program="grep")) == 20, control.execs()[-5:]

@@ -566,6 +566,8 @@ class SshdHost:
     _authorized_keys: Path | None = dataclasses.field(default=None, repr=False)
     _host_key: Path | None = dataclasses.field(default=None, repr=False)
     _tag: str = dataclasses.field(default="", repr=False)
+    _env: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    _under: list[str] = dataclasses.field(default_factory=list, repr=False)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -578,8 +580,15 @@ class SshdHost:
         sudo: str | None = None,
         netns: bool = False,
         port: int | None = None,
+        env: dict[str, str] | None = None,
+        under: list[str] | None = None,
     ) -> SshdHost:
         """Configure and start a server; on any failure everything created is undone.
+
+        ``env``: variables set in every session (sshd's ``SetEnv``), e.g. ``PIP_CONFIG_FILE``
+        for a host in its own network namespace, whose pip reaches no index. ``under``: a
+        command sshd runs under (tests/exec_trace.py's strace: every session's execs recorded);
+        :attr:`pid` is then that command's, and stopping the host stops both.
 
         ``config_dir`` (e.g. pytest's ``tmp_path``) receives the config, host key, client
         key, known_hosts and the sshd log (kept by pytest for post-mortems). Because sshd
@@ -640,6 +649,8 @@ class SshdHost:
                 log_file=config_dir / "sshd.log",
             )
             host._listen = listen
+            host._env = dict(env or {})
+            host._under = list(under or [])
             host._authorized_keys = authorized_keys
             host._tag = tag
             host._host_key = host_key
@@ -668,8 +679,13 @@ class SshdHost:
         return self.config_dir / f"{self._tag}.sshd_config"
 
     def _write_config(self) -> None:
+        for name, value in self._env.items():
+            if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name) or any(c in value for c in " \t\n\"'"):
+                raise HostSetupError(f"SetEnv {name}={value!r}: a plain NAME=VALUE without spaces or quotes")
+        set_env = "".join(f"SetEnv {k}={v}\n" for k, v in self._env.items())
         self.config_file.write_text(
-            _SSHD_CONFIG.format(
+            set_env
+            + _SSHD_CONFIG.format(
                 tag=self._tag,
                 port=self.port,
                 listen=self._listen,
@@ -691,7 +707,7 @@ class SshdHost:
             # absolute path: sshd refuses to re-exec itself otherwise.
             with open(self.log_file, "ab") as log:
                 self._proc = subprocess.Popen(
-                    [*prefix, SSHD, "-D", "-f", str(self.config_file), "-E", str(self.log_file)],
+                    [*prefix, *self._under, SSHD, "-D", "-f", str(self.config_file), "-E", str(self.log_file)],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
