@@ -11,7 +11,9 @@ plan: the same environment and flags):
 2. With --cpu: the whole CPU build (the tiny-cpu recipe's targets), cold and with a warm ccache.
 
 Usage: .venv/bin/python scripts/bench_build.py [--cpu] [--objects softmax,rope] [--work DIR]
-A whole sm_70 ggml-cuda build is ~50 minutes on 2 cores (docs/knowledge.md section 3): not here.
+With --cpu and the default objects it writes reports/local/bench-build.json (the printed table
+as extra.output). A whole sm_70 ggml-cuda build is ~50 minutes on 2 cores (docs/knowledge.md
+section 3): not here.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from playbooks.facts import cuda
 from playbooks.host import LocalHost
 from playbooks.steps.build.build import BuildLayout, EnsureLlamacppBuild
 from playbooks.steps.build.llamacpp_source import fetch_sdist
+
+ROOT = Path(__file__).resolve().parent.parent
+#: what the file measures (results.py): the build step's environment and flags
+MEASURES = ["playbooks/steps/build/build.py", "playbooks/steps/build/buildenv.py", "scripts/bench_build.py"]
+DEFAULT_OBJECTS = "softmax,rope,getrows,argmax"
 
 
 class Failed(Exception):
@@ -46,7 +53,7 @@ def sh(cmd: str, cwd: Path | None = None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true", help="also time the whole CPU build (about 10 minutes)")
-    ap.add_argument("--objects", default="softmax,rope,getrows,argmax")
+    ap.add_argument("--objects", default=DEFAULT_OBJECTS)
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="vf-bench-build-"))
@@ -107,16 +114,17 @@ def main() -> None:
         warm = sh(make)
         rows.append((label, cold, warm, ", ".join(elf) or "none", ", ".join(ptx) or "none"))
 
-    print(f"ggml-cuda objects: {', '.join(objects)} (CUDA 11.8, {subprocess.getoutput('nproc')} cores)")
-    print(f"{'arch':26} {'cold s':>8} {'warm ccache s':>14}  cubins (softmax)      PTX (softmax)")
+    table = [f"ggml-cuda objects: {', '.join(objects)} (CUDA 11.8, {subprocess.getoutput('nproc')} cores)"]
+    table.append(f"{'arch':26} {'cold s':>8} {'warm ccache s':>14}  cubins (softmax)      PTX (softmax)")
     for label, c, w, elf_s, ptx_s in rows:
         if c is None or w is None:
-            print(f"{label:26} {'-':>8} {'-':>14}  {ptx_s}")
+            table.append(f"{label:26} {'-':>8} {'-':>14}  {ptx_s}")
         else:
-            print(f"{label:26} {c:8.1f} {w:14.1f}  {elf_s:20}  {ptx_s}")
+            table.append(f"{label:26} {c:8.1f} {w:14.1f}  {elf_s:20}  {ptx_s}")
     for label, c, _, _, _ in rows[1:]:
         if rows[0][1] and c:
-            print(f"{label} vs sm_70 only, cold: {c / rows[0][1]:.1f}x the time")
+            table.append(f"{label} vs sm_70 only, cold: {c / rows[0][1]:.1f}x the time")
+    print("\n".join(table), flush=True)
 
     if args.cpu:
         cpu = EnsureLlamacppBuild(layout, source, cuda_release=None, recipe_arch="none")
@@ -141,6 +149,44 @@ def main() -> None:
             f"CPU build (tiny-cpu targets): cold {times[0]:.0f} s, "
             f"warm ccache {times[1]:.0f} s ({times[0] / times[1]:.1f}x)"
         )
+        by = {label: (c, w) for label, c, w, _, _ in rows}
+        sm70, no90 = by["sm_70 only (voltaforge)"], by["default list without 90"]
+        if args.objects == DEFAULT_OBJECTS and None not in (*sm70, *no90):
+            write(table, sm70, no90, times)
+
+
+def write(table: list[str], sm70: tuple, no90: tuple, cpu: list[float]) -> None:
+    from playbooks.results import write_result
+
+    write_result(
+        ROOT / "reports" / "local" / "bench-build.json",
+        "scripts/bench_build.py: four ggml-cuda objects for sm_70 only and for llama.cpp's default list "
+        "(CUDA 11.8), cold and with a warm ccache; the whole CPU build cold and warm",
+        {
+            "sm70_cold_s": round(sm70[0], 1),
+            "sm70_warm_ccache_s": round(sm70[1], 1),
+            "default_no90_cold_s": round(no90[0], 1),
+            "default_no90_warm_ccache_s": round(no90[1], 1),
+            "default_no90_over_sm70_x": round(no90[0] / sm70[0], 1),
+            "cpu_cold_s": round(cpu[0]),
+            "cpu_warm_ccache_s": round(cpu[1]),
+            "cpu_cold_over_warm_x": round(cpu[0] / cpu[1], 1),
+        },
+        {
+            "sm70_cold_s": "s",
+            "sm70_warm_ccache_s": "s",
+            "default_no90_cold_s": "s",
+            "default_no90_warm_ccache_s": "s",
+            "default_no90_over_sm70_x": "x",
+            "cpu_cold_s": "s",
+            "cpu_warm_ccache_s": "s",
+            "cpu_cold_over_warm_x": "x",
+        },
+        ".venv/bin/python scripts/bench_build.py --cpu",
+        notes="extra.output is the ggml-cuda table as printed; the CPU figures are the line after it.",
+        extra={"output": "\n".join(table)},
+        measures=MEASURES,
+    )
 
 
 if __name__ == "__main__":

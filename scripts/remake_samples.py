@@ -52,6 +52,26 @@ MAKERS = (
     ),
     Maker("noop", ("reports/local/bench-noop.json",), ("scripts/bench_noop.py", "--runs", "5", "--fleet", "10"), 6),
     Maker("lb-stream", ("reports/local/lb-stream.json",), ("scripts/bench_lb_stream.py", "--runs", "3"), 4),
+    Maker(
+        "steps",
+        tuple(f"reports/local/{n}.json" for n in ("build", "quantize", "artifacts", "deploy", "membw")),
+        ("scripts/bench_steps.py",),
+        12,
+    ),
+    Maker("build-times", ("reports/local/bench-build.json",), ("scripts/bench_build.py", "--cpu"), 12),
+    Maker(
+        "provision-hosts",
+        ("reports/local/bench-provision.json",),
+        ("scripts/bench_provision.py", "--hosts", "3"),
+        14,
+    ),
+    Maker("roll", ("reports/local/roll.json",), ("scripts/bench_roll.py",), 5),
+    Maker(
+        "provision-container",
+        ("reports/local/provision-from-nothing.json",),
+        ("scripts/bench_provision_container.py",),
+        8,
+    ),
 )
 
 
