@@ -58,7 +58,7 @@ def main() -> int:
         "a rolling change of two managed llama-servers behind HAProxy under load, then a failing one; "
         "and the same change with the servers restarted in place (no drain)",
         figures,
-        {k: "requests" for k in figures},
+        {k: ("failed" if k.endswith("_failed") else "requests") for k in figures},
         f".venv/bin/python -m pytest -s {TEST}; the same with -p scripts.roll_without_drain",
         notes=(
             "extra.output: the lines the test prints, in its order (the rolled lines after each change's count). "
