@@ -20,21 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from playbooks.results import write_result  # noqa: E402
+from scripts.bench_provision import PROVISION_MEASURES  # noqa: E402
 
 TEST = "tests/test_provision_real.py::test_provision_a_systemd_host_end_to_end"
 LINE = re.compile(r"provision from nothing: ([\d.]+) s; again \(no-op\): ([\d.]+) s")
-MEASURES = [
-    "recipes/tiny-cpu.yaml",
-    "playbooks/conduct/provision.py",
-    "playbooks/conduct/toolchain.py",
-    "playbooks/conduct/build.py",
-    "playbooks/conduct/quantize.py",
-    "playbooks/conduct/deploy.py",
-    "playbooks/steps/build",
-    "playbooks/steps/weights",
-    "playbooks/steps/serve",
-    "tests/test_provision_real.py",
-]
+MEASURES = [*PROVISION_MEASURES, "playbooks/steps/serve", "tests/test_provision_real.py"]
 
 
 def main() -> int:

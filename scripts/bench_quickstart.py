@@ -31,23 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from playbooks.results import write_result  # noqa: E402
+from scripts.bench_provision import PROVISION_MEASURES  # noqa: E402
 
 INVOKE = [sys.executable, "-m", "invoke", "-r", str(ROOT)]
 #: what the two result files measure (results.py, ``measures``): the cold run's time is the
 #: install and the steps' (the compile most of it); the no-op's is the read pass and the summary
 #: (its gate line is gate.py's figures_line)
-COLD_MEASURES = [
-    "scripts/install.sh",
-    "pyproject.toml",
-    "recipes/tiny-cpu.yaml",
-    "playbooks/conduct/provision.py",
-    "playbooks/conduct/toolchain.py",
-    "playbooks/conduct/build.py",
-    "playbooks/conduct/quantize.py",
-    "playbooks/conduct/deploy.py",
-    "playbooks/steps/build",
-    "playbooks/steps/weights",
-]
+COLD_MEASURES = ["scripts/install.sh", "pyproject.toml", *PROVISION_MEASURES]
 NOOP_MEASURES = [
     "tasks.py",
     "playbooks/conduct/provision.py",

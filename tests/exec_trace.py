@@ -27,7 +27,6 @@ local user can read in ``/proc``.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import signal
 import subprocess
@@ -58,26 +57,6 @@ def tracer_of(pid: int) -> int | None:
     except OSError:
         return None
     return None
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every live process below it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, []))
-    return found
 
 
 class ExecTrace:

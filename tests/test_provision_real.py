@@ -35,9 +35,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.exec_trace import ExecTrace, descendants
+from tests.exec_trace import ExecTrace
 from tests.helpers import ROOT, session_ccache
-from tests.testhosts import shared_nspawn_ccache
+from tests.testhosts import _descendants, shared_nspawn_ccache
 
 pytestmark = pytest.mark.slow
 UNIT = "voltaforge-llama-server.service"
@@ -300,7 +300,7 @@ def test_provision_a_systemd_host_end_to_end(seeded_ccache, provisionable_nspawn
     inv = inventory(tmp_path, {"box": (host, keyed)})
     # every exec recorded: the CLI run and what it starts here (wrapped), and every process in
     # the container, PID 1 and its sshd among them (attached), so a unit's start is seen too
-    with ExecTrace(tmp_path / "trace", pids=descendants(host.pid)) as trace:
+    with ExecTrace(tmp_path / "trace", pids=[host.pid, *_descendants(host.pid)]) as trace:
         code, [s], out, _ = provision(inv, "box", wrap=trace.wrap)
         # the positive control: the check deploy ran before issue 31, as it ran, over SSH
         old = 'key=$(head -n1 /etc/voltaforge/secrets/lab-key); printf x | grep -qxF "api_key: \\"$key\\"" - || true'
