@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from playbooks.config.recipe import Toolchain, load_recipe
-from playbooks.errors import VoltaforgeError
 from playbooks.steps.build import tabbyapi_stage, wheelhouse
 
 
@@ -25,8 +24,8 @@ def run_wheelhouse(python: str, recipe: str | None = None) -> int:
 
 
 def run_stage_tabbyapi(archive: Path | None, recipe: str | None = None) -> int:
-    if archive is not None and tabbyapi_stage.archive_commit(archive) is None:  # the flag before the recipe
-        raise VoltaforgeError(f"--archive {archive} is not an archive `git archive` made of a commit")
+    if archive is not None:
+        tabbyapi_stage.commit_of(archive)  # the flag's own error before the recipe's
     tc = load_recipe(recipe).recipe.toolchain if recipe else Toolchain()
     path, how = tabbyapi_stage.stage(tc, archive)
     print(f"TabbyAPI {tc.tabbyapi_ref[:12]}: {how} ({path})")

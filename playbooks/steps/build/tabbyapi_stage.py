@@ -41,12 +41,19 @@ def archive_commit(path: Path) -> str | None:
     return commit if len(commit) == 40 and all(c in "0123456789abcdef" for c in commit) else None
 
 
-def _check(tc: Toolchain, source: Path, said: str) -> None:
+def commit_of(source: Path, said: str = "--archive") -> str:
+    """The commit ``source`` was archived from, or one line saying why it is none (``said``:
+    where the path came from)."""
     if not source.is_file():
         raise VoltaforgeError(f"{said} {source} is not a file")
     commit = archive_commit(source)
     if commit is None:
         raise VoltaforgeError(f"{said} {source} is not an archive `git archive` made of a commit")
+    return commit
+
+
+def _check(tc: Toolchain, source: Path, said: str) -> None:
+    commit = commit_of(source, said)
     if commit != tc.tabbyapi_ref:
         raise VoltaforgeError(
             f"{said} {source} is TabbyAPI at {commit[:12]}, not the pinned {tc.tabbyapi_ref[:12]} "
