@@ -2,8 +2,8 @@
 
 strace records each ``execve`` as the kernel sees it, so nothing is missed by being quick. (The
 sampler this replaced read ``/proc/*/cmdline`` every 10 ms and caught the pre-issue-31 key check
-in 12 of 200 runs: a ``grep`` lives a millisecond.) Two ways in, both from outside the code
-under test:
+in 12 of 200 runs when issue 51 was filed: a ``grep`` lives a millisecond.) Two ways in, both
+from outside the code under test:
 
 - **under** (:meth:`ExecTrace.under`, :meth:`ExecTrace.wrap`): a command started under ``strace
   -f``, which records it and everything it ever starts: the CLI runs of the controller, with
