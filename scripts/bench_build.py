@@ -29,6 +29,7 @@ from pathlib import Path
 from playbooks.facts import cuda
 from playbooks.host import LocalHost
 from playbooks.steps.build.build import BuildLayout, EnsureLlamacppBuild
+from playbooks.steps.build.buildenv import env_prefix, require_cmake
 from playbooks.steps.build.llamacpp_source import fetch_sdist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,9 +69,12 @@ def main() -> None:
     objects = [f"{name}.cu.o" for name in args.objects.split(",")]
     rows: list[tuple[str, float | None, float | None, str, str]] = []
 
+    # the build step's own environment, cmake and flags (EnsureLlamacppBuild.plan), not a
+    # parse of the command it shows
     op = EnsureLlamacppBuild(layout, source, cuda_release=(11, 8), recipe_arch="70")
-    configure = op.decide(op.read(host)).commands[0].show()
-    env = configure.split(" cmake -S", 1)[0]
+    facts = op.read(host)
+    inputs, env, _ = op.plan(facts)
+    cmake = require_cmake(facts)
     # llama.cpp's default list (GGML_NATIVE=OFF, CUDA 11.8) and the same without its 90-virtual
     # entry, which at this ref uses Hopper launch intrinsics CUDA 11.8's headers do not declare
     without_90 = "50-virtual;61-virtual;70-virtual;75-virtual;80-virtual;86-real;89-real"
@@ -84,15 +88,13 @@ def main() -> None:
         ccache = work / f"ccache-{build.name}"
         shutil.rmtree(build, ignore_errors=True)
         shutil.rmtree(ccache, ignore_errors=True)
-        cfg = configure.replace(layout.build_dir(op.plan(op.read(host))[0].build_id), str(build))
-        cfg = cfg.replace(" cmake -S", f" CCACHE_DIR={ccache} cmake -DLLAMA_BUILD_SERVER=OFF -S", 1)
-        if arch != "70":
-            cfg = cfg.replace(" -DCMAKE_CUDA_ARCHITECTURES=70", "").replace(" CUDAARCHS=70", "")
-            if arch:
-                cfg += f" '-DCMAKE_CUDA_ARCHITECTURES={arch}'"
-        sh(cfg)
+        flags = [f for f in inputs.flags if not f.startswith("-DCMAKE_CUDA_ARCHITECTURES=")]
+        run_env = {k: v for k, v in env.items() if k != "CUDAARCHS"} | {"CCACHE_DIR": str(ccache)}
+        if arch:
+            flags.append(f"-DCMAKE_CUDA_ARCHITECTURES={arch}")
+        sh(f"{env_prefix(run_env)} {cmake} -DLLAMA_BUILD_SERVER=OFF -S {tree} -B {build} {shlex.join(flags)}")
         cuda_dir = build / "ggml/src/ggml-cuda"
-        make = f"{env} CCACHE_DIR={ccache} make -C {cuda_dir} {' '.join(objects)}"
+        make = f"{env_prefix(run_env)} make -C {cuda_dir} {' '.join(objects)}"
         try:
             cold = sh(make)
         except Failed as exc:
@@ -128,22 +130,20 @@ def main() -> None:
 
     if args.cpu:
         cpu = EnsureLlamacppBuild(layout, source, cuda_release=None, recipe_arch="none")
-        decision = cpu.decide(cpu.read(host))
-        configure_cpu, build_cpu = decision.commands[0].show(), decision.commands[1].show()
-        times = []
+        cpu_facts = cpu.read(host)
+        cpu_inputs, cpu_env, _ = cpu.plan(cpu_facts)
         ccache = work / "ccache-cpu"
         shutil.rmtree(ccache, ignore_errors=True)
+        run_env = cpu_env | {"CCACHE_DIR": str(ccache)}
+        jobs = cpu_facts.nproc or 2
+        times = []
         for n in (1, 2):
             target = work / f"cpu{n}"
             shutil.rmtree(target, ignore_errors=True)
-            bdir = configure_cpu.split(" -B ", 1)[1].split(" ", 1)[0]
-            sh(configure_cpu.replace(bdir, str(target)).replace(" cmake -S", f" CCACHE_DIR={ccache} cmake -S", 1))
+            sh(f"{env_prefix(run_env)} {cmake} -S {tree} -B {target} {shlex.join(cpu_inputs.flags)}")
+            targets = shlex.join(cpu_inputs.targets)
             times.append(
-                sh(
-                    build_cpu.replace(bdir, str(target)).replace(
-                        " cmake --build", f" CCACHE_DIR={ccache} cmake --build", 1
-                    )
-                )
+                sh(f"{env_prefix(run_env)} {cmake} --build {target} --config Release -j {jobs} --target {targets}")
             )
         print(
             f"CPU build (tiny-cpu targets): cold {times[0]:.0f} s, "

@@ -121,7 +121,7 @@ def main() -> int:
             ROOT / "reports" / "local" / "artifacts.json",
             f"invoke artifacts after invoke quantize of tiny-cpu ({QUANTS.replace(',', ', ')}): each file's check",
             {k: round(v, 6) for k, v in figures.items()},
-            {k: ("%" if k.endswith("_pct") else "") for k in figures},
+            {k: _artifact_unit(k) for k in figures},
             f"invoke artifacts --host local (after invoke quantize --host local --recipe tiny-cpu --quant {QUANTS})",
             commit=commit,
             notes=(
@@ -171,6 +171,11 @@ def main() -> int:
     )
     print(f"membw: {one:.1f} GB/s one thread, {two:.1f} two")
     return 0
+
+
+def _artifact_unit(key: str) -> str:
+    """A share in percent, a KL divergence in nats (llama-perplexity's), a logit difference in logits."""
+    return "%" if key.endswith("_pct") else "nats" if key.endswith("_kld") else "logits"
 
 
 if __name__ == "__main__":

@@ -182,8 +182,17 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     # state deploy keeps under <prefix>/deploy/ (the deployment records; the balancers' records
     # under deploy/balancers/ are `invoke lb`'s, made after this point)
     find = "find /etc/systemd/system /etc/voltaforge -path /etc/voltaforge/secrets -prune -o -type f -print"
-    on_host = {p for p in host.run_inside(f"{find} 2>/dev/null || true").stdout.split() if "voltaforge" in p}
-    assert on_host == {"/" + str(p.relative_to(out_dir)) for p in rendered}, on_host
+
+    def on_host() -> set[str]:
+        return {p for p in host.run_inside(f"{find} 2>/dev/null || true").stdout.split() if "voltaforge" in p}
+
+    wrote = {"/" + str(p.relative_to(out_dir)) for p in rendered}
+    assert on_host() == wrote, on_host()
+    # the control: that comparison sees a file render did not write (a drop-in left on the unit)
+    stray = f"/etc/systemd/system/{SINGLE}.d/stray.conf"
+    host.run_inside(f"mkdir -p {Path(stray).parent} && printf '[Service]\\n' > {stray}")
+    assert on_host() - wrote == {stray}
+    host.run_inside(f"rm -r {Path(stray).parent}")
 
     # 2. a balancer in front of every server of the layout, as the deployment records list
     # them (no --recipe): one model (tiny-b is tiny-cpu's model under another recipe name),
