@@ -160,10 +160,10 @@ def test_a_transcribed_or_gpu_only_figure_says_so(page):
 
 
 def test_an_unlabelled_transcribed_figure_is_found():
-    plain = "Intro.\n\nIt took 13 min 56 s<!-- result: reports/local/build.json llama_cpp_cold_s --> cold.\n"
+    plain = "Intro.\n\nIt took 2984 s<!-- result: reports/local/build-sm70-full.json wall_s --> cold.\n"
     assert unlabelled(plain, "x.md") == [
-        "x.md:3: reports/local/build.json is transcribed "
-        f"({load_result(ROOT / 'reports/local/build.json').source}); say so next to the figure"
+        "x.md:3: reports/local/build-sm70-full.json is transcribed "
+        f"({load_result(ROOT / 'reports/local/build-sm70-full.json').source}); say so next to the figure"
     ]
     assert unlabelled(plain.replace("cold.", "cold (transcribed)."), "x.md") == []
     gpu = "Intro.\n\nIt took 0.1 s<!-- result: reports/h200/build.json second_run_s --> (transcribed).\n"
