@@ -253,3 +253,21 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     assert not any(active(host, u) for u in (*INSTANCES, SINGLE))
     listening = host.run_inside("ss -Hltn").stdout
     assert not any(f"127.0.0.1:{p}" in listening for p in (18100, 18101, 18080)), listening
+
+    # 4. taken off (issue 52): `invoke remove` disables and removes every server's unit, its
+    # environment files and its state (the record, good/, the model's links), then `invoke lb
+    # --remove` the balancer's unit, configuration, TLS pair and its record on the host; a
+    # second run changes nothing. Left: the operator's secrets, the weights and the build.
+    removed = invoke(inv, "remove", "--host", "box")
+    assert removed.returncode == 0, removed.stdout[-3000:] + removed.stderr[-2000:]
+    gone = invoke(inv, "lb", "--host", "box", "--remove")
+    assert gone.returncode == 0, gone.stdout[-3000:] + gone.stderr[-2000:]
+    assert [p for p in host.run_inside(f"{find} 2>/dev/null; true").stdout.split() if "voltaforge" in p] == []
+    left = host.run_inside(f"ls -A {host.prefix}/deploy; ls -A {host.prefix}/serve; true").stdout.split()
+    assert left == [], left
+    units = host.run_inside("systemctl list-units --all --plain --no-legend 'voltaforge*'", check=False).stdout
+    assert units.strip() == "" and not active(host, LB), units
+    for again in (invoke(inv, "remove", "--host", "box"), invoke(inv, "lb", "--host", "box", "--remove")):
+        assert again.returncode == 0 and "box: 0 changed" in again.stdout, again.stdout[-3000:]
+    kept = f"{host.prefix}/models/*/gguf/*.gguf {host.prefix}/llama.cpp/current/bin/llama-server"
+    assert host.run_inside(f"ls {kept}").stdout

@@ -382,9 +382,10 @@ def test_a_long_failure_is_one_line_in_the_report_and_whole_in_detail(tmp_path, 
         ("  one line\n\n", "one line"),
         ("", "failed without a message"),
         ("first\nsecond", f"first {FULL_OUTPUT_NOTE}"),
-        ("x" * 400 + "\nsecond", "x" * 297 + f"... {FULL_OUTPUT_NOTE}"),
+        ("x" * 400 + "\nsecond", "x" * 299 + f"… {FULL_OUTPUT_NOTE}"),  # one word: cut inside it
+        ("words " * 80 + "\nsecond", "words " * 49 + f"words… {FULL_OUTPUT_NOTE}"),  # at a word
         ("y" * 400, "y" * 400),  # one line written for people: its fix is at the end, kept
-        ("z" * 1200, "z" * 997 + f"... {FULL_OUTPUT_NOTE}"),
+        ("z" * 1200, "z" * 999 + f"… {FULL_OUTPUT_NOTE}"),
         ("Traceback (most recent call last):\n  File x\nValueError: bad", f"ValueError: bad {FULL_OUTPUT_NOTE}"),
         (
             "command failed (exit 1): umask 077; key=x\nthe key has characters",

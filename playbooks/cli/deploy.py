@@ -1,5 +1,6 @@
-"""`invoke deploy` and `invoke stop`: the recipe's server on a host, from the rendered files and
-the verified artifact (steps/serve/deploy.py), under systemd or as a managed process."""
+"""`invoke deploy`, `invoke stop` and `invoke remove`: the recipe's server on a host, from the
+rendered files and the verified artifact (steps/serve/deploy.py), under systemd or as a managed
+process; stopped; taken off the host (conduct/remove.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from playbooks.cli.converge import converge
 from playbooks.cli.render import render_report
 from playbooks.conduct.deploy import deploy_ops
 from playbooks.conduct.placements import Served
+from playbooks.conduct.remove import remove_deployed
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.stop import stop_served
 from playbooks.errors import UsageError
@@ -44,3 +46,13 @@ def run_stop(host_name: str, recipe: str | None = None, settings: Settings | Non
     """Stop the recipe's servers (conduct/stop.py); their files stay."""
     render_report(stop_served(settings or Settings(), host_name, recipe))
     return 0
+
+
+def run_remove(
+    host_name: str, recipe: str | None = None, dry_run: bool = False, settings: Settings | None = None
+) -> int:
+    """Stop and remove the recipe's servers (every deployment without one) and their files
+    (conduct/remove.py); exit 1 when a step failed."""
+    changes = remove_deployed(settings or Settings(), host_name, recipe, dry_run)
+    render_report(changes)
+    return 1 if any(c.status == "failed" for c in changes) else 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from invoke import Collection, Context
@@ -353,6 +354,8 @@ def rpc_worker(
         "cert": "the certificate HAProxy presents (PEM file here; with --key)",
         "key": "its private key (PEM file here, unencrypted)",
         "dry-run": "show what would change and the commands; change nothing",
+        "stop": "stop the balancer (and disable its unit); its records leave the backend hosts",
+        "remove": "stop it and remove its unit, configuration, TLS pair and state, and its records",
     },
 )
 def lb(
@@ -367,6 +370,8 @@ def lb(
     key: str | None = None,
     dry_run: bool = False,
     inventory: str | None = None,
+    stop: bool = False,
+    remove: bool = False,
 ) -> int:
     """One TLS endpoint for a fleet's servers, routed by model name: HAProxy, health-checked.
 
@@ -388,6 +393,8 @@ def lb(
         dry_run=dry_run,
         settings=configured.settings(c, inventory),
         default_host=flags.one_host("--host", configured.cfg(c, "host")),
+        stop=stop,
+        remove=remove,
     )
 
 
@@ -401,6 +408,28 @@ def stop(c: Context, host: str | None = None, recipe: str | None = None, invento
     return run_stop(
         configured.host(c, host),
         recipe=configured.recipe(c, recipe),
+        settings=configured.settings(c, inventory),
+    )
+
+
+@command(
+    help={
+        "recipe": "only this recipe's servers and RPC workers (default: every deployment on the host)",
+        "dry-run": "list what would be stopped and removed; change nothing",
+    }
+)
+def remove(
+    c: Context, host: str | None = None, recipe: str | None = None, dry_run: bool = False, inventory: str | None = None
+) -> int:
+    """Stop and remove a host's deployments: units, configuration, state, the model's links.
+
+    Weights and builds stay (shared, verified by hash). --dry-run lists what goes."""
+    from playbooks.cli.deploy import run_remove
+
+    return run_remove(
+        configured.host(c, host),
+        recipe=configured.recipe(c, recipe),
+        dry_run=dry_run,
         settings=configured.settings(c, inventory),
     )
 
@@ -585,6 +614,8 @@ def _typed_provision(
         "verbose": "every line live (commands, compiler, pip), as the log has them; quiet by default",
         "drain-timeout": "seconds a server drained on its balancer may take to finish its requests before it is "
         "changed anyway (default 300)",
+        "in-place": "change in place the servers of a balancer whose runtime API does not answer (HAProxy stopped "
+        "or gone: nothing is served through it) instead of failing",
     },
 )
 def provision(
@@ -597,6 +628,7 @@ def provision(
     inventory: str | None = None,
     verbose: bool = False,
     drain_timeout: float | None = None,
+    in_place: bool = False,
 ) -> int:
     """Everything, in order, on one host or many, up to a passed benchmark gate.
 
@@ -619,7 +651,7 @@ def provision(
             if drain_timeout is None
             else flags.positive_float("--drain-timeout", drain_timeout, "seconds", 3600),
         ),
-        settings=configured.settings(c, inventory),
+        settings=replace(configured.settings(c, inventory), in_place=in_place),
         json_out=flags.output_file("--json", json),
         verbose=verbose,
     )
@@ -704,6 +736,7 @@ ns = Collection(
     render,
     deploy,
     stop,
+    remove,
     rpc_worker,
     lb,
     bench,

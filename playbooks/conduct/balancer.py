@@ -195,23 +195,40 @@ def edge_tls(lb_spec: HostSpec, bind: str, tls: bool | None, cert: str | None, k
     return kept_pair(tls_dir(lb_spec.name), names)
 
 
-def remember_edge(lb_host: str, pair: TlsPair | None) -> None:
+def remember_edge(lb_host: str, pair: TlsPair | None, hosts: Sequence[str] = ()) -> None:
     """What a client of this balancer needs to know (kept beside its pair on the controller):
     whether it speaks TLS, and the CA to verify it with (its self-signed certificate; an
-    operator's certificate: the system's trust store)."""
+    operator's certificate: the system's trust store); and the backend hosts it fronts, where
+    its records are (its next run, `--stop` and `--remove` clear those it no longer fronts)."""
     where = tls_dir(lb_host)
     where.mkdir(parents=True, exist_ok=True)
     ca = str(where / "cert.pem") if pair and pair.origin.startswith("self-signed") else None
-    (where / "edge.json").write_text(json.dumps({"tls": pair is not None, "ca": ca}) + "\n")
+    (where / "edge.json").write_text(json.dumps({"tls": pair is not None, "ca": ca, "hosts": list(hosts)}) + "\n")
+
+
+def _seen(lb_host: str) -> dict:
+    try:
+        seen = json.loads((tls_dir(lb_host) / "edge.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return seen if isinstance(seen, dict) else {}
+
+
+def fronted_hosts(lb_host: str) -> list[str]:
+    """The backend hosts this balancer fronted at its last run from this controller."""
+    hosts = _seen(lb_host).get("hosts")
+    return [h for h in hosts if isinstance(h, str)] if isinstance(hosts, list) else []
+
+
+def forget_edge(lb_host: str) -> None:
+    """The balancer is gone: nothing to reach, no hosts fronted (its self-signed pair stays)."""
+    (tls_dir(lb_host) / "edge.json").unlink(missing_ok=True)
 
 
 def edge_client(lb_host: str) -> str | bool | None:
     """How to reach this balancer (remember_edge): None for plain HTTP, else what to verify its
     certificate with (a CA file, or True: the system's trust store)."""
-    try:
-        seen = json.loads((tls_dir(lb_host) / "edge.json").read_text())
-    except (OSError, ValueError):
-        return None
+    seen = _seen(lb_host)
     if not seen.get("tls"):
         return None
     return str(seen["ca"]) if seen.get("ca") else True

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from playbooks.conduct.deployed import read_deployments, recipe_file
+from playbooks.conduct.deployed import read_deployments, recipe_file, stopped
 from playbooks.conduct.placements import host_serves
 from playbooks.conduct.quantize import recipe_weights
 from playbooks.conduct.settings import Settings
@@ -45,6 +45,8 @@ class Fleet:
     servers: tuple[HostServers, ...]
     #: each backend's host (its inventory name), in the order of ``backends``
     owners: tuple[str, ...] = ()
+    #: one line per deployment left out because it does not run
+    left_out: tuple[str, ...] = ()
 
     @property
     def loaded(self) -> LoadedRecipe:
@@ -61,7 +63,7 @@ class Fleet:
 
     @property
     def notes(self) -> list[str]:
-        return [
+        return list(self.left_out) + [
             f"{s.spec.name}: nothing deployed yet; balancing what the inventory places there ({s.loaded.recipe.name})"
             for s in self.servers
             if s.source == "inventory"
@@ -134,35 +136,57 @@ def placed_fleet(
     return fleet_of(lb_spec, servers, key_ref)
 
 
-def deployed_servers(settings: Settings, spec: HostSpec, wanted: str | None) -> list[HostServers]:
+def deployed_servers(settings: Settings, spec: HostSpec, wanted: str | None) -> tuple[list[HostServers], list[str]]:
     """What a host's deployment records say it serves (one read), each recipe with the ports
-    of its instances; ``wanted``: only the deployments of the recipe of that name."""
+    of its running instances; ``wanted``: only the deployments of the recipe of that name. A
+    stopped deployment is left out, with one line saying so (its key, port and model never
+    count: a server `invoke stop` stopped is not served)."""
     with settings.connect(spec) as host:
-        found = read_deployments(host, spec.prefix)
+        found = [d for d in read_deployments(host, spec.prefix) if d.recipe is not None and d.port is not None]
+        found = [d for d in found if not wanted or (d.recipe and d.recipe.name == wanted)]
+        down = {d.service for d in found if stopped(host, spec.prefix, d)}
+    left_out = [
+        f"{spec.name}: {d.service} ({d.recipe.name if d.recipe else '?'}) is stopped: left out of the balancer "
+        f"(`invoke deploy --host {spec.name}` starts it, `invoke remove --host {spec.name}` takes it off)"
+        for d in found
+        if d.service in down
+    ]
     by_recipe: dict[str, tuple[LoadedRecipe, list[int]]] = {}
     for d in found:
         recorded = d.recipe
-        if recorded is None or d.port is None or (wanted and recorded.name != wanted):
+        if recorded is None or d.port is None or d.service in down:
             continue
         if recorded.sha256 not in by_recipe:
             by_recipe[recorded.sha256] = (settings.load_recipe(recipe_file(recorded, spec.name)), [])
         by_recipe[recorded.sha256][1].append(d.port)
     # the recorded recipe keeps the file's port; each instance listens where its record says
-    return [HostServers(spec, loaded, tuple(sorted(ports)), "deployed") for loaded, ports in by_recipe.values()]
+    servers = [HostServers(spec, loaded, tuple(sorted(ports)), "deployed") for loaded, ports in by_recipe.values()]
+    return servers, (left_out if found else [])
 
 
 def deployed_fleet(
     settings: Settings, lb_spec: HostSpec, backend_specs: Sequence[HostSpec], recipe: str | None, key_ref: str | None
 ) -> Fleet:
     """The fleet as the hosts' deployment records say (`invoke lb`); a host with none yet: as
-    the inventory places it (Fleet.notes says which)."""
+    the inventory places it (Fleet.notes says which). A host whose deployments are all stopped
+    is left out (it serves nothing); none serving anything: one line."""
     wanted = settings.load_recipe(recipe).recipe.name if recipe else None
     servers: list[HostServers] = []
+    left_out: list[str] = []
     for s in backend_specs:
-        theirs = deployed_servers(settings, s, wanted) or placed_servers(s, recipe, settings.load_recipe)
-        if not theirs:
-            raise VoltaforgeError(
-                f"{s.name}: nothing deployed under {s.prefix} and no recipe in the inventory: provision it first"
-            )
+        theirs, stopped_here = deployed_servers(settings, s, wanted)
+        left_out += stopped_here
+        if not theirs and not stopped_here:
+            theirs = placed_servers(s, recipe, settings.load_recipe)
+            if not theirs:
+                raise VoltaforgeError(
+                    f"{s.name}: nothing deployed under {s.prefix} and no recipe in the inventory: provision it first"
+                )
         servers += theirs
-    return fleet_of(lb_spec, servers, key_ref)
+    if not servers:
+        raise VoltaforgeError(
+            "every server on the balancer's hosts is stopped: "
+            + "; ".join(line.split(": left out")[0] for line in left_out)
+            + ": start one with `invoke deploy`"
+        )
+    return replace(fleet_of(lb_spec, servers, key_ref), left_out=tuple(left_out))

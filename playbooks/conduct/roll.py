@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
-from playbooks.conduct.fronted import Fronted, FrontedServer, fronting, read_fronted
+from playbooks.conduct.fronted import Fronted, FrontedServer, fronting, read_fronted, records_dir
 from playbooks.conduct.settings import Settings
 from playbooks.errors import HostError, VoltaforgeError
 from playbooks.host import Host
@@ -36,6 +36,7 @@ from playbooks.host.ops import Change, Decision, Operation, Shell, run_ops
 from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.serve.deploy import EnsureServing
 from playbooks.steps.serve.runtime_api import DrainServer, ReadyServer
+from playbooks.words import clip
 
 #: how long a drained server's requests may take to finish before it is changed anyway (a long
 #: generation streams for minutes; HAProxy's own server timeout is 15)
@@ -65,6 +66,7 @@ class Rolled:
     cut: int  # requests still running when the drain's bound passed
     while_out: int | None  # requests HAProxy sent it between its drain and its return (0)
     result: str  # "changed" | "rolled back" | "failed"
+    back: bool = True  # HAProxy took it back in rotation (its `state ready` answered)
 
 
 @dataclass
@@ -122,11 +124,13 @@ class Roll:
             # the balancers first: one that cannot be reached fails the step before anything here
             # is written (a server it fronts must not restart without its drain)
             lb_hosts: dict[str, Host | None] = {}
+            skipped: dict[str, str] = {}  # a balancer passed by, and why (a note per server)
             for op in servings:
                 if behind[id(op)] and restarts(op.check(host)):
-                    for f, _ in behind[id(op)]:
+                    for f, s in behind[id(op)]:
                         if f.balancer not in lb_hosts:
                             lb_hosts[f.balancer] = self._connect(links, f, printer)
+                            self._answers(host, prefix, f, s, lb_hosts, skipped)
             out = DeployRoll(run_ops(host, [op for op in ops if not isinstance(op, EnsureServing)], dry_run), [], set())
             if any(c.status == "failed" for c in out.deploy):
                 return out
@@ -136,10 +140,11 @@ class Roll:
                     out.deploy += run_ops(host, [op], dry_run)
                 else:
                     gate = gate_of.get(id(op))
-                    for f, _ in fronts:
+                    for f, s in fronts:
                         if f.balancer not in lb_hosts:
                             lb_hosts[f.balancer] = self._connect(links, f, printer)
-                    self._turn(host, recipe, printer, op, gate, fronts, lb_hosts, out, dry_run)
+                            self._answers(host, prefix, f, s, lb_hosts, skipped)
+                    self._turn(host, recipe, printer, op, gate, fronts, lb_hosts, skipped, out, dry_run)
                     if gate:
                         out.gated.add(id(gate))
                 if any(c.status == "failed" for c in out.deploy + out.gate):
@@ -160,6 +165,38 @@ class Roll:
                 f"reached: {exc}; nothing was restarted"
             ) from None
 
+    def _answers(
+        self,
+        host: Host,
+        prefix: str,
+        f: Fronted,
+        s: FrontedServer,
+        lb_hosts: dict[str, Host | None],
+        skipped: dict[str, str],
+    ) -> None:
+        """A balancer whose record is here but whose runtime API does not answer (HAProxy
+        stopped or gone) drains nothing: the step fails before anything is written, naming the
+        balancer and the commands that settle it; with --in-place its servers here change in
+        place (nothing is served through a balancer that does not run)."""
+        lb = lb_hosts[f.balancer]
+        if lb is None:
+            skipped[f.balancer] = f"its balancer's host {f.balancer} is not in this inventory"
+            return
+        why = f.api.unanswered(lb)
+        if why is None:
+            return
+        record = f"{records_dir(prefix)}/{f.balancer}.json"
+        if self.settings.in_place:
+            lb_hosts[f.balancer] = None
+            skipped[f.balancer] = f"the balancer on {f.balancer} does not answer ({why}): --in-place"
+            return
+        raise HostError(
+            f"{s.server} is fronted by the balancer on {f.balancer} (its record {record} on {host.name}), whose "
+            f"runtime API does not answer: {why}. Start it again with `invoke lb --host {f.balancer}`, take it off "
+            f"with `invoke lb --host {f.balancer} --remove` (its records go with it), or pass --in-place to change "
+            "the servers it fronted here without a drain; nothing was changed"
+        )
+
     def _turn(
         self,
         host: Host,
@@ -169,6 +206,7 @@ class Roll:
         gate: EnsureGate | None,
         fronts: list[tuple[Fronted, FrontedServer]],
         lb_hosts: dict[str, Host | None],
+        skipped: dict[str, str],
         out: DeployRoll,
         dry_run: bool,
     ) -> None:
@@ -177,11 +215,7 @@ class Roll:
         reachable = [(f, s) for f, s in fronts if lb_hosts[f.balancer] is not None]
         for f, _ in fronts:
             if lb_hosts[f.balancer] is None:
-                self.note(
-                    printer,
-                    host.name,
-                    f"{name}: its balancer's host {f.balancer} is not in this inventory: changed in place",
-                )
+                self.note(printer, host.name, f"{name}: {skipped[f.balancer]}: changed in place")
         lanes = sorted({(f.balancer, s.model) for f, s in reachable})
         if dry_run:
             for key in lanes:
@@ -201,9 +235,9 @@ class Roll:
                     lb = lb_hosts[f.balancer]
                     assert lb is not None
                     out.deploy += run_ops(lb, [drain], dry_run)
-                    readies.append((f, s, lb))
                     if any(c.status == "failed" for c in out.deploy):
-                        return  # not drained: the server is not touched
+                        return  # not drained: the server is not touched (and not "back in rotation")
+                    readies.append((f, s, lb))
                     if drain.alone:
                         self.note(printer, host.name, drain.alone)
                 out.deploy += run_ops(host, [serving], dry_run)
@@ -214,13 +248,14 @@ class Roll:
                 backs = []
                 for f, s, lb in readies:
                     back = ReadyServer(f.api, s.model, s.server)
-                    backs.append(back)
-                    out.deploy += [dry_ready(lb.name, back)] if dry_run else run_ops(lb, [back])
+                    done = [dry_ready(lb.name, back)] if dry_run else run_ops(lb, [back])
+                    out.deploy += done
+                    backs.append((back, all(c.status != "failed" for c in done)))
                 # not back in rotation: the next server must not go out too
                 failed = failed or next((c for c in out.deploy if c.status == "failed"), None)
                 if failed is not None:
                     for key in lanes:
-                        self.lane(*key).stopped = f"{name} ({failed.why[:160]})"
+                        self.lane(*key).stopped = f"{name} ({clip(failed.why, 160)})"
                 if not dry_run and backs:
                     self._told(host, recipe, printer, name, drains, backs, failed)
 
@@ -231,17 +266,19 @@ class Roll:
         printer: Printer,
         name: str,
         drains: list[tuple[Fronted, FrontedServer, DrainServer]],
-        backs: list[ReadyServer],
+        backs: list[tuple[ReadyServer, bool]],
         failed: Change | None,
     ) -> None:
         """One line per server and balancer: how long its drain took, what HAProxy sent it while
         it was out (nothing, unless something else put it back), how it ended."""
-        for (f, s, drain), back in zip(drains, backs, strict=False):
+        for (f, s, drain), (back, returned) in zip(drains, backs, strict=False):  # backs: the drained, in order
             while_out = (
                 back.requests - drain.requests if back.requests is not None and drain.requests is not None else None
             )
             result = "changed" if failed is None else "rolled back" if "rolled back" in failed.why else "failed"
-            done = Rolled(host.name, recipe, name, s.model, f.balancer, drain.seconds, drain.cut, while_out, result)
+            done = Rolled(
+                host.name, recipe, name, s.model, f.balancer, drain.seconds, drain.cut, while_out, result, returned
+            )
             with self._guard:
                 self.rolled.append(done)
             printer.line(host.name, rolled_line(done))
@@ -280,9 +317,10 @@ def restarts(decision: Decision) -> bool:
 def rolled_line(r: Rolled) -> str:
     cut = f", {r.cut} cut at the bound" if r.cut else ""
     sent = "?" if r.while_out is None else str(r.while_out)
+    back = "back in rotation" if r.back else f"NOT back in rotation (see above; `invoke lb --host {r.balancer}`)"
     return (
         f"rolled {r.server} (model {r.model}, balancer on {r.balancer}): drained in {r.drained_s:.1f} s{cut}, "
-        f"{sent} requests sent to it while out, {r.result}, back in rotation"
+        f"{sent} requests sent to it while out, {r.result}, {back}"
     )
 
 

@@ -22,6 +22,10 @@ class Settings:
     recipes_dir: Path | None = None
     prefix: str | None = None  # for hosts whose inventory entry names none (default /opt/voltaforge)
     connect_timeout: float = 10.0
+    #: a provision's rolling change (conduct/roll.py) changes in place the servers of a balancer
+    #: whose runtime API does not answer (`--in-place`), instead of failing: nothing is served
+    #: through a balancer that does not run
+    in_place: bool = False
 
     def host_spec(self, name: str) -> HostSpec:
         spec = resolve_host(name, self.inventory)

@@ -35,6 +35,7 @@ from playbooks.facts import read_fact
 from playbooks.facts.files import FileStat, parse_sha256, parse_stat, stat_command
 from playbooks.host.base import Host
 from playbooks.host.commands import check_mode, check_owner, check_path, write_file_command
+from playbooks.words import clip
 
 Status = Literal["changed", "ok", "failed"]
 
@@ -413,10 +414,10 @@ def summarize(text: str) -> str:
     if len(lines) == 2 and lines[0].startswith("command failed (exit"):
         # a command that printed one line: that line is the message, the command says where
         both = f"{lines[1]} ({lines[0]})"
-        return both if len(both) <= SUMMARY_LIMIT else both[: SUMMARY_LIMIT - 3].rstrip() + f"... {FULL_OUTPUT_NOTE}"
+        return both if len(both) <= SUMMARY_LIMIT else f"{clip(both, SUMMARY_LIMIT)} {FULL_OUTPUT_NOTE}"
     first = lines[-1] if lines[0].startswith("Traceback (most recent call last)") else lines[0]
     limit = MESSAGE_LIMIT if len(lines) == 1 else SUMMARY_LIMIT
-    cut = first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
+    cut = clip(first, limit)  # at a word, with an ellipsis (the whole is in the log)
     return f"{cut} {FULL_OUTPUT_NOTE}"
 
 

@@ -29,6 +29,7 @@ from playbooks.errors import HostError, VoltaforgeError
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, Shell
 from playbooks.steps.serve.balancer import BACKEND_PREFIX, SOCKET_PATH_MAX, ServerStat, parse_stats
+from playbooks.words import clip
 
 # one command line to the socket, the whole answer back (HAProxy closes after answering)
 _CLIENT = (
@@ -75,13 +76,17 @@ class RuntimeApi:
         run = host.sudo if self.sudo else host.run
         result = run(self.command(), stdin=(line + "\n").encode(), stream=False, check=False, timeout=30)
         if not result.ok:
-            raise HostError(
-                f"{host.name}: HAProxy's runtime API at {self.socket} did not answer "
-                f"({(result.stderr.strip().splitlines() or ['exit ' + str(result.exited)])[-1][:200]}); "
-                "nothing was changed: start the balancer again (`invoke lb`), or, where it no longer fronts "
-                "this host, remove the host's deploy/balancers/ record to change its servers in place"
-            )
+            said = (result.stderr.strip().splitlines() or ["exit " + str(result.exited)])[-1]
+            raise HostError(f"{host.name}: HAProxy's runtime API at {self.socket} did not answer ({clip(said, 200)})")
         return result.stdout
+
+    def unanswered(self, host: Host) -> str | None:
+        """Why the API does not answer (HAProxy not running, its socket gone), None when it does."""
+        try:
+            self.send(host, "show info")
+        except HostError as exc:
+            return str(exc).removeprefix(f"{host.name}: ")
+        return None
 
     def servers(self, host: Host, model: str) -> list[ServerStat]:
         return parse_stats(self.send(host, "show stat"), model)
