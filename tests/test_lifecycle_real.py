@@ -216,7 +216,7 @@ def test_stopped_stale_and_removed(tmp_path, tmp_path_factory, monkeypatch, api_
         assert not answers(18511) and not answers(18512)
         assert Path(gguf).is_file() and (Path(prefix) / "llama.cpp" / "current" / "bin" / "llama-server").is_file()
         code, out = invoke("remove", "--host", "local")
-        assert code == 0 and f"nothing is deployed under {prefix}" in said(out), out[-3000:]
+        assert code == 0 and "nothing is deployed under" in out and "local: 0 changed, 1 ok" in out, out[-3000:]
         code, out = invoke("status", "--host", "local", "--json")
         assert json.loads(out[out.index("[") :])[0]["services"] == []
     finally:

@@ -21,7 +21,7 @@ from playbooks.errors import RecipeError, VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, RecordedRecipe, deployments_command, parse_deployments
 from playbooks.facts.files import cat_command
-from playbooks.facts.service import parse_unit_state
+from playbooks.facts.service import parse_process_state, parse_unit_state
 from playbooks.host import Host
 from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.service_manager import Manager, Systemd
@@ -115,14 +115,15 @@ def deployment_manager(host: Host, prefix: str, d: Deployment) -> Manager | None
 
 
 def stopped(host: Host, prefix: str, d: Deployment) -> bool:
-    """Whether its manager says the deployment does not run (`invoke stop`, or a process that
-    died): systemd's unit inactive or failed, a managed process's pid gone. A deployment whose
+    """Whether the deployment was stopped (`invoke stop`), not merely down: a unit systemd says
+    is ``inactive`` (a crash leaves it ``failed``, or restarting), a managed process whose pid
+    file the stop removed (a process that died keeps its pid file). A server that crashed stays
+    a backend: HAProxy's health check takes it out until it answers again. A deployment whose
     manager cannot be told (an unreadable record) is not called stopped."""
     mgr = deployment_manager(host, prefix, d)
     if mgr is None:
         return False
     out = read_fact(host, mgr.state_command())
     if isinstance(mgr, Systemd):
-        # starting or restarting counts as running: a server a provision is changing is still served
-        return parse_unit_state(out).active not in ("active", "activating", "reloading")
-    return not mgr.running(out).up
+        return parse_unit_state(out).active == "inactive"
+    return parse_process_state(out).pid == 0
