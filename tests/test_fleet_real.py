@@ -178,6 +178,15 @@ def test_one_tls_endpoint_over_a_mixed_fleet_without_systemd(
         assert run_lb("local", settings=settings) == 0
         again = capsys.readouterr().out
         assert "local: 0 changed" in again, again[-2000:]
+
+        # the balancer re-run without box (issue 52): box's record goes, local's is rewritten
+        box_record = Path(box_prefix) / "deploy" / "balancers" / "local.json"
+        assert box_record.exists()
+        assert run_lb("local", backends=["local"], settings=settings) == 0
+        dropped = capsys.readouterr().out
+        assert not box_record.exists() and not box_record.parent.exists(), dropped[-2000:]
+        assert "Remove the record of the balancer on local" in dropped, dropped[-2000:]
+        assert (Path(local_prefix) / "deploy" / "balancers" / "local.json").exists()
     finally:
         run_stop("local", None, settings=settings)
         run_stop("box", None, settings=settings)

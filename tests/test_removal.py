@@ -21,6 +21,7 @@ UNIT = "/etc/systemd/system/voltaforge-tiny.service"
         (UnitState("activating", "start", enabled="disabled", loaded="loaded"), ["disable --now"]),
         (UnitState("inactive", "dead", enabled="disabled", loaded="loaded"), []),
         (UnitState("inactive", "dead", enabled="", loaded="not-found"), []),
+        (UnitState("failed", "failed", enabled="disabled", loaded="loaded"), ["reset-failed"]),
     ],
 )
 def test_a_unit_is_stopped_and_disabled_while_it_runs_or_is_enabled(state, commands):

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,16 @@ def test_a_model_split_across_two_rpc_workers(seeded_ccache, provisionable_nspaw
     assert why == "rpc-worker: the RPC worker 127.0.0.1:18153 refuses connections from box: nothing listens there"
     assert host.run_inside("cat /etc/systemd/system/voltaforge-llama-server.service").stdout == unit_file
     host.run_inside(f"systemctl start {UNITS[1]}")
+
+    # 5. taken off (issue 52): `invoke remove` stops, disables and removes the server's unit and
+    # both workers' units (every voltaforge-rpc-* unit without --recipe); the balancer is its own
+    removed = subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), "remove", "--host", "box", "--inventory", str(inv)],
+        cwd=inv.parent, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "400"},
+    )  # fmt: skip
+    assert removed.returncode == 0, removed.stdout[-3000:] + removed.stderr[-2000:]
+    for unit in (*UNITS, "voltaforge-llama-server.service"):
+        assert f"Stop the RPC worker {unit}" in removed.stdout or unit.startswith("voltaforge-llama"), removed.stdout
+        assert not host.run_inside(f"ls /etc/systemd/system/{unit} 2>/dev/null; true").stdout.strip()
+    left = host.run_inside("systemctl list-units --all --plain --no-legend 'voltaforge*'", check=False).stdout
+    assert [line.split()[0] for line in left.splitlines() if line.strip()] == [LB], left

@@ -44,12 +44,17 @@ class EnsureStopped(Operation):
             assert isinstance(self.manager, Systemd)
             unit = shlex.quote(self.manager.unit)
             up, enabled = facts.active in _UP, facts.enabled.startswith("enabled")
-            if not up and not enabled:
+            failed = facts.active == "failed"
+            if not up and not enabled and not failed:
                 return Decision.ok("not running, not enabled" if facts.loaded != "not-found" else "no such unit")
-            why = ", ".join(
-                w for w in (f"{facts.active} ({facts.sub})" if up else "", "enabled" if enabled else "") if w
-            )
-            return Decision.act(why, Shell(f"systemctl disable --now --quiet -- {unit}", True))
+            said = (f"{facts.active} ({facts.sub})" if up or failed else "", "enabled" if enabled else "")
+            why = ", ".join(w for w in said if w)
+            # a failed unit stays listed (and counted) by systemd until its failure is reset,
+            # its file gone or not; reset-failed has nothing worth failing on when none is kept
+            reset = f"{{ systemctl reset-failed -- {unit} 2>/dev/null || true; }}"
+            if not up and not enabled:
+                return Decision.act(why, Shell(reset, True))
+            return Decision.act(why, Shell(f"systemctl disable --now --quiet -- {unit} && {reset}", True))
         if not facts.up:
             return Decision.ok("not running")
         return Decision.act(f"running (pid {facts.pid})", self.manager.stop())
