@@ -150,6 +150,12 @@ def test_a_steps_status_and_why(changes, dry, status, why):
     assert step_why(changes) == why
 
 
-def test_a_long_why_is_cut_to_one_line():
+def test_a_long_why_is_cut_to_one_line_at_a_word():
     why = step_why([_change("changed", "w" * 150), _change("changed", "v" * 150)])
     assert len(why) < 230 and why.endswith("…")
+    # words: the cut falls between two, never inside one (issue 52: "nothing was ch")
+    long = [_change("changed", f"unit {n} was rewritten: its ExecStart changed") for n in range(9)]
+    why = step_why(long)
+    assert why.endswith("…") and len(why) <= len("9 of 9 changed: ") + 200
+    kept = why.removeprefix("9 of 9 changed: ").removesuffix("…").replace(";", " ").split()
+    assert kept and set(kept) <= {"unit", "was", "rewritten:", "its", "ExecStart", "changed", *"012345678"}

@@ -53,6 +53,7 @@ from playbooks.host.output import BufferedPrinter
 from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.preflight import gather, judge, rpc_endpoints
 from playbooks.steps.serve.deploy import EnsureServing
+from playbooks.words import clip
 
 #: the built-in default: the tiny CPU recipe, which needs no GPU and no download
 DEFAULT_RECIPE = "tiny-cpu"
@@ -153,8 +154,8 @@ def step_why(changes: Sequence[Change]) -> str:
         return failed.why
     changed = [c for c in changes if c.status == "changed"]
     if changed:
-        whys = "; ".join(dict.fromkeys(c.why for c in changed))
-        whys = whys if len(whys) <= 200 else whys[:199] + "…"
+        # one line: cut at a word (the table above it and the log keep each change's whole why)
+        whys = clip("; ".join(dict.fromkeys(c.why for c in changed)), 200)
         return f"{len(changed)} of {len(changes)} changed: {whys}"
     if len(changes) == 1:
         return changes[0].why
