@@ -9,6 +9,8 @@ tests/strict.py; importing its hooks here puts them in force for the whole suite
 import pytest
 
 from helpers import cpu_alone as _cpu_alone
+from helpers import cpu_quiet as _cpu_quiet
+from helpers import sharing_the_cpu
 from strict import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks)
 from testhosts import (  # noqa: F401  (imported to register the fixtures)
     make_sshd_host,
@@ -22,6 +24,56 @@ from testhosts import (  # noqa: F401  (imported to register the fixtures)
 
 @pytest.fixture
 def cpu_alone():
-    """The run-wide lock of the tests that keep the CPU busy or measure it (helpers.cpu_alone)."""
+    """The run-wide lock of the tests that keep the CPU busy (helpers.cpu_alone)."""
     with _cpu_alone():
         yield
+
+
+@pytest.fixture
+def cpu_quiet():
+    """cpu_alone, with the other worker stopped between two tests: for a measurement
+    (helpers.cpu_quiet)."""
+    with _cpu_quiet():
+        yield
+
+
+HOLDERS = ("cpu_alone", "cpu_quiet")
+
+
+@pytest.fixture(autouse=True)
+def _shares_the_cpu(request):
+    """Every other test holds the run's quiet lock shared while it runs (helpers.sharing_the_cpu):
+    autouse fixtures come first, so it covers the test's own fixtures too."""
+    if any(name in request.fixturenames for name in HOLDERS):
+        yield
+        return
+    with sharing_the_cpu():
+        yield
+
+
+# -- the order of a run (docs/tests.md, "What the suite costs") --------------------------------
+#
+# The tests that hold cpu_alone (or cpu_quiet) run one after another whatever the order:
+# together they are the run's critical path, the chain. Where they sat among the others (by
+# file name), the worker that reached one while the other held the lock waited idle, for
+# minutes (a setup of 889 s seen). So their modules go first: xdist's worksteal hands the
+# first worker the first half of the collection and the second the rest, so one worker walks
+# the chain while the other runs the rest, and steals from the first's tail (never from its
+# head, where the chain is). The other real (slow) modules come next, before the quick ones:
+# they need the static tools the chain builds first, and reach them once they exist.
+
+CHAIN, REAL, QUICK = 0, 1, 2
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group: dict[str, int] = {}
+    for item in items:
+        holds = any(name in item.fixturenames for name in HOLDERS)
+        rank = CHAIN if holds else REAL if item.get_closest_marker("slow") else QUICK
+        group[_module(item)] = min(group.get(_module(item), QUICK), rank)
+    # a stable sort: within a module the file's own order, so its module fixtures are set up once
+    items.sort(key=lambda item: group[_module(item)])

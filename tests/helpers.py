@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
+from typing import Any
+
+# One module under both of its names: conftest imports ``helpers`` (tests/ is on sys.path) and
+# the test modules ``tests.helpers``; two copies would keep two sets of lock state below, and
+# a process could wait on its own lock.
+sys.modules.setdefault("helpers", sys.modules[__name__])
+sys.modules.setdefault("tests.helpers", sys.modules[__name__])
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,14 +96,14 @@ def session_ccache() -> Path:
 def cpu_alone():
     """Held by the tests that keep both cores busy for minutes (a llama.cpp compile over SSH or
     in a container) or measure the CPU (the bench's sweep, tune's search): with two xdist
-    workers, no two of them run at once, so a measurement never shares the CPU with a compile
-    (its cross-check compares the client's clock with the server's, not with a neighbour's
-    load) and the compiles follow one another, each finding the one before in the run's ccache.
-    The other worker goes on with the rest. One lock per run (all workers share its id).
+    workers, no two of them run at once, and the compiles follow one another, each finding the
+    one before in the run's ccache. The other worker goes on with the rest (a measurement also
+    stops it: :func:`cpu_quiet`). One lock per run (all workers share its id).
 
     Re-entrant within a process: the static llama.cpp build (llamacpp_tools.build_tools) takes
     it too, from inside a test that may hold it already (the bench's model fixture). Taken
-    before any cache lock, never after one, so two workers never wait on each other."""
+    before any cache lock, never after one, so two workers never wait on each other; a test
+    that shares the CPU (:func:`sharing_the_cpu`) lets its share go while it waits here."""
     import fcntl
 
     global _cpu_held
@@ -106,7 +114,7 @@ def cpu_alone():
         finally:
             _cpu_held -= 1
         return
-    with open(per_run("cpu.lock"), "w") as lock:
+    with _share_let_go(), open(per_run("cpu.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         _cpu_held = 1
         try:
@@ -116,6 +124,85 @@ def cpu_alone():
 
 
 _cpu_held = 0  # how deep this process holds cpu_alone
+
+
+# -- quiet: a measurement with the cores to itself ---------------------------------------------
+#
+# cpu_alone keeps two heavy tests apart, but the other worker's ordinary tests (a CLI walk
+# starting interpreters, a server loading) still ran beside a measurement: the bench's sweep
+# took 787 s instead of about 100 (every level to its cap, the noise never settling) and its
+# single stream was not timeable (8.6 tok/s). Priorities cannot help: the kernel groups
+# processes by session (sched_autogroup), so each SSH session's server competes as a group of
+# its own whatever the test process's nice value. So a reader-writer lock: every ordinary
+# test holds it shared while it runs, a measurement exclusively, and the other worker waits
+# between two tests until the measurement ends. A turnstile (the gate) keeps a waiting
+# measurement from being passed by the other worker's next test.
+
+_quiet_fd: Any = None  # the shared or exclusive hold of quiet.lock, while this process has one
+_quiet_mode: str | None = None  # "shared" | "exclusive"
+
+
+def _take_quiet(mode: str) -> None:
+    import fcntl
+
+    global _quiet_fd, _quiet_mode
+    fd = open(per_run("quiet.lock"), "w")  # noqa: SIM115 (held until _drop_quiet)
+    with open(per_run("quiet.gate"), "w") as gate:
+        fcntl.flock(gate, fcntl.LOCK_EX)  # behind a measurement already waiting
+        fcntl.flock(fd, fcntl.LOCK_SH if mode == "shared" else fcntl.LOCK_EX)
+    _quiet_fd, _quiet_mode = fd, mode
+
+
+def _drop_quiet() -> None:
+    global _quiet_fd, _quiet_mode
+    if _quiet_fd is not None:
+        _quiet_fd.close()  # closing the file lets the flock go
+    _quiet_fd, _quiet_mode = None, None
+
+
+@contextlib.contextmanager
+def _share_let_go():
+    """While this process waits for cpu_alone, its shared hold is let go (and taken again
+    after): a measurement holding cpu_alone may be waiting for it, and neither would move."""
+    held = _quiet_mode == "shared"
+    if held:
+        _drop_quiet()
+    try:
+        yield
+    finally:
+        if held:
+            _take_quiet("shared")
+
+
+@contextlib.contextmanager
+def sharing_the_cpu():
+    """Held shared by every test that neither holds cpu_alone nor measures (conftest's autouse
+    fixture): a measurement waits for the test running now, and the next one waits for it."""
+    if _quiet_mode is not None:
+        yield
+        return
+    _take_quiet("shared")
+    try:
+        yield
+    finally:
+        if _quiet_mode == "shared":
+            _drop_quiet()
+
+
+@contextlib.contextmanager
+def cpu_quiet():
+    """cpu_alone, and the other worker stopped between its tests until this ends: for the tests
+    that measure the CPU (the bench's sweep and its stream tests, tune's search) and for the
+    static tools' build the other worker's real tests wait on. Re-entrant."""
+    with cpu_alone():
+        if _quiet_mode == "exclusive":
+            yield
+            return
+        _take_quiet("exclusive")
+        try:
+            yield
+        finally:
+            _drop_quiet()
 
 
 def shared_ccache(prefix: Path, user: str) -> None:

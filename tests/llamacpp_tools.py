@@ -89,11 +89,11 @@ def build_tools() -> Path:
     done = build / ".built"
     if done.exists() and all((build / "bin" / t).exists() for t in TARGETS):
         return build / "bin"
-    from tests.helpers import cpu_alone  # here: scripts import this module without pytest
+    from tests.helpers import cpu_quiet  # here: scripts import this module without pytest
 
-    # minutes of both cores: not beside a measurement or another compile (helpers.cpu_alone,
+    # minutes of both cores: not beside a measurement or another compile (helpers.cpu_quiet,
     # taken before the cache lock: a worker holding it may come here for the tools)
-    with cpu_alone(), _cache_lock("llama-cpp-0c1e570-cpu-static"):
+    with cpu_quiet(), _cache_lock("llama-cpp-0c1e570-cpu-static"):
         if done.exists() and all((build / "bin" / t).exists() for t in TARGETS):
             return build / "bin"
         return _build_tools(tree, build, done)

@@ -52,7 +52,7 @@ def _recipe(tmp_path: Path, port: int, **gate) -> Path:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.usefixtures("cpu_alone")  # tests/helpers.cpu_alone
+@pytest.mark.usefixtures("cpu_quiet")  # tests/helpers.cpu_quiet: a measurement, the cores to itself
 def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound, tmp_path, monkeypatch, capsys):
     port = free_port()
     prefix = str(sshd_host.prefix / "vf")

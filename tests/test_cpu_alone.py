@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+import pytest
 
 from tests.helpers import ROOT, cpu_alone
 
@@ -45,3 +49,95 @@ def test_a_holder_takes_it_again_and_still_holds_it_after(monkeypatch):
         time.sleep(1.5)
         assert other.poll() is None
     assert other.communicate(timeout=30)[0] == "in\n"
+
+
+def _collected(*args: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args, "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    ids = [ln for ln in done.stdout.splitlines() if "::" in ln]
+    assert len(ids) > 100, done.stdout[-2000:] + done.stderr[-2000:]
+    return ids
+
+
+def test_the_chain_comes_first_then_the_real_modules():
+    """conftest's order: every module with a cpu_alone or cpu_quiet test before all others (worksteal gives
+    the first worker the head of the collection, so the chain runs back to back on it), then
+    the modules with slow (real) tests, then the quick ones; within a module, the file's order."""
+    ids = _collected()
+    modules = list(dict.fromkeys(i.split("::", 1)[0] for i in ids))
+    holds = ('usefixtures("cpu_alone")', 'usefixtures("cpu_quiet")')
+    chain = [m for m in modules if any(h in (ROOT / m).read_text() for h in holds) and m != "tests/test_cpu_alone.py"]
+    real = {i.split("::", 1)[0] for i in _collected("-m", "slow")} - set(chain)
+    assert "tests/test_build.py" in chain and "tests/test_bench_real.py" in chain and real
+    assert modules[: len(chain)] == chain
+    assert set(modules[len(chain) : len(chain) + len(real)]) == real
+    # a module's tests stay together and in the file's order (its module fixtures once)
+    assert [i for i in ids if i.startswith("tests/test_build.py::")][:2] == [
+        "tests/test_build.py::test_cuda_build_for_sm70_in_one_toolkit_only",
+        "tests/test_build.py::test_arch_comes_from_the_hosts_gpus",
+    ]
+    assert len(modules) == len({i.split("::", 1)[0] for i in ids})  # no module split in two
+
+
+def _in_process(program: str, run: str) -> subprocess.Popen:
+    """``program`` in a process of its own, a worker of the run ``run``, helpers imported."""
+    code = "import sys, time; from pathlib import Path; sys.path.insert(0, 'tests'); import helpers\n" + program
+    env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _said(p: subprocess.Popen) -> str:
+    assert p.stdout is not None
+    return p.stdout.readline().strip()
+
+
+def _holds(kind: str, seconds: float) -> str:
+    return f"with helpers.{kind}():\n    print('in', flush=True); time.sleep({seconds})\n"
+
+
+@pytest.mark.timeout(60)  # a lock that waits on itself hangs: fail instead
+def test_a_measurement_waits_for_the_running_test_and_stops_the_next():
+    """cpu_quiet against sharing_the_cpu, in three processes as two workers run them: the
+    measurement waits while a test shares the CPU; once it waits, the next test waits behind it
+    (the gate), and goes on only when the measurement ends."""
+    run = f"cpu-quiet-{os.getpid()}"
+    running = _in_process(_holds("sharing_the_cpu", 3), run)
+    assert _said(running) == "in"
+    quiet = _in_process(_holds("cpu_quiet", 2) + "print('out', flush=True)\n", run)
+    time.sleep(1.0)
+    nxt = _in_process(_holds("sharing_the_cpu", 0), run)
+    time.sleep(1.0)
+    assert quiet.poll() is None and nxt.poll() is None  # both wait for the running test
+    assert _said(quiet) == "in"  # the running test ended: the measurement, not the next test
+    assert nxt.poll() is None
+    assert _said(quiet) == "out" and _said(nxt) == "in"
+    assert running.wait(30) == quiet.wait(30) == nxt.wait(30) == 0
+
+
+@pytest.mark.timeout(60)  # a lock that waits on itself hangs: fail instead
+def test_a_sharing_test_that_needs_the_lock_lets_its_share_go():
+    """A test sharing the CPU that reaches cpu_alone (the static tools' build) lets its share go
+    while it waits: the measurement holding cpu_alone and waiting for that share would
+    otherwise wait forever, and so would the test."""
+    run = f"cpu-quiet-{os.getpid()}"
+    go = Path(tempfile.mkdtemp()) / "go"
+    sharing = _in_process(
+        "with helpers.sharing_the_cpu():\n"
+        "    print('shared', flush=True)\n"
+        f"    while not Path({str(go)!r}).exists(): time.sleep(0.05)\n"
+        "    with helpers.cpu_alone():\n"
+        "        print('in', flush=True)\n",
+        run,
+    )
+    assert _said(sharing) == "shared"
+    quiet = _in_process(_holds("cpu_quiet", 1), run)
+    time.sleep(1.0)
+    assert quiet.poll() is None  # it holds cpu_alone and waits for the share
+    go.touch()  # now the sharing test waits for cpu_alone, and lets its share go meanwhile
+    assert _said(quiet) == "in" and quiet.wait(30) == 0
+    assert _said(sharing) == "in" and sharing.wait(30) == 0

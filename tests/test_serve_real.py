@@ -149,7 +149,7 @@ def test_tiny_model_carries_a_chat_template_and_answers_whatever_is_typed(tiny_q
             assert chat["usage"]["completion_tokens"] == 8
 
 
-@pytest.mark.usefixtures("cpu_alone")  # it compares the client's clock with the server's rate
+@pytest.mark.usefixtures("cpu_quiet")  # it compares the client's clock with the server's rate (helpers.cpu_quiet)
 def test_a_stream_the_client_read_all_at_once_lends_the_level_no_rate(tiny_q4, tmp_path):
     """Real streams from the real server: twelve read as they come, and one whose reader stops
     (ten times the slowest request's time) as soon as the answer's headers arrive (a client descheduled on a busy

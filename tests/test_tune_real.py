@@ -72,7 +72,7 @@ def _stage(sshd_host, prefix: str, recipe: Path, quants: dict[str, Path], kld: d
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.usefixtures("cpu_alone")  # tests/helpers.cpu_alone
+@pytest.mark.usefixtures("cpu_quiet")  # tests/helpers.cpu_quiet: its search measures
 def test_tune_searches_beside_the_live_service_and_writes_a_winner(
     sshd_host, tiny_quants, tmp_path, monkeypatch, capsys
 ):
