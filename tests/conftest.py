@@ -74,6 +74,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         holds = any(name in item.fixturenames for name in HOLDERS)
         rank = CHAIN if holds else REAL if item.get_closest_marker("slow") else QUICK
-        group[_module(item)] = min(group.get(_module(item), QUICK), rank)
+        mod = _module(item)
+        group[mod] = min(group.get(mod, QUICK), rank)
     # a stable sort: within a module the file's own order, so its module fixtures are set up once
     items.sort(key=lambda item: group[_module(item)])

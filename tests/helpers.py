@@ -95,10 +95,11 @@ def session_ccache() -> Path:
 @contextlib.contextmanager
 def cpu_alone():
     """Held by the tests that keep both cores busy for minutes (a llama.cpp compile over SSH or
-    in a container) or measure the CPU (the bench's sweep, tune's search): with two xdist
-    workers, no two of them run at once, and the compiles follow one another, each finding the
-    one before in the run's ccache. The other worker goes on with the rest (a measurement also
-    stops it: :func:`cpu_quiet`). One lock per run (all workers share its id).
+    in a container, the keyed provision) and, through :func:`cpu_quiet`, by those that measure
+    the CPU (the bench's sweep, tune's search): with two xdist workers, no two of them run at
+    once, and the compiles follow one another, each finding the one before in the run's ccache.
+    The other worker goes on with the rest (a measurement also stops it: :func:`cpu_quiet`).
+    One lock per run (all workers share its id).
 
     Re-entrant within a process: the static llama.cpp build (llamacpp_tools.build_tools) takes
     it too, from inside a test that may hold it already (the bench's model fixture). Taken
@@ -129,9 +130,9 @@ _cpu_held = 0  # how deep this process holds cpu_alone
 # -- quiet: a measurement with the cores to itself ---------------------------------------------
 #
 # cpu_alone keeps two heavy tests apart, but the other worker's ordinary tests (a CLI walk
-# starting interpreters, a server loading) still ran beside a measurement: the bench's sweep
-# took 787 s instead of about 100 (every level to its cap, the noise never settling) and its
-# single stream was not timeable (8.6 tok/s). Priorities cannot help: the kernel groups
+# starting interpreters, a server loading) still ran beside a measurement: in cold run 64a the
+# bench's sweep took 786.9 s (every level to its cap, the noise never settling; 71.2 s quiet in
+# run 64b) and its single stream was not timeable (8.6 tok/s). Priorities cannot help: the kernel groups
 # processes by session (sched_autogroup), so each SSH session's server competes as a group of
 # its own whatever the test process's nice value. So a reader-writer lock: every ordinary
 # test holds it shared while it runs, a measurement exclusively, and the other worker waits

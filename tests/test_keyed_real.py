@@ -149,17 +149,18 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, api_secret, of
     state = Path(prefix) / "deploy" / "voltaforge-llama-server"
     on_box = ("--host", "box", "--inventory", str(inv))
 
-    def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-        """The CLI as a user types it, under strace."""
-        argv = trace.wrap([sys.executable, "-m", "invoke", "-r", str(ROOT), *args])
+    def cli(*args: str, timeout: float = 900, traced: bool = True) -> subprocess.CompletedProcess:
+        """The CLI as a user types it, under strace unless ``traced`` is false."""
+        argv = [sys.executable, "-m", "invoke", "-r", str(ROOT), *args]
+        argv = trace.wrap(argv) if traced else argv
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
 
     def invoke(*args: str, timeout: float = 900) -> tuple[int, str]:
-        r = run(*args, timeout=timeout)
+        r = cli(*args, timeout=timeout)
         return r.returncode, r.stdout + r.stderr
 
     def as_json(*args: str) -> Any:
-        r = run(*args, "--json")
+        r = cli(*args, "--json")
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         return json.loads(r.stdout)
 
@@ -175,8 +176,7 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, api_secret, of
     # 0. the host's preparation, untraced (the docstring says why), the compile from the run's
     # shared ccache
     for task in ("toolchain", "build"):
-        argv = [sys.executable, "-m", "invoke", "-r", str(ROOT), task, *on_box, "--recipe", str(recipe)]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+        done = cli(task, *on_box, "--recipe", str(recipe), timeout=1200, traced=False)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     # from here on every command the host runs: strace attached to the sshd, and to each CLI run
     with ExecTrace(tmp_path / "trace", pids=[host.pid]) as trace:
@@ -283,8 +283,7 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, api_secret, of
             assert files_holding(roots, key, skip=("api-key",)) == []
             assert "tiny-llama" in (state / "deployed.json").read_text()
         finally:
-            subprocess.run([sys.executable, "-m", "invoke", "-r", str(ROOT), "stop", *on_box, "--recipe", str(recipe)],
-                           capture_output=True, timeout=300, cwd=tmp_path)  # fmt: skip
+            cli("stop", *on_box, "--recipe", str(recipe), timeout=300, traced=False)
             pid_file = Path(prefix) / "deploy" / "voltaforge-lb" / "server.pid"
             if pid_file.exists():
                 os.kill(int(pid_file.read_text()), signal.SIGTERM)
