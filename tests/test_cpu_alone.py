@@ -96,6 +96,20 @@ def _said(p: subprocess.Popen) -> str:
     return p.stdout.readline().strip()
 
 
+def _blocked(p: subprocess.Popen) -> None:
+    """Until ``p`` waits on a lock (a ``->`` line of /proc/locks with its pid): not a sleep that
+    a slow start could outlast."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "->" and fields[5] == str(p.pid):
+                return
+        assert p.poll() is None, "it ended instead of waiting"
+        time.sleep(0.05)
+    raise AssertionError(f"pid {p.pid} never waited on a lock")
+
+
 def _holds(kind: str, seconds: float) -> str:
     return f"with helpers.{kind}():\n    print('in', flush=True); time.sleep({seconds})\n"
 
@@ -106,12 +120,19 @@ def test_a_measurement_waits_for_the_running_test_and_stops_the_next():
     measurement waits while a test shares the CPU; once it waits, the next test waits behind it
     (the gate), and goes on only when the measurement ends."""
     run = f"cpu-quiet-{os.getpid()}"
-    running = _in_process(_holds("sharing_the_cpu", 3), run)
+    go = Path(tempfile.mkdtemp()) / "go"
+    running = _in_process(
+        "with helpers.sharing_the_cpu():\n"
+        "    print('in', flush=True)\n"
+        f"    while not Path({str(go)!r}).exists(): time.sleep(0.05)\n",
+        run,
+    )
     assert _said(running) == "in"
     quiet = _in_process(_holds("cpu_quiet", 2) + "print('out', flush=True)\n", run)
-    time.sleep(1.0)
+    _blocked(quiet)
     nxt = _in_process(_holds("sharing_the_cpu", 0), run)
-    time.sleep(1.0)
+    _blocked(nxt)
+    go.touch()  # the running test ends
     assert quiet.poll() is None and nxt.poll() is None  # both wait for the running test
     assert _said(quiet) == "in"  # the running test ended: the measurement, not the next test
     assert nxt.poll() is None
@@ -136,8 +157,7 @@ def test_a_sharing_test_that_needs_the_lock_lets_its_share_go():
     )
     assert _said(sharing) == "shared"
     quiet = _in_process(_holds("cpu_quiet", 1), run)
-    time.sleep(1.0)
-    assert quiet.poll() is None  # it holds cpu_alone and waits for the share
+    _blocked(quiet)  # it holds cpu_alone and waits for the share
     go.touch()  # now the sharing test waits for cpu_alone, and lets its share go meanwhile
     assert _said(quiet) == "in" and quiet.wait(30) == 0
     assert _said(sharing) == "in" and sharing.wait(30) == 0
