@@ -60,7 +60,7 @@ def _shares_the_cpu(request):
 # first worker the first half of the collection and the second the rest, so one worker walks
 # the chain while the other runs the rest, and steals from the first's tail (never from its
 # head, where the chain is). The other real (slow) modules come next, before the quick ones:
-# they need the static tools the chain builds first, and reach them once they exist.
+# they need the tools the chain builds first, and reach them once they exist.
 
 CHAIN, REAL, QUICK = 0, 1, 2
 

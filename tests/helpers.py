@@ -101,7 +101,7 @@ def cpu_alone():
     The other worker goes on with the rest (a measurement also stops it: :func:`cpu_quiet`).
     One lock per run (all workers share its id).
 
-    Re-entrant within a process: the static llama.cpp build (llamacpp_tools.build_tools) takes
+    Re-entrant within a process: the tools' llama.cpp build (llamacpp_tools.build_tools) takes
     it too, from inside a test that may hold it already (the bench's model fixture). Taken
     before any cache lock, never after one, so two workers never wait on each other; a test
     that shares the CPU (:func:`sharing_the_cpu`) lets its share go while it waits here."""
@@ -194,7 +194,7 @@ def sharing_the_cpu():
 def cpu_quiet():
     """cpu_alone, and the other worker stopped between its tests until this ends: for the tests
     that measure the CPU (the bench's sweep and its stream tests, tune's search) and for the
-    static tools' build the other worker's real tests wait on. Re-entrant."""
+    tools' build the other worker's real tests wait on. Re-entrant."""
     with cpu_alone():
         if _quiet_mode == "exclusive":
             yield
@@ -206,18 +206,25 @@ def cpu_quiet():
             _drop_quiet()
 
 
+def share_ccache_dir() -> Path:
+    """The run's ccache directory (:func:`session_ccache`), made writable by every user."""
+    shared = session_ccache()
+    shared.mkdir(exist_ok=True)
+    # each xdist worker has its own test user (tests/testhosts.py), and the tools' build runs
+    # as this process's user: what one leaves here, the next one's writes beside (ccache
+    # applies its own umask setting)
+    shared.chmod(0o777)
+    (shared / "ccache.conf").write_text("umask = 000\n")
+    return shared
+
+
 def shared_ccache(prefix: Path, user: str) -> None:
     """Point a test host's ccache (<prefix>/llama.cpp/ccache) at one directory shared by this
     test run's hosts (every worker's test user), so the second host's build hits what the first compiled:
     the build step sets CCACHE_BASEDIR to the prefix, which makes the paths match."""
     import shutil
 
-    shared = session_ccache()
-    shared.mkdir(exist_ok=True)
-    # each xdist worker has its own test user (tests/testhosts.py): what one user's compile
-    # leaves here, the next one's writes beside (ccache applies its own umask setting)
-    shared.chmod(0o777)
-    (shared / "ccache.conf").write_text("umask = 000\n")
+    shared = share_ccache_dir()
     for d in (prefix, prefix / "llama.cpp"):
         d.mkdir(exist_ok=True)
         shutil.chown(d, user, user)
@@ -243,8 +250,8 @@ def put_gguf(host, local: Path, remote: str, quant: str, manifest_extra: dict | 
 def stage_served_model(
     host, prefix: str, recipe: Path, gguf_file: Path, quant: str = "Q4_K_M", manifest_extra: dict | None = None
 ) -> str:
-    """What `invoke build` and `invoke quantize` leave for `invoke deploy`: the static CPU
-    llama-server and llama-bench behind a `current` link, and the quantized model with its
+    """What `invoke build` and `invoke quantize` leave for `invoke deploy`: the tools' CPU
+    llama-server and llama-bench (with their libraries) behind a `current` link, and the quantized model with its
     manifest under models/<id>/gguf/ (quantize's own run of it: tests/test_quantize_real.py)."""
     from playbooks.conduct.quantize import recipe_weights
     from playbooks.config.recipe import load_recipe
@@ -257,9 +264,7 @@ def stage_served_model(
     host.run(
         f"mkdir -p {build}/bin {gguf.rsplit('/', 1)[0]} && ln -sfn {build} {prefix}/llama.cpp/current", stream=False
     )
-    tools = llamacpp_tools.build_tools()
-    for tool in ("llama-server", "llama-bench"):
-        host.put(str(tools / tool), f"{build}/bin/{tool}", mode=0o755)
+    llamacpp_tools.put_tools(host, ("llama-server", "llama-bench"), f"{build}/bin")
     put_gguf(host, gguf_file, gguf, quant, manifest_extra)
     host.run(f"chmod -R a+rX {prefix}", stream=False)
     return gguf

@@ -2,7 +2,8 @@
 
 - the llama.cpp tree vendored by the llama-cpp-python sdist on PyPI (the offline source:
   GitHub is not reachable here), pinned to the recipe default's version;
-- `llama-quantize` and `llama-server`, a static CPU build of that tree;
+- `llama-quantize`, `llama-server` and `llama-bench`, a CPU build of that tree by the build
+  step itself (shared libraries found beside the binaries);
 - a converter venv: convert_hf_to_gguf.py needs torch, transformers and sentencepiece. torch
   is the CPU build, fetched once into the cache by cpu_torch_wheel() (a CUDA build would pull
   GBs of nvidia-* wheels).
@@ -78,50 +79,78 @@ def llamacpp_tree() -> Path:
 TARGETS = ("llama-quantize", "llama-server", "llama-bench")
 
 
-def build_tools() -> Path:
-    """A static CPU build of llama-quantize and llama-server from the pinned tree.
+def tools_layout():
+    """Where the tools' build lives: a build prefix of its own in the cache, laid out the way
+    `invoke build` lays out a host's (src/, llama.cpp/builds/, llama.cpp/current)."""
+    from playbooks.steps.build.build import BuildLayout
 
-    Static (no shared libllama/libggml) and without OpenMP, so the binaries can be copied to a
-    test host as they are. About 8 minutes on 2 cores, once; returns the bin directory.
-    """
-    tree = llamacpp_tree()
-    build = cache_dir() / "llama-cpp-0c1e570-cpu-static"
-    done = build / ".built"
-    if done.exists() and all((build / "bin" / t).exists() for t in TARGETS):
-        return build / "bin"
+    return BuildLayout(str(cache_dir() / "llama-cpp-0c1e570-tools"))
+
+
+def build_tools() -> Path:
+    """llama-quantize, llama-server and llama-bench of the pinned tree, built on this machine by
+    the build step itself (`build_ops` on a LocalHost: the product's CMake flags, shared
+    libraries, no OpenMP), so the run's one full compile is this one: its objects go into the
+    run's ccache (helpers.session_ccache), where every SSH build of the run finds them (the
+    build step's CCACHE_BASEDIR makes the paths match; a static build, as before, shared
+    nothing with them and was a second compile of the tree, 386.2 s in cold run 64b).
+
+    The binaries find their libraries beside them ($ORIGIN, a link-time flag only, so the
+    objects are the product's): :func:`put_tools` copies them to a test host with the
+    libraries. Minutes on 2 cores, once per cache; returns the bin directory."""
+    layout = tools_layout()
+    bin_dir = Path(layout.current) / "bin"
+    if all((bin_dir / t).exists() for t in TARGETS):
+        return bin_dir
     from tests.helpers import cpu_quiet  # here: scripts import this module without pytest
 
     # minutes of both cores: not beside a measurement or another compile (helpers.cpu_quiet,
     # taken before the cache lock: a worker holding it may come here for the tools)
-    with cpu_quiet(), _cache_lock("llama-cpp-0c1e570-cpu-static"):
-        if done.exists() and all((build / "bin" / t).exists() for t in TARGETS):
-            return build / "bin"
-        return _build_tools(tree, build, done)
+    with cpu_quiet(), _cache_lock("llama-cpp-0c1e570-tools"):
+        if not all((bin_dir / t).exists() for t in TARGETS):
+            _build_tools(layout)
+    return bin_dir
 
 
-def _build_tools(tree: Path, build: Path, done: Path) -> Path:
-    build.mkdir(parents=True, exist_ok=True)
-    _run(
-        [
-            "cmake",
-            "-S",
-            str(tree),
-            "-B",
-            str(build),
-            "-DCMAKE_BUILD_TYPE=Release",
-            "-DGGML_CUDA=OFF",
-            "-DLLAMA_CURL=OFF",
-            "-DLLAMA_BUILD_TESTS=OFF",
-            "-DLLAMA_BUILD_EXAMPLES=OFF",
-            "-DBUILD_SHARED_LIBS=OFF",
-            "-DGGML_OPENMP=OFF",
-            "-DGGML_NATIVE=OFF",
-        ],
-        build / "configure.log",
-    )
-    _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS], build / "build.log")
-    done.touch()
-    return build / "bin"
+def _build_tools(layout) -> None:
+    from playbooks.host.local import LocalHost
+    from playbooks.host.ops import run_ops
+    from playbooks.host.output import Printer
+    from playbooks.steps.build.build import build_ops
+    from playbooks.steps.build.llamacpp_source import fetch_sdist
+    from tests.helpers import session_ccache, share_ccache_dir
+
+    prefix = Path(layout.prefix)
+    (prefix / "llama.cpp").mkdir(parents=True, exist_ok=True)
+    ccache = prefix / "llama.cpp" / "ccache"  # where the build step points CCACHE_DIR
+    share_ccache_dir()
+    if ccache.is_symlink() or ccache.exists():
+        ccache.unlink() if ccache.is_symlink() else shutil.rmtree(ccache)
+    ccache.symlink_to(session_ccache())
+    log = cache_dir() / "llama-cpp-0c1e570-tools.log"
+    with open(log, "w") as out:
+        ops = build_ops(
+            layout,
+            fetch_sdist(SDIST, "0c1e570"),
+            cuda_release=None,
+            recipe_arch="70",  # a CUDA build's arch: not read for a CPU build
+            targets=TARGETS,
+            extra_flags=("-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",),
+        )
+        changes = run_ops(LocalHost("tools", Printer(out)), ops)
+    failed = [c for c in changes if c.status == "failed"]
+    if failed or len(changes) < len(ops):
+        raise RuntimeError(f"the tools' build failed: {failed[0].detail if failed else changes}; log {log}")
+
+
+def put_tools(host, tools: tuple[str, ...], remote_dir: str, sudo: bool = False) -> None:
+    """``tools`` from :func:`build_tools` into ``remote_dir`` on a test host, with the shared
+    libraries they load from beside themselves ($ORIGIN)."""
+    local = build_tools()
+    libs = sorted(p.name for p in local.iterdir() if ".so" in p.name)
+    for name in (*tools, *libs):
+        # a library's symlinks arrive as copies: the loader asks for the soname (libllama.so.0)
+        host.put(str(local / name), f"{remote_dir}/{name}", mode=0o755, sudo=sudo)
 
 
 def llama_quantize() -> Path:

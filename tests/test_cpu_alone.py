@@ -39,7 +39,7 @@ def test_another_run_does_not_wait(monkeypatch):
 
 
 def test_a_holder_takes_it_again_and_still_holds_it_after(monkeypatch):
-    """Re-entrant in one process (a test holding it reaches the static build, which takes it
+    """Re-entrant in one process (a test holding it reaches the tools' build, which takes it
     too); the outer hold still keeps other processes out after the inner one ends."""
     monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", f"cpu-alone-{os.getpid()}")
     with cpu_alone():
@@ -142,7 +142,7 @@ def test_a_measurement_waits_for_the_running_test_and_stops_the_next():
 
 @pytest.mark.timeout(60)  # a lock that waits on itself hangs: fail instead
 def test_a_sharing_test_that_needs_the_lock_lets_its_share_go():
-    """A test sharing the CPU that reaches cpu_alone (the static tools' build) lets its share go
+    """A test sharing the CPU that reaches cpu_alone (the tools' build) lets its share go
     while it waits: the measurement holding cpu_alone and waiting for that share would
     otherwise wait forever, and so would the test."""
     run = f"cpu-quiet-{os.getpid()}"

@@ -1,4 +1,4 @@
-"""`invoke deploy` for real: the tiny CPU recipe served by the static CPU llama-server build
+"""`invoke deploy` for real: the tiny CPU recipe served by the CPU llama-server build
 and the generated tiny model quantized to Q4_K_M by the real llama-quantize.
 
 - On a booted Debian 12 container (systemd-nspawn) over SSH: a unit, started, answering the
@@ -104,6 +104,9 @@ def test_deploy_under_systemd_no_op_one_restart_rollback_and_bad_input(nspawn_ho
     unit = "voltaforge-llama-server.service"
     with connect(spec_for(nspawn_host)) as host:
         stage_served_model(host, str(nspawn_host.prefix), recipe, tiny_q4)
+        # the container is the session's: another test's unit of the same name may have logged
+        # before this one, so the journal is read from here on
+        cursor = host.sudo("journalctl -n 0 --show-cursor", stream=False).stdout.split("cursor: ", 1)[1].strip()
 
         def show(prop: str) -> str:
             return host.run(f"systemctl show -p {prop} --value {unit}", stream=False).stdout.strip()
@@ -146,7 +149,9 @@ def test_deploy_under_systemd_no_op_one_restart_rollback_and_bad_input(nspawn_ho
             assert "voltaforge-llama-server.service changed" in out
             new_invocation = show("InvocationID")
             assert new_invocation != invocation and show("NRestarts") == "0"
-            journal = host.sudo(f"journalctl -u {unit} -o cat --no-pager", stream=False).stdout
+            journal = host.sudo(
+                f"journalctl -u {unit} -o cat --no-pager --after-cursor={shlex.quote(cursor)}", stream=False
+            ).stdout
             assert journal.count("llama_server: listening on") == 2  # the first start and the one restart
             _chat(port, nspawn_host.netns)
 

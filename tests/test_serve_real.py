@@ -1,4 +1,4 @@
-"""The rendered unit, run for real: a booted Debian 12 container (systemd), the static CPU
+"""The rendered unit, run for real: a booted Debian 12 container (systemd), the CPU
 llama-server build, the generated tiny model quantized to Q4_K_M by llama-quantize. The unit
 must start unprivileged, answer /health on loopback and complete text over HTTP.
 
@@ -49,7 +49,7 @@ def test_tiny_cpu_unit_serves_over_http(nspawn_host, tiny_q4):
     with connect(spec_for(nspawn_host)) as host:
         server_dir = layout.llama_server.rsplit("/", 1)[0]
         host.sudo(f"mkdir -p {server_dir} {layout.serve_dir}", stream=False)
-        host.put(str(llamacpp_tools.llama_server()), layout.llama_server, mode=0o755, sudo=True)
+        llamacpp_tools.put_tools(host, ("llama-server",), server_dir, sudo=True)
         # the unit reads the model through serve_dir's link; a plain file there serves as well
         host.put(str(tiny_q4), layout.model_file(recipe), mode=0o644, sudo=True)
         host.sudo(f"chmod -R a+rX {layout.prefix}", stream=False)

@@ -1,6 +1,6 @@
 """Speculative decoding with a known answer, through the real tools: generated models
 (playbooks/weights/draft_pair.py) converted by llama.cpp's convert_hf_to_gguf.py, quantized
-to Q8_0 by the pinned llama-quantize and served by the pinned static CPU llama-server, one
+to Q8_0 by the pinned llama-quantize and served by the pinned CPU llama-server, one
 slot, one thread (``-t 1``, and one for the draft: two cores shared with other test runs make
 a second thread wait on a descheduled one: 0.7 tok/s seen with ``-t 2``), greedy requests
 (temperature 0, top_k 1) of 64 tokens with ignore_eos. The flags and type names at this ref
