@@ -272,6 +272,62 @@ def test_cpu_build_over_ssh_then_noop_then_new_input_then_interrupted(sshd_host,
 
 
 @pytest.mark.slow
+def test_a_build_here_and_a_build_over_ssh_share_one_ccache(sshd_host, tmp_path, monkeypatch):
+    """The run's one full compile is the tests' tools build (llamacpp_tools.build_tools: the
+    build step on this machine, in this process's environment); the SSH builds after it reuse
+    its objects only if ccache finds them from a login session: another prefix (the build
+    step's CCACHE_BASEDIR), another user, another LANG (the shared directory's ccache.conf,
+    tests/helpers.share_ccache_dir). One small target (ggml-base) compiled here with
+    LANG=C.UTF-8, then over SSH in a session without it: every object a hit, none compiled.
+    Without the conf's `sloppiness = locale`, measured: none of them hit."""
+    import shutil
+    import subprocess
+
+    from playbooks.host import connect
+    from playbooks.host.local import LocalHost
+    from playbooks.host.ops import run_ops
+    from playbooks.host.output import Printer
+    from playbooks.steps.build.build import build_ops
+    from playbooks.steps.build.llamacpp_source import fetch_sdist
+    from tests.helpers import share_ccache_dir, spec_for
+
+    cache = share_ccache_dir(sshd_host.prefix / "ccache")  # where the test user reaches it
+    source = fetch_sdist("llama-cpp-python==0.3.36", "0c1e570")
+
+    def compile_on(host, prefix) -> None:
+        ops = build_ops(BuildLayout(str(prefix)), source, cuda_release=None, recipe_arch="70", targets=("ggml-base",))
+        assert all(c.status != "failed" for c in run_ops(host, ops[:-1]))  # directories, archive, tree
+        # the build step's own configure and compile (its proof wants llama-server, not built here)
+        configure, build = ops[-1].check(host).commands[:2]
+        for command in (configure, build):
+            host.run(command.command, stream=False)
+
+    def stats() -> dict[str, int]:
+        out = subprocess.run(
+            ["ccache", "--print-stats"], env={"CCACHE_DIR": str(cache)}, capture_output=True, text=True
+        )
+        return {k: int(v) for k, v in (line.split("\t") for line in out.stdout.splitlines())}
+
+    here = tmp_path / "here"
+    (here / "llama.cpp").mkdir(parents=True)
+    (here / "llama.cpp" / "ccache").symlink_to(cache)
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    compile_on(LocalHost("here", Printer(quiet=True)), here)
+    assert stats()["cache_miss"] >= 9  # compiled here, into the shared cache
+    there = sshd_host.prefix / "vf"
+    (there / "llama.cpp").mkdir(parents=True)
+    (there / "llama.cpp" / "ccache").symlink_to(cache)
+    shutil.chown(there, sshd_host.user)
+    shutil.chown(there / "llama.cpp", sshd_host.user)
+    subprocess.run(["ccache", "-z"], env={"CCACHE_DIR": str(cache)}, check=True, capture_output=True)
+    with connect(spec_for(sshd_host), Printer(quiet=True)) as host:
+        assert host.run("echo ${LANG-none}", stream=False).stdout.strip() != "C.UTF-8"  # the case at hand
+        compile_on(host, there)
+    after = stats()
+    assert after["cache_miss"] == 0 and after["direct_cache_hit"] >= 9, after
+
+
+@pytest.mark.slow
 def test_cuda_path_compiles_sm70_through_the_build_steps_own_commands(tmp_path):
     """The CUDA path on this machine's real toolkits, through EnsureLlamacppBuild: its facts are
     read from this machine (CUDA 13 first on PATH where the image has it, Debian's 11.8), its
