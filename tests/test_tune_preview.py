@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from playbooks.conduct.tune import TuneOptions, search_space
-from playbooks.conduct.tune_preview import halving_schedule, preview, roofline_cost, stored_rung_costs
+from playbooks.conduct.tune_preview import floor_cost, halving_schedule, preview, stored_rung_costs
 from playbooks.config.recipe import load_recipe
 from tests.helpers import ROOT
 
@@ -36,17 +36,17 @@ def test_the_prediction_adds_the_rungs_the_references_and_the_interleaving(tmp_p
     space = search_space(loaded, opts)
     assert [p.candidate for p in pv.space.survivors] == [p.candidate for p in space.survivors]  # the run's order
     sched, cost = pv.schedule, pv.rung_s
-    assert cost == [roofline_cost(loaded, space.survivors, "single", r) for r in range(len(sched))]
+    assert cost == [floor_cost(loaded, space.survivors, "single", r) for r in range(len(sched))]
     want = sum(n * c for n, c in zip(sched, cost, strict=True)) + sum(cost[:-1]) + 4 * cost[-1]
     assert pv.predicted_s == pytest.approx(want)
-    # a rung measured before on that host is costed from it (the median), the others from the roofline
+    # a rung measured before on that host is costed from it (the median), the others from the floor
     store = tmp_path / "measurements.jsonl"
     rows = [{"rung": 0, "took_s": t} for t in (40.0, 60.0, 50.0)] + [{"rung": 0}, "not json"]
     store.write_text("\n".join(json.dumps(r) if isinstance(r, dict) else r for r in rows) + "\n")
     assert stored_rung_costs(store) == {0: 50.0}
     kept = preview(loaded, opts, store)
     assert kept.rung_s[0] == 50.0 and kept.basis[0] == "measured before"
-    assert kept.basis[1].startswith("the roofline") and kept.predicted_s > pv.predicted_s
+    assert kept.basis[1].startswith("the floor") and kept.predicted_s > pv.predicted_s
 
 
 def test_dry_run_connects_to_nothing_and_plans_another_card(tmp_path, capsys):

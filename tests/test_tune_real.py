@@ -5,11 +5,13 @@ speculation on and off) is planned
 and ordered, every candidate is served by the deploy step under the scratch unit on the
 scratch port and benched with the bench's repeats, successive halving measures the better half
 again; the live service answers at every check; the report, the chart and a winning recipe are
-written; a re-run measures nothing new; the winner, deployed as it is, passes its gate.
+written; a re-run measures nothing new; a budget of half the search's time stops inside its
+bound (the budget plus one measurement) and lists what it left out; the winner, deployed as it
+is, passes its gate.
 Speculation (ngram-mod) is one lever: its rows carry the server's own drafted/accepted counts.
 `--take-over` on a plan too small for two servers: the live service is stopped for the search
-and is back (the same model, answering) after it, after a candidate that crashes, after a
-budget that ran out (the best so far written) and after Ctrl-C."""
+and is back (the same model, answering) after it, after a candidate that crashes and after
+Ctrl-C; a budget below the first measurement's floor is refused before anything is stopped."""
 
 from __future__ import annotations
 
@@ -148,6 +150,20 @@ def test_tune_searches_beside_the_live_service_and_writes_a_winner(
         assert all(r["reused"] for r in again["candidates"]) and again["winner"]["label"] == w["label"]
         assert again["references"] == []  # the leader was kept: nothing fresh to repeat
 
+        # a budget that allows about half the search (half the first one's time, nothing kept:
+        # another controller cache): it stops inside its bound, the budget plus one
+        # measurement, and lists what it left out
+        made = len(rows) + len(res["references"]) + blocks
+        monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache-half"))
+        half = type(opts)(**{**opts.__dict__, "budget_s": res["budget"]["used_s"] / 2, "recipes_dir": tmp_path / "h"})
+        assert run_tune("box", str(recipe), half, as_json=True, settings=settings) == 0
+        part = json.loads(capsys.readouterr().out)
+        b = part["budget"]
+        assert part["budget_ran_out"] and b["used_s"] <= b["planned_s"] + b["longest_s"], b
+        fresh = len(part["candidates"]) + len(part["references"])
+        assert 0.25 * made <= fresh <= 0.75 * made and not any(r["reused"] for r in part["candidates"]), (fresh, made)
+        assert b["skipped"] and b["cut"], b  # what the budget left out, listed
+
         # the winner, deployed as it is (in place of the live service), passes its gate
         assert run_stop("box", str(recipe), settings=settings) == 0
         assert run_deploy("box", w["recipe"], settings=settings) == 0
@@ -192,19 +208,16 @@ def test_take_over_stops_the_live_service_and_brings_it_back(sshd_host, tiny_qua
         assert res["candidates"][0]["error"].startswith("the server did not come up")
         with connect(spec_for(sshd_host)) as host:
             assert bench_health(host, port) == 200  # back after the failed candidate
-        # a budget shorter than one measurement: the first candidate is measured, the search
-        # stops there and says so, the best so far is the winner, and the live service is back
-        took = type(opts)(**{**opts.__dict__, "take_over": True, "budget_s": 1.0})
-        took = type(took)(
-            **{**took.__dict__, "levers": type(opts.levers)(**{**opts.levers.__dict__, "ubatches": (512, 64)})}
-        )
-        assert run_tune("box", str(recipe), took, as_json=True, settings=settings) == 0
-        res = json.loads(capsys.readouterr().out)
-        assert res["live"]["taken_over"] and res["budget_ran_out"] and res["space"]["measured"] == 2
-        assert len(res["candidates"]) == 1 and res["winner"]["label"] == res["candidates"][0]["label"]
-        assert Path(res["winner"]["recipe"]).is_file()
+        # a budget below the first measurement's floor (its weights read, its requests decoded
+        # at the roofline): refused up front with the figure it needs, nothing stopped
+        took = type(opts)(**{**opts.__dict__, "take_over": True, "budget_s": 0.001})
+        with pytest.raises(
+            VoltaforgeError, match=r"cannot hold even the first measurement: .* give --budget 1s or more"
+        ):
+            run_tune("box", str(recipe), took, as_json=True, settings=settings)
+        assert "taking over" not in capsys.readouterr().out
         with connect(spec_for(sshd_host)) as host:
-            assert bench_health(host, port) == 200  # back after the search
+            assert bench_health(host, port) == 200  # never stopped
 
         # Ctrl-C amid a candidate (the command as a user runs it): exit 130 with one line saying
         # what was left; the scratch server is gone and the live service answers again

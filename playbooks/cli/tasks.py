@@ -447,7 +447,8 @@ def remove(
         "threads": "llama.cpp CPU thread counts to try (-t/-tb), e.g. 1,2 (default: the recipe's)",
         "min-ctx": "tokens every slot must hold (default: the recipe's context)",
         "min-bpw": "the quality floor in bits per weight (default: none)",
-        "budget": "wall-clock budget, e.g. 45m, 90s, 1h30m (default 45m); the best so far when it runs out",
+        "budget": "wall-clock budget, e.g. 45m, 90s, 1h30m (default 45m): the search ends within it plus one "
+        "measurement (each predicted from its plan, corrected as measured); the best so far when it runs out",
         "rungs": "successive-halving rounds (default 3): each measures the better half twice as long",
         "take-over": "stop the live service for the search when a candidate cannot fit beside it; restored after",
         "port": "the scratch server's port (default: the recipe's + 100)",

@@ -44,7 +44,6 @@ from playbooks.conduct.quantize import draft_artifact, quantize_step, recipe_wei
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.tune_candidates import (
     candidate_recipe,
-    concurrency_for,
     measurement_key,
     rung_gate,
     winner_recipe_text,
@@ -67,6 +66,7 @@ from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
 from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
 from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE
+from playbooks.steps.measure.tune_cost import plan_costs, streams_for
 from playbooks.steps.measure.tune_search import (
     Budget,
     Measured,
@@ -295,7 +295,7 @@ class Tuner:
         that rung, kept under its own key; ``reference``: the previous rung's leader again at
         its rung's workload, always measured afresh, since what it shows is the machine now)."""
         cand = candidate_recipe(self.loaded, c, self.port, self.context)
-        conc = concurrency_for(self.opts.objective, c)
+        conc = streams_for(self.opts.objective, c)
         g = rung_gate(cand.recipe.gate, rung, conc)
         workload: dict[str, Any] = {"prompt_tokens": g.prompt_tokens, "max_tokens": g.max_tokens, "concurrency": conc}
         if g.workload != "chat":  # (chat: the key measurements were kept under before kinds existed)
@@ -384,6 +384,11 @@ class Tuner:
         out = Outcome(space)
         if not space.survivors:
             raise VoltaforgeError(f"{self.host.name}: {space.why_empty()}")
+        # each measurement's cost from its candidate's plan, learned from as they are made
+        budget = Budget(self.opts.budget_s, plan_costs(space.survivors, self.loaded.recipe.gate, self.opts.objective))
+        too_small = budget.refusal(space.survivors[0].candidate)
+        if too_small:
+            raise VoltaforgeError(f"{self.host.name}: {too_small}")
         live = self.live_services()
         crowded = self.fits_beside(space, live)
         out.live = {"services": [d.service for d in live]}
@@ -398,7 +403,7 @@ class Tuner:
             # and neither are the quants the candidates need, made first (each can take longer
             # than a candidate's whole measurement on a large model)
             out.quants_s = self.make_quants(space)
-            out.budget = Budget(self.opts.budget_s)
+            out.budget = budget
             out.budget.start()
             out.measured, out.ran_out = successive_halving(
                 space.survivors,

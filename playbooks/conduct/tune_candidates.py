@@ -15,8 +15,9 @@ import yaml
 from playbooks.config.recipe import Cache, Gate, LoadedRecipe
 from playbooks.config.recorded import merged_text
 from playbooks.steps.measure import tune_report
+from playbooks.steps.measure.tune_cost import requests_for
 from playbooks.steps.measure.tune_search import Measured
-from playbooks.steps.measure.tune_space import Candidate, Objective
+from playbooks.steps.measure.tune_space import Candidate
 
 
 def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int) -> LoadedRecipe:
@@ -40,14 +41,9 @@ def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int
     return loaded.model_copy(update={"recipe": new})
 
 
-def concurrency_for(objective: Objective, c: Candidate) -> int:
-    """One stream for the single-stream objective; every slot busy for the others."""
-    return 1 if objective == "single" else c.parallel
-
-
 def rung_gate(g: Gate, rung: int, concurrency: int) -> Gate:
     """The bench's repeats at a rung: rung 0 the fewest requests, each rung twice the last."""
-    least = max(2 * concurrency, 4) * 2**rung
+    least = requests_for(rung, concurrency)
     return g.model_copy(update={"requests_per_level": least, "max_requests_per_level": 4 * least})
 
 

@@ -5,10 +5,10 @@ The order is the run's own (conduct/tune.search_space). The time follows success
 schedule (every survivor at rung 0; the better half, at least two, at each next rung; before each
 rung after the first, the last leader again; up to four interleaved blocks of the final two),
 each measurement costed from what was measured before where the controller keeps it (the
-median time of that rung's measurements on that host, `measurements.jsonl`), else from the
-roofline: the rung's requests x tokens over the candidate's predicted rate. The roofline's
-figure is a lower bound (a server is never faster than its ceiling, and the deploy and warm-up
-are not in it); the report says which was used.
+median time of that rung's measurements on that host, `measurements.jsonl`), else from its
+floor (tune_cost.floor_s: the weights read and the rung's requests and warm-up decoded at the
+candidate's roofline rate): a lower bound, as a server is never faster than its ceiling and its
+start is not in it; the report says which was used.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from playbooks.conduct.tune import TuneOptions, search_space, stored_rows
-from playbooks.conduct.tune_candidates import concurrency_for, rung_gate
 from playbooks.config.recipe import LoadedRecipe
+from playbooks.steps.measure.tune_cost import floor_s
 from playbooks.steps.measure.tune_search import promoted
 from playbooks.steps.measure.tune_space import Planned, Space
 
@@ -69,16 +69,11 @@ def stored_rung_costs(store: Path) -> dict[int, float]:
     return {r: statistics.median(v) for r, v in took.items()}
 
 
-def roofline_cost(loaded: LoadedRecipe, planned: list[Planned], objective: str, rung: int) -> float:
-    """The mean over the candidates of the rung's requests x max tokens over the predicted rate:
-    a lower bound on the measurement's time."""
+def floor_cost(loaded: LoadedRecipe, planned: list[Planned], objective: str, rung: int) -> float:
+    """The mean over the candidates of one measurement's floor at ``rung`` (tune_cost.floor_s:
+    the weights read and the rung's requests decoded at the roofline)."""
     g = loaded.recipe.gate
-    costs = []
-    for p in planned:
-        conc = concurrency_for(objective, p.candidate)  # type: ignore[arg-type]
-        requests = rung_gate(g, rung, conc).requests_per_level
-        rate = p.predicted_tok_s if objective == "aggregate" else p.single_tok_s * conc
-        costs.append(requests * g.max_tokens / rate if rate > 0 else 0.0)
+    costs = [floor_s(p, g, objective, rung) for p in planned]  # type: ignore[arg-type]
     return statistics.fmean(costs) if costs else 0.0
 
 
@@ -92,8 +87,8 @@ def preview(loaded: LoadedRecipe, opts: TuneOptions, store: Path | None = None) 
             rung_s.append(kept[r])
             basis.append("measured before")
         else:
-            rung_s.append(roofline_cost(loaded, space.survivors, opts.objective, r))
-            basis.append("the roofline: requests only, no deploy or warm-up, a lower bound")
+            rung_s.append(floor_cost(loaded, space.survivors, opts.objective, r))
+            basis.append("the floor: the weights read and the requests decoded at the roofline, a lower bound")
     total = sum(n * c for n, c in zip(schedule, rung_s, strict=True))
     total += sum(rung_s[r - 1] for r in range(1, len(schedule)))  # each rung's reference
     if len(space.survivors) > 1 and rung_s:

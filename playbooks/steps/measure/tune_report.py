@@ -233,6 +233,10 @@ def budget_text(res: dict[str, Any]) -> str:
             f"; stopped before {first['candidate']} (rung {first['rung']}): predicted "
             f"{duration(first['predicted_s'])} with {duration(first['left_s'])} left"
         )
+        if len(skipped) > 1:
+            text += f"; not measured: {', '.join(s['candidate'] for s in skipped[1:])}"
+    for cut in b.get("cut") or []:
+        text += f"; left out: {cut}"
     return text
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE, distinct, t975
+from playbooks.steps.measure.tune_cost import Costs
 from playbooks.steps.measure.tune_space import Candidate, Objective, Planned, simplicity
 
 
@@ -99,18 +100,26 @@ def objective_figure(level: dict[str, Any], objective: Objective) -> dict[str, A
 
 @dataclass
 class Budget:
-    """The search's clock: ``total_s`` from :meth:`start`, and each fresh measurement's cost
-    (deploy, warm-up, the rung's requests) by rung, so the next one's can be predicted before it
-    starts: the median of its rung's so far, else twice the rung before's (twice the requests;
-    the deploy does not double, so it over-estimates). A candidate whose predicted cost exceeds
-    what is left is skipped: the budget bounds the search within one candidate's prediction
-    error, where checking the clock only before a measurement let one run for hours past it."""
+    """The search's clock: ``total_s`` from :meth:`start`, and the cost model
+    (tune_cost.Costs) that predicts each measurement before it starts and learns from each
+    fresh one. A measurement starts only when its predicted cost fits what is left; the first
+    one's prediction is a floor and `invoke tune` refuses a budget below it before the search
+    (:meth:`refusal`).
+
+    The bound: the search ends within ``total_s`` plus one measurement's length. Each
+    measurement starts with its prediction inside what is left, so the search passes the budget
+    only by how far its last measurement outlasted its prediction, which is less than that
+    measurement's whole length. When the budget stops the search, every candidate it did not
+    reach is listed with its prediction (``skipped``), and whether a later rung or the
+    finalists' interleaving was left out (``cut``)."""
 
     total_s: float
+    costs: Costs
     clock: Callable[[], float] = time.monotonic
     started: float | None = None
-    took: dict[int, list[float]] = field(default_factory=dict)
+    took: list[float] = field(default_factory=list)
     skipped: list[tuple[Candidate, int, float, float]] = field(default_factory=list)  # (c, rung, predicted, left)
+    cut: list[str] = field(default_factory=list)  # what else the budget left out
 
     def start(self) -> None:
         self.started = self.clock()
@@ -121,33 +130,50 @@ class Budget:
     def left(self) -> float:
         return self.total_s - self.used()
 
-    def record(self, rung: int, seconds: float) -> None:
-        self.took.setdefault(rung, []).append(seconds)
+    def record(self, c: Candidate, rung: int, seconds: float) -> None:
+        self.took.append(seconds)
+        self.costs.record(c, rung, seconds)
 
-    def predict(self, rung: int) -> float | None:
-        if self.took.get(rung):
-            return statistics.median(self.took[rung])
-        if self.took.get(rung - 1):
-            return 2 * statistics.median(self.took[rung - 1])
-        return None
+    def predict(self, c: Candidate, rung: int) -> float:
+        return self.costs.predict(c, rung)
+
+    def refusal(self, first: Candidate) -> str | None:
+        """Why the budget cannot hold even the first measurement (its floor), or None."""
+        floor = self.predict(first, 0)
+        if floor <= self.total_s:
+            return None
+        return (
+            f"a budget of {self.total_s:.0f} s cannot hold even the first measurement: its floor is {floor:.0f} s "
+            f"(its weights read and its requests decoded at the roofline); give --budget {math.ceil(floor)}s or more"
+        )
 
     def admits(self, c: Candidate, rung: int) -> bool:
-        """Whether the candidate's predicted cost fits what is left (no prediction yet: only
-        while any time is left); a refusal is kept in ``skipped``."""
-        left, cost = self.left(), self.predict(rung)
-        if left > 0 and (cost is None or cost <= left):
+        """Whether the candidate's predicted cost fits what is left; a refusal is kept in
+        ``skipped``."""
+        left, cost = self.left(), self.predict(c, rung)
+        if left > 0 and cost <= left:
             return True
-        self.skipped.append((c, rung, cost or 0.0, max(left, 0.0)))
+        self.skipped.append((c, rung, cost, max(left, 0.0)))
         return False
+
+    def stop(self, rest: Sequence[Candidate], rung: int, later: str | None) -> None:
+        """The search stops at ``rung``: the candidates it did not reach there, and what
+        came after (``later``: the rungs or the interleaving not run), listed."""
+        left = max(self.left(), 0.0)
+        self.skipped += [(c, rung, self.predict(c, rung), left) for c in rest]
+        if later:
+            self.cut.append(later)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "planned_s": round(self.total_s, 1),
             "used_s": round(self.used(), 1),
+            "longest_s": round(max(self.took, default=0.0), 1),
             "skipped": [
                 {"candidate": c.label(), "rung": r, "predicted_s": round(p, 1), "left_s": round(left, 1)}
                 for c, r, p, left in self.skipped
             ],
+            "cut": list(self.cut),
         }
 
 
@@ -165,8 +191,9 @@ def successive_halving(
     reference: Callable[[Candidate, int], Measured] | None = None,
 ) -> tuple[list[Measured], bool]:
     """Every measurement made, in order, and whether the budget stopped the search first: each
-    measurement but the first is made only when the budget admits its predicted cost
-    (:class:`Budget`); a fresh measurement's time is recorded for the next prediction.
+    measurement is made only when the budget admits its predicted cost (:class:`Budget`: a
+    budget below the first one's floor is refused before the search); each fresh
+    measurement's time corrects the predictions after it.
 
     ``reference``: before each rung after the first, the previous rung's leader is measured
     again at that rung's workload (``reference(c, rung)``, marked ``reference``), so the drift
@@ -174,30 +201,31 @@ def successive_halving(
     alive = [p.candidate for p in planned]
     done: list[Measured] = []
 
-    def admitted(c: Candidate, rung: int) -> bool:
-        return not done or budget is None or budget.admits(c, rung)
-
-    def timed(fn: Callable[[Candidate, int], Measured], c: Candidate, rung: int, cost_rung: int) -> Measured:
+    def timed(fn: Callable[[Candidate, int], Measured], c: Candidate, rung: int) -> Measured:
         t0 = budget.clock() if budget else 0.0
         m = fn(c, rung)
         if budget is not None and not m.reused:
-            budget.record(cost_rung, budget.clock() - t0)
+            budget.record(c, rung, budget.clock() - t0)
         return m
+
+    def stopped(rest: Sequence[Candidate], rung: int) -> tuple[list[Measured], bool]:
+        if budget is not None:
+            later = f"the rungs after rung {rung}, " if rung < rungs - 1 else ""
+            budget.stop(rest, rung, f"{later}the finalists' interleaving (where the search would have reached them)")
+        return done, True
 
     leader: Measured | None = None
     for rung in range(rungs):
         # a leader kept from an earlier run has no fresh figure to repeat: no reference then
         if reference is not None and leader is not None and not leader.reused:
-            if not admitted(leader.candidate, rung - 1):
-                return done, True
-            done.append(replace(timed(reference, leader.candidate, rung - 1, rung - 1), reference=True))
+            if budget is not None and not budget.admits(leader.candidate, rung - 1):
+                return stopped(alive, rung)
+            done.append(replace(timed(reference, leader.candidate, rung - 1), reference=True))
         results: list[Measured] = []
-        for c in alive:
-            # the first candidate is always measured: a budget shorter than one measurement
-            # still reports one figure and a winner, rather than nothing at all
-            if not admitted(c, rung):
-                return done, True
-            m = timed(measure, c, rung, rung)
+        for i, c in enumerate(alive):
+            if budget is not None and not budget.admits(c, rung):
+                return stopped(alive[i + 1 :], rung)
+            m = timed(measure, c, rung)
             results.append(m)
             done.append(m)
         ranked = sorted(
@@ -283,11 +311,12 @@ def interleave(
     blocks: list[Measured] = []
     for c, i in ((a, 0), (b, 0), (b, 1), (a, 1)):
         if budget is not None and not budget.admits(c, rung):
+            budget.stop([], rung, f"the finalists' interleaved blocks {len(blocks) + 1}-4 of 4")
             break
         t0 = budget.clock() if budget else 0.0
         m = measure_block(c, i)
         if budget is not None and not m.reused:
-            budget.record(rung, budget.clock() - t0)
+            budget.record(c, rung, budget.clock() - t0)
         blocks.append(m)
     return blocks
 
