@@ -3,8 +3,9 @@
 On this machine, as a user would run them (the `voltaforge` CLI, one `local: true` inventory
 entry `stab` serving the 8-layer generated model of scripts/bench_stability.py):
 
-1. `voltaforge bench --compare` four times on the unchanged server: how many of the pairs each
-   compare makes call a change "outside the noise" (stated: none, at most 5% of families);
+1. `voltaforge bench --noise 4` on the unchanged server (the host's own run-to-run noise, from
+   its history), then `voltaforge bench --compare` four times: how many of the pairs each compare
+   makes call a change "outside the noise" (stated: none, at most 5% of families);
 2. the server redeployed with `threads: 1` (was 2), then `bench --compare`: is the change called
    (a real one, of the size the roofline of one core against two predicts);
 3. `voltaforge tune` of one space twice, each from its own empty measurement store (a separate
@@ -42,6 +43,7 @@ BENCH_CODE = [
     "playbooks/steps/measure/bench_run.py",
     "playbooks/steps/measure/bench_report.py",
     "playbooks/steps/measure/bench_stats.py",
+    "playbooks/steps/measure/bench_noise.py",
     "playbooks/steps/measure/roofline.py",
 ]
 TUNE_CODE = [
@@ -51,6 +53,7 @@ TUNE_CODE = [
     "playbooks/steps/measure/tune_search.py",
     "playbooks/steps/measure/tune_space.py",
     "playbooks/steps/measure/tune_report.py",
+    "playbooks/steps/measure/tune_cost.py",
 ]
 VERDICT = re.compile(
     r"concurrency (\d+): per-stream decode ([+-][\d.]+)% against the (last|best) run, (outside|within)"
@@ -81,7 +84,12 @@ def main() -> int:
         inv = ["--host", "stab", "--inventory", str(inventory)]
         figures: dict[str, Any] = {}
         extra: dict[str, Any] = {}
-        # 1. four runs of the unchanged server, each compared with the history before it
+        # 1. the host's own noise (four runs of the unchanged server), then four more runs, each
+        # compared with the history before it
+        code, out, took = cli(["bench", *inv, "--noise", "4"], env, work)
+        noise_line = out.strip().splitlines()[-1] if out.strip() else ""
+        print(f"bench --noise 4: exit {code}, {took:.0f} s: {noise_line}", flush=True)
+        extra["noise"] = noise_line
         unchanged: list[tuple[int, float, str, bool]] = []
         last_bench = ""
         for i in range(4):
@@ -134,7 +142,8 @@ def main() -> int:
             {k: "s" if k.endswith("_s") else "%" if k.endswith("_pct") else "count" for k in figures},
             ".venv/bin/python scripts/bench_proof.py",
             notes="8-layer hidden-1024 Llama, random weights, Q8_0, llama-server (4 slots) as a managed process "
-            "on this machine (the `stab` entry); four `voltaforge bench --compare`, then the recipe with threads: 1 "
+            "on this machine (the `stab` entry); `voltaforge bench --noise 4` (the host's own noise), four "
+            "`voltaforge bench --compare`, then the recipe with threads: 1 "
             "and one more; two `voltaforge tune --slots 2 --cache f16 --ubatch 64,512 --rungs 2`, each from its own "
             "empty store",
             extra=extra,
@@ -143,7 +152,7 @@ def main() -> int:
         write_result(
             ROOT / "reports" / "local" / "bench-sample.json",
             "a bare `voltaforge bench --compare` of the 8-layer generated model (Q8_0) on this machine, "
-            "the fourth of four",
+            "the fourth of four after `bench --noise 4`",
             {"command_wall_s": round(bench_took, 1)},
             {"command_wall_s": "s"},
             "voltaforge bench --host stab --inventory .../inventory.yaml --compare (scripts/bench_proof.py)",

@@ -3,8 +3,9 @@
 deployed by `invoke deploy` on a host without systemd (a private sshd: the managed process),
 measured through the SSH port forward. The sweep runs; the client's decode agrees with the
 server's own within 5% at every level; llama-bench runs beside it; the three reports are
-written and the PNG is a real image; the gate passes below reality and fails above it; a
-server that is down fails the gate in one line and leaves the history as it was."""
+written and the PNG is a real image; the gate passes below reality and fails above it; `bench
+--noise` gives the host its own run-to-run noise, which `--compare` then counts; a server that
+is down fails the gate in one line and leaves the history as it was."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.cli.bench import run_bench
+from playbooks.cli.bench import run_bench, run_bench_noise
 from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.conduct.settings import Settings
 from playbooks.host import connect
@@ -134,6 +135,21 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound,
         assert second["membw"]["source"].startswith("stored, measured ")
         assert second["roofline_tok_s"] == result["roofline_tok_s"] and second["membw_gb_s"] == result["membw_gb_s"]
         assert second["facts"]["last_level_cache"] == llc and second["cache_resident"] == result["cache_resident"]
+
+        # the host's own run-to-run noise (issue 53): three more runs of that unchanged recipe make
+        # four, the figure's least (3 degrees of freedom); then --compare counts it and says so
+        assert run_bench_noise("box", 3, str(failing), as_json=True, settings=settings) == 1  # the gate fails
+        noise = json.loads(capsys.readouterr().out)
+        own = noise["host_noise"]
+        assert len(noise["runs"]) == 3 and (own["runs"], own["df"], own["groups"]) == (4, 3, 1), own
+        assert 0 <= own["rsd"] < 1 and own["oldest"] < own["newest"]
+        assert run_bench("box", str(failing), show_compare=True, settings=settings) == 1
+        out = " ".join(capsys.readouterr().out.split())
+        assert "noise between runs: " in out and "(4 runs, 3 degrees of freedom, " in out, out[-2000:]
+        assert "box's own history" in out
+        verdict = r"concurrency 1: per-stream decode [+-][\d.]+% against the last run, (outside|within) the noise"
+        assert re.search(verdict, out), out[-2000:]
+        assert len(history.read_text().splitlines()) == 6
     finally:
         assert run_stop("box", str(passing), settings=settings) == 0
     capsys.readouterr()
@@ -142,4 +158,4 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(sshd_host, membound,
     down = json.loads(capsys.readouterr().out)
     assert not down["complete"] and "does not answer: nothing listens there (is it stopped?)" in down["error"]
     assert down["gate"]["reasons"][0] == down["error"] and "\n" not in down["error"]
-    assert len(history.read_text().splitlines()) == 2
+    assert len(history.read_text().splitlines()) == 6

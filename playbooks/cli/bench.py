@@ -11,9 +11,10 @@ from rich.table import Table
 from rich.text import Text
 
 from playbooks.cli.render import console
-from playbooks.conduct.bench import bench_balancer, bench_host
+from playbooks.conduct.bench import bench_balancer, bench_host, bench_noise
 from playbooks.conduct.settings import Settings
-from playbooks.steps.measure.bench_report import compare, render_compare, render_sweep_table
+from playbooks.steps.measure.bench_noise import MIN_DF, missing_text, noise_text
+from playbooks.steps.measure.bench_report import compare, noise_line, render_compare, render_sweep_table
 
 
 def run_bench(
@@ -40,8 +41,31 @@ def run_bench(
             render_sweep_table(result, out)
             if show_compare:
                 render_compare(compare(result, earlier), out)
+                out.print(Text(noise_line(result)))
             out.print(f"reports: {files['json']}, {files['markdown']}, {files['png']}")
     return 0 if all(result["gate"]["passed"] for result, _, _ in runs) else 1
+
+
+def run_bench_noise(
+    host_name: str, runs: int, recipe: str | None = None, as_json: bool = False, settings: Settings | None = None
+) -> int:
+    """The unchanged server benched ``runs`` times, a line per run, then the host's run-to-run
+    noise from its history (or what is still missing)."""
+    done, noise = bench_noise(host_name, recipe, settings or Settings(), runs)
+    if as_json:
+        results = [result for result, _, _ in done]
+        print(json.dumps({"runs": results, "host_noise": noise.as_dict() if noise else None}, indent=2, sort_keys=True))
+    else:
+        out = console()
+        for i, (result, files, _) in enumerate(done, 1):
+            single = next((lv for lv in result["levels"] if lv.get("concurrency") == 1), None)
+            decode = ((single or {}).get("decode") or {}).get("mean")
+            figure = f"single stream {decode:.1f} tok/s" if decode else "no single-stream figure"
+            out.print(Text(f"run {i} of {len(done)}: {result['recipe']}, {figure}; {files['json']}"))
+        host = done[-1][0]["host"] if done else host_name
+        usable = noise is not None and noise.df >= MIN_DF
+        out.print(Text(f"{host}: {noise_text(noise)}" if usable and noise else missing_text(host, noise)))
+    return 0 if all(result["gate"]["passed"] for result, _, _ in done) else 1
 
 
 def run_bench_lb(

@@ -533,6 +533,8 @@ def tune(
         "compare": "show the change against the last and the best run of this host and recipe",
         "remeasure": "measure the host's memory bandwidth again instead of reusing the stored figure",
         "lb": "measure through the balancer on --host (invoke lb) on this port, with each backend's share",
+        "noise": "bench the unchanged server N times (e.g. 4) and report this host's run-to-run noise, which "
+        "--compare and tune count (kept with the bench history)",
     },
 )
 def bench(
@@ -543,6 +545,7 @@ def bench(
     compare: bool = False,
     remeasure: bool = False,
     lb: str | None = None,
+    noise: str | None = None,
     inventory: str | None = None,
 ) -> int:
     """Measure the deployed server against its roofline and judge the gate (exit 1: failed).
@@ -550,9 +553,18 @@ def bench(
     A concurrency sweep with confidence intervals, telemetry, JSON/Markdown/PNG reports and a
     history on this machine. Without a recipe: the one the host's deployment record says it
     serves (a host's serve: layout: each of its servers). --lb PORT: the same workload through
-    the host's balancer, with each backend's share of the requests (no gate)."""
-    from playbooks.cli.bench import run_bench, run_bench_lb
+    the host's balancer, with each backend's share of the requests (no gate). --noise N: N runs
+    of the unchanged server, then the host's run-to-run noise from its history."""
+    from playbooks.cli.bench import run_bench, run_bench_lb, run_bench_noise
 
+    if noise is not None:
+        return run_bench_noise(
+            configured.host(c, host),
+            flags.positive_int("--noise", noise, "runs", maximum=50) or 1,
+            recipe=configured.recipe(c, recipe),
+            as_json=json,
+            settings=configured.settings(c, inventory),
+        )
     if lb is not None:
         return run_bench_lb(
             configured.host(c, host),

@@ -17,6 +17,8 @@ from playbooks.conduct.balancer import edge_client
 from playbooks.conduct.deploy import served_instances
 from playbooks.conduct.settings import Settings
 from playbooks.steps.measure.bench_lb import bench_through_balancer
+from playbooks.steps.measure.bench_noise import HostNoise, host_noise
+from playbooks.steps.measure.bench_report import read_history
 from playbooks.steps.measure.bench_run import bench_dir, gate_run
 
 #: one server's run: its result, the report files written, the earlier results to compare with
@@ -41,6 +43,19 @@ def bench_host(
             for _, layout, _ in served_instances(s, spec.prefix)[1]:
                 runs.append(gate_run(s.loaded, host, spec.prefix, layout, out_dir, remeasure=remeasure))
     return runs
+
+
+def bench_noise(
+    host_name: str, recipe: str | None, settings: Settings, runs: int
+) -> tuple[list[Run], HostNoise | None]:
+    """The unchanged server(s) benched ``runs`` times back to back, each run kept in the
+    history, and the host's run-to-run noise pooled from its history after them
+    (steps/measure/bench_noise.py)."""
+    done: list[Run] = []
+    for _ in range(runs):
+        done += bench_host(host_name, recipe, settings)
+    host = done[-1][0]["host"] if done else host_name  # the name the history keeps
+    return done, host_noise(read_history(bench_dir() / "history.jsonl", host))
 
 
 def bench_balancer(host_name: str, port: int, recipe: str | None, settings: Settings) -> tuple[dict[str, Any], Path]:

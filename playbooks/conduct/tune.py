@@ -64,6 +64,8 @@ from playbooks.host.ops import Change, Command, run_command, run_ops
 from playbooks.host.output import Printer
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
+from playbooks.steps.measure.bench_noise import host_noise, missing_text, noise_text, usable
+from playbooks.steps.measure.bench_report import read_history
 from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
 from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE
 from playbooks.steps.measure.tune_cost import plan_costs, streams_for
@@ -173,10 +175,22 @@ class Tuner:
         self.live_checks: list[tuple[str, int]] = []
         self.build = ""
         self.provenance = Provenance()  # the host facts a measurement depends on (read in run)
-        # the between-run noise every comparison counts: the recipe's own figure, else the defaults
+        # the between-run noise every comparison counts: the recipe's own figure, else the
+        # host's from its bench history (bench_noise), else the 2-core VM's defaults, said so
         given = r.gate.run_noise
-        self.run_noise = RUN_NOISE if given is None else given
-        self.block_noise = BLOCK_NOISE if given is None else given
+        own = host_noise(read_history(bench_dir() / "history.jsonl", host.name))
+        if given is not None:
+            self.run_noise = self.block_noise = given
+            self.noise_source = f"noise between runs: {given:.1%}, the recipe's gate.run_noise"
+        elif own is not None and usable(own):
+            self.run_noise = self.block_noise = own.rsd
+            self.noise_source = f"noise between runs: {noise_text(own)}, {host.name}'s own history"
+        else:
+            self.run_noise, self.block_noise = RUN_NOISE, BLOCK_NOISE
+            self.noise_source = (
+                f"{missing_text(host.name, own)}; until then ties are judged with {RUN_NOISE:.0%}, "
+                "measured on a shared 2-core VM"
+            )
         self.bandwidth: float | None = None
         self.kld: dict[str, float] = {}  # quant -> mean KL divergence against F16 (its manifest)
         self._live: list[Deployment] | None = None
@@ -382,6 +396,7 @@ class Tuner:
         self.provenance = parse_provenance(read_fact(self.host, provenance_command(self.prefix)))
         space = search_space(self.loaded, self.opts, self.bandwidth)
         out = Outcome(space)
+        self.say(self.noise_source)
         if not space.survivors:
             raise VoltaforgeError(f"{self.host.name}: {space.why_empty()}")
         # each measurement's cost from its candidate's plan, learned from as they are made
@@ -462,6 +477,8 @@ class Tuner:
             interleaved(out.blocks),
             rung_drift(out.measured),
         )
+        # what every comparison of the search counted between runs, and where it came from
+        out.result["run_noise"] = {"rsd": self.run_noise, "block": self.block_noise, "source": self.noise_source}
         out.report_dir = self.root / at.replace(":", "")
         tune_report.write(out.result, out.report_dir)
 

@@ -41,7 +41,8 @@ from rich.text import Text
 from playbooks.errors import VoltaforgeError
 from playbooks.steps.measure import roofline as ceiling
 from playbooks.steps.measure.bench import decode_figure
-from playbooks.steps.measure.bench_stats import RUN_NOISE, detectable_change, distinct, halfwidth_text
+from playbooks.steps.measure.bench_noise import MIN_DF, HostNoise, missing_text, noise_text
+from playbooks.steps.measure.bench_stats import RUN_NOISE_DF, detectable_change, distinct, halfwidth_text
 from playbooks.steps.measure.roofline import finite
 
 REPORT_FILES = {"json": "bench.json", "markdown": "bench.md", "png": "bench.png"}
@@ -599,10 +600,12 @@ COMPARED = 2
 
 
 def _ref(
-    run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: Any, noise: float = RUN_NOISE
+    run: dict[str, Any], level: dict[str, Any], now: dict[str, Any], sha: Any, noise: dict[str, Any] | None
 ) -> dict[str, Any]:
     values = tracked(level)
     same = (now.get("decode") or {}).get("source") == (level.get("decode") or {}).get("source")
+    rsd, df = (float(noise["rsd"]), int(noise["df"])) if noise else (0.0, 0)
+    same = same and noise is not None
     return {
         "at": run.get("at"),
         "build": run.get("build"),
@@ -612,21 +615,34 @@ def _ref(
         "values": values,
         "change_pct": {k: _pct(now.get(k), values[k]) for k in TRACKED},
         # the per-stream decode's change by bench_stats' test (each run's rounds plus the
-        # between-run noise; the last and the best run are compared together, so at 5%/2 each):
-        # True outside the noise, False within it, None where a run has no interval (runs before
-        # the repeats) or the two are not the same measurement (the client's and the server's)
-        "decode_outside_noise": distinct(now.get("decode"), level.get("decode"), noise, comparisons=COMPARED)
-        if same
-        else None,
+        # host's between-run noise; the last and the best run are compared together, so at 5%/2
+        # each): True outside the noise, False within it, None where a run has no interval (runs
+        # before the repeats), the two are not the same measurement (the client's and the
+        # server's) or the host has no noise figure (:func:`compare_noise`)
+        "decode_outside_noise": distinct(now.get("decode"), level.get("decode"), rsd, COMPARED, df) if same else None,
         # what the test could have told: the smallest change flagged 80% of the time
-        "detectable_pct": _detectable_pct(level.get("decode"), noise) if same else None,
-        "run_noise": noise,
+        "detectable_pct": _detectable_pct(level.get("decode"), rsd, df) if same else None,
+        "run_noise": rsd if noise else None,
     }
 
 
-def _detectable_pct(decode: dict[str, Any] | None, noise: float) -> float | None:
-    found = detectable_change(decode, noise, comparisons=COMPARED)
+def _detectable_pct(decode: dict[str, Any] | None, noise: float, df: int) -> float | None:
+    found = detectable_change(decode, noise, comparisons=COMPARED, noise_df=df)
     return None if found is None else round(found * 100, 1)
+
+
+def compare_noise(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The between-run noise a compare counts: the recipe's own figure (gate.run_noise), else
+    the host's, pooled from its history before this run (bench_noise; ``host_noise`` in the
+    result) once it rests on enough runs, else None: no verdict, and the report says what to
+    run. ``{"rsd", "df", "source"}``."""
+    given = finite((result.get("workload") or {}).get("run_noise"))
+    if given is not None:
+        return {"rsd": given, "df": RUN_NOISE_DF, "source": "the recipe's gate.run_noise"}
+    host = result.get("host_noise")
+    if host and host.get("df", 0) >= MIN_DF:
+        return {"rsd": host["rsd"], "df": host["df"], "source": f"{result.get('host')}'s own history"}
+    return None
 
 
 def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -637,14 +653,13 @@ def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[d
     tok/s at that level. A level a past run did not measure has ``last``/``best`` None.
     Each row: ``{"concurrency", "now": {metric: value}, "last": ref | None, "best": ref | None}``
     with ref ``{"at", "build", "recipe_sha256", "recipe_changed", "values": {...}, "change_pct": {metric: % | None}}``
-    (change = (now - then) / then; for TTFT a positive change is slower).
+    (change = (now - then) / then; for TTFT a positive change is slower). The per-stream
+    decode's verdict counts the noise of :func:`compare_noise`.
     """
     same = (result.get("host"), result.get("recipe"))
     past = [r for r in history if (r.get("host"), r.get("recipe")) == same and r.get("at") != result.get("at")]
     past.sort(key=lambda r: str(r.get("at")))
-    # the between-run noise this run was measured with (the gate's run_noise, else the default)
-    given = finite((result.get("workload") or {}).get("run_noise"))
-    noise = RUN_NOISE if given is None else given
+    noise = compare_noise(result)
     rows = []
     for lv in result.get("levels") or []:
         c = lv.get("concurrency")
@@ -654,8 +669,20 @@ def compare(result: dict[str, Any], history: Sequence[dict[str, Any]]) -> list[d
         last = _ref(*measured[-1], now, sha, noise) if measured else None
         scored = [m for m in measured if finite(m[1].get("aggregate_tok_s")) is not None]
         best = _ref(*max(scored, key=lambda m: m[1]["aggregate_tok_s"]), now, sha, noise) if scored else None
-        rows.append({"concurrency": c, "now": now, "last": last, "best": best})
+        rows.append({"concurrency": c, "now": now, "last": last, "best": best, "noise": noise})
     return rows
+
+
+def noise_line(result: dict[str, Any]) -> str:
+    """What the compare counted as the noise between runs, or, without a figure, what to run."""
+    noise = compare_noise(result)
+    kept = result.get("host_noise")
+    own = HostNoise(**kept) if kept else None
+    if noise is None:
+        return missing_text(str(result.get("host")), own) + "; the changes are shown without a verdict"
+    if own is not None and noise["source"].endswith("own history"):
+        return f"noise between runs: {noise_text(own)}, {noise['source']}"
+    return f"noise between runs: {noise['rsd']:.1%}, {noise['source']}"
 
 
 def _change_text(ref: dict[str, Any] | None, key: str, spec: str) -> Text:

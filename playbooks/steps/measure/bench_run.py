@@ -37,8 +37,9 @@ from playbooks.plan.tensors import parameter_count
 from playbooks.resources import resource_dir
 from playbooks.steps.build.llamacpp_source import source_cache_dir
 from playbooks.steps.measure import bench, bench_client, roofline
+from playbooks.steps.measure.bench_noise import host_noise
 from playbooks.steps.measure.bench_report import append_history, read_history, write_reports
-from playbooks.steps.measure.bench_stats import MIN_ROUNDS, RUN_NOISE, estimate, settled
+from playbooks.steps.measure.bench_stats import MIN_ROUNDS, estimate, settled
 from playbooks.steps.serve.deploy import DeployLayout, read_record
 from playbooks.steps.serve.secrets import api_key_for
 
@@ -381,8 +382,9 @@ def measure(
             "requests_per_level": {str(c): list(request_bounds(g, c)) for c in levels},
             "rounds_per_level": {str(c): list(round_bounds(g, c)) for c in levels},
             "ci_target": g.ci_target,
-            # what --compare counts between two runs (the gate's figure, else the measured default)
-            "run_noise": g.run_noise if g.run_noise is not None else RUN_NOISE,
+            # what --compare counts between two runs: the gate's figure where the recipe gives
+            # one, else the host's own (``host_noise``, bench_noise)
+            "run_noise": g.run_noise,
             "warmup": "one round per level (a request per stream), left out",
         },
         "levels": [],
@@ -531,10 +533,13 @@ def gate_run(
     afresh instead of its stored figure."""
     result, seen = measure(loaded, host, prefix, layout, remeasure=remeasure)
     result["gate"] = bench.judge(result, thresholds(loaded), seen)
+    history = bench_dir() / "history.jsonl"
+    # the host's own run-to-run noise, from its runs before this one (every recipe's)
+    noise = host_noise(read_history(history, host.name))
+    result["host_noise"] = noise.as_dict() if noise else None
     where = out_dir or bench_dir() / host.name / loaded.recipe.name / result["at"].replace(":", "")
     files = write_reports(result, where)
-    history = bench_dir() / "history.jsonl"
-    earlier = read_history(history, host.name, loaded.recipe.name) if history.exists() else []
+    earlier = read_history(history, host.name, loaded.recipe.name)
     if result["complete"]:
         append_history(result, history)  # an incomplete run never enters the history
     return result, files, earlier

@@ -13,14 +13,16 @@ figure must say how much it moves when nothing changed, and that has two parts:
 - **Between runs.** The same unchanged server measured minutes apart moves more than one run's
   interval says (measured: reports/bench/noise.json, several runs of one idle and one busy
   server). A run's mean is the server's true rate, times a run effect of relative standard
-  deviation RUN_NOISE, plus its own sampling error. Two figures measured in different runs
-  (two bench runs, two tune candidates) carry that term on each side.
+  deviation ``run_noise``, plus its own sampling error. Two figures measured in different runs
+  (two bench runs, two tune candidates) carry that term on each side. ``run_noise`` is the
+  host's own figure (bench_noise, pooled from its history) with the degrees of freedom it rests
+  on; RUN_NOISE and RUN_NOISE_DF are this 2-core VM's, the defaults where none is given.
 
 The test (:func:`difference`, :func:`distinct`): Welch's t on the difference of two means, with
 each side's variance the run's squared standard error (stdev^2 / rounds) plus the between-run
-variance (RUN_NOISE x mean)^2, and Welch-Satterthwaite degrees of freedom in which the
+variance (run_noise x mean)^2, and Welch-Satterthwaite degrees of freedom in which the
 between-run term counts with the degrees of freedom of the data set it was estimated from
-(RUN_NOISE_DF). Two figures differ when the absolute difference exceeds t_{1-alpha/2m}(df) times
+(``noise_df``). Two figures differ when the absolute difference exceeds t_{1-alpha/2m}(df) times
 its standard error: alpha = 5% over the m comparisons made together (Bonferroni), so the whole
 family calls an unchanged pair changed at most 5% of the time; the power this leaves is
 :func:`detectable_change` (the smallest change flagged 80% of the time), printed beside the
@@ -239,10 +241,12 @@ def difference(
     run_noise: float = RUN_NOISE,
     comparisons: int = 1,
     alpha: float = ALPHA,
+    noise_df: int = RUN_NOISE_DF,
 ) -> Difference | None:
     """The difference of two estimates (``as_dict`` form) measured in different runs, by the
     test of the module docstring; ``run_noise`` 0 for two figures of one run (or of blocks
-    interleaved in one time window). None when either side has no interval."""
+    interleaved in one time window), with ``noise_df`` the degrees of freedom it was estimated
+    with (a host's own figure: bench_noise). None when either side has no interval."""
     if not a or not b or a.get("mean") is None or b.get("mean") is None:
         return None
     sa, sb = _se2_df(a), _se2_df(b)
@@ -253,7 +257,7 @@ def difference(
     var = sa[0] + sb[0] + run_var
     if var <= 0:
         return Difference(mb - ma, 0.0, math.inf, 0.0, comparisons)
-    denom = sa[0] ** 2 / sa[1] + sb[0] ** 2 / sb[1] + (run_var**2 / RUN_NOISE_DF if run_var else 0.0)
+    denom = sa[0] ** 2 / sa[1] + sb[0] ** 2 / sb[1] + (run_var**2 / noise_df if run_var else 0.0)
     df = var**2 / denom if denom > 0 else math.inf
     t = t_quantile(1 - alpha / max(1, comparisons), df)
     return Difference(mb - ma, math.sqrt(var), df, t * math.sqrt(var), comparisons)
@@ -264,10 +268,11 @@ def distinct(
     b: dict[str, Any] | None,
     run_noise: float = RUN_NOISE,
     comparisons: int = 1,
+    noise_df: int = RUN_NOISE_DF,
 ) -> bool | None:
     """Whether two estimates (``as_dict`` form) measured in different runs differ beyond their
     noise (:func:`difference`); None when either has no interval."""
-    d = difference(a, b, run_noise, comparisons)
+    d = difference(a, b, run_noise, comparisons, noise_df=noise_df)
     return None if d is None else d.distinct
 
 
@@ -276,6 +281,7 @@ def detectable_change(
     run_noise: float = RUN_NOISE,
     comparisons: int = 1,
     power: float = POWER,
+    noise_df: int = RUN_NOISE_DF,
 ) -> float | None:
     """The smallest relative rise of ``a``'s mean that the test flags with probability
     ``power`` when the other side is measured as ``a`` was (same spread and rounds):
@@ -287,7 +293,7 @@ def detectable_change(
     mean = abs(float(a["mean"]))
     delta = 0.0
     for _ in range(20):  # a fixed point: the raised side's run term depends on the rise
-        d = difference(a, {**a, "mean": mean * (1 + delta)}, run_noise, comparisons)
+        d = difference(a, {**a, "mean": mean * (1 + delta)}, run_noise, comparisons, noise_df=noise_df)
         if d is None:
             return None
         t_beta = t_quantile(2 * power - 1, d.df)  # the one-sided quantile at `power`

@@ -1,0 +1,105 @@
+"""A host's run-to-run noise as its own fact (issue 53): pooled from its bench history by
+bench_noise, counted by `bench --compare` and tune in place of the 2-core VM's 9%, and, on a
+host without enough unchanged runs, no verdict and the command that gets one."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from playbooks.steps.measure import bench_noise, bench_report
+from tests import noise_sim
+from tests.helpers import ROOT
+
+NOISE = json.loads((ROOT / "reports" / "bench" / "noise.json").read_text())
+
+
+def _line(at: str, decode: dict, recipe: str = "r", sha: str = "s1", build: str = "b1", c: int = 1) -> dict:
+    """A history line (bench_report.history_summary's shape) with one level's decode."""
+    level = {"concurrency": c, "aggregate_tok_s": decode["mean"], "decode": decode}
+    return {"at": at, "host": "box", "recipe": recipe, "recipe_sha256": sha, "build": build, "levels": [level]}
+
+
+def test_a_known_run_effect_is_recovered_from_unchanged_runs():
+    """Runs of a simulated machine whose run effect is 5% (rounds 10% apart, the bench's own
+    stopping rule): forty runs in ten unchanged configurations give the 5% back within a
+    percentage point, with 30 degrees of freedom."""
+    rng = random.Random(7)
+    machine = noise_sim.Machine(run_sd=0.05, round_sd=0.10)
+    history = []
+    for g in range(10):
+        rate = 50.0 + 20 * g  # each configuration its own rate: the figure is relative
+        for i in range(4):
+            history.append(_line(f"2026-12-0{1 + i}T00:00:0{g}Z", noise_sim.run(rng, machine, rate, i), sha=f"s{g}"))
+    found = bench_noise.host_noise(history)
+    assert found is not None and found.df == 30 and found.runs == 40 and found.groups == 10
+    assert found.rsd == pytest.approx(0.05, abs=0.01)
+    assert (found.oldest, found.newest) == ("2026-12-01T00:00:00Z", "2026-12-04T00:00:09Z")
+
+
+def test_the_measured_idle_set_gives_its_recorded_figure():
+    """The eight idle runs of reports/bench/noise.json (real runs of one unchanged server on this
+    machine, measured before this code existed) as one host's history: the pooled figure is
+    the root mean square of the set's own per-level run noise (8.1% at one stream, 10.5% at two,
+    computed there by scripts/bench_noise.py), with 7 degrees of freedom."""
+    history = []
+    for run in NOISE["extra"]["sets"]["idle"]:
+        levels = [{"concurrency": int(c), "decode": lv["decode"]} for c, lv in run["levels"].items()]
+        history.append(
+            {"at": run["at"], "host": "vm", "recipe": "r", "recipe_sha256": "s", "build": "b", "levels": levels}
+        )
+    found = bench_noise.host_noise(history)
+    f = NOISE["figures"]
+    want = ((f["idle_c1_run_noise_pct"] ** 2 + f["idle_c2_run_noise_pct"] ** 2) / 2) ** 0.5 / 100
+    assert found is not None and found.df == 7 and found.runs == 8
+    assert found.rsd == pytest.approx(want, rel=0.03)
+
+
+def test_changed_runs_are_not_noise_and_runs_without_intervals_do_not_count():
+    """A recipe edit or a new build starts another group: its faster runs are a change, not the
+    host's noise. Lines from before the repeats (no decode interval) are left out."""
+    same = {"stdev": 2.0, "n": 8}
+    history = [_line("a", {"mean": m, **same}) for m in (100.0, 101.0, 99.0)]
+    history += [_line("b", {"mean": m, **same}, sha="s2") for m in (150.0, 151.0)]  # the recipe edited
+    history += [_line("c", {"mean": 120.0})]  # no interval: an old line
+    found = bench_noise.host_noise(history)
+    assert found is not None and found.groups == 2 and found.df == 3 and found.runs == 5
+    assert found.rsd < 0.01  # the runs moved by about their own errors: no run effect beyond them
+    assert bench_noise.host_noise([_line("a", {"mean": 100.0, **same})]) is None  # one run: nothing to pool
+
+
+def _result(noise: dict | None, run_noise: float | None = None, mean: float = 130.0) -> dict:
+    decode = {"mean": mean, "stdev": 4.0, "n": 8, "source": "client"}
+    return {
+        "at": "now", "host": "box", "recipe": "r", "recipe_sha256": "s1", "workload": {"run_noise": run_noise},
+        "host_noise": noise, "levels": [{"concurrency": 1, "aggregate_tok_s": mean, "decode": decode}],
+    }  # fmt: skip
+
+
+def test_compare_counts_the_hosts_own_noise_and_without_one_gives_no_verdict():
+    """The same +30% change against the last run: called on a host whose history says its runs
+    move by 2%, not called with the 2-core VM's 9% (what the recipe can still set), and with no
+    figure at all: no verdict, and the line names the command that measures one."""
+    then = [_line("t", {"mean": 100.0, "stdev": 4.0, "n": 8, "source": "client"})]
+    quiet = bench_noise.HostNoise(0.02, 9, 12, 3, "2026-12-01T00:00:00Z", "2026-12-05T00:00:00Z").as_dict()
+    [row] = bench_report.compare(_result(quiet), then)
+    assert row["last"]["decode_outside_noise"] is True and row["last"]["run_noise"] == 0.02
+    assert bench_report.noise_line(_result(quiet)) == (
+        "noise between runs: 2.0% between runs (12 runs, 9 degrees of freedom, 2026-12-01 to 2026-12-05), "
+        "box's own history"
+    )
+    [row] = bench_report.compare(_result(quiet, run_noise=0.09), then)  # the recipe's own figure wins
+    assert row["last"]["decode_outside_noise"] is False and row["last"]["detectable_pct"] > 30
+    few = bench_noise.HostNoise(0.02, 2, 3, 1, "a", "b").as_dict()
+    for noise in (None, few):
+        [row] = bench_report.compare(_result(noise), then)
+        assert (
+            row["last"]["decode_outside_noise"] is None and row["last"]["change_pct"]["per_stream_decode_tok_s"] == 30
+        )
+        line = bench_report.noise_line(_result(noise))
+        assert "box has no run-to-run noise figure of its own" in line, line
+        assert "run `invoke bench --host box --noise 4` against the unchanged server" in line
+        assert line.endswith("the changes are shown without a verdict")
+    assert "(3 unchanged runs (2 degrees of freedom)" in bench_report.noise_line(_result(few))
