@@ -180,6 +180,26 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _gone(pids: list[int], timeout: float) -> bool:
+    """Wait until none of ``pids`` is alive (a zombie counts as gone); whether they all went."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    state = fh.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -752,6 +772,13 @@ class SshdHost:
         except subprocess.TimeoutExpired:
             _signal([proc.pid, *victims], signal.SIGKILL)
             proc.wait(timeout)
+        # and its children gone too: a connection's child forked just before the signal still
+        # holds a copy of the listening socket until it exits, so a restart on the same port
+        # failed to bind while that child answered the readiness probe and then reset the
+        # client (seen in cold run 65a: "Bind to port ... failed: Address already in use")
+        if not _gone(victims, timeout):
+            _signal(victims, signal.SIGKILL)
+            _gone(victims, timeout)
 
     def regenerate_host_key(self) -> str:
         """Give the server a new host key and restart it; ``known_hosts`` keeps the OLD key.
