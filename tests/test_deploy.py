@@ -380,3 +380,35 @@ def test_tabbyapi_without_systemd_is_a_managed_process_with_its_files_its_own(tm
         judge_load(parse_load_log(tabby_log), expect_layers=e.layers, planned_kv_mib=None, planned_compute_mib=None)
         == []
     )
+
+
+def test_stopping_a_stopped_process_continues_it_so_it_acts_on_the_term(tmp_path):
+    """A hung server as the keyed test makes one (SIGSTOP): the managed process's stop TERMs it
+    and continues it, as systemd does after its KillSignal, so it exits through its own TERM
+    handler at once rather than by the KILL after the 10 s wait (without the CONT, measured:
+    no line from the handler, killed)."""
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    marker, ready = tmp_path / "handled", tmp_path / "ready"
+    script = f"trap 'echo terminated > {marker}; exit 0' TERM; touch {ready}; while :; do sleep 0.05; done"
+    proc = subprocess.Popen(["/bin/bash", "-c", script], start_new_session=True)
+    # reaped as soon as it exits, as init reaps a detached server (a zombie keeps /proc/<pid>)
+    reaper = threading.Thread(target=proc.wait)
+    try:
+        while not ready.exists():  # its handler is set
+            time.sleep(0.01)
+        reaper.start()
+        runner = ProcessRunner(str(tmp_path), "/bin/bash", ("/bin/bash", "-c", script))
+        (tmp_path / "server.pid").write_text(f"{proc.pid}\n")
+        os.kill(proc.pid, signal.SIGSTOP)
+        subprocess.run(["bash", "-c", runner.stop().command], check=True, timeout=60)
+        reaper.join(5)
+        assert proc.returncode == 0 and marker.read_text().strip() == "terminated"
+        assert not (tmp_path / "server.pid").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

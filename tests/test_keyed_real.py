@@ -20,10 +20,11 @@ process), reached from this namespace through the veth as a colleague would reac
   a log, a report or the deployment's files (the credential copy aside). The trace's positive
   control: the check deploy ran before issue 31, run over SSH as it was, caught 20 of 20.
   The host's preparation comes first, untraced: `invoke toolchain` (the venv, torch from the
-  wheelhouse) and `invoke build` (the llama.cpp compile), which never read the key. A traced
+  wheelhouse), `invoke build` (the llama.cpp compile) and `invoke quantize` (the converter's torch
+  and the quantize), which never read the key. A traced
   sshd stops its children at every system call (sudo rules out strace's seccomp filter), which
-  made the two of them minutes of the suite's critical path; strace then attaches to the sshd,
-  and the provision it watches finds both in place (their steps ``ok``).
+  made them minutes of the suite's critical path; strace then attaches to the sshd, and the
+  provision it watches finds all three in place (their steps ``ok``).
 (The booted container, where the key reaches the unit as a systemd credential, is provisioned
 keyed from the CLI in tests/test_provision_real.py.)
 """
@@ -174,8 +175,8 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, api_secret, of
         return code, {s["step"]: s for s in done["steps"]}, out
 
     # 0. the host's preparation, untraced (the docstring says why), the compile from the run's
-    # shared ccache
-    for task in ("toolchain", "build"):
+    # shared ccache, the quantize on the host
+    for task in ("toolchain", "build", "quantize"):
         done = cli(task, *on_box, "--recipe", str(recipe), timeout=1200, traced=False)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     # from here on every command the host runs: strace attached to the sshd, and to each CLI run
@@ -193,10 +194,12 @@ def test_a_keyed_networked_server_without_systemd(make_sshd_host, api_secret, of
             assert not state.exists()
 
             # 2. provisioned as a managed process, keyed, on the network, gated (the gate's floor
-            # is 1 tok/s); the toolchain and the build made before are kept
+            # is 1 tok/s); the toolchain, the build and the quant made before are kept
             code, steps, out = provision()
             assert code == 0 and steps["gate"]["status"] == "changed", out[-4000:]
-            assert steps["build"]["status"] == steps["toolchain"]["status"] == "ok", out[-4000:]
+            assert steps["build"]["status"] == steps["toolchain"]["status"] == steps["quantize"]["status"] == "ok", out[
+                -4000:
+            ]
             assert "a managed process" in said(out), out[-4000:]
             copy = state / "credentials" / "api-key"
             assert stat.S_IMODE(copy.stat().st_mode) == 0o600 and copy.owner() == host.user

@@ -97,12 +97,14 @@ class ProcessRunner:
         return Running(up, f"{st.pid}:{st.start_ticks}" if up else "", st.pid if up else 0, f"pid {st.pid}")
 
     def _stop_script(self) -> str:
-        """TERM the recorded process if it is still ours, wait up to 10 s, then KILL."""
+        """TERM the recorded process if it is still ours, wait up to 10 s, then KILL. CONT after
+        the TERM, as systemd sends after its KillSignal: a stopped process (SIGSTOP, a debugger)
+        acts on the TERM only once it runs again, and otherwise sat out the whole wait."""
         pid, exe = shlex.quote(self.pid_file), shlex.quote(self.binary)
         return (
             f'pid=$(cat -- {pid} 2>/dev/null | head -c 32); case "$pid" in ""|*[!0-9]*) pid=;; esac; '
             f'if [ -n "$pid" ] && [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f -- {exe})" ]; then '
-            'kill -TERM "$pid"; for i in $(seq 100); do [ -e "/proc/$pid" ] || break; sleep 0.1; done; '
+            'kill -TERM "$pid"; kill -CONT "$pid" 2>/dev/null; for i in $(seq 100); do [ -e "/proc/$pid" ] || break; sleep 0.1; done; '
             'kill -KILL "$pid" 2>/dev/null || true; fi; '
             f"rm -f -- {pid}"
         )
