@@ -104,7 +104,8 @@ class ProcessRunner:
         return (
             f'pid=$(cat -- {pid} 2>/dev/null | head -c 32); case "$pid" in ""|*[!0-9]*) pid=;; esac; '
             f'if [ -n "$pid" ] && [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f -- {exe})" ]; then '
-            'kill -TERM "$pid"; kill -CONT "$pid" 2>/dev/null; for i in $(seq 100); do [ -e "/proc/$pid" ] || break; sleep 0.1; done; '
+            'kill -TERM "$pid"; kill -CONT "$pid" 2>/dev/null; '
+            'for i in $(seq 100); do [ -e "/proc/$pid" ] || break; sleep 0.1; done; '
             'kill -KILL "$pid" 2>/dev/null || true; fi; '
             f"rm -f -- {pid}"
         )
