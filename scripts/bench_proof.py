@@ -1,19 +1,23 @@
-"""The method, for real (issue 34, item 8): prints figures, asserts nothing.
+"""The method, for real (issue 34, item 8; issue 53): prints figures, asserts nothing.
 
 On this machine, as a user would run them (the `voltaforge` CLI, one `local: true` inventory
-entry `stab` serving the 8-layer generated model of scripts/bench_stability.py):
+entry `stab` serving the 8-layer generated model of scripts/bench_stability.py, memory-bound:
+its bytes per token set its speed), three proof runs, each with its own bench history (a
+separate VOLTAFORGE_CACHE), each:
 
-1. `voltaforge bench --noise 4` on the unchanged server (the host's own run-to-run noise, from
-   its history), then `voltaforge bench --compare` four times: how many of the pairs each compare
-   makes call a change "outside the noise" (stated: none, at most 5% of families);
-2. the server redeployed with `threads: 1` (was 2), then `bench --compare`: is the change called
-   (a real one, of the size the roofline of one core against two predicts);
-3. `voltaforge tune` of one space twice, each from its own empty measurement store (a separate
-   VOLTAFORGE_CACHE): the same winner, or each other's winner among the tied.
+1. `voltaforge bench --noise 6` on the unchanged Q8_0 server (the host's own run-to-run noise,
+   from its history), then one `voltaforge bench --compare`: how many of its verdicts (three
+   levels, against the last configuration and the best run) call a change (stated: at most 5%);
+2. the recipe at Q6_K (about 0.77x the bytes per token), Q8_0 again, then Q4_K_M (about 0.57x),
+   each deployed and compared: is the change called, at every level where it is 30% or more
+   (the Q6_K and Q4_K_M ones against the Q8_0 runs before them).
 
-The last bench's and the second tune's terminal output are kept as the README's samples
-(reports/local/bench-sample.json, reports/local/tune-sample.json); the verdicts go to
-reports/bench/proof.json. Unless --no-report.
+Then `voltaforge tune` of one space twice, each from its own empty measurement store: the same
+winner, or each other's winner among the tied.
+
+The last proof run's Q6_K compare and the second tune's terminal output are kept as the
+README's samples (reports/local/bench-sample.json, reports/local/tune-sample.json); the verdicts
+go to reports/bench/proof.json. Unless --no-report.
 
 Usage: .venv/bin/python scripts/bench_proof.py
 """
@@ -56,8 +60,14 @@ TUNE_CODE = [
     "playbooks/steps/measure/tune_cost.py",
 ]
 VERDICT = re.compile(
-    r"concurrency (\d+): per-stream decode ([+-][\d.]+)% against the (last|best) run, (outside|within)"
+    r"concurrency (\d+): per-stream decode ([+-][\d.]+)% against the (last|best)(?: \d+)? runs?, (outside|within)"
 )
+#: the proof runs, each from an empty history
+PROOF_RUNS = 3
+#: the unchanged server's runs that give the host its noise (bench_noise.NOISE_RUNS)
+NOISE_RUNS = 6
+#: the changes, in turn after the unchanged compare: the bytes per token fix their size
+CHANGES = ("Q6_K", "Q8_0", "Q4_K_M")
 
 
 def cli(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
@@ -80,40 +90,50 @@ def main() -> int:
     args = ap.parse_args()
     with served("stab", parallel=4, levels=(1, 2, 4), recipe_name="bench-stability", keep=args.keep) as s:
         work, inventory = s.work, s.inventory
-        env = {**os.environ, "COLUMNS": "130", "VOLTAFORGE_CACHE": str(work / "cache")}
         inv = ["--host", "stab", "--inventory", str(inventory)]
-        figures: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
-        # 1. the host's own noise (four runs of the unchanged server), then four more runs, each
-        # compared with the history before it
-        code, out, took = cli(["bench", *inv, "--noise", "4"], env, work)
-        noise_line = out.strip().splitlines()[-1] if out.strip() else ""
-        print(f"bench --noise 4: exit {code}, {took:.0f} s: {noise_line}", flush=True)
-        extra["noise"] = noise_line
+        sizes = {q: round(s.stage(q), 1) for q in ("Q8_0", *CHANGES)}
+        print(f"models: {sizes} MB", flush=True)
         unchanged: list[tuple[int, float, str, bool]] = []
-        last_bench = ""
-        for i in range(4):
+        proofs: list[dict[str, Any]] = []
+        sample, sample_took = "", 0.0
+        for p in range(PROOF_RUNS):
+            env = {**os.environ, "COLUMNS": "130", "VOLTAFORGE_CACHE": str(work / f"proof-{p}")}
+            s.deploy()  # Q8_0 (the last proof run ended at Q4_K_M)
+            code, out, took = cli(["bench", *inv, "--noise", str(NOISE_RUNS)], env, work)
+            noise = out.strip().splitlines()[-1] if out.strip() else ""
+            print(f"proof {p + 1}: bench --noise {NOISE_RUNS}: exit {code}, {took:.0f} s: {noise}", flush=True)
             code, out, took = cli(["bench", *inv, "--compare"], env, work)
-            unchanged += verdicts(out)
-            last_bench, bench_took = out, took
-            print(f"bench {i + 1}: exit {code}, {took:.0f} s, {len(verdicts(out))} verdicts", flush=True)
+            seen = verdicts(out)
+            unchanged += seen
+            print(f"proof {p + 1}: unchanged: exit {code}, {took:.0f} s, {seen}", flush=True)
+            changes: dict[str, list[tuple[int, float, str, bool]]] = {}
+            for quant in CHANGES:
+                s.deploy(quant=quant)
+                code, out, took = cli(["bench", *inv, "--compare"], env, work)
+                changes[quant] = verdicts(out)
+                print(f"proof {p + 1}: {quant}: exit {code}, {took:.0f} s, {changes[quant]}", flush=True)
+                if quant == "Q6_K":
+                    sample, sample_took = out, took
+            proofs.append({"noise": noise, "unchanged": seen, "changes": changes})
         called = [v for v in unchanged if v[3]]
-        figures |= {"unchanged_verdicts": len(unchanged), "unchanged_called_changed": len(called)}
-        extra["unchanged"] = unchanged
-        print(f"unchanged server: {len(called)} of {len(unchanged)} comparisons called changed: {called}")
-        # 2. a real change: one thread instead of two
-        s.deploy(threads=1)
-        code, out, _ = cli(["bench", *inv, "--compare"], env, work)
-        changed = verdicts(out)
-        level1 = [v for v in changed if v[0] == 1 and v[2] == "last"]
-        figures |= {
-            "threads1_change_pct": level1[0][1] if level1 else None,
-            "threads1_called_changed": int(bool(level1 and level1[0][3])),
+        figures: dict[str, Any] = {
+            "proof_runs": PROOF_RUNS,
+            "unchanged_verdicts": len(unchanged),
+            "unchanged_called_changed": len(called),
         }
-        extra["threads1"] = changed
-        print(f"threads 1 against 2: {changed}")
-        s.deploy()  # threads: 2 again (the change wrote the same file)
-        # 3. two tunes from empty stores
+        for quant in ("Q6_K", "Q4_K_M"):
+            single = [v for p in proofs for v in p["changes"][quant] if v[0] == 1 and v[2] == "last"]
+            key = quant.lower()
+            figures[f"{key}_c1_called_changed"] = sum(v[3] for v in single)
+            figures[f"{key}_c1_change_min_pct"] = min((v[1] for v in single), default=None)
+            figures[f"{key}_c1_change_max_pct"] = max((v[1] for v in single), default=None)
+        # every level, every change, against the last configuration: a change of 30% or more
+        big = [v for p in proofs for q in CHANGES for v in p["changes"][q] if v[2] == "last" and abs(v[1]) >= 30]
+        figures |= {"levels_30pct_or_more": len(big), "levels_30pct_or_more_called": sum(v[3] for v in big)}
+        print(f"unchanged server: {len(called)} of {len(unchanged)} comparisons called changed: {called}")
+        # two tunes from empty stores, of the Q8_0 server
+        s.deploy()
+        env = {**os.environ, "COLUMNS": "130", "VOLTAFORGE_CACHE": str(work / "proof-0")}
         tunes = []
         tune_args = ["tune", *inv, "--slots", "2", "--cache", "f16", "--ubatch", "64,512", "--budget", "15m"]
         tune_args += ["--rungs", "2", "--json"]
@@ -129,7 +149,7 @@ def main() -> int:
             a["winner"] == b["winner"] or a["winner"] in (b["tied_with"] or []) or b["winner"] in (a["tied_with"] or [])
         )
         figures |= {"tunes_agree_or_tie": int(agree), "tune_first_s": a["took_s"]}
-        extra["tunes"] = tunes
+        extra: dict[str, Any] = {"model_mb": sizes, "proofs": proofs, "tunes": tunes}
         # the README's tune sample: the second tune again, every measurement kept
         tenv = {**env, "VOLTAFORGE_CACHE": str(work / "tune-cache-1")}
         _, tune_out, again = cli(tune_args[:-1], tenv, work)
@@ -137,27 +157,29 @@ def main() -> int:
     if not args.no_report:
         write_result(
             ROOT / "reports" / "bench" / "proof.json",
-            "the method for real: an unchanged server's compares, a real change, two tunes from empty stores",
+            "the method for real: an unchanged server's compares, changes the bytes per token size, "
+            "two tunes from empty stores",
             figures,
             {k: "s" if k.endswith("_s") else "%" if k.endswith("_pct") else "count" for k in figures},
             ".venv/bin/python scripts/bench_proof.py",
-            notes="8-layer hidden-1024 Llama, random weights, Q8_0, llama-server (4 slots) as a managed process "
-            "on this machine (the `stab` entry); `voltaforge bench --noise 4` (the host's own noise), four "
-            "`voltaforge bench --compare`, then the recipe with threads: 1 "
-            "and one more; two `voltaforge tune --slots 2 --cache f16 --ubatch 64,512 --rungs 2`, each from its own "
-            "empty store",
+            notes="8-layer hidden-1024 Llama, random weights, llama-server (4 slots) as a managed process on "
+            f"this machine (the `stab` entry); {PROOF_RUNS} proof runs, each with its own history: "
+            f"`voltaforge bench --noise {NOISE_RUNS}` at Q8_0, one `voltaforge bench --compare`, then the "
+            f"recipe at {', '.join(CHANGES)} in turn, each deployed and compared; then two `voltaforge tune "
+            "--slots 2 --cache f16 --ubatch 64,512 --rungs 2`, each from its own empty store",
             extra=extra,
             measures=BENCH_CODE + TUNE_CODE,
         )
         write_result(
             ROOT / "reports" / "local" / "bench-sample.json",
-            "a bare `voltaforge bench --compare` of the 8-layer generated model (Q8_0) on this machine, "
-            "the fourth of four after `bench --noise 4`",
-            {"command_wall_s": round(bench_took, 1)},
+            "a bare `voltaforge bench --compare` of the 8-layer generated model on this machine, the recipe "
+            f"changed from Q8_0 to Q6_K after `bench --noise {NOISE_RUNS}` and one unchanged compare",
+            {"command_wall_s": round(sample_took, 1)},
             {"command_wall_s": "s"},
             "voltaforge bench --host stab --inventory .../inventory.yaml --compare (scripts/bench_proof.py)",
-            notes="the `stab` entry of scripts/bench_proof.py; extra.output is the whole terminal output",
-            extra={"output": last_bench},
+            notes="the `stab` entry of scripts/bench_proof.py, its last proof run; extra.output is the whole "
+            "terminal output",
+            extra={"output": sample},
             measures=BENCH_CODE,
         )
         write_result(

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -56,12 +56,14 @@ class Served:
     recipe_name: str  # the recipe's file name, and so its name in reports and histories
     recipe: Path = Path()
     model_mb: float = 0.0
+    f16: Path = Path()  # the converted model every quant is made from
+    staged: set[str] = field(default_factory=set)  # the quants staged under the prefix
 
-    def write_recipe(self, threads: int | None = None) -> Path:
-        """The served recipe (``threads``: a changed one, written over the same file)."""
+    def write_recipe(self, threads: int | None = None, quant: str = "Q8_0") -> Path:
+        """The served recipe (``threads``, ``quant``: a changed one, written over the same file)."""
         data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
         data["model"]["config"] |= MODEL
-        data |= {"quant": "Q8_0", "parallel": self.parallel, "service": {"port": self.port}}
+        data |= {"quant": quant, "parallel": self.parallel, "service": {"port": self.port}}
         if threads:
             data["threads"] = threads
         data["gate"] = {"levels": list(self.levels), "prompt_tokens": 64, "max_tokens": 64, "min_tok_s": 1.0}
@@ -70,9 +72,21 @@ class Served:
         self.recipe.write_text(yaml.safe_dump(data))
         return self.recipe
 
-    def deploy(self, threads: int | None = None) -> None:
+    def stage(self, quant: str) -> float:
+        """``quant`` made from the F16 model (llama-quantize) and staged as `invoke quantize`
+        leaves it, once; its size in MB."""
+        gguf = self.work / f"m-{quant}.gguf"
+        if quant not in self.staged:
+            llamacpp_tools.quantize(self.f16, gguf, quant)
+            with LocalHost() as host:
+                stage_served_model(host, self.prefix, self.write_recipe(quant=quant), gguf, quant)
+            self.staged.add(quant)
+        return gguf.stat().st_size / 1e6
+
+    def deploy(self, threads: int | None = None, quant: str = "Q8_0") -> None:
+        self.stage(quant)
         with contextlib.redirect_stdout(io.StringIO()):
-            assert run_deploy(self.name, str(self.write_recipe(threads)), settings=self.settings) == 0
+            assert run_deploy(self.name, str(self.write_recipe(threads, quant)), settings=self.settings) == 0
 
 
 @contextlib.contextmanager
@@ -90,12 +104,9 @@ def served(name: str, parallel: int, levels: Sequence[int], recipe_name: str, ke
     try:
         t0 = time.monotonic()
         config = yaml.safe_load(recipe.read_text())["model"]["config"]
-        f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
-        gguf = llamacpp_tools.quantize(f16, work / "m-Q8_0.gguf", "Q8_0")
-        s.model_mb = gguf.stat().st_size / 1e6
+        s.f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
+        s.model_mb = s.stage("Q8_0")
         print(f"model: {s.model_mb:.1f} MB Q8_0 ({time.monotonic() - t0:.0f} s to make)", flush=True)
-        with LocalHost() as host:
-            stage_served_model(host, prefix, recipe, gguf, "Q8_0")
         s.deploy()
         yield s
     finally:

@@ -28,6 +28,17 @@ def docs_text() -> str:
     return "\n".join(p.read_text() for p in doc_pages())
 
 
+def rich_text(render, *args, width: int = 120) -> str:
+    """What a renderer taking ``(*args, console)`` prints, as plain text."""
+    import io
+
+    from playbooks.cli.render import console
+
+    buf = io.StringIO()
+    render(*args, console(file=buf, width=width))
+    return buf.getvalue()
+
+
 def fixture_body(name: str) -> str:
     """A captured output without its '# source/# what' header (everything after '# ---')."""
     text = (FIXTURES / name).read_text()
@@ -253,11 +264,18 @@ def put_gguf(host, local: Path, remote: str, quant: str, manifest_extra: dict | 
 
 
 def stage_served_model(
-    host, prefix: str, recipe: Path, gguf_file: Path, quant: str = "Q4_K_M", manifest_extra: dict | None = None
+    host,
+    prefix: str,
+    recipe: Path,
+    gguf_file: Path,
+    quant: str = "Q4_K_M",
+    manifest_extra: dict | None = None,
+    tools: bool = True,
 ) -> str:
     """What `invoke build` and `invoke quantize` leave for `invoke deploy`: the tools' CPU
     llama-server and llama-bench (with their libraries) behind a `current` link, and the quantized model with its
-    manifest under models/<id>/gguf/ (quantize's own run of it: tests/test_quantize_real.py)."""
+    manifest under models/<id>/gguf/ (quantize's own run of it: tests/test_quantize_real.py).
+    ``tools`` False: the model only (another quant beside a server that runs)."""
     from playbooks.conduct.quantize import recipe_weights
     from playbooks.config.recipe import load_recipe
     from playbooks.steps.weights.model_layout import ModelLayout
@@ -269,7 +287,8 @@ def stage_served_model(
     host.run(
         f"mkdir -p {build}/bin {gguf.rsplit('/', 1)[0]} && ln -sfn {build} {prefix}/llama.cpp/current", stream=False
     )
-    llamacpp_tools.put_tools(host, ("llama-server", "llama-bench"), f"{build}/bin")
+    if tools:
+        llamacpp_tools.put_tools(host, ("llama-server", "llama-bench"), f"{build}/bin")
     put_gguf(host, gguf_file, gguf, quant, manifest_extra)
     host.run(f"chmod -R a+rX {prefix}", stream=False)
     return gguf

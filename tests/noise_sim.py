@@ -119,3 +119,43 @@ def machine_from_noise(noise: dict[str, Any], which: str = "busy", level: str = 
     between = max(0.0, sum(r * r for r in resid) / (k - 2) - se2)
     round_sd = math.sqrt(sum(float(d["stdev"]) ** 2 for d in decodes) / k)
     return Machine(run_sd=math.sqrt(between) / grand, round_sd=round_sd / grand, drift=slope / grand)
+
+
+def _history_line(at: int, sha: str, decode: dict[str, Any]) -> dict[str, Any]:
+    level = {"concurrency": 1, "aggregate_tok_s": decode["mean"], "decode": {**decode, "source": "client"}}
+    return {"at": f"t{at:04d}", "host": "box", "recipe": "r", "recipe_sha256": sha, "build": "b", "levels": [level]}
+
+
+def compare_verdicts(
+    m: Machine, trials: int, noise_runs: int = 4, change: float = 0.30, pool_runs: int = 8, seed: int = 3
+) -> dict[str, float]:
+    """`bench --compare` as scripts/bench_proof.py uses it, through the product's own code
+    (bench_noise.host_noise, bench_report.compare): ``noise_runs`` runs of an unchanged server
+    (`bench --noise`), one more compared with them (unchanged: any of its two verdicts called
+    changed is a false change), then the recipe changed so the rate moves by ``change`` and
+    compared (called changed against the last configuration: the power). ``pool_runs`` 1 is
+    the last run alone as the reference."""
+    rng = random.Random(seed)
+    false = power = 0
+    for _ in range(trials):
+        history = [_history_line(i, "a", run(rng, m, 100.0, i)) for i in range(noise_runs)]
+        row = _compared(rng, m, history, "a", 100.0, pool_runs)
+        false += bool(row["last"]["decode_outside_noise"] or row["best"]["decode_outside_noise"])
+        row = _compared(rng, m, history, "b", 100.0 * (1 + change), pool_runs)
+        power += bool(row["last"]["decode_outside_noise"])
+    return {"false": false / trials, "power": power / trials}
+
+
+def _compared(
+    rng: random.Random, m: Machine, history: list[dict[str, Any]], sha: str, rate: float, pool_runs: int
+) -> dict[str, Any]:
+    """One more run of recipe ``sha`` compared with ``history`` (then appended to it), as
+    `bench --compare` makes it: the host's noise from the history before it."""
+    from playbooks.steps.measure import bench_noise, bench_report
+
+    line = _history_line(len(history), sha, run(rng, m, rate, len(history)))
+    noise = bench_noise.host_noise(history)
+    result = line | {"workload": {}, "host_noise": noise.as_dict() if noise else None}
+    [row] = bench_report.compare(result, history, pool_runs)
+    history.append(line)
+    return row

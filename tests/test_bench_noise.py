@@ -11,7 +11,7 @@ import pytest
 
 from playbooks.steps.measure import bench_noise, bench_report
 from tests import noise_sim
-from tests.helpers import ROOT
+from tests.helpers import ROOT, rich_text
 
 NOISE = json.loads((ROOT / "reports" / "bench" / "noise.json").read_text())
 
@@ -100,6 +100,56 @@ def test_compare_counts_the_hosts_own_noise_and_without_one_gives_no_verdict():
         )
         line = bench_report.noise_line(_result(noise))
         assert "box has no run-to-run noise figure of its own" in line, line
-        assert "run `invoke bench --host box --noise 4` against the unchanged server" in line
+        assert "run `invoke bench --host box --noise 6` against the unchanged server" in line
         assert line.endswith("the changes are shown without a verdict")
     assert "(3 unchanged runs (2 degrees of freedom)" in bench_report.noise_line(_result(few))
+
+
+def test_compare_pools_the_last_configurations_recent_runs_as_its_reference():
+    """The "last" reference is the last configuration (the latest run's recipe and build): its POOL_RUNS most
+    recent runs with an interval, whatever ran between them, their mean the reference and the
+    run term divided over them; another build or a run without an interval stays out. Against
+    the pooled reference the same +30% is told with a narrower detectable change than against
+    the last run alone (``pool_runs=1``)."""
+    d = {"stdev": 4.0, "n": 8, "source": "client"}
+    history = [_line(f"2026-12-01T00:0{i}:00Z", {"mean": m, **d}) for i, m in enumerate((98.0, 102.0, 100.0))]
+    history.append(_line("2026-12-01T00:04:00Z", {"mean": 140.0, **d}, sha="s2"))  # another recipe between
+    history.append(_line("2026-12-01T00:05:00Z", {"mean": 96.0, **d}, build="b0"))  # another build
+    history.append(_line("2026-12-01T00:06:00Z", {"mean": 90.0}))  # no interval: an old line
+    history.append(_line("2026-12-01T00:07:00Z", {"mean": 104.0, **d}))
+    noise = bench_noise.HostNoise(0.04, 5, 6, 1, "2026-12-01T00:00:00Z", "2026-12-01T00:07:00Z").as_dict()
+    now = _result(noise, mean=130.0) | {"recipe_sha256": "s9"}
+    [row] = bench_report.compare(now, history)
+    last = row["last"]
+    assert (last["runs"], last["first_at"], last["at"]) == (4, "2026-12-01T00:00:00Z", "2026-12-01T00:07:00Z")
+    assert last["values"]["per_stream_decode_tok_s"] == pytest.approx(101.0)  # 98, 102, 100, 104
+    assert last["change_pct"]["per_stream_decode_tok_s"] == pytest.approx(29 / 101 * 100)
+    assert last["recipe_changed"] and last["decode_outside_noise"] is True
+    [alone] = bench_report.compare(now, history, pool_runs=1)
+    assert alone["last"]["runs"] == 1 and alone["last"]["values"]["per_stream_decode_tok_s"] == 104.0
+    assert last["detectable_pct"] < alone["last"]["detectable_pct"]
+    [two] = bench_report.compare(now, history, pool_runs=2)
+    assert two["last"]["runs"] == 2 and two["last"]["first_at"] == "2026-12-01T00:02:00Z"
+    out = " ".join(rich_text(bench_report.render_compare, [row], width=200).split())
+    assert "concurrency 1: per-stream decode +28.7% against the last 4 runs, outside the noise: a real change" in out
+    assert "last: 4 runs of one configuration, 2026-12-01T00:00:00Z to 2026-12-01T00:07:00Z, build b1" in out
+    # the latest run without an interval: no pooling, the run alone (and no verdict)
+    history.append(_line("2026-12-01T00:08:00Z", {"mean": 100.0}))
+    [row] = bench_report.compare(now, history)
+    assert row["last"]["runs"] == 1 and row["last"]["decode_outside_noise"] is None
+
+
+def test_the_compare_as_the_proof_makes_it_resolves_a_30pct_change_by_simulation():
+    """The procedure of scripts/bench_proof.py (`bench --noise 6`, an unchanged compare, then a
+    change) run through the product's own host_noise and compare on a simulated machine whose
+    runs move by 3.6% (the proof's measured figure, reports/bench/proof.json) and whose rounds
+    scatter by 10%: an unchanged run is called changed against the last or the best at most 5%
+    of the time (the family's rate), and a 30% change is called against the last configuration
+    at least 90% of the time, more often than against the last run alone."""
+    machine = noise_sim.Machine(run_sd=0.036, round_sd=0.10)
+    pooled = noise_sim.compare_verdicts(machine, 400, noise_runs=bench_noise.NOISE_RUNS)
+    alone = noise_sim.compare_verdicts(machine, 400, noise_runs=bench_noise.NOISE_RUNS, pool_runs=1)
+    assert pooled["false"] <= 0.05 and alone["false"] <= 0.05, (pooled, alone)
+    assert pooled["power"] >= 0.90 and pooled["power"] > alone["power"], (pooled, alone)
+    # four runs leave the noise figure on 3 degrees of freedom: the same change is missed more
+    assert noise_sim.compare_verdicts(machine, 400, noise_runs=4)["power"] < pooled["power"]

@@ -6,14 +6,12 @@ never reaches the history; compare picks the last and the best run and gets the 
 from __future__ import annotations
 
 import copy
-import io
 import json
 import os
 
 import matplotlib.image
 import pytest
 
-from playbooks.cli.render import console
 from playbooks.steps.measure import bench_report as br
 from playbooks.steps.measure.bench_report import (
     append_history,
@@ -26,7 +24,7 @@ from playbooks.steps.measure.bench_report import (
     render_sweep_table,
     write_reports,
 )
-from tests.helpers import ROOT
+from tests.helpers import ROOT, rich_text
 
 EXAMPLE = ROOT / "tests" / "data" / "bench-result-example.json"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -57,12 +55,6 @@ def run_at(result: dict, at: str, scale: float) -> dict:
         lv["per_stream_decode_tok_s"] = round(lv["per_stream_decode_tok_s"] * scale, 3)
         lv["ttft_p95_s"] = round(lv["ttft_p95_s"] / scale, 4)
     return r
-
-
-def rich_text(render, *args) -> str:
-    buf = io.StringIO()
-    render(*args, console(file=buf, width=120))
-    return buf.getvalue()
 
 
 # ------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from rich.text import Text
 from playbooks.cli.render import console
 from playbooks.conduct.bench import bench_balancer, bench_host, bench_noise
 from playbooks.conduct.settings import Settings
-from playbooks.steps.measure.bench_noise import MIN_DF, missing_text, noise_text
+from playbooks.steps.measure.bench_noise import missing_text, noise_text, usable
 from playbooks.steps.measure.bench_report import compare, noise_line, render_compare, render_sweep_table
 
 
@@ -63,8 +63,9 @@ def run_bench_noise(
             figure = f"single stream {decode:.1f} tok/s" if decode else "no single-stream figure"
             out.print(Text(f"run {i} of {len(done)}: {result['recipe']}, {figure}; {files['json']}"))
         host = done[-1][0]["host"] if done else host_name
-        usable = noise is not None and noise.df >= MIN_DF
-        out.print(Text(f"{host}: {noise_text(noise)}" if usable and noise else missing_text(host, noise)))
+        out.print(
+            Text(f"{host}: {noise_text(noise)}" if noise is not None and usable(noise) else missing_text(host, noise))
+        )
     return 0 if all(result["gate"]["passed"] for result, _, _ in done) else 1
 
 

@@ -64,10 +64,9 @@ from playbooks.host.ops import Change, Command, run_command, run_ops
 from playbooks.host.output import Printer
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
-from playbooks.steps.measure.bench_noise import host_noise, missing_text, noise_text, usable
+from playbooks.steps.measure.bench_noise import counted_or_borrowed, host_noise
 from playbooks.steps.measure.bench_report import read_history
 from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
-from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE
 from playbooks.steps.measure.tune_cost import plan_costs, streams_for
 from playbooks.steps.measure.tune_search import (
     Budget,
@@ -177,20 +176,8 @@ class Tuner:
         self.provenance = Provenance()  # the host facts a measurement depends on (read in run)
         # the between-run noise every comparison counts: the recipe's own figure, else the
         # host's from its bench history (bench_noise), else the 2-core VM's defaults, said so
-        given = r.gate.run_noise
         own = host_noise(read_history(bench_dir() / "history.jsonl", host.name))
-        if given is not None:
-            self.run_noise = self.block_noise = given
-            self.noise_source = f"noise between runs: {given:.1%}, the recipe's gate.run_noise"
-        elif own is not None and usable(own):
-            self.run_noise = self.block_noise = own.rsd
-            self.noise_source = f"noise between runs: {noise_text(own)}, {host.name}'s own history"
-        else:
-            self.run_noise, self.block_noise = RUN_NOISE, BLOCK_NOISE
-            self.noise_source = (
-                f"{missing_text(host.name, own)}; until then ties are judged with {RUN_NOISE:.0%}, "
-                "measured on a shared 2-core VM"
-            )
+        self.noise = counted_or_borrowed(host.name, r.gate.run_noise, own)
         self.bandwidth: float | None = None
         self.kld: dict[str, float] = {}  # quant -> mean KL divergence against F16 (its manifest)
         self._live: list[Deployment] | None = None
@@ -396,7 +383,7 @@ class Tuner:
         self.provenance = parse_provenance(read_fact(self.host, provenance_command(self.prefix)))
         space = search_space(self.loaded, self.opts, self.bandwidth)
         out = Outcome(space)
-        self.say(self.noise_source)
+        self.say(self.noise.line)
         if not space.survivors:
             raise VoltaforgeError(f"{self.host.name}: {space.why_empty()}")
         # each measurement's cost from its candidate's plan, learned from as they are made
@@ -427,7 +414,7 @@ class Tuner:
                 out.budget,
                 reference=lambda c, rung: self.measure(c, rung, reference=True),
             )
-            pair = None if out.ran_out else contenders(out.measured, self.run_noise)
+            pair = None if out.ran_out else contenders(out.measured, self.noise.rsd, self.noise.df)
             if pair:
                 # the two the figures measured apart cannot tell apart, again in one window
                 top = max(m.rung for m in out.measured if m.block is None and not m.reference)
@@ -446,7 +433,7 @@ class Tuner:
                 self.say("deploying the live service again")
                 restore()
         out.live |= {"taken_over": self.took_over, "checks": self.live_checks}
-        out.verdict = choose(out.measured, space.survivors, self.run_noise, self.block_noise)
+        out.verdict = choose(out.measured, space.survivors, self.noise.rsd, self.noise.block, self.noise.df)
         self.finish(out)
         return out
 
@@ -478,7 +465,12 @@ class Tuner:
             rung_drift(out.measured),
         )
         # what every comparison of the search counted between runs, and where it came from
-        out.result["run_noise"] = {"rsd": self.run_noise, "block": self.block_noise, "source": self.noise_source}
+        out.result["run_noise"] = {
+            "rsd": self.noise.rsd,
+            "block": self.noise.block,
+            "df": self.noise.df,
+            "source": self.noise.line,
+        }
         out.report_dir = self.root / at.replace(":", "")
         tune_report.write(out.result, out.report_dir)
 

@@ -368,7 +368,7 @@ class Gate(_Strict):
         le=1,
         description="how far a run's mean moves between runs of an unchanged server, as a share (relative "
         "standard deviation); `bench --compare` and tune count it in every comparison of runs. Default: the "
-        "host's own figure, pooled from its bench history (`invoke bench --noise 4` measures it)",
+        "host's own figure, pooled from its bench history (`invoke bench --noise 6` measures it)",
     )
     workload: Literal["chat", "code", "long"] = Field(
         "chat",

@@ -393,12 +393,13 @@ def measure(
     }
     seen: dict[str, Any] = {}
     buffers = record.get("buffers") or {}
-    seen["offloaded"] = buffers.get("offloaded")
+    gpu = get_gpu(r.gpu)
+    # a CPU recipe's log says 0/N layers "offloaded to GPU" by design: nothing crossed PCIe
+    seen["offloaded"] = None if gpu.is_cpu else buffers.get("offloaded")
     nproc = system.parse_nproc(read_fact(host, system.NPROC_COMMAND))
     mem = system.parse_meminfo(read_fact(host, system.MEMINFO_COMMAND))
     total = mem.mem_total_bytes
     result["facts"] = {"cpus": nproc, "memory_gb": round(total / 1e9, 1) if total else None, "gpu": r.gpu}
-    gpu = get_gpu(r.gpu)
     if not record:
         result["error"] = (
             f"{layout.service} was never deployed on {host.name}: run `invoke deploy --host {host.name}` first"

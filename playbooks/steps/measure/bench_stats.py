@@ -21,12 +21,14 @@ figure must say how much it moves when nothing changed, and that has two parts:
 The test (:func:`difference`, :func:`distinct`): Welch's t on the difference of two means, with
 each side's variance the run's squared standard error (stdev^2 / rounds) plus the between-run
 variance (run_noise x mean)^2, and Welch-Satterthwaite degrees of freedom in which the
-between-run term counts with the degrees of freedom of the data set it was estimated from
-(``noise_df``). Two figures differ when the absolute difference exceeds t_{1-alpha/2m}(df) times
-its standard error: alpha = 5% over the m comparisons made together (Bonferroni), so the whole
-family calls an unchanged pair changed at most 5% of the time; the power this leaves is
-:func:`detectable_change` (the smallest change flagged 80% of the time), printed beside the
-verdict so a tie is never mistaken for "no change".
+between-run term counts as what it was estimated from (the spread of a host's run means, run
+effect plus a run's own error) with that data set's degrees of freedom (``noise_df``). A side
+may be :func:`pooled`: the mean of k runs of one configuration, whose run term is divided by k
+(`bench --compare` against the last configuration's recent runs). Two figures differ when the
+absolute difference exceeds t_{1-alpha/2m}(df) times its standard error: alpha = 5% over the
+m comparisons made together (Bonferroni), so the whole family calls an unchanged pair changed
+at most 5% of the time; the power this leaves is :func:`detectable_change` (the smallest change
+flagged 80% of the time), printed beside the verdict so a tie is never mistaken for "no change".
 
 Whether the client can time tokens is decided from the arrival times themselves, not from a
 fixed ms threshold: a streamed token arrives in its own read when the client keeps up, and
@@ -205,7 +207,10 @@ POWER = 0.80
 
 def _se2_df(d: dict[str, Any]) -> tuple[float, int] | None:
     """A side's squared standard error and its degrees of freedom, from an ``as_dict`` form
-    (stdev and n; an old record with a half-width and n only is backed out through t)."""
+    (stdev and n; an old record with a half-width and n only is backed out through t; a
+    :func:`pooled` estimate carries both)."""
+    if "se2" in d:
+        return float(d["se2"]), int(d["df"])
     n = d.get("n")
     sd = d.get("stdev")
     if n is None or int(n) < 2:
@@ -217,6 +222,41 @@ def _se2_df(d: dict[str, Any]) -> tuple[float, int] | None:
             return None
         sd = float(hw) / t975(n - 1) * math.sqrt(n)
     return float(sd) ** 2 / n, n - 1
+
+
+def pooled(estimates: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """k runs' estimates of one figure (``as_dict`` forms, one configuration) as one: the mean
+    of their means, whose squared standard error is the sum of theirs over k^2, and ``runs`` k,
+    which :func:`difference` divides the between-run term by (k runs' effects average out as
+    their sampling errors do). ``run_se2``/``run_df``: a typical one of those runs (the mean
+    squared standard error), what the other side of :func:`detectable_change` is measured as.
+    Estimates without an interval are left out; None when none has one."""
+    sides = [(float(e["mean"]), found) for e in estimates if e and e.get("mean") is not None and (found := _se2_df(e))]
+    if not sides:
+        return None
+    k = len(sides)
+    se2 = [found[0] for _, found in sides]
+    df = [found[1] for _, found in sides]
+    return {
+        "mean": statistics.fmean(m for m, _ in sides),
+        "se2": sum(se2) / k**2,
+        "df": sum(df),
+        "runs": k,
+        "run_se2": statistics.fmean(se2),
+        "run_df": round(statistics.fmean(df)),
+    }
+
+
+def _one_run(d: dict[str, Any]) -> dict[str, Any]:
+    """One run measured as a typical run of ``d`` (``d`` itself unless :func:`pooled`)."""
+    if "runs" not in d:
+        return d
+    return {"mean": d["mean"], "se2": d["run_se2"], "df": d["run_df"]}
+
+
+def _one_run_se2(d: dict[str, Any], se2: float) -> float:
+    """A typical run's squared standard error of ``d`` (``se2``, its own, unless :func:`pooled`)."""
+    return float(d["run_se2"]) if "runs" in d else se2
 
 
 @dataclass(frozen=True)
@@ -253,11 +293,19 @@ def difference(
     if sa is None or sb is None:
         return None
     ma, mb = float(a["mean"]), float(b["mean"])
-    run_var = run_noise**2 * (ma**2 + mb**2)
+    # a pooled side (:func:`pooled`) is the mean of k runs: its run effect averages over them
+    run_var = run_noise**2 * (ma**2 / int(a.get("runs", 1)) + mb**2 / int(b.get("runs", 1)))
     var = sa[0] + sb[0] + run_var
     if var <= 0:
         return Difference(mb - ma, 0.0, math.inf, 0.0, comparisons)
-    denom = sa[0] ** 2 / sa[1] + sb[0] ** 2 / sb[1] + (run_var**2 / noise_df if run_var else 0.0)
+    # the run noise was estimated as the spread of a host's run means less their own squared
+    # errors: it is as uncertain as that spread (run effect plus a run's own error, with
+    # ``noise_df``), not as a run effect alone would be; counted as its own, the degrees of
+    # freedom come out too many and an unchanged pair is called changed too often (simulated:
+    # tests/test_bench_noise.py)
+    own = statistics.fmean((_one_run_se2(a, sa[0]) / ma**2, _one_run_se2(b, sb[0]) / mb**2)) if ma and mb else 0.0
+    spread = run_var + own * (ma**2 / int(a.get("runs", 1)) + mb**2 / int(b.get("runs", 1)))
+    denom = sa[0] ** 2 / sa[1] + sb[0] ** 2 / sb[1] + (spread**2 / noise_df if run_var else 0.0)
     df = var**2 / denom if denom > 0 else math.inf
     t = t_quantile(1 - alpha / max(1, comparisons), df)
     return Difference(mb - ma, math.sqrt(var), df, t * math.sqrt(var), comparisons)
@@ -284,7 +332,8 @@ def detectable_change(
     noise_df: int = RUN_NOISE_DF,
 ) -> float | None:
     """The smallest relative rise of ``a``'s mean that the test flags with probability
-    ``power`` when the other side is measured as ``a`` was (same spread and rounds):
+    ``power`` when the other side is one run measured as ``a`` was (same spread and rounds; as
+    a typical one of its runs where ``a`` is :func:`pooled`):
     (t_{1-alpha/2m} + t_{power}) times the difference's standard error, over the mean, solved
     with the other side at the raised mean (its run term grows with it). None without an
     interval."""
@@ -293,7 +342,7 @@ def detectable_change(
     mean = abs(float(a["mean"]))
     delta = 0.0
     for _ in range(20):  # a fixed point: the raised side's run term depends on the rise
-        d = difference(a, {**a, "mean": mean * (1 + delta)}, run_noise, comparisons, noise_df=noise_df)
+        d = difference(a, {**_one_run(a), "mean": mean * (1 + delta)}, run_noise, comparisons, noise_df=noise_df)
         if d is None:
             return None
         t_beta = t_quantile(2 * power - 1, d.df)  # the one-sided quantile at `power`

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE, distinct, t975
+from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE, RUN_NOISE_DF, distinct, t975
 from playbooks.steps.measure.tune_cost import Costs
 from playbooks.steps.measure.tune_space import Candidate, Objective, Planned, simplicity
 
@@ -278,11 +278,14 @@ def pair_noise(a: Measured, b: Measured, run_noise: float = RUN_NOISE, block_noi
     return run_noise
 
 
-def contenders(measured: Sequence[Measured], run_noise: float = RUN_NOISE) -> tuple[Candidate, Candidate] | None:
+def contenders(
+    measured: Sequence[Measured], run_noise: float = RUN_NOISE, noise_df: int = RUN_NOISE_DF
+) -> tuple[Candidate, Candidate] | None:
     """The last rung's best and the nearest candidate the test (figures measured apart) cannot
     tell from it: the two measured again interleaved, so the decision between them rests on
     figures of one time window. None when the best stands alone. ``run_noise``: the host's
-    between-run noise (the recipe's gate.run_noise where it gives one)."""
+    between-run noise (the recipe's gate.run_noise where it gives one), with the degrees of
+    freedom it rests on."""
     final = [m for m in latest(measured) if m.error is None and m.figure is not None]
     if len(final) < 2:
         return None
@@ -292,7 +295,7 @@ def contenders(measured: Sequence[Measured], run_noise: float = RUN_NOISE) -> tu
     tied = [
         m
         for m in final
-        if m is not best and distinct(m.estimate, best.estimate, run_noise, comparisons=len(final) - 1) is False
+        if m is not best and distinct(m.estimate, best.estimate, run_noise, len(final) - 1, noise_df) is False
     ]
     if not tied:
         return None
@@ -386,10 +389,12 @@ def choose(
     planned: Sequence[Planned],
     run_noise: float = RUN_NOISE,
     block_noise: float = BLOCK_NOISE,
+    noise_df: int = RUN_NOISE_DF,
 ) -> Verdict:
     """The winner among the candidates that reached the last rung any reached (a candidate
     dropped early was measured less and is not compared with the finalists' longer runs);
-    ``run_noise``/``block_noise``: the recipe's gate.run_noise where it gives one."""
+    ``run_noise``/``block_noise``: the host's (the recipe's gate.run_noise where it gives one),
+    with the degrees of freedom ``noise_df`` they rest on."""
     final = [m for m in latest(measured) if m.error is None and m.figure is not None]
     if not final:
         return Verdict(None, [], "no candidate was measured without an error")
@@ -403,8 +408,7 @@ def choose(
         m
         for m in final
         if m is not best
-        and distinct(m.estimate, best.estimate, pair_noise(m, best, run_noise, block_noise), comparisons=others)
-        is False
+        and distinct(m.estimate, best.estimate, pair_noise(m, best, run_noise, block_noise), others, noise_df) is False
     ]
     pool = [best, *ties]
     winner = min(pool, key=lambda m: simplicity(m.candidate, options.get(m.candidate)))
