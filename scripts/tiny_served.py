@@ -78,8 +78,9 @@ class Served:
         gguf = self.work / f"m-{quant}.gguf"
         if quant not in self.staged:
             llamacpp_tools.quantize(self.f16, gguf, quant)
-            with LocalHost() as host:
-                stage_served_model(host, self.prefix, self.write_recipe(quant=quant), gguf, quant)
+            with LocalHost() as host:  # the tools once: replaced under a running server, its stop would not know it
+                first = not self.staged
+                stage_served_model(host, self.prefix, self.write_recipe(quant=quant), gguf, quant, tools=first)
             self.staged.add(quant)
         return gguf.stat().st_size / 1e6
 
