@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -412,3 +413,48 @@ def test_stopping_a_stopped_process_continues_it_so_it_acts_on_the_term(tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("how", ["build switched", "binary replaced"])
+def test_a_managed_process_is_still_ours_after_its_binary_moves_under_it(tmp_path, how):
+    """`invoke build` moves `current` to a new build under a running server (or a binary is
+    replaced in place): the process started as the old executable is still the service's. Its
+    state says running and its stop stops it; judged by the binary's path now, it was a stranger
+    left running, and the next start failed on its busy port (the bench proof's redeploy did)."""
+    import shutil
+    import subprocess
+    import time
+
+    for build in ("a", "b"):
+        (tmp_path / build / "bin").mkdir(parents=True)
+        shutil.copy("/bin/sleep", tmp_path / build / "bin" / "server")
+    (tmp_path / "current").symlink_to(tmp_path / "a")
+    binary = str(tmp_path / "current" / "bin" / "server")
+    state = tmp_path / "state"
+    state.mkdir()
+    runner = ProcessRunner(str(state), binary, (binary, "300"))
+
+    def sh(command: str) -> str:
+        return subprocess.run(["bash", "-c", command], check=True, capture_output=True, text=True, timeout=60).stdout
+
+    sh(runner.restart().command)
+    pid = int((state / "server.pid").read_text())
+    try:
+        assert runner.running(sh(runner.state_command())).up
+        if how == "build switched":
+            (tmp_path / "current").unlink()
+            (tmp_path / "current").symlink_to(tmp_path / "b")
+        else:
+            (tmp_path / "a" / "bin" / "server").unlink()
+            shutil.copy("/bin/sleep", tmp_path / "a" / "bin" / "server")
+        assert runner.running(sh(runner.state_command())).up
+        sh(runner.stop().command)
+        for _ in range(100):  # a child of setsid: init reaps it
+            if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"pid {pid} still runs after the stop")
+        assert not (state / "server.pid").exists() and not (state / "server.exe").exists()
+    finally:
+        subprocess.run(["kill", "-KILL", str(pid)], capture_output=True)

@@ -64,12 +64,17 @@ def parse_unit_state(output: str) -> UnitState:
 # ------------------------------------------------------------------------------------------
 
 
-def process_state_command(pid_file: str, binary: str) -> str:
+def process_state_command(pid_file: str, binary: str, exe_file: str | None = None) -> str:
     """The pid in the pid file, whether it lives, its start time (clock ticks since boot: a
-    reused pid has another), its executable, and the binary's real path (``current`` is a link)."""
+    reused pid has another), its executable, and the executable it was started as: the real
+    path recorded in ``exe_file`` at its start, else the binary's now (``current`` is a link,
+    and `invoke build` moves it to a new build under a running server)."""
     q = shlex.quote(pid_file)
+    want = f"readlink -f -- {shlex.quote(binary)}"
+    if exe_file:
+        want = f"cat -- {shlex.quote(exe_file)} 2>/dev/null || {want}"
     return (
-        f'echo "want=$(readlink -f -- {shlex.quote(binary)})"; '
+        f'echo "want=$({want})"; '
         f'pid=$(cat -- {q} 2>/dev/null | head -c 32); case "$pid" in ""|*[!0-9]*) echo pid=; exit 0;; esac; '
         'echo "pid=$pid"; if [ -r "/proc/$pid/stat" ]; then '
         "echo \"start=$(sed 's/.*) //' /proc/$pid/stat | cut -d' ' -f20)\"; "

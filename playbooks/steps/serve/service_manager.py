@@ -88,8 +88,14 @@ class ProcessRunner:
     def log_file(self) -> str:
         return f"{self.state_dir}/server.log"
 
+    @property
+    def exe_file(self) -> str:
+        """The real path the process was started as: `current` may point at another build, or
+        the binary be replaced, under a running server, which is still ours to stop."""
+        return f"{self.state_dir}/server.exe"
+
     def state_command(self) -> str:
-        return process_state_command(self.pid_file, self.binary)
+        return process_state_command(self.pid_file, self.binary, self.exe_file)
 
     def running(self, output: str) -> Running:
         st: ProcessState = parse_process_state(output)
@@ -99,15 +105,18 @@ class ProcessRunner:
     def _stop_script(self) -> str:
         """TERM the recorded process if it is still ours, wait up to 10 s, then KILL. CONT after
         the TERM, as systemd sends after its KillSignal: a stopped process (SIGSTOP, a debugger)
-        acts on the TERM only once it runs again, and otherwise sat out the whole wait."""
-        pid, exe = shlex.quote(self.pid_file), shlex.quote(self.binary)
+        acts on the TERM only once it runs again, and otherwise sat out the whole wait. Ours is
+        the executable it was started as (:attr:`exe_file`), replaced on disk or not."""
+        pid, exe, started = shlex.quote(self.pid_file), shlex.quote(self.binary), shlex.quote(self.exe_file)
         return (
             f'pid=$(cat -- {pid} 2>/dev/null | head -c 32); case "$pid" in ""|*[!0-9]*) pid=;; esac; '
-            f'if [ -n "$pid" ] && [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f -- {exe})" ]; then '
+            f"want=$(cat -- {started} 2>/dev/null || readlink -f -- {exe}); "
+            'exe=$(readlink "/proc/$pid/exe" 2>/dev/null); '
+            'if [ -n "$pid" ] && [ -n "$want" ] && { [ "$exe" = "$want" ] || [ "$exe" = "$want (deleted)" ]; }; then '
             'kill -TERM "$pid"; kill -CONT "$pid" 2>/dev/null; '
             'for i in $(seq 100); do [ -e "/proc/$pid" ] || break; sleep 0.1; done; '
             'kill -KILL "$pid" 2>/dev/null || true; fi; '
-            f"rm -f -- {pid}"
+            f"rm -f -- {pid} {started}"
         )
 
     def restart(self) -> Shell:
@@ -117,6 +126,7 @@ class ProcessRunner:
         mkdir = f"mkdir -p -m 0700 -- {' '.join(shlex.quote(d) for d in self.make_dirs)} && " if self.make_dirs else ""
         return Shell(
             f"{self._stop_script()} && {mkdir}cd -- {shlex.quote(self.cwd or self.state_dir)} && "
+            f"readlink -f -- {shlex.quote(self.binary)} > {shlex.quote(self.exe_file)} && "
             f"{{ setsid env {env} {run} > {log} 2>&1 < /dev/null & echo $! > {shlex.quote(self.pid_file)}; }}"
         )
 
