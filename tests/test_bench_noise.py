@@ -55,6 +55,10 @@ def test_the_measured_idle_set_gives_its_recorded_figure():
     want = ((f["idle_c1_run_noise_pct"] ** 2 + f["idle_c2_run_noise_pct"] ** 2) / 2) ** 0.5 / 100
     assert found is not None and found.df == 7 and found.runs == 8
     assert found.rsd == pytest.approx(want, rel=0.03)
+    # and each level its own, as scripts/bench_noise.py computed it there
+    for c in ("1", "2"):
+        rsd, df = found.levels[c]
+        assert rsd == pytest.approx(f[f"idle_c{c}_run_noise_pct"] / 100, rel=0.03) and df == 7
 
 
 def test_changed_runs_are_not_noise_and_runs_without_intervals_do_not_count():
@@ -153,3 +157,32 @@ def test_the_compare_as_the_proof_makes_it_resolves_a_30pct_change_by_simulation
     assert pooled["power"] >= 0.90 and pooled["power"] > alone["power"], (pooled, alone)
     # four runs leave the noise figure on 3 degrees of freedom: the same change is missed more
     assert noise_sim.compare_verdicts(machine, 400, noise_runs=4)["power"] < pooled["power"]
+
+
+def test_each_level_is_judged_by_its_own_noise():
+    """Measured on this machine (the bench proof's history of 2026-12-05): one stream moved
+    within 3% run to run while two streams jumped between 61 and 95 tok/s. Each level's verdict
+    counts its own level's figure: +15% at one stream is a change, +15% at two is not; with
+    the two levels' mean figure both would be "within the noise"."""
+    runs = [(129.9, 64.2), (128.5, 65.8), (131.2, 60.7), (125.7, 95.0), (127.9, 91.6), (122.5, 60.6)]
+    d = {"stdev": 3.0, "n": 8, "source": "client"}
+    history = []
+    for i, (one, two) in enumerate(runs):
+        line = _line(f"2026-12-05T16:4{i}:00Z", {"mean": one, **d})
+        line["levels"].append({"concurrency": 2, "aggregate_tok_s": 2 * two, "decode": {"mean": two, **d}})
+        history.append(line)
+    found = bench_noise.host_noise(history)
+    assert found is not None and set(found.levels) == {"1", "2"} and found.levels["1"][1] == 5
+    one, two = found.levels["1"][0], found.levels["2"][0]
+    assert one < 0.03 < 0.15 < two and one < found.rsd < two
+    assert "; by concurrency: 1: " in bench_noise.noise_text(found)
+    now = _result(found.as_dict(), mean=127.8 * 1.15)
+    now["levels"].append({"concurrency": 2, "aggregate_tok_s": 1.0, "decode": {"mean": 73.0 * 1.15, **d}})
+    rows = {r["concurrency"]: r for r in bench_report.compare(now, history)}
+    assert rows[1]["last"]["decode_outside_noise"] is True and rows[2]["last"]["decode_outside_noise"] is False
+    assert rows[1]["last"]["run_noise"] == pytest.approx(one, abs=1e-4)
+    assert rows[2]["last"]["run_noise"] == pytest.approx(two, abs=1e-4)
+    # without the levels' own figures (a history line from before them) the mean figure judges both
+    mean_only = {k: v for k, v in found.as_dict().items() if k != "levels"}
+    rows = {r["concurrency"]: r for r in bench_report.compare(_result(mean_only, mean=127.8 * 1.15), history)}
+    assert rows[1]["last"]["run_noise"] == pytest.approx(found.rsd, abs=1e-4)

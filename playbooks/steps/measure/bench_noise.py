@@ -10,10 +10,14 @@ unchanged runs of one server configuration. Within such a group a run's mean per
 decode is the server's true rate times a run effect of relative standard deviation sigma, plus
 its own sampling error (bench_stats' model), so the spread of the group's means, relative to
 their mean, is sigma^2 plus the runs' own squared relative standard errors on average; sigma^2
-is that difference, per level, averaged over the levels, and pooled over the groups weighted by
-their degrees of freedom (runs - 1; the levels of one run are one run, not several). A host
-has a figure once those degrees of freedom reach MIN_DF; `invoke bench --noise N` runs the
-unchanged server N times to get there.
+is that difference, per level, pooled over the groups weighted by their degrees of freedom
+(runs - 1). Each level keeps its own figure, and a compare judges a level by it: the levels of
+one server move differently (measured here: one stream within 3% run to run while two streams
+jumped between 61 and 95 tok/s, a batching mode, not a run effect the other levels share).
+The host's one figure (tune's, and the line's headline) is the levels' mean variance, on the
+degrees of freedom of the runs (the levels of one run are one run, not several). A host, or a
+level, has a figure once those degrees of freedom reach MIN_DF; `invoke bench --noise N` runs
+the unchanged server N times to get there.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from playbooks.steps.measure.bench_stats import BLOCK_NOISE, RUN_NOISE, RUN_NOISE_DF
@@ -39,7 +43,7 @@ NOISE_RUNS = 6
 class HostNoise:
     """A host's run-to-run noise: ``rsd`` (relative standard deviation of a run's mean) with
     its degrees of freedom, from ``runs`` runs in ``groups`` unchanged configurations, the
-    oldest and newest of them."""
+    oldest and newest of them; ``levels``: each concurrency's own (``{"2": [rsd, df]}``)."""
 
     rsd: float
     df: int
@@ -47,9 +51,16 @@ class HostNoise:
     groups: int
     oldest: str | None
     newest: str | None
+    levels: dict[str, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"rsd": round(self.rsd, 4)}
+        levels = {c: [round(r, 4), int(d)] for c, (r, d) in self.levels.items()}
+        return asdict(self) | {"rsd": round(self.rsd, 4), "levels": levels}
+
+    def at(self, concurrency: Any) -> tuple[float, int] | None:
+        """The level's own figure once it rests on MIN_DF degrees of freedom, else None."""
+        found = self.levels.get(str(concurrency))
+        return (float(found[0]), int(found[1])) if found and int(found[1]) >= MIN_DF else None
 
 
 def _decode(level: dict[str, Any]) -> tuple[float, float] | None:
@@ -61,24 +72,24 @@ def _decode(level: dict[str, Any]) -> tuple[float, float] | None:
     return float(mean), float(sd) ** 2 / int(n)
 
 
-def _group_variance(runs: list[dict[str, Any]]) -> float | None:
-    """sigma^2 of one group of unchanged runs: per level, the variance of the runs' relative
-    means less their mean relative squared standard error; averaged over the levels."""
+def _group_variance(runs: list[dict[str, Any]]) -> dict[str, tuple[float, int]]:
+    """sigma^2 of one group of unchanged runs per level, with its degrees of freedom: the
+    variance of the runs' relative means less their mean relative squared standard error."""
     by_level: dict[Any, list[tuple[float, float]]] = {}
     for run in runs:
         for level in run.get("levels") or []:
             found = _decode(level)
             if found:
                 by_level.setdefault(level.get("concurrency"), []).append(found)
-    per_level = []
-    for seen in by_level.values():
+    per_level = {}
+    for c, seen in by_level.items():
         if len(seen) < 2:
             continue
         centre = statistics.fmean(m for m, _ in seen)
         spread = statistics.variance([m / centre for m, _ in seen])
         own = statistics.fmean(se2 for _, se2 in seen) / centre**2
-        per_level.append(spread - own)
-    return statistics.fmean(per_level) if per_level else None
+        per_level[str(c)] = (spread - own, len(seen) - 1)
+    return per_level
 
 
 def host_noise(history: Iterable[dict[str, Any]]) -> HostNoise | None:
@@ -91,20 +102,31 @@ def host_noise(history: Iterable[dict[str, Any]]) -> HostNoise | None:
             continue  # a line from before the repeats: no interval to weigh it by
         groups.setdefault((run.get("recipe"), run.get("recipe_sha256"), run.get("build")), []).append(run)
     weighted, df, runs, used, times = 0.0, 0, 0, 0, []
+    level_sum: dict[str, float] = {}
+    level_df: dict[str, int] = {}
     for members in groups.values():
-        v = _group_variance(members)
-        if v is None:
+        found = _group_variance(members)
+        if not found:
             continue
         k = len(members)
-        weighted += (k - 1) * v
+        weighted += (k - 1) * statistics.fmean(v for v, _ in found.values())
         df += k - 1
         runs += k
         used += 1
         times += [str(r["at"]) for r in members if r.get("at")]
+        for c, (v, d) in found.items():
+            level_sum[c] = level_sum.get(c, 0.0) + d * v
+            level_df[c] = level_df.get(c, 0) + d
     if not df:
         return None
-    rsd = math.sqrt(max(weighted / df, 0.0))  # a spread below the runs' own errors: no run effect seen
-    return HostNoise(rsd, df, runs, used, min(times, default=None), max(times, default=None))
+    # a spread below the runs' own errors: no run effect seen
+    rsd = math.sqrt(max(weighted / df, 0.0))
+    levels = {c: [math.sqrt(max(level_sum[c] / d, 0.0)), d] for c, d in sorted(level_df.items(), key=_level_key)}
+    return HostNoise(rsd, df, runs, used, min(times, default=None), max(times, default=None), levels)
+
+
+def _level_key(item: tuple[str, int]) -> tuple[int, str]:
+    return (int(item[0]), item[0]) if item[0].isdigit() else (1 << 30, item[0])
 
 
 def usable(noise: HostNoise | None) -> bool:
@@ -122,6 +144,13 @@ class Counted:
     block: float
     line: str
     borrowed: bool = False
+    own: HostNoise | None = None
+
+    def at(self, concurrency: Any) -> tuple[float, int]:
+        """What a level's comparison counts: the host's figure for that level where it has
+        one, else the host's one figure (or the recipe's, or the borrowed)."""
+        level = self.own.at(concurrency) if self.own is not None else None
+        return level if level is not None else (self.rsd, self.df)
 
 
 def counted(host: str, given: float | None, own: HostNoise | None) -> Counted | None:
@@ -131,7 +160,8 @@ def counted(host: str, given: float | None, own: HostNoise | None) -> Counted | 
     if given is not None:
         return Counted(given, RUN_NOISE_DF, given, f"noise between runs: {given:.1%}, the recipe's gate.run_noise")
     if own is not None and usable(own):
-        return Counted(own.rsd, own.df, own.rsd, f"noise between runs: {noise_text(own)}, {host}'s own history")
+        line = f"noise between runs: {noise_text(own)}, {host}'s own history"
+        return Counted(own.rsd, own.df, own.rsd, line, own=own)
     return None
 
 
@@ -155,6 +185,9 @@ def missing_text(host: str, noise: HostNoise | None) -> str:
 
 
 def noise_text(noise: HostNoise) -> str:
-    """``7.9% between runs (12 runs, 9 degrees of freedom, 2026-12-01 to 2026-12-05)``."""
+    """``7.9% between runs (12 runs, 9 degrees of freedom, 2026-12-01 to 2026-12-05; by
+    concurrency: 1: 2.4%, 2: 11.0%)``."""
     when = f", {noise.oldest[:10]} to {noise.newest[:10]}" if noise.oldest and noise.newest else ""
-    return f"{noise.rsd:.1%} between runs ({noise.runs} runs, {noise.df} degrees of freedom{when})"
+    levels = ", ".join(f"{c}: {r:.1%}" for c, (r, _) in noise.levels.items())
+    by = f"; by concurrency: {levels}" if len(noise.levels) > 1 else ""
+    return f"{noise.rsd:.1%} between runs ({noise.runs} runs, {noise.df} degrees of freedom{when}{by})"

@@ -607,7 +607,8 @@ def _ref(
     members: Sequence[tuple[dict[str, Any], dict[str, Any]]], now: dict[str, Any], sha: Any, noise: Counted | None
 ) -> dict[str, Any]:
     """One reference: a run's level, or the mean of several runs' levels of one configuration
-    (the "last" reference, :func:`_last_members`), and now's change against it."""
+    (the "last" reference, :func:`_last_members`), and now's change against it, judged by the
+    level's own run-to-run noise where the host has one (bench_noise)."""
     run, level = members[-1]
     rows = [tracked(lv) for _, lv in members]
     values = {k: _mean([row[k] for row in rows]) for k in TRACKED}
@@ -615,7 +616,7 @@ def _ref(
     decode = decodes[0] if len(decodes) == 1 else pooled(decodes)
     same = (now.get("decode") or {}).get("source") == (level.get("decode") or {}).get("source")
     same = same and noise is not None
-    rsd, df = (noise.rsd, noise.df) if noise is not None else (0.0, 0)
+    rsd, df = noise.at(level.get("concurrency")) if noise is not None else (0.0, 0)
     return {
         "at": run.get("at"),
         "first_at": members[0][0].get("at"),
