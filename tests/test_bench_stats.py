@@ -80,15 +80,13 @@ def test_two_results_differ_only_beyond_their_noise():
 def test_the_test_is_welchs_t_with_the_between_run_term_as_documented():
     """The difference's variance: each side's stdev^2/n plus (RUN_NOISE x mean)^2; df by
     Welch-Satterthwaite with the run term counted as the spread it was estimated from (the run
-    effect plus a run's own relative error, the two sides' mean) at RUN_NOISE_DF; t at 1 - alpha/2m."""
+    effect plus a run's own error: the whole variance) at RUN_NOISE_DF; t at 1 - alpha/2m."""
     a, b = _est(100.0, 3.0, 6), _est(104.0, 5.0, 9)
     d = bench_stats.difference(a, b)
     r = bench_stats.RUN_NOISE
     sa, sb, run = 9 / 6, 25 / 9, r**2 * (100.0**2 + 104.0**2)
     var = sa + sb + run
-    own = (sa / 100.0**2 + sb / 104.0**2) / 2
-    spread = run + own * (100.0**2 + 104.0**2)
-    df = var**2 / (sa**2 / 5 + sb**2 / 8 + spread**2 / bench_stats.RUN_NOISE_DF)
+    df = var**2 / (sa**2 / 5 + sb**2 / 8 + var**2 / bench_stats.RUN_NOISE_DF)
     assert d is not None and d.diff == 4.0 and d.se == pytest.approx(math.sqrt(var))
     assert d.df == pytest.approx(df) and d.halfwidth == pytest.approx(bench_stats.t_quantile(0.95, df) * math.sqrt(var))
     # three comparisons at once: each at 5%/3

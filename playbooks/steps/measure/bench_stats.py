@@ -254,11 +254,6 @@ def _one_run(d: dict[str, Any]) -> dict[str, Any]:
     return {"mean": d["mean"], "se2": d["run_se2"], "df": d["run_df"]}
 
 
-def _one_run_se2(d: dict[str, Any], se2: float) -> float:
-    """A typical run's squared standard error of ``d`` (``se2``, its own, unless :func:`pooled`)."""
-    return float(d["run_se2"]) if "runs" in d else se2
-
-
 @dataclass(frozen=True)
 class Difference:
     """b minus a, with its standard error, Welch-Satterthwaite degrees of freedom and the
@@ -299,13 +294,12 @@ def difference(
     if var <= 0:
         return Difference(mb - ma, 0.0, math.inf, 0.0, comparisons)
     # the run noise was estimated as the spread of a host's run means less their own squared
-    # errors: it is as uncertain as that spread (run effect plus a run's own error, with
-    # ``noise_df``), not as a run effect alone would be; counted as its own, the degrees of
-    # freedom come out too many and an unchanged pair is called changed too often (simulated:
-    # tests/test_bench_noise.py)
-    own = statistics.fmean((_one_run_se2(a, sa[0]) / ma**2, _one_run_se2(b, sb[0]) / mb**2)) if ma and mb else 0.0
-    spread = run_var + own * (ma**2 / int(a.get("runs", 1)) + mb**2 / int(b.get("runs", 1)))
-    denom = sa[0] ** 2 / sa[1] + sb[0] ** 2 / sb[1] + (spread**2 / noise_df if run_var else 0.0)
+    # errors: it is as uncertain as that spread (run effect plus a run's own error: here the
+    # whole variance, with ``noise_df``), not as a run effect alone would be; counted as its
+    # own, the degrees of freedom come out too many and an unchanged pair is called changed too
+    # often (simulated: tests/test_bench_noise.py). As a prediction from k runs' spread is
+    # judged on k - 1 degrees of freedom, whatever their own errors.
+    denom = sa[0] ** 2 / sa[1] + sb[0] ** 2 / sb[1] + (var**2 / noise_df if run_var else 0.0)
     df = var**2 / denom if denom > 0 else math.inf
     t = t_quantile(1 - alpha / max(1, comparisons), df)
     return Difference(mb - ma, math.sqrt(var), df, t * math.sqrt(var), comparisons)
