@@ -100,7 +100,8 @@ def main() -> int:
             env = {**os.environ, "COLUMNS": "130", "VOLTAFORGE_CACHE": str(work / f"proof-{p}")}
             s.deploy()  # Q8_0 (the last proof run ended at Q4_K_M)
             code, out, took = cli(["bench", *inv, "--noise", str(NOISE_RUNS)], env, work)
-            noise = out.strip().splitlines()[-1] if out.strip() else ""
+            flat = " ".join(out.split())  # the figure's line, wrapped by the terminal's width
+            noise = flat[flat.rfind("stab: ") :] if "stab: " in flat else flat[-300:]
             print(f"proof {p + 1}: bench --noise {NOISE_RUNS}: exit {code}, {took:.0f} s: {noise}", flush=True)
             code, out, took = cli(["bench", *inv, "--compare"], env, work)
             seen = verdicts(out)
