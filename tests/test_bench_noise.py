@@ -186,3 +186,15 @@ def test_each_level_is_judged_by_its_own_noise():
     mean_only = {k: v for k, v in found.as_dict().items() if k != "levels"}
     rows = {r["concurrency"]: r for r in bench_report.compare(_result(mean_only, mean=127.8 * 1.15), history)}
     assert rows[1]["last"]["run_noise"] == pytest.approx(found.rsd, abs=1e-4)
+
+
+def test_a_compare_at_a_noise_no_change_overcomes_says_so():
+    """Where the host's runs move by 25% (five degrees of freedom), "within the noise" says that
+    no change would show 80% of the time, rather than a size (bench_stats.detectable_change)."""
+    d = {"stdev": 4.0, "n": 8, "source": "client"}
+    history = [_line(f"2026-12-01T00:0{i}:00Z", {"mean": 100.0, **d}) for i in range(6)]
+    noisy = bench_noise.HostNoise(0.25, 5, 6, 1, "2026-12-01T00:00:00Z", "2026-12-01T00:05:00Z").as_dict()
+    [row] = bench_report.compare(_result(noisy, mean=110.0), history)
+    assert row["last"]["decode_outside_noise"] is False and row["last"]["detectable_pct"] is None
+    out = " ".join(rich_text(bench_report.render_compare, [row], width=200).split())
+    assert "against the last 6 runs, within the noise: no change shown (at this noise no change would show 80%" in out

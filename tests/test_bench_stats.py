@@ -179,3 +179,14 @@ def test_a_pooled_reference_is_the_mean_of_its_runs_with_the_run_term_divided_ov
         ref = bench_stats.pooled([run(100.0) for _ in range(4)])
         flagged += bool(bench_stats.distinct(ref, run(100.0 * (1 + delta))))
     assert 0.75 <= flagged / 2000 <= 0.90, flagged / 2000
+
+
+def test_no_change_is_detectable_where_the_noise_grows_as_fast_as_the_rise():
+    """The run term grows with the raised mean: at 25% run noise on 5 degrees of freedom (this
+    VM's one-stream figure on a bad afternoon) no rise is flagged 80% of the time, and the
+    answer is infinity, not the 20th step of a fixed point that never settles (the sample once
+    said "a change of 1408% or more")."""
+    a = _est(100.0, 3.0, 8)
+    assert bench_stats.detectable_change(a, 0.25, comparisons=2, noise_df=5) == math.inf
+    found = bench_stats.detectable_change(a, 0.05, comparisons=2, noise_df=5)
+    assert found is not None and 0.1 < found < 0.5

@@ -667,8 +667,10 @@ def _last_members(
 
 
 def _detectable_pct(decode: dict[str, Any] | None, noise: float, df: int) -> float | None:
+    """The detectable change in %, None where there is none to state (no interval, or no rise
+    would show: bench_stats.detectable_change's infinity; JSON has no infinity)."""
     found = detectable_change(decode, noise, comparisons=COMPARED, noise_df=df)
-    return None if found is None else round(found * 100, 1)
+    return None if found is None or not math.isfinite(found) else round(found * 100, 1)
 
 
 def compare_noise(result: dict[str, Any]) -> Counted | None:
@@ -764,6 +766,8 @@ def render_compare(rows: Sequence[dict[str, Any]], console: Console) -> Table:
                 verdict = "outside the noise: a real change" if noise else "within the noise: no change shown"
                 if not noise and ref and ref.get("detectable_pct") is not None:
                     verdict += f" (a change of {ref['detectable_pct']:.0f}% or more would show 80% of the time)"
+                elif not noise and ref:
+                    verdict += " (at this noise no change would show 80% of the time)"
                 what = f"concurrency {r['concurrency']}: per-stream decode {pct:+.1f}% against {_ref_name(label, ref)}"
                 console.print(Text(f"{what}, {verdict}"))
     refs = [r[k] for r in rows for k in ("last", "best") if r[k]]

@@ -203,6 +203,8 @@ RUN_NOISE_DF = 7
 ALPHA = 0.05
 #: the power :func:`detectable_change` is stated at
 POWER = 0.80
+#: a rise past which :func:`detectable_change` calls no change detectable (20x the rate)
+DETECTABLE_MAX = 20.0
 
 
 def _se2_df(d: dict[str, Any]) -> tuple[float, int] | None:
@@ -330,21 +332,25 @@ def detectable_change(
     a typical one of its runs where ``a`` is :func:`pooled`):
     (t_{1-alpha/2m} + t_{power}) times the difference's standard error, over the mean, solved
     with the other side at the raised mean (its run term grows with it). None without an
-    interval."""
+    interval; infinity where no rise is enough: the run term grows with the raised mean, and
+    once the noise times the two quantiles reaches one, it grows as fast as the rise (a 25%
+    run noise at 5 degrees of freedom; the fixed point then climbs without end)."""
     if not a or not a.get("mean"):
         return None
     mean = abs(float(a["mean"]))
     delta = 0.0
-    for _ in range(20):  # a fixed point: the raised side's run term depends on the rise
+    for _ in range(50):  # a fixed point: the raised side's run term depends on the rise
         d = difference(a, {**_one_run(a), "mean": mean * (1 + delta)}, run_noise, comparisons, noise_df=noise_df)
         if d is None:
             return None
         t_beta = t_quantile(2 * power - 1, d.df)  # the one-sided quantile at `power`
         nxt = (d.halfwidth + t_beta * d.se) / mean
         if abs(nxt - delta) < 1e-6:
+            return nxt
+        if nxt > DETECTABLE_MAX:
             break
         delta = nxt
-    return nxt
+    return math.inf
 
 
 # ------------------------------------------------------------------------------------------
