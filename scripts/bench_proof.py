@@ -128,6 +128,15 @@ def main() -> int:
             figures[f"{key}_c1_called_changed"] = sum(v[3] for v in single)
             figures[f"{key}_c1_change_min_pct"] = min((v[1] for v in single), default=None)
             figures[f"{key}_c1_change_max_pct"] = max((v[1] for v in single), default=None)
+        # the host's own noise each proof run measured: overall and at one stream
+        overall = [float(m[1]) for p in proofs if (m := re.search(r"stab: ([\d.]+)% between runs", p["noise"]))]
+        single_noise = [float(m[1]) for p in proofs if (m := re.search(r"by concurrency: 1: ([\d.]+)%", p["noise"]))]
+        figures |= {
+            "noise_min_pct": min(overall, default=None),
+            "noise_max_pct": max(overall, default=None),
+            "noise_c1_min_pct": min(single_noise, default=None),
+            "noise_c1_max_pct": max(single_noise, default=None),
+        }
         # every level, every change, against the last configuration: a change of 30% or more
         big = [v for p in proofs for q in CHANGES for v in p["changes"][q] if v[2] == "last" and abs(v[1]) >= 30]
         figures |= {"levels_30pct_or_more": len(big), "levels_30pct_or_more_called": sum(v[3] for v in big)}
