@@ -20,10 +20,10 @@ from playbooks.config.recipe import (
     shadowed_shipped,
 )
 from playbooks.config.yamlfile import explain_validation, load_yaml
+from playbooks.engines.exllamav2 import plan_exl2_split
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import GIB, Gpu, get_gpu
-from playbooks.plan.layer_split import plan_exl2_split
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, NCpuMoe, RamSource
 from playbooks.plan.objective import Objective
