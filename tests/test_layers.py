@@ -193,20 +193,12 @@ ENGINE_HOMES = ("playbooks.engines", "playbooks.config.recipe")
 #: what issue 54 has not moved yet: the branches left per module, which may only fall (a module
 #: that loses its last one leaves this list; plan/ has none)
 NOT_MOVED_YET = {
-    "playbooks.cli.plan": 4,
     "playbooks.cli.render": 5,
     "playbooks.conduct.build": 1,
     "playbooks.conduct.deploy": 6,
     "playbooks.conduct.placements": 3,
     "playbooks.conduct.quantize": 2,
-    "playbooks.conduct.tune": 1,
-    "playbooks.config.planning": 6,
     "playbooks.steps.build.exllamav2": 2,
-    "playbooks.steps.measure.bench": 1,
-    "playbooks.steps.measure.bench_client": 1,
-    "playbooks.steps.measure.bench_lb": 1,
-    "playbooks.steps.measure.bench_run": 4,
-    "playbooks.steps.measure.tune_space": 1,
     "playbooks.steps.serve.units": 4,
     "playbooks.steps.weights.exl2_convert": 3,
 }

@@ -51,6 +51,7 @@ from playbooks.conduct.tune_candidates import (
 )
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe, load_recipe
+from playbooks.engines import engine
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds as build_facts
 from playbooks.facts import read_fact
@@ -329,7 +330,7 @@ class Tuner:
             if failed:
                 level: dict[str, Any] = {"error": f"the server did not come up: {failed}"}
             else:
-                kind = "llama-server" if cand.recipe.backend == "llamacpp" else "tabbyapi"
+                kind = engine(cand.recipe.backend).server
                 level = measure_level(self.host, self.port, kind, conc, g, api_key_for(self.host, cand.recipe))
         finally:
             self.stop_scratch(cand)

@@ -10,8 +10,9 @@ engine. Types of plan/serving are named for annotations only: serving imports th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from playbooks.plan.gpus import MIB
 from playbooks.plan.split import CPU_ALIGNMENT, CUDA_ALIGNMENT, Device
@@ -49,6 +50,19 @@ class Engine:
     #: rather than looked up as published types
     continuous_rate: bool = False
 
+    # -- its server ----------------------------------------------------------------------------
+
+    #: the server it runs, as reports and the bench client name it
+    server: str = ""
+    #: its server is llama.cpp's build (the `current` link, llama-bench beside it)
+    runs_llamacpp_build: bool = False
+    #: the request fields that make its server ignore end-of-sequence (fixed-length rounds)
+    no_eos_body: ClassVar[Mapping[str, object]] = {}
+
+    def batches(self, compute_capability: tuple[int, int]) -> bool:
+        """Whether parallel slots batch on a GPU of this compute capability."""
+        return True
+
     # -- quants ---------------------------------------------------------------------------------
 
     def owns_quant(self, quant: str) -> bool:
@@ -56,6 +70,15 @@ class Engine:
 
     def quant_names(self) -> list[str]:
         raise NotImplementedError
+
+    def parse_quant(self, text: str) -> str | None:
+        """A --quant flag's text as this engine's quant name, None when it is not one of its
+        names (raises VoltaforgeError when it is, but malformed)."""
+        raise NotImplementedError
+
+    def known_quant(self, quant: str) -> bool:
+        """Whether the planner knows ``quant`` (one of :meth:`quant_names`, or a rate it can plan)."""
+        return quant in self.quant_names()
 
     def quant_refusal(self, shape: ModelShape, quant: str) -> str:
         """Why this engine cannot make ``quant`` of this model ("": it can)."""
@@ -106,6 +129,21 @@ class Engine:
         """What the plan says of this engine's quants on this target: a note ("": none), and
         whether they leave the recommendation (still shown in the fit table)."""
         return "", False
+
+    # -- the recipe's terms ------------------------------------------------------------------
+
+    #: takes llama-server's cache types as a what-if (--cache-type-k/-v)
+    takes_cache_flags: bool = False
+    #: renders an allotment per card for a split (TabbyAPI's gpu_split)
+    renders_gpu_split: bool = False
+
+    def wrong_quant(self, recipe: str, quant: str) -> str:
+        """What a what-if quant of another engine is told, for a recipe of this one."""
+        raise NotImplementedError
+
+    def recipe_quant(self, quant: str, given: object) -> object:
+        """``quant`` as this engine's recipe writes it (``given``: the recipe's own value)."""
+        return quant
 
     def serving_notes(self, s: Serving, gpu: Gpu) -> list[str]:
         """Notes on the served settings that are this engine's (a cache pair it runs slower)."""

@@ -15,8 +15,10 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from playbooks.engines.base import Engine, SplitPlan, split_devices
+from playbooks.errors import VoltaforgeError
 from playbooks.plan.exl2_size import (
     EXL2_BPW_LADDER,
+    EXL2_BPW_RANGE,
     EXL2_MAX_INPUT_LEN,
     estimate_exl2,
     exl2_attention_bytes,
@@ -114,6 +116,14 @@ def plan_exl2_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, ctx: in
 class ExLlamaV2(Engine):
     name = "exllamav2"
     label = "ExLlamaV2"
+    server = "tabbyapi"
+    no_eos_body = {"ban_eos_token": True}  # TabbyAPI's sampler option
+
+    def batches(self, compute_capability: tuple[int, int]) -> bool:
+        # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one
+        # sequence at a time before Ampere
+        return compute_capability >= (8, 0)
+
     continuous_rate = True
 
     def owns_quant(self, quant: str) -> bool:
@@ -121,6 +131,22 @@ class ExLlamaV2(Engine):
 
     def quant_names(self) -> list[str]:
         return [exl2_quant_name(b) for b in EXL2_BPW_LADDER]
+
+    def parse_quant(self, text: str) -> str | None:
+        """'EXL2-4' and 'exl2-4.0' both mean EXL2 at 4.0 bpw."""
+        if not text.upper().startswith("EXL2-"):
+            return None
+        try:
+            bpw = float(text[5:])
+        except ValueError:
+            raise VoltaforgeError(f"--quant {text!r}: EXL2 needs a number of bits, e.g. EXL2-3.3") from None
+        lo, hi = EXL2_BPW_RANGE
+        if not lo <= bpw <= hi:
+            raise VoltaforgeError(f"--quant {text!r}: EXL2 bpw must be between {lo} and {hi}")
+        return exl2_quant_name(bpw)
+
+    def known_quant(self, quant: str) -> bool:
+        return self.owns_quant(quant)  # any rate in range (parse_quant checked it)
 
     def bpw(self, quant: str, weights_bytes: int, params: int) -> float:
         # the target rate: its FP16 embedding table stays in host memory and would inflate it
@@ -165,6 +191,19 @@ class ExLlamaV2(Engine):
         mode = FROM_LLAMACPP_CACHE[s.cache_k]
         return replace(s, backend=self.name, cache_k=mode, cache_v=mode)
 
+    renders_gpu_split = True
+
+    def wrong_quant(self, recipe: str, quant: str) -> str:
+        return (
+            f"--quant {quant}: {recipe} is an ExLlamaV2 recipe; give an EXL2 rate (EXL2-3.5), or plan a "
+            "llama.cpp recipe"
+        )
+
+    def recipe_quant(self, quant: str, given: object) -> object:
+        # a recipe's EXL2 quant is {bpw, head_bits}: the rate changes, its head bits stay
+        head_bits = given["head_bits"] if isinstance(given, dict) else None
+        return {"bpw": float(quant[5:]), "head_bits": head_bits}
+
     def left_out(self, gpu: Gpu, s: Serving, draft: DraftPlan | None) -> tuple[str, bool]:
         if gpu.is_cpu:
             cpu = f"ExLlamaV2 {EXL2_NEEDS_CUDA} (it has no CPU path); a CPU serves GGUF through llama.cpp"
@@ -173,9 +212,8 @@ class ExLlamaV2(Engine):
             return "EXL2 is left out: RPC workers are llama.cpp's (ExLlamaV2 splits over local cards only)", False
         if draft is not None:
             return f"EXL2 is left out: {EXL2_NO_DRAFT} (--model-draft)", False
-        if s.parallel > 1 and gpu.compute_capability < (8, 0):
-            # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one
-            # sequence at a time before Ampere, so it cannot serve parallel slots here.
+        if s.parallel > 1 and not self.batches(gpu.compute_capability):
+            # so it cannot serve parallel slots here
             return (
                 f"EXL2 is left out of the recommendation: {s.parallel} slots need batching, "
                 "which ExLlamaV2 cannot do before Ampere (no flash-attn for sm_70)",

@@ -187,6 +187,9 @@ FROM_EXL2_CACHE = {"FP16": ("f16", "f16"), "Q8": ("q8_0", "q8_0"), "Q6": ("q8_0"
 class LlamaCpp(Engine):
     name = "llamacpp"
     label = "llama.cpp"
+    server = "llama-server"
+    runs_llamacpp_build = True
+    no_eos_body = {"ignore_eos": True}  # llama-server's own extension
     takes_draft = True
     takes_rpc = True
     offloads_experts = True
@@ -196,6 +199,11 @@ class LlamaCpp(Engine):
 
     def quant_names(self) -> list[str]:
         return list(FILE_TYPES)
+
+    def parse_quant(self, text: str) -> str | None:
+        """GGUF names are upper case; anything another engine does not claim is llama.cpp's to
+        know or refuse (:meth:`known_quant`)."""
+        return text.upper()
 
     def quant_refusal(self, shape: ModelShape, quant: str) -> str:
         return quant_refusal(shape, quant) or ""
@@ -237,6 +245,13 @@ class LlamaCpp(Engine):
         # `flash_attn: false` in an EXL2 recipe is about the flash-attn library (no sm_70 build);
         # llama.cpp's own FA kernels run on sm_70 and a quantized V cache needs them
         return replace(s, backend=self.name, cache_k=k, cache_v=v, flash_attn=s.flash_attn or v != "f16")
+
+    takes_cache_flags = True
+
+    def wrong_quant(self, recipe: str, quant: str) -> str:
+        return (
+            f"--quant {quant}: {recipe} is a llama.cpp recipe; give a GGUF type (Q4_K_M), or plan an ExLlamaV2 recipe"
+        )
 
     def serving_notes(self, s: Serving, gpu: Gpu) -> list[str]:
         if not s.flash_attn or gpu.is_cpu or fa_pair_compiled(s.cache_k, s.cache_v):
