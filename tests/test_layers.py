@@ -198,7 +198,13 @@ NOT_MOVED_YET = {
     "playbooks.conduct.deploy": 6,
     "playbooks.conduct.placements": 3,
     "playbooks.conduct.quantize": 2,
+    "playbooks.conduct.tune": 1,
     "playbooks.steps.build.exllamav2": 2,
+    "playbooks.steps.measure.bench": 1,
+    "playbooks.steps.measure.bench_client": 1,
+    "playbooks.steps.measure.bench_lb": 1,
+    "playbooks.steps.measure.bench_run": 4,
+    "playbooks.steps.measure.tune_space": 1,
     "playbooks.steps.serve.units": 4,
     "playbooks.steps.weights.exl2_convert": 3,
 }

@@ -51,7 +51,6 @@ from playbooks.conduct.tune_candidates import (
 )
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe, load_recipe
-from playbooks.engines import engine
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds as build_facts
 from playbooks.facts import read_fact
@@ -330,7 +329,7 @@ class Tuner:
             if failed:
                 level: dict[str, Any] = {"error": f"the server did not come up: {failed}"}
             else:
-                kind = engine(cand.recipe.backend).server
+                kind = "llama-server" if cand.recipe.backend == "llamacpp" else "tabbyapi"
                 level = measure_level(self.host, self.port, kind, conc, g, api_key_for(self.host, cand.recipe))
         finally:
             self.stop_scratch(cand)

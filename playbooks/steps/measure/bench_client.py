@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from playbooks.engines import engine_of_server
-
 if TYPE_CHECKING:
     import httpx
 
@@ -77,9 +75,10 @@ def request_body(prompt: str, max_tokens: int, seed: int, kind: str) -> dict[str
         "seed": seed,
         "temperature": 0.8,
     }
-    served = engine_of_server(kind)
-    if served is not None:
-        body |= served.no_eos_body  # each server's own way to ignore end-of-sequence
+    if kind == "llama-server":
+        body["ignore_eos"] = True  # llama-server's own extension
+    elif kind == "tabbyapi":
+        body["ban_eos_token"] = True  # TabbyAPI's sampler option
     return body
 
 

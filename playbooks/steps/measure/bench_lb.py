@@ -16,7 +16,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 from playbooks.config.recipe import LoadedRecipe
-from playbooks.engines import engine
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.host import Host
@@ -63,7 +62,7 @@ def bench_through_balancer(
             f"{host.name}: the balancer's stats page (127.0.0.1:{stats_port}) lists no server of "
             f"{r.served_name}: is it voltaforge's, in front of this recipe?"
         )
-    kind = engine(r.backend).server
+    kind = "llama-server" if r.backend == "llamacpp" else "tabbyapi"
     result: dict[str, Any] = {
         "version": 1,
         "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -23,7 +23,6 @@ from typing import Any
 
 from playbooks.config.planning import host_from_recipe, plan_recipe, resolve_n_cpu_moe
 from playbooks.config.recipe import Gate, LoadedRecipe
-from playbooks.engines import engine
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds as build_facts
 from playbooks.facts import membw as membw_facts
@@ -409,20 +408,19 @@ def measure(
     port = int(record.get("port") or r.service.port)
     model = str((record.get("artifact") or {}).get("path") or "")
     build = None
-    e = engine(r.backend)
-    if e.runs_llamacpp_build:
+    if r.backend == "llamacpp":
         current = build_facts.parse_readlink(
             read_fact(host, build_facts.readlink_command(f"{prefix}/llama.cpp/current"))
         )
         build = current.rstrip("/").rsplit("/", 1)[-1] if current else None
     result["server"] = {
         "port": port,
-        "kind": e.server,
+        "kind": "llama-server" if r.backend == "llamacpp" else "tabbyapi",
         # the name clients ask for (llama-server --alias, TabbyAPI's model directory), and the file
         "model": r.served_name,
         "model_file": model,
         "deployed_at": record.get("at"),
-        "build": build or ("not recorded" if e.runs_llamacpp_build else "TabbyAPI (no llama.cpp build)"),
+        "build": build or ("not recorded" if r.backend == "llamacpp" else "TabbyAPI (no llama.cpp build)"),
         "url": f"http://127.0.0.1:{port}/v1 on {host.name}",
     }
     python = host_python(host, prefix)
@@ -496,7 +494,7 @@ def measure(
     # utilisation but a ceiling or measurement error (roofline.mbu_note)
     result["mbu"] = round(single / roof, 4) if single and roof else None
     result["mbu_note"] = roofline.mbu_note(result)
-    if e.runs_llamacpp_build and model and "error" not in result:  # llama-bench is the build's
+    if r.backend == "llamacpp" and model and "error" not in result:
         crowded = no_room_for_llama_bench(loaded)
         if crowded:
             result["llama_bench"] = {"error": crowded}
