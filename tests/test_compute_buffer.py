@@ -27,7 +27,7 @@ import statistics
 import pytest
 import yaml
 
-from playbooks.plan.budget import llamacpp_compute_buffer_bytes
+from playbooks.engines.llamacpp import llamacpp_compute_buffer_bytes
 from playbooks.plan.compute_buffer import Graph, _Allocator, replay, worst_case_graph
 from playbooks.plan.gpus import MIB
 from playbooks.plan.model_config import shape_from_config

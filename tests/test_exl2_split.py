@@ -27,8 +27,8 @@ import yaml
 
 from playbooks.config.planning import plan_recipe, refuse_unfit
 from playbooks.config.recipe import load_recipe
+from playbooks.engines.exllamav2 import exl2_compute_bytes, plan_exl2_split
 from playbooks.errors import VoltaforgeError
-from playbooks.plan.budget import exl2_compute_bytes
 from playbooks.plan.evaluate import evaluate
 from playbooks.plan.exl2_size import estimate_exl2, head_bits_per_weight
 from playbooks.plan.exl2_split import (
@@ -39,7 +39,6 @@ from playbooks.plan.exl2_split import (
 )
 from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.kv_cache import exl2_cache_scratch_bytes
-from playbooks.plan.layer_split import plan_exl2_split
 from playbooks.plan.model_config import shape_from_config
 from playbooks.plan.serving import Serving
 from playbooks.steps.serve.units import planned_service_files

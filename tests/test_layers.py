@@ -1,7 +1,9 @@
 """The folders are layers, and imports only go down (docs/layout.md).
 
     errors, resources, results                            (anyone)
-    plan/     pure planning                               -> nothing above
+    engines/  the serving engines, one module each        -> plan (one layer of pure planning
+              with plan/: plan asks the engines, they use plan's physics; no module cycles)
+    plan/     pure planning                               -> engines, nothing above
     facts/    fact commands + pure parsers                -> nothing above
     config/   recipes, inventory                          -> plan
     host/     transports, operations, lock               -> config (HostSpec), facts
@@ -19,6 +21,7 @@ function counts too.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -26,14 +29,15 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "playbooks"
 
 ALLOWED = {
-    "plan": {"plan"},
+    "engines": {"engines", "plan"},
+    "plan": {"plan", "engines"},
     "facts": {"facts"},
-    "config": {"config", "plan"},
+    "config": {"config", "plan", "engines"},
     "host": {"host", "config", "facts"},
-    "weights": {"weights", "plan"},
-    "steps": {"steps", "host", "facts", "config", "plan", "weights"},
-    "conduct": {"conduct", "steps", "host", "facts", "config", "plan", "weights"},
-    "cli": {"cli", "conduct", "steps", "config", "plan", "weights"},
+    "weights": {"weights", "plan", "engines"},
+    "steps": {"steps", "host", "facts", "config", "plan", "engines", "weights"},
+    "conduct": {"conduct", "steps", "host", "facts", "config", "plan", "engines", "weights"},
+    "cli": {"cli", "conduct", "steps", "config", "plan", "engines", "weights"},
 }
 #: what a module may name for its annotations only (under ``if TYPE_CHECKING:``, never run)
 TYPES_ONLY = {"cli": {"host", "facts"}}
@@ -172,3 +176,77 @@ def test_cli_running_a_host_is_caught(tmp_path):
     )
     assert [t for t, _, _ in imports_of(bad, runtime_only=True)] == ["playbooks.host.lock"]
     assert "host" not in ALLOWED["cli"] and "facts" not in ALLOWED["cli"]
+
+
+# ------------------------------------------------------------------------------------------
+# the engine is asked, not compared (issue 54)
+# ------------------------------------------------------------------------------------------
+
+#: a branch on the engine: its recipe field compared, an engine's name as a literal, an EXL2
+#: quant told by its prefix (llama.cpp's own cpu/cuda build backend is another `backend`)
+ENGINE_BRANCH = re.compile(
+    r"""\.backend\s*(==|!=|\bin\b|\bnot in\b)|(==|!=|\bin\b)\s*\S*\.backend\b|"""
+    r"""["'](llamacpp|exllamav2|tabbyapi)["']|startswith\(\s*["']EXL2-["']\s*\)"""
+)
+#: where an engine may be compared: the engines themselves and the recipe schema that names one
+ENGINE_HOMES = ("playbooks.engines", "playbooks.config.recipe")
+#: what issue 54 has not moved yet: the branches left per module, which may only fall (a module
+#: that loses its last one leaves this list; plan/ has none)
+NOT_MOVED_YET = {
+    "playbooks.cli.render": 5,
+    "playbooks.conduct.build": 1,
+    "playbooks.conduct.deploy": 6,
+    "playbooks.conduct.placements": 3,
+    "playbooks.conduct.quantize": 2,
+    "playbooks.conduct.tune": 1,
+    "playbooks.steps.build.exllamav2": 2,
+    "playbooks.steps.measure.bench": 1,
+    "playbooks.steps.measure.bench_client": 1,
+    "playbooks.steps.measure.bench_lb": 1,
+    "playbooks.steps.measure.bench_run": 4,
+    "playbooks.steps.measure.tune_space": 1,
+    "playbooks.steps.serve.units": 4,
+    "playbooks.steps.weights.exl2_convert": 3,
+}
+
+
+def engine_branches(path: Path) -> list[int]:
+    """The lines of a module that branch on the engine (ENGINE_BRANCH), comments left out."""
+    found = []
+    for n, text in enumerate(path.read_text().splitlines(), 1):
+        code = text.split("#", 1)[0]
+        if ENGINE_BRANCH.search(code) and "cpu" not in code.split("backend")[-1][:12]:
+            found.append(n)
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_the_engines_compare_an_engine(module):
+    if module.startswith(ENGINE_HOMES):
+        return
+    lines = engine_branches(MODULES[module])
+    allowed = NOT_MOVED_YET.get(module, 0)
+    assert len(lines) <= allowed, (
+        f"{module} branches on the engine at lines {lines}: ask the engine (playbooks/engines, docs/layout.md)"
+    )
+    assert len(lines) == allowed or module not in NOT_MOVED_YET, (
+        f"{module} has {len(lines)} engine branches, NOT_MOVED_YET says {allowed}: lower it"
+    )
+
+
+def test_the_engine_rule_sees_a_branch(tmp_path):
+    """The rule is not vacuous: a synthetic module comparing the recipe's engine, naming one,
+    or telling an EXL2 quant by its prefix is caught, line by line; llama.cpp's cpu build
+    backend and a comment are not."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        'if r.backend == "exllamav2":\n'
+        "    pass\n"
+        'kind = "tabbyapi"\n'
+        'if quant.startswith("EXL2-"):\n'
+        "    pass\n"
+        'if inputs.backend == "cpu":  # the build backend\n'
+        "    pass\n"
+        "# a comment naming exllamav2 is no branch\n"
+    )
+    assert engine_branches(bad) == [1, 3, 4]

@@ -18,9 +18,8 @@ from playbooks.config.planning import (
     with_overrides,
 )
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
+from playbooks.engines import engine, engine_of_quant, parse_quant
 from playbooks.errors import UsageError, VoltaforgeError
-from playbooks.plan.exl2_size import EXL2_BPW_RANGE, exl2_quant_name
-from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.kv_cache import LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file
@@ -32,20 +31,6 @@ from playbooks.plan.split import device_count, split_mode_refusal
 #: --parallel: more llama-server slots than any GPU's memory serves (the planner's arithmetic
 #: overflows a float long before a number of slots stops being a number)
 MAX_SLOTS = 1024
-
-
-def _normalize_quant(quant: str) -> str:
-    """'EXL2-4' and 'exl2-4.0' both mean EXL2 at 4.0 bpw; GGUF names are upper case."""
-    if quant.upper().startswith("EXL2-"):
-        try:
-            bpw = float(quant[5:])
-        except ValueError:
-            raise VoltaforgeError(f"--quant {quant!r}: EXL2 needs a number of bits, e.g. EXL2-3.3") from None
-        lo, hi = EXL2_BPW_RANGE
-        if not lo <= bpw <= hi:
-            raise VoltaforgeError(f"--quant {quant!r}: EXL2 bpw must be between {lo} and {hi}")
-        return exl2_quant_name(bpw)
-    return quant.upper()
 
 
 def run_plan(
@@ -95,8 +80,8 @@ def run_plan(
         if value is not None and value not in LLAMACPP_CACHE_TYPES:
             raise UsageError(f"{flag} {value!r}: want one of {', '.join(LLAMACPP_CACHE_TYPES)} (llama-server's types)")
     if quant is not None:
-        quant = _normalize_quant(quant)
-        if quant not in quant_names() and not quant.startswith("EXL2-"):
+        quant = parse_quant(quant)
+        if not engine_of_quant(quant).known_quant(quant):
             raise VoltaforgeError(f"--quant {quant!r} is not a known quant; allowed: {', '.join(quant_names())}")
     overridden: list[str] = []
     if recipe:
@@ -114,8 +99,8 @@ def run_plan(
                 f"(max_position_embeddings {loaded.shape.max_position_embeddings})"
             )
         _check_n_cpu_moe(n_cpu_moe, loaded.shape, loaded.recipe.name)
-        if n_cpu_moe is not None and loaded.recipe.backend != "llamacpp":
-            raise UsageError(f"--n-cpu-moe is llama-server's; {loaded.recipe.name} is an ExLlamaV2 recipe")
+        if n_cpu_moe is not None and not (e := engine(loaded.recipe.backend)).offloads_experts:
+            raise UsageError(f"--n-cpu-moe is llama-server's; {loaded.recipe.name} is an {e.label} recipe")
         ram = int(host_ram_gib * GIB) if host_ram_gib is not None else None
         host = host_from_recipe(loaded, host_membw_gb_s, ram)
         r = loaded.recipe
@@ -157,7 +142,7 @@ def run_plan(
             )
         given = quant is not None
         quant = quant or "Q4_K_M"
-        if not quant.startswith("EXL2-") and (why := quant_refusal(shape, quant)):
+        if why := engine_of_quant(quant).quant_refusal(shape, quant):
             if given:
                 raise VoltaforgeError(f"--quant {quant}: {why}")
             quant = "MXFP4_MOE" if shape.mxfp4_experts else None  # the default cannot be made: plan what can

@@ -20,10 +20,9 @@ from playbooks.config.recipe import (
     shadowed_shipped,
 )
 from playbooks.config.yamlfile import explain_validation, load_yaml
+from playbooks.engines import engine
 from playbooks.errors import VoltaforgeError
-from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import GIB, Gpu, get_gpu
-from playbooks.plan.layer_split import plan_exl2_split
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, NCpuMoe, RamSource
 from playbooks.plan.objective import Objective
@@ -250,7 +249,7 @@ def resolve_n_cpu_moe(
     Raises VoltaforgeError when `auto` finds no N: the quant does not fit even with every
     layer's experts in host RAM (or the host RAM known to the plan cannot hold them)."""
     r = loaded.recipe
-    if r.n_cpu_moe is None or r.backend != "llamacpp" or not loaded.shape.is_moe:
+    if r.n_cpu_moe is None or not engine(r.backend).offloads_experts or not loaded.shape.is_moe:
         return 0
     if isinstance(r.n_cpu_moe, int):
         return r.n_cpu_moe
@@ -272,11 +271,12 @@ def resolve_gpu_split(loaded: LoadedRecipe) -> tuple[float, ...]:
     (plan/exl2_split.py); () for anything else. What does not fit is refused before this
     (refuse_unfit), so the allotments rendered are always ones the plan fitted."""
     r = loaded.recipe
-    if r.backend != "exllamav2" or r.gpu_count < 2:
+    e = engine(r.backend)
+    if not e.renders_gpu_split or r.gpu_count < 2:
         return ()
     # the chosen quant's split only, as the plan computes it (not the whole fit table)
     serving = serving_from_recipe(loaded)
-    return plan_exl2_split(loaded.shape, r.quant_name, get_gpu(r.gpu), serving, serving.context).gpu_split
+    return e.plan_split(loaded.shape, r.quant_name, get_gpu(r.gpu), serving, serving.context).gpu_split
 
 
 def with_overrides(
@@ -297,31 +297,21 @@ def with_overrides(
     if parallel is not None and parallel != r.parallel:
         data["parallel"] = parallel
         said.append(f"parallel {parallel} (the recipe: {r.parallel})")
+    e = engine(r.backend)
     if quant is not None and quant != r.quant_name:
-        if r.backend == "exllamav2":
-            if not quant.startswith("EXL2-"):
-                raise VoltaforgeError(
-                    f"--quant {quant}: {r.name} is an ExLlamaV2 recipe; give an EXL2 rate (EXL2-3.5), or plan a "
-                    "llama.cpp recipe"
-                )
-            data["quant"] = {"bpw": float(quant[5:]), "head_bits": data["quant"]["head_bits"]}
-        else:
-            if quant.startswith("EXL2-"):
-                raise VoltaforgeError(
-                    f"--quant {quant}: {r.name} is a llama.cpp recipe; give a GGUF type (Q4_K_M), or plan an "
-                    "ExLlamaV2 recipe"
-                )
-            if why := quant_refusal(loaded.shape, quant):
-                raise VoltaforgeError(f"--quant {quant}: {why}")
-            data["quant"] = quant
+        if not e.owns_quant(quant):
+            raise VoltaforgeError(e.wrong_quant(r.name, quant))
+        if why := e.quant_refusal(loaded.shape, quant):
+            raise VoltaforgeError(f"--quant {quant}: {why}")
+        data["quant"] = e.recipe_quant(quant, data["quant"])
         said.append(f"quant {quant} (the recipe: {r.quant_name})")
     cache = {"k": cache_k, "v": cache_v}
     for part, value in cache.items():
         if value is None or value == getattr(r.cache, part):
             continue
-        if r.backend == "exllamav2":
+        if not e.takes_cache_flags:
             raise VoltaforgeError(
-                f"--cache-type-{part} is llama-server's; {r.name} is an ExLlamaV2 recipe (its cache: in the file)"
+                f"--cache-type-{part} is llama-server's; {r.name} is an {e.label} recipe (its cache: in the file)"
             )
         data["cache"][part] = value
         said.append(f"cache {part.upper()} {value} (the recipe: {getattr(r.cache, part)})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from playbooks.engines import engine_of_quant
 from playbooks.plan.budget import (
     draft_parts,
     kv_per_token,
@@ -49,12 +50,12 @@ def evaluate(
             one = replace(s, gpu_count=1, tensor_split=(), rpc_devices=0)
             return replace(evaluate(shape, quant, gpu, one, draft), unfit_reason=why)
         return evaluate_split(shape, quant, gpu, s, draft)
-    if shape.is_moe and not quant.startswith("EXL2-"):
+    if shape.is_moe and engine_of_quant(quant).offloads_experts:
         return evaluate_moe(shape, quant, gpu, s, draft, host or HostMemory())
     file_b, gpu_w, streamed = weight_bytes(shape, quant, s)
     kv_tok = kv_per_token(shape, s)
     kv, compute, overhead, draft_b = vram_at(shape, s, s.context, gpu, draft)
-    backend = "exllamav2" if quant.startswith("EXL2-") else "llamacpp"
+    backend = engine_of_quant(quant).name
     unfit = unfit_reason(backend, gpu, shape, draft, quant, (s.cache_k, s.cache_v))
     draft_kv, draft_compute = draft_parts(draft, s, gpu)
     return Option(

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from playbooks.engines.llamacpp import LLAMACPP, gguf_cached
 from playbooks.plan.budget import (
     draft_parts,
-    gguf_cached,
     kv_per_token,
     max_ctx,
     vram_at,
@@ -121,7 +121,7 @@ def evaluate_moe(
     draft_kv, draft_compute = draft_parts(draft, s, gpu)
     return Option(
         quant=quant,
-        backend="llamacpp",
+        backend=LLAMACPP.name,  # experts in host RAM are llama.cpp's (--n-cpu-moe)
         weights_bytes=file_b,
         params=parameter_count(shape),
         gpu_weights_bytes=at.gpu_weights,

@@ -38,6 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar
 
+from playbooks.engines import engine_of_quant
+
 #: the quality floor in bits per weight (recipes/defaults.yaml planner.min_bpw): the smallest
 #: rate the seed report served (EXL2 3.3 bpw); below ~3 bpw 14-32B models degrade quickly
 MIN_BPW = 3.3
@@ -146,7 +148,7 @@ class Objective:
             return Quality(measured, "measured")
         if quant == "MXFP4_MOE":
             return Quality(published_kld("Q8_0" if self.mxfp4_experts else "Q4_0", self.imatrix) or 0, "assumed")
-        if quant.startswith("EXL2-"):
+        if engine_of_quant(quant).continuous_rate:
             return Quality(curve_kld(bpw, self.imatrix), "interpolated")
         kld = published_kld(quant, self.imatrix)
         if kld is None:

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from playbooks.engines import ENGINES, engine, engine_of_quant
+from playbooks.engines.llamacpp import PIPELINE_COPIES
 from playbooks.plan.evaluate import evaluate
-from playbooks.plan.gguf_size import quant_refusal
 from playbooks.plan.gpus import MIB, Gpu
-from playbooks.plan.layer_split import (
-    PIPELINE_COPIES,
-)
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import (
     HostMemory,
@@ -30,11 +28,6 @@ from playbooks.plan.moe import (
 )
 from playbooks.plan.moe_offload import offload_ladder, smallest_n_cpu_moe
 from playbooks.plan.objective import Objective
-from playbooks.plan.refusals import (
-    EXL2_NEEDS_CUDA,
-    EXL2_NO_DRAFT,
-    fa_pair_compiled,
-)
 from playbooks.plan.serving import DraftPlan, Option, Serving, quant_names, serving_for
 
 
@@ -88,10 +81,10 @@ def make_plan(
     host = host or HostMemory()
     objective = objective or Objective(imatrix=serving.imatrix, mxfp4_experts=shape.mxfp4_experts)
     # GGUF types llama.cpp cannot make for this model (gpt-oss's MXFP4 experts: MXFP4_MOE only)
-    refused = {q: why for q in quant_names("llamacpp") if (why := quant_refusal(shape, q))}
+    refused = {q: why for e in ENGINES for q in e.quant_names() if (why := e.quant_refusal(shape, q))}
     names = [q for q in quant_names() if q not in refused and (shape.is_moe or q != "MXFP4_MOE")]
-    if serving.rpc_devices:  # RPC workers are llama.cpp's (split_unfit_reason)
-        names = [q for q in names if not q.startswith("EXL2-")]
+    if serving.rpc_devices:  # only an engine that takes RPC workers (split_unfit_reason)
+        names = [q for q in names if engine_of_quant(q).takes_rpc]
     options = [evaluate(shape, q, gpu, serving_for(q, serving), draft, host) for q in names]
     chosen = evaluate(shape, quant, gpu, serving, draft, host) if quant else None
     plan = Plan(shape, gpu, serving, chosen, options, objective, host=host)
@@ -100,22 +93,13 @@ def make_plan(
     fitting = [o for o in options if o.fits]  # an option that cannot run here does not fit
     if serving.split:
         _split_notes(plan)
-    if gpu.is_cpu:
-        plan.notes.append(
-            f"EXL2 is left out: ExLlamaV2 {EXL2_NEEDS_CUDA} (it has no CPU path); a CPU serves GGUF through llama.cpp"
-        )
-    elif serving.rpc_devices:
-        plan.notes.append("EXL2 is left out: RPC workers are llama.cpp's (ExLlamaV2 splits over local cards only)")
-    elif draft is not None:
-        plan.notes.append(f"EXL2 is left out: {EXL2_NO_DRAFT} (--model-draft)")
-    elif serving.parallel > 1 and gpu.compute_capability < (8, 0):
-        # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one
-        # sequence at a time before Ampere, so it cannot serve parallel slots here.
-        fitting = [o for o in fitting if o.backend != "exllamav2"]
-        plan.notes.append(
-            f"EXL2 is left out of the recommendation: {serving.parallel} slots need batching, "
-            "which ExLlamaV2 cannot do before Ampere (no flash-attn for sm_70)"
-        )
+    # what each engine cannot serve here: said, and out of the recommendation where it must be
+    for e in ENGINES:
+        note, drop = e.left_out(gpu, serving, draft)
+        if drop:
+            fitting = [o for o in fitting if engine(o.backend) is not e]
+        if note:
+            plan.notes.append(note)
     cards = f"{serving.device_count(gpu)} x {gpu.name}" if serving.split else gpu.name
     where = f"{serving.context} tokens x {serving.parallel} slot(s) on {cards}"
     floor = f"at least {objective.min_bpw:g} bits/weight"
@@ -149,13 +133,7 @@ def make_plan(
     else:
         plan.reason = f"no quant fits {where}: use a smaller model, a shorter context, fewer slots or a larger GPU"
     plan.notes.append(f"KLD: the quality the recommendation ranks by: {_quality_basis(objective, options)}")
-    compiled = fa_pair_compiled(serving.cache_k, serving.cache_v)
-    if serving.backend == "llamacpp" and serving.flash_attn and not gpu.is_cpu and not compiled:
-        plan.notes.append(
-            f"cache K={serving.cache_k} V={serving.cache_v}: a default CUDA build of llama.cpp 0c1e570 compiles "
-            "flash attention for the K/V pairs f16/f16, q8_0/q8_0, q4_0/q4_0 and bf16/bf16 only "
-            "(GGML_CUDA_FA_QUANTS); other pairs run slower (K and V converted to f16 on every step)"
-        )
+    plan.notes += engine(serving.backend).serving_notes(serving, gpu)
     if gpu.is_cpu:
         plan.notes.append(
             "on a CPU, quantized decode is often compute-bound, not bandwidth-bound: the roofline is "
@@ -218,10 +196,11 @@ def _moe_notes(plan: Plan, draft: DraftPlan | None) -> None:
     """The MoE part of a plan: the --n-cpu-moe ladder and what its numbers rest on."""
     shape, gpu, s, host = plan.shape, plan.gpu, plan.serving, plan.host
     c = plan.chosen
-    target = c if c is not None and c.backend == "llamacpp" else plan.recommendation
+    # the ladder is --n-cpu-moe's: for the planned quant where its engine offloads experts
+    target = c if c is not None and engine(c.backend).offloads_experts else plan.recommendation
     # the ladder where offload is allowed, or where the planned quant does not fit without it
     wanted = s.n_cpu_moe != 0 or (c is not None and not c.fits)
-    if wanted and target is not None and target.backend == "llamacpp" and not gpu.is_cpu:
+    if wanted and target is not None and engine(target.backend).offloads_experts and not gpu.is_cpu:
         ts = serving_for(target.quant, s)
         plan.offload = offload_ladder(shape, target.quant, gpu, ts, host, draft)
         plan.offload_quant = target.quant
@@ -263,7 +242,7 @@ def _moe_notes(plan: Plan, draft: DraftPlan | None) -> None:
         plan.notes.append(
             f"--n-cpu-moe {s.n_cpu_moe} on a CPU target moves no memory: every weight is in host memory already"
         )
-    if c is not None and c.backend == "llamacpp" and s.n_cpu_moe == 0 and not c.fits and not gpu.is_cpu:
+    if c is not None and engine(c.backend).offloads_experts and s.n_cpu_moe == 0 and not c.fits and not gpu.is_cpu:
         n = smallest_n_cpu_moe(shape, c.quant, gpu, s, draft)
         if n is not None:
             plan.notes.append(

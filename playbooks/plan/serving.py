@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from playbooks.plan.exl2_size import (
-    EXL2_BPW_LADDER,
-    exl2_quant_name,
-)
-from playbooks.plan.gguf_size import FILE_TYPES
+from playbooks.engines import ENGINES, LLAMACPP, engine, engine_of_quant
 from playbooks.plan.gpus import Gpu
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import (
@@ -25,7 +21,7 @@ from playbooks.plan.split import (
 class Serving:
     """How the model is served: what the budget depends on besides the weights."""
 
-    backend: str = "llamacpp"  # llamacpp | exllamav2
+    backend: str = LLAMACPP.name  # the engine's name (engines/)
     context: int = 4096  # tokens per slot (per request)
     parallel: int = 1  # slots served at once
     cache_k: str = "f16"  # llama.cpp: f16|q8_0|q4_0...; exllamav2: FP16|Q8|Q6|Q4
@@ -142,9 +138,7 @@ class Option:
         """Bits per weight of the quant, the quality measure the floor applies to: GGUF's whole
         file over all parameters; EXL2's target rate (its FP16 embedding table stays in host
         memory and would otherwise inflate the rate)."""
-        if self.quant.startswith("EXL2-"):
-            return float(self.quant[5:])
-        return self.weights_bytes * 8 / self.params
+        return engine_of_quant(self.quant).bpw(self.quant, self.weights_bytes, self.params)
 
 
 @dataclass(frozen=True)
@@ -154,36 +148,11 @@ class DraftPlan:
 
 
 def quant_names(backend: str | None = None) -> list[str]:
-    gguf = [q for q in FILE_TYPES]
-    exl2 = [exl2_quant_name(b) for b in EXL2_BPW_LADDER]
-    if backend == "llamacpp":
-        return gguf
-    if backend == "exllamav2":
-        return exl2
-    return gguf + exl2
+    """The quants the planner evaluates: one engine's (by its `backend:` name), or every engine's."""
+    return [q for e in ENGINES if backend is None or e is engine(backend) for q in e.quant_names()]
 
 
 def serving_for(quant: str, s: Serving) -> Serving:
-    """The same serving settings, with the cache type translated for the quant's backend."""
-    backend = "exllamav2" if quant.startswith("EXL2-") else "llamacpp"
-    if backend == s.backend:
-        return s
-    to_exl2 = {
-        "f16": "FP16",
-        "bf16": "FP16",
-        "f32": "FP16",
-        "q8_0": "Q8",
-        "q5_1": "Q6",
-        "q5_0": "Q6",
-        "q4_1": "Q4",
-        "q4_0": "Q4",
-        "iq4_nl": "Q4",
-    }
-    to_llama = {"FP16": ("f16", "f16"), "Q8": ("q8_0", "q8_0"), "Q6": ("q8_0", "q4_0"), "Q4": ("q4_0", "q4_0")}
-    if backend == "exllamav2":
-        mode = to_exl2[s.cache_k]
-        return replace(s, backend=backend, cache_k=mode, cache_v=mode)
-    k, v = to_llama[s.cache_k]
-    # `flash_attn: false` in an EXL2 recipe is about the flash-attn library (no sm_70 build);
-    # llama.cpp's own FA kernels run on sm_70 and a quantized V cache needs them
-    return replace(s, backend=backend, cache_k=k, cache_v=v, flash_attn=s.flash_attn or v != "f16")
+    """The same serving settings, with the cache type translated for the quant's engine."""
+    target = engine_of_quant(quant)
+    return s if target is engine(s.backend) else target.serving(s)
