@@ -27,8 +27,8 @@ import statistics
 import pytest
 import yaml
 
-from playbooks.engines.llamacpp import llamacpp_compute_buffer_bytes
 from playbooks.plan.compute_buffer import Graph, _Allocator, replay, worst_case_graph
+from playbooks.plan.engine_llamacpp import llamacpp_compute_buffer_bytes
 from playbooks.plan.gpus import MIB
 from playbooks.plan.model_config import shape_from_config
 from tests import llamacpp_tools, sparse_gguf

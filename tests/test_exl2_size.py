@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.engines.exllamav2 import exl2_compute_bytes
+from playbooks.plan.engine_exllamav2 import exl2_compute_bytes
 from playbooks.plan.evaluate import evaluate
 from playbooks.plan.exl2_size import (
     estimate_exl2,

@@ -27,8 +27,8 @@ import yaml
 
 from playbooks.config.planning import plan_recipe, refuse_unfit
 from playbooks.config.recipe import load_recipe
-from playbooks.engines.exllamav2 import exl2_compute_bytes, plan_exl2_split
 from playbooks.errors import VoltaforgeError
+from playbooks.plan.engine_exllamav2 import exl2_compute_bytes, plan_exl2_split
 from playbooks.plan.evaluate import evaluate
 from playbooks.plan.exl2_size import estimate_exl2, head_bits_per_weight
 from playbooks.plan.exl2_split import (

@@ -12,7 +12,7 @@ import pytest
 
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import load_recipe
-from playbooks.engines.exllamav2 import EXL2_NEEDS_CUDA
+from playbooks.plan.engine_exllamav2 import EXL2_NEEDS_CUDA
 from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.model_config import load_config_file

@@ -143,7 +143,7 @@ def test_a_draft_model_costs_its_weights_its_own_cache_and_its_own_compute_buffe
 def test_an_exl2_recipes_cache_translated_for_llamacpp_turns_its_flash_attention_on():
     """EXL2 recipes say flash_attn: false (the flash-attn library has no sm_70 build); the same
     Q8 cache in llama.cpp is q8_0, which llama.cpp only allows with its own FA kernels."""
-    from playbooks.engines.llamacpp import llamacpp_compute_buffer_bytes
+    from playbooks.plan.engine_llamacpp import llamacpp_compute_buffer_bytes
     from playbooks.plan.serving import serving_for
 
     s = serving_for("Q4_K_M", Serving(backend="exllamav2", cache_k="Q8", cache_v="Q8", flash_attn=False))

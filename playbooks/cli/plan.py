@@ -18,8 +18,8 @@ from playbooks.config.planning import (
     with_overrides,
 )
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
-from playbooks.engines import engine, engine_of_quant, parse_quant
 from playbooks.errors import UsageError, VoltaforgeError
+from playbooks.plan.engines import engine, engine_of_quant, parse_quant
 from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.kv_cache import LLAMACPP_CACHE_TYPES
 from playbooks.plan.model_config import ModelShape, load_config_file

@@ -20,8 +20,8 @@ from playbooks.config.recipe import (
     shadowed_shipped,
 )
 from playbooks.config.yamlfile import explain_validation, load_yaml
-from playbooks.engines import engine
 from playbooks.errors import VoltaforgeError
+from playbooks.plan.engines import engine
 from playbooks.plan.gpus import GIB, Gpu, get_gpu
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, NCpuMoe, RamSource

@@ -1,7 +1,7 @@
 """One device's memory budget at a context: weights + KV cache + compute buffers + CUDA
 context + a margin (docs/knowledge.md, section 1), and the largest context that fits it.
 
-Each part is the engine's own arithmetic (engines/: llama.cpp's compute buffer replayed
+Each part is the engine's own arithmetic (plan/engine_*.py: llama.cpp's compute buffer replayed
 through its allocator, ExLlamaV2's working memory from its source, the KV cache of either); a
 draft model beside the target counts its own three where the engine serves one. Units: bytes.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from playbooks.engines import engine, engine_of_quant
+from playbooks.plan.engines import engine, engine_of_quant
 from playbooks.plan.gpus import MIB, Gpu
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.serving import DraftPlan, Serving

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from playbooks.engines import engine_of_quant
 from playbooks.plan.budget import (
     draft_parts,
     kv_per_token,
@@ -16,6 +15,7 @@ from playbooks.plan.budget import (
     vram_at,
     weight_bytes,
 )
+from playbooks.plan.engines import engine_of_quant
 from playbooks.plan.gpus import Gpu
 from playbooks.plan.layer_split import (
     evaluate_split,

@@ -1,4 +1,4 @@
-"""One model over several devices, placed by its engine (engines/: llama.cpp's layer split over
+"""One model over several devices, placed by its engine (plan/engine_*.py: llama.cpp's layer split over
 local cards and RPC workers, ExLlamaV2's over local cards). Each device's share is checked
 against its own memory; the option speaks of the worst device."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from playbooks.engines import engine_of_quant
 from playbooks.plan.budget import (
     kv_per_token,
     largest_ctx,
     weight_bytes,
 )
+from playbooks.plan.engines import engine_of_quant
 from playbooks.plan.gpus import Gpu
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.refusals import (
@@ -34,7 +34,7 @@ def network_s(s: Serving) -> float:
 
 
 def evaluate_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, draft: DraftPlan | None) -> Option:
-    """A quant split over several devices as its engine places it (engines/: llama.cpp's layer
+    """A quant split over several devices as its engine places it (plan/engine_*.py: llama.cpp's layer
     split over the cards and the RPC workers, a MoE model with every expert on a device;
     ExLlamaV2's placement over the cards)."""
     e = engine_of_quant(quant)

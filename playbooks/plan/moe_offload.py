@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from playbooks.engines.llamacpp import LLAMACPP, gguf_cached
 from playbooks.plan.budget import (
     draft_parts,
     kv_per_token,
     max_ctx,
     vram_at,
 )
+from playbooks.plan.engine_llamacpp import LLAMACPP, gguf_cached
 from playbooks.plan.gguf_size import estimate_gguf
 from playbooks.plan.gpus import Gpu
 from playbooks.plan.model_config import ModelShape

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar
 
-from playbooks.engines import engine_of_quant
+from playbooks.plan.engines import engine_of_quant
 
 #: the quality floor in bits per weight (recipes/defaults.yaml planner.min_bpw): the smallest
 #: rate the seed report served (EXL2 3.3 bpw); below ~3 bpw 14-32B models degrade quickly

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from playbooks.engines import ENGINES, engine, engine_of_quant
-from playbooks.engines.llamacpp import PIPELINE_COPIES
+from playbooks.plan.engine_llamacpp import PIPELINE_COPIES
+from playbooks.plan.engines import ENGINES, engine, engine_of_quant
 from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gpus import MIB, Gpu
 from playbooks.plan.model_config import ModelShape

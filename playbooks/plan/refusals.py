@@ -1,11 +1,11 @@
 """Why a quant, a cache type or a split cannot run on a target whatever the memory says:
-BF16 on a card without it, then what each engine refuses (engines/: ExLlamaV2 on a CPU or for
+BF16 on a card without it, then what each engine refuses (plan/engine_*.py: ExLlamaV2 on a CPU or for
 an architecture it lacks, a draft or RPC workers with EXL2). Each reason is short text, the
 fit table's cell ("": it can run)."""
 
 from __future__ import annotations
 
-from playbooks.engines import engine, engine_of_quant
+from playbooks.plan.engines import engine, engine_of_quant
 from playbooks.plan.gpus import Gpu
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.serving import DraftPlan, Serving
@@ -29,7 +29,7 @@ def unfit_reason(
     cache: tuple[str, ...] = (),
 ) -> str:
     """Why this engine cannot run on this target at all, memory aside ("": it can): BF16 on a
-    card without it, then the engine's own refusals (engines/)."""
+    card without it, then the engine's own refusals (plan/engines.py)."""
     if why := bf16_refusal(gpu, quant, cache):
         return why
     return engine(backend).refusal(gpu, shape, draft)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from playbooks.engines import ENGINES, LLAMACPP, engine, engine_of_quant
+from playbooks.plan.engines import ENGINES, LLAMACPP, engine, engine_of_quant
 from playbooks.plan.gpus import Gpu
 from playbooks.plan.model_config import ModelShape
 from playbooks.plan.moe import (
@@ -21,7 +21,7 @@ from playbooks.plan.split import (
 class Serving:
     """How the model is served: what the budget depends on besides the weights."""
 
-    backend: str = LLAMACPP.name  # the engine's name (engines/)
+    backend: str = LLAMACPP.name  # the engine's name (plan/engines.py)
     context: int = 4096  # tokens per slot (per request)
     parallel: int = 1  # slots served at once
     cache_k: str = "f16"  # llama.cpp: f16|q8_0|q4_0...; exllamav2: FP16|Q8|Q6|Q4

@@ -2,7 +2,7 @@
 replayed through ggml-alloc (plan/compute_buffer.py), a draft model beside the target,
 layers split over local cards and RPC workers (plan/split.py), experts in host RAM
 (--n-cpu-moe: plan/moe.py, plan/moe_offload.py), and the flash-attention cache pairs its CUDA
-build compiles. The engine interface is engines/base.py.
+build compiles. The engine interface is plan/engine_base.py.
 
 Where the rest of llama.cpp lives: its build (steps/build/build.py, llamacpp_source.py), its
 quantize (steps/weights/), its unit (steps/serve/units.py), its load log (facts/server_log.py).
@@ -14,8 +14,8 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from playbooks.engines.base import Engine, SplitPlan, split_devices
 from playbooks.plan.compute_buffer import device_input_bytes, replay, worst_case_graph
+from playbooks.plan.engine_base import Engine, SplitPlan, split_devices
 from playbooks.plan.gguf_size import FILE_TYPES, estimate_gguf, quant_refusal
 from playbooks.plan.kv_cache import llamacpp_kv_bytes, llamacpp_kv_bytes_per_token
 from playbooks.plan.moe import expert_layout

@@ -2,7 +2,7 @@
 its cache modes (one for K and V together), its working memory from its source
 (plan/exl2_size.py), its placement over local cards (plan/exl2_split.py), and what it cannot
 serve: a CPU, the MoE architectures it lacks, a draft model, RPC workers, parallel slots before
-Ampere. The engine interface is engines/base.py.
+Ampere. The engine interface is plan/engine_base.py.
 
 Where the rest of ExLlamaV2 lives: its build (steps/build/exllamav2.py, tabbyapi*.py), its
 conversion (steps/weights/exl2_convert.py), TabbyAPI's config and unit (steps/serve/units.py).
@@ -14,8 +14,8 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from playbooks.engines.base import Engine, SplitPlan, split_devices
 from playbooks.errors import VoltaforgeError
+from playbooks.plan.engine_base import Engine, SplitPlan, split_devices
 from playbooks.plan.exl2_size import (
     EXL2_BPW_LADDER,
     EXL2_BPW_RANGE,

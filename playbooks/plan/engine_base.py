@@ -1,7 +1,7 @@
 """What a serving engine is, as the plan sees it: the interface each engine module fills
-(engines/llamacpp.py, engines/exllamav2.py). The recipe names the engine (`backend:`); the
-planner, the budget and the refusals ask it (:func:`playbooks.engines.engine`,
-:func:`playbooks.engines.engine_of_quant`) instead of comparing its name.
+(plan/engine_llamacpp.py, plan/engine_exllamav2.py). The recipe names the engine (`backend:`); the
+planner, the budget and the refusals ask it (:func:`playbooks.plan.engines.engine`,
+:func:`playbooks.plan.engines.engine_of_quant`) instead of comparing its name.
 
 Pure, like plan/: an engine's memory terms are its own arithmetic over the physics modules of
 plan/ (kv_cache, compute_buffer, gguf_size, exl2_size, split, exl2_split), which know no

@@ -5,9 +5,9 @@ ExLlamaV2's, a GGUF type llama.cpp's). Adding an engine: docs/layout.md."""
 
 from __future__ import annotations
 
-from playbooks.engines.base import Engine, SplitPlan
-from playbooks.engines.exllamav2 import EXLLAMAV2
-from playbooks.engines.llamacpp import LLAMACPP
+from playbooks.plan.engine_base import Engine, SplitPlan
+from playbooks.plan.engine_exllamav2 import EXLLAMAV2
+from playbooks.plan.engine_llamacpp import LLAMACPP
 
 #: every engine, in the order the plan lists their quants
 ENGINES: tuple[Engine, ...] = (LLAMACPP, EXLLAMAV2)
