@@ -114,11 +114,21 @@ def draft_vram(draft: DraftPlan, s: Serving, ctx: int, gpu: Gpu) -> tuple[int, i
     slots); the KV cache types of -ctkd/-ctvd (f16 unless given: voltaforge renders the recipe's
     cache types there, steps/serve/units.py); one output row per slot. The same -ub, -fa and slots, so
     its compute buffer is the same worst-case graph walked for the draft's shape."""
-    tokens = ctx * s.parallel
     weights = gguf_weight_bytes(draft.shape, draft.quant, s)[1]
-    kv = llamacpp_kv_bytes(draft.shape, tokens, s.cache_k, s.cache_v, s.n_ubatch)
+    return (weights, *kv_and_compute(draft.shape, s, ctx, gpu))
+
+
+def kv_and_compute(
+    shape: ModelShape, s: Serving, ctx: int, gpu: Gpu, expert_copy: tuple[int, int, int] = (0, 0, 0)
+) -> tuple[int, int]:
+    """llama-server's (KV cache, compute buffer) bytes at ``ctx`` tokens per slot, the target's
+    or a draft's (which runs with the target's -c, -ub, -fa, slots and cache types)."""
+    tokens = ctx * s.parallel
+    # llama-server -c = context x slots, padded to 256; Gemma's SWA layers hold a window
+    kv = llamacpp_kv_bytes(shape, tokens, s.cache_k, s.cache_v, s.n_ubatch)
+    # llama-server: one KV stream and one logits row per slot; CUDA0 holds copies of the inputs
     compute = llamacpp_compute_buffer_bytes(
-        draft.shape,
+        shape,
         tokens,
         s.n_ubatch,
         s.flash_attn,
@@ -126,8 +136,9 @@ def draft_vram(draft: DraftPlan, s: Serving, ctx: int, gpu: Gpu) -> tuple[int, i
         cache_k=s.cache_k,
         cache_v=s.cache_v,
         device=not gpu.is_cpu,
+        expert_copy=expert_copy,
     )
-    return weights, kv, compute
+    return kv, compute
 
 
 #: ggml-backend's GGML_SCHED_MAX_COPIES at the pinned ref: with pipeline parallelism (more than
@@ -217,22 +228,7 @@ class LlamaCpp(Engine):
     def kv_and_compute(
         self, shape: ModelShape, s: Serving, ctx: int, gpu: Gpu, expert_copy: tuple[int, int, int] = (0, 0, 0)
     ) -> tuple[int, int]:
-        tokens = ctx * s.parallel
-        # llama-server -c = context x slots, padded to 256; Gemma's SWA layers hold a window
-        kv = llamacpp_kv_bytes(shape, tokens, s.cache_k, s.cache_v, s.n_ubatch)
-        # llama-server: one KV stream and one logits row per slot; CUDA0 holds copies of the inputs
-        compute = llamacpp_compute_buffer_bytes(
-            shape,
-            tokens,
-            s.n_ubatch,
-            s.flash_attn,
-            n_seq=s.parallel,
-            cache_k=s.cache_k,
-            cache_v=s.cache_v,
-            device=not gpu.is_cpu,
-            expert_copy=expert_copy,
-        )
-        return kv, compute
+        return kv_and_compute(shape, s, ctx, gpu, expert_copy)
 
     def draft_vram(self, draft: DraftPlan, s: Serving, ctx: int, gpu: Gpu) -> tuple[int, int, int]:
         return draft_vram(draft, s, ctx, gpu)
