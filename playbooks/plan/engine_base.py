@@ -10,9 +10,8 @@ engine. Types of plan/serving are named for annotations only: serving imports th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from playbooks.plan.gpus import MIB
 from playbooks.plan.split import CPU_ALIGNMENT, CUDA_ALIGNMENT, Device
@@ -51,13 +50,6 @@ class Engine:
     continuous_rate: bool = False
 
     # -- its server ----------------------------------------------------------------------------
-
-    #: the server it runs, as reports and the bench client name it
-    server: str = ""
-    #: its server is llama.cpp's build (the `current` link, llama-bench beside it)
-    runs_llamacpp_build: bool = False
-    #: the request fields that make its server ignore end-of-sequence (fixed-length rounds)
-    no_eos_body: ClassVar[Mapping[str, object]] = {}
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         """Whether parallel slots batch on a GPU of this compute capability."""

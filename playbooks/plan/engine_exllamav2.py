@@ -116,8 +116,6 @@ def plan_exl2_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, ctx: in
 class ExLlamaV2(Engine):
     name = "exllamav2"
     label = "ExLlamaV2"
-    server = "tabbyapi"
-    no_eos_body = {"ban_eos_token": True}  # TabbyAPI's sampler option
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one

@@ -198,9 +198,6 @@ FROM_EXL2_CACHE = {"FP16": ("f16", "f16"), "Q8": ("q8_0", "q8_0"), "Q6": ("q8_0"
 class LlamaCpp(Engine):
     name = "llamacpp"
     label = "llama.cpp"
-    server = "llama-server"
-    runs_llamacpp_build = True
-    no_eos_body = {"ignore_eos": True}  # llama-server's own extension
     takes_draft = True
     takes_rpc = True
     offloads_experts = True

@@ -20,7 +20,6 @@ __all__ = [
     "SplitPlan",
     "engine",
     "engine_of_quant",
-    "engine_of_server",
     "parse_quant",
 ]
 
@@ -41,11 +40,6 @@ def parse_quant(text: str) -> str:
         if found is not None:
             return found
     raise AssertionError("llama.cpp claims every name")
-
-
-def engine_of_server(kind: str) -> Engine | None:
-    """The engine whose server a bench result names (``llama-server``, ``tabbyapi``), if any."""
-    return next((e for e in ENGINES if e.server == kind), None)
 
 
 def engine_of_quant(quant: str) -> Engine:
