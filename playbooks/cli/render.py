@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from playbooks.plan.aggregate import plan_aggregate
+from playbooks.plan.engines import engine
 from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
 from playbooks.plan.moe import OffloadStep
 from playbooks.plan.planner import Plan
@@ -120,11 +121,9 @@ def offload_step_json(st: OffloadStep) -> dict[str, Any]:
 def plan_json(plan: Plan, recipe: str | None = None) -> dict[str, Any]:
     s = plan.serving
     # kv_bytes_per_token is the recipe's backend and cache type: the number a user plans with
-    kv = (
-        plan.chosen.kv_bytes_per_token
-        if plan.chosen
-        else next(o.kv_bytes_per_token for o in plan.options if o.backend == s.backend)
-    )
+    # (without a chosen option: the first option of the recipe's engine)
+    first_kv = {o.backend: o.kv_bytes_per_token for o in reversed(plan.options)}
+    kv = plan.chosen.kv_bytes_per_token if plan.chosen else first_kv[s.backend]
     model: dict[str, Any] = {
         "model_type": plan.shape.model_type,
         "parameters": parameter_count(plan.shape),
@@ -220,7 +219,8 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
         f"({plan.gpu.memory_bytes / 1e9:.2f} GB), {plan.gpu.bandwidth_gb_s:g} GB/s, {arch}"
     )
     shares = ",".join(f"{x:g}" for x in s.split_weights(plan.gpu))
-    how = f"gpu_split planned for shares {shares}" if s.backend == "exllamav2" else f"--tensor-split {shares}"
+    gpu_split = engine(s.backend).renders_gpu_split
+    how = f"gpu_split planned for shares {shares}" if gpu_split else f"--tensor-split {shares}"
     split = f", split by layers over {s.device_count(plan.gpu)} devices ({how})" if s.split else ""
     console.print(
         f"Serving: {s.backend}, {s.context} tokens x {s.parallel} slot(s), cache K={s.cache_k} V={s.cache_v}, "
@@ -247,7 +247,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             f"{_gib(c.gpu_weights_bytes)} in {'memory' if plan.gpu.is_cpu else 'VRAM'}{offload} "
             f"+ KV {_gib(c.kv_bytes)} "
             f"({c.kv_bytes_per_token:,} B/token) + compute {_gib(c.compute_bytes)}"
-            f"{' (estimate)' if shape.is_moe and c.backend == 'llamacpp' and not plan.gpu.is_cpu else ''} + "
+            f"{' (estimate)' if shape.is_moe and engine(c.backend).offloads_experts and not plan.gpu.is_cpu else ''} + "
             + (
                 f"draft model {_gib(c.draft_bytes)} (weights, KV {_gib(c.draft_kv_bytes)}, compute "
                 f"{_gib(c.draft_compute_bytes)}) + "
@@ -310,7 +310,7 @@ def render_plan(plan: Plan, console: Console, recipe: str | None = None) -> None
             f"{o.roofline_tok_s:.0f}",
         ]
         if moe_column:
-            cells.insert(6, str(o.n_cpu_moe) if o.backend == "llamacpp" else "-")
+            cells.insert(6, str(o.n_cpu_moe) if engine(o.backend).offloads_experts else "-")
         table.add_row(*cells)
     console.print(table)
     if plan.offload:
@@ -377,7 +377,7 @@ def _roofline_text(plan: Plan, c: Option) -> str:
     if not c.host_bytes_per_token:
         active = (
             f" (the active experts: {plan.shape.num_experts_per_tok} of {plan.shape.num_experts})"
-            if plan.shape.is_moe and c.backend == "llamacpp"
+            if plan.shape.is_moe and engine(c.backend).offloads_experts
             else ""
         )
         return (

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from playbooks.config.inventory import HostSpec, Placement
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
+from playbooks.plan.engines import ENGINES, engine
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.serve.units import ServerLayout, default_gpu_indexes
 
@@ -70,17 +71,18 @@ def placed(spec: HostSpec, p: Placement, loaded: LoadedRecipe) -> Served:
         raise VoltaforgeError(
             f"{where}: the recipe splits one server over {r.gpu_count} GPUs; the layout gives {len(gpus)}: {list(gpus)}"
         )
-    if len(gpus) > 1 and r.backend == "exllamav2" and r.gpu_count == 1:
-        # (a split recipe is one TabbyAPI over its cards: the check above matched their count)
+    one_server = engine(r.backend).one_server_per_host
+    if len(gpus) > 1 and one_server and r.gpu_count == 1:
+        # (a split recipe is one server over its cards: the check above matched their count)
         raise VoltaforgeError(
-            f"{where}: TabbyAPI serves one instance per host; give it one GPU, or split the model over "
-            f"{len(gpus)} (gpu_count: {len(gpus)} in the recipe)"
+            f"{where}: {engine(r.backend).server_label} serves one instance per host; give it one GPU, or split "
+            f"the model over {len(gpus)} (gpu_count: {len(gpus)} in the recipe)"
         )
     if len(gpus) > 1 and r.rpc:
         raise VoltaforgeError(f"{where}: a recipe with RPC workers runs one server (the workers serve one client each)")
     if p.port is not None:
         loaded = with_port(loaded, p.port)
-    served = Served(loaded, gpus, None if r.backend == "exllamav2" else f"voltaforge-{r.name}.service")
+    served = Served(loaded, gpus, None if one_server else f"voltaforge-{r.name}.service")
     if served.ports()[-1] > 65535:
         raise VoltaforgeError(f"{where}: its last instance would listen on port {served.ports()[-1]}, above 65535")
     return served
@@ -97,11 +99,13 @@ def check_layout(spec: HostSpec, served: Sequence[Served]) -> None:
                     "give one of them another port (port: in its placement)"
                 )
             owner[port] = s.name
-    exl2 = [s.name for s in served if s.loaded.recipe.backend == "exllamav2"]
-    if len(exl2) > 1:
-        raise VoltaforgeError(
-            f"{spec.name}: serve: {', '.join(exl2)} are EXL2 recipes; TabbyAPI has one unit per host: place one"
-        )
+    for e in ENGINES:
+        ones = [s.name for s in served if e.one_server_per_host and engine(s.loaded.recipe.backend) is e]
+        if len(ones) > 1:
+            raise VoltaforgeError(
+                f"{spec.name}: serve: {', '.join(ones)} are {e.label} recipes; {e.server_label} has one unit per host: "
+                "place one"
+            )
 
 
 def host_serves(

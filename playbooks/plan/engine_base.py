@@ -43,13 +43,24 @@ class Engine:
     takes_draft: bool = False
     #: layers on llama.cpp RPC workers
     takes_rpc: bool = False
-    #: a MoE model's experts kept in host RAM (--n-cpu-moe)
+    #: a MoE model planned expert by expert: its experts kept in host RAM (--n-cpu-moe), a token
+    #: streaming its active experts only, the offloaded experts' device copy an estimate
     offloads_experts: bool = False
     #: its quants' rates are continuous (EXL2's bits per weight), placed on the quality curve
     #: rather than looked up as published types
     continuous_rate: bool = False
 
     # -- its server ----------------------------------------------------------------------------
+
+    #: its server's name, as bench records and tune's measurements name it
+    server: str = ""
+    #: and as people name it
+    server_label: str = ""
+    #: the fields of a completion request that make it run to max_tokens, EOS ignored (the bench)
+    ignore_eos: tuple[tuple[str, object], ...] = ()
+    #: one server per host, not one per recipe (TabbyAPI's one unit): a host's layout places one
+    #: recipe of this engine, as one instance (over all of its cards)
+    one_server_per_host: bool = False
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         """Whether parallel slots batch on a GPU of this compute capability."""

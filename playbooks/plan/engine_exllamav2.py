@@ -116,6 +116,10 @@ def plan_exl2_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, ctx: in
 class ExLlamaV2(Engine):
     name = "exllamav2"
     label = "ExLlamaV2"
+    server = "tabbyapi"
+    server_label = "TabbyAPI"
+    ignore_eos = (("ban_eos_token", True),)  # TabbyAPI's sampler option
+    one_server_per_host = True
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one

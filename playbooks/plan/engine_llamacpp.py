@@ -88,12 +88,6 @@ replay_cached = lru_cache(maxsize=4096)(replay)
 gguf_cached = lru_cache(maxsize=256)(estimate_gguf)
 
 
-# The planner replays the same graph for many candidate contexts and --n-cpu-moe values, and
-# sizes the same quant for each of them.
-replay_cached = lru_cache(maxsize=4096)(replay)
-gguf_cached = lru_cache(maxsize=256)(estimate_gguf)
-
-
 def gguf_weight_bytes(shape: ModelShape, quant: str, s: Serving) -> tuple[int, int, int]:
     """(file bytes, bytes on the GPU, bytes streamed per token) of a GGUF quant. A MoE token
     streams its active experts only (the planner's MoE path splits this further by --n-cpu-moe)."""
@@ -198,6 +192,9 @@ FROM_EXL2_CACHE = {"FP16": ("f16", "f16"), "Q8": ("q8_0", "q8_0"), "Q6": ("q8_0"
 class LlamaCpp(Engine):
     name = "llamacpp"
     label = "llama.cpp"
+    server = "llama-server"
+    server_label = "llama-server"
+    ignore_eos = (("ignore_eos", True),)  # llama-server's own extension
     takes_draft = True
     takes_rpc = True
     offloads_experts = True

@@ -20,6 +20,7 @@ __all__ = [
     "SplitPlan",
     "engine",
     "engine_of_quant",
+    "engine_of_server",
     "parse_quant",
 ]
 
@@ -40,6 +41,14 @@ def parse_quant(text: str) -> str:
         if found is not None:
             return found
     raise AssertionError("llama.cpp claims every name")
+
+
+def engine_of_server(server: str) -> Engine:
+    """The engine whose server a bench record names (its ``kind``: llama-server, tabbyapi)."""
+    for e in ENGINES:
+        if e.server == server:
+            return e
+    raise ValueError(f"unknown server {server!r}; known: {', '.join(e.server for e in ENGINES)}")
 
 
 def engine_of_quant(quant: str) -> Engine:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from playbooks.plan.engines import engine_of_server
+
 if TYPE_CHECKING:
     import httpx
 
@@ -75,10 +77,7 @@ def request_body(prompt: str, max_tokens: int, seed: int, kind: str) -> dict[str
         "seed": seed,
         "temperature": 0.8,
     }
-    if kind == "llama-server":
-        body["ignore_eos"] = True  # llama-server's own extension
-    elif kind == "tabbyapi":
-        body["ban_eos_token"] = True  # TabbyAPI's sampler option
+    body.update(engine_of_server(kind).ignore_eos)
     return body
 
 

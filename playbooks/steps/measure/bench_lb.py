@@ -19,6 +19,7 @@ from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.host import Host
+from playbooks.plan.engines import engine
 from playbooks.steps.measure.bench_run import bench_health, measure_level
 from playbooks.steps.serve.balancer import STATS_PORT, ServerStat, parse_stats, stats_command
 from playbooks.steps.serve.secrets import api_key_for
@@ -62,7 +63,7 @@ def bench_through_balancer(
             f"{host.name}: the balancer's stats page (127.0.0.1:{stats_port}) lists no server of "
             f"{r.served_name}: is it voltaforge's, in front of this recipe?"
         )
-    kind = "llama-server" if r.backend == "llamacpp" else "tabbyapi"
+    kind = engine(r.backend).server
     result: dict[str, Any] = {
         "version": 1,
         "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
