@@ -11,12 +11,11 @@ from playbooks.host import Host
 from playbooks.host.ops import Operation
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.build.build import LLAMACPP_TARGETS, BuildLayout, build_ops
-from playbooks.steps.build.exllamav2 import EnsureExllamav2
 from playbooks.steps.build.fleet_cache import FleetCache
 from playbooks.steps.build.llamacpp_python import bindings_ops
 from playbooks.steps.build.llamacpp_source import fetch_sdist
-from playbooks.steps.build.tabbyapi import EnsureTabbyAPI
 from playbooks.steps.build.toolchain import venv_path
+from playbooks.steps.serve.engines import server_engine
 
 
 def build_step(
@@ -51,7 +50,5 @@ def build_step(
     )
     if bindings:
         ops += bindings_ops(layout, source, venv_path(prefix), cuda=cuda_release is not None)
-    if r.backend == "exllamav2":
-        # EXL2 recipes serve through TabbyAPI on ExLlamaV2, built for this host's GPU
-        ops += [EnsureExllamav2(prefix, venv_path(prefix), tc), EnsureTabbyAPI(prefix, venv_path(prefix), tc)]
-    return ops
+    # what the recipe's engine builds beyond llama.cpp (ExLlamaV2 and TabbyAPI for EXL2)
+    return ops + server_engine(r.backend).build_ops(prefix, venv_path(prefix), tc)

@@ -4,7 +4,6 @@ manager and its one unit (what `invoke stop` and tune's scratch server use)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Literal
 
 from playbooks.conduct.placements import Served
@@ -18,21 +17,18 @@ from playbooks.facts.files import cat_command, parse_json_object
 from playbooks.facts.system import SYSTEMD_COMMAND, parse_systemd
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
-from playbooks.plan.gpus import get_gpu
 from playbooks.steps.serve.deploy import (
     CheckPort,
     DeployLayout,
     EnsureModelLink,
     EnsureServiceFile,
     EnsureServing,
-    EnsureSymlink,
-    EnsureTabbyTokens,
-    Expectations,
     ServiceFile,
     require_systemd,
     systemd_only,
 )
-from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy, secret_path
+from playbooks.steps.serve.engines import server_engine
+from playbooks.steps.serve.secrets import CheckSecret, secret_path
 from playbooks.steps.serve.service_manager import (
     Manager,
     ProcessRunner,
@@ -49,8 +45,6 @@ from playbooks.steps.serve.units import (
     parse_exec_start,
     planned_service_files,
 )
-from playbooks.steps.weights.exl2_convert import STAMP_NAME as EXL2_STAMP
-from playbooks.steps.weights.exl2_convert import Exl2Layout
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
 ManagerChoice = Literal["auto", "systemd", "process"]
@@ -129,10 +123,9 @@ def deploy_ops(
     kind = choose_manager(host, manager_choice)
     server = server or ServerLayout(prefix=prefix)
     state_root = f"{prefix}/deploy"
-    if r.backend == "exllamav2" and kind != "systemd":
-        # TabbyAPI as a managed process: its config, tokens and logs where the SSH user owns
-        # them, the same directory its rendered files are copied into below
-        server = replace(server, process_state=f"{state_root}/{server.tabbyapi_unit_name.removesuffix('.service')}")
+    engine = server_engine(r.backend)
+    if kind != "systemd":
+        server = engine.process_layout(server, state_root)
     gpus = default_gpu_indexes(r) if gpus is None else gpus
     rendered = planned_service_files(loaded, server, gpus)
     why = systemd_only(r, gpus)
@@ -143,13 +136,7 @@ def deploy_ops(
     service = unit_name.removesuffix(".service").removesuffix("@")
     model = ModelLayout(prefix, recipe_weights(loaded).model_id)
     hint = f"run `invoke quantize --host {host.name} --recipe {r.name}` first"
-    if r.backend == "exllamav2":
-        assert not isinstance(r.quant, str)  # the recipe schema: an exllamav2 recipe gives bpw
-        artifact = Exl2Layout(model.root).output(Exl2Layout.tag(r.quant.bpw, r.quant.head_bits))
-        manifest, link = f"{artifact}/{EXL2_STAMP}", server.tabbyapi_model_link(r)
-    else:
-        artifact = model.gguf(r.quant_name)
-        manifest, link = manifest_path(artifact), server.model_file(r)
+    artifact, manifest, link = engine.artifact(r, model, server)
     facts = parse_json_object(read_fact(host, cat_command(manifest))) or {}
     files = [
         ServiceFile(f.path, f.text, f.mode, sudo=True)
@@ -160,24 +147,7 @@ def deploy_ops(
     instances = instances_of(unit.path, r.service.port, gpus, prefix)
     plan = plan_recipe(loaded)
     option = next((o for o in plan.options if o.quant == r.quant_name), None)
-    gpu = not get_gpu(r.gpu).is_cpu
-    llama = r.backend == "llamacpp"
-    # the load log is judged for llama-server's lines only: TabbyAPI prints no offload or buffer
-    # lines (ExLlamaV2 loads every layer on the GPU or fails), so nothing of it is held to the plan
-    expect = Expectations(
-        # every layer on a device: the GPU's, or the RPC workers' (a CPU recipe split over them)
-        layers=loaded.shape.num_hidden_layers + 1 if llama and (gpu or r.rpc) else None,
-        # a draft model's KV cache and compute buffer are printed beside the target's (summed)
-        kv_mib=option.loaded_kv_bytes / 2**20 if option and llama else None,
-        compute_mib=option.loaded_compute_bytes / 2**20 if option and llama else None,
-        # a MoE: the experts in host RAM are exactly the planned ones (the layer count cannot tell)
-        device_model_mib=(option.gpu_weights_bytes + option.draft_weights_bytes) / 2**20
-        if option and llama and gpu and loaded.shape.is_moe and not r.split
-        else None,
-        devices=tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in option.devices)
-        if option and llama
-        else (),
-    )
+    expect = engine.expectations(loaded, option)
     managers = [make_manager(kind, state, name, unit.text) for name, state, _ in instances]
     ports = [port for _, _, port in instances]
     secret = secret_path(r)
@@ -186,28 +156,15 @@ def deploy_ops(
     ops += [CheckPort(p, m, sudo=kind == "systemd") for m, p in zip(managers, ports, strict=True)]
     ops += [EnsureDirectory(f"{prefix}/serve", 0o755), EnsureDirectory(state_root, 0o755)]
     ops += [EnsureDirectory(state.state_dir, 0o700) for _, state, _ in instances]
-    if secret and kind != "systemd" and r.backend == "llamacpp":
-        # systemd's LoadCredential= as a process gets it: a private copy where %d points
-        # (service_manager.process_argv), owned by the user the process runs as
-        ops += [
-            EnsureCredentialCopy(secret, f"{state.state_dir}/credentials/api-key", host.user)
-            for _, state, _ in instances
-        ]
+    ops += engine.key_ops(secret, [state for _, state, _ in instances], host, kind == "systemd")
     ops.append(EnsureModelLink(link, artifact, manifest, hint))
-    draft = draft_artifact(loaded, prefix) if r.backend == "llamacpp" else None
+    draft = draft_artifact(loaded, prefix) if engine.engine.takes_draft else None
     if draft:  # the unit's --model-draft reads it through its own link beside the model's
         ops.append(EnsureModelLink(server.draft_file(r), draft, manifest_path(draft), hint))
     etc = sorted({f.path.rsplit("/", 1)[0] for f in files if f.path.startswith("/etc/voltaforge/")})
     if kind == "systemd" and etc:
         ops += [EnsureDirectory(d, 0o755, sudo=True) for d in dict.fromkeys(["/etc/voltaforge", *etc])]
-    if r.backend == "exllamav2":
-        # TabbyAPI opens these relative to its working directory (ServerLayout.tabbyapi_links)
-        if server.process_state:  # systemd's LogsDirectory=, as a process has it
-            ops.append(EnsureDirectory(server.tabbyapi_logs, 0o700))
-        ops += [EnsureSymlink(f"{server.tabbyapi_serve_dir}/{n}", t) for n, t in server.tabbyapi_links().items()]
-        if secret:
-            owner = host.user if server.process_state else None  # a process reads its own copy
-            ops.append(EnsureTabbyTokens(secret, server.tabbyapi_tokens, owner))
+    ops += engine.serve_dir_ops(server, secret, host)
     ops += [EnsureServiceFile(f) for f in files]
     sha = str(facts.get("sha256") or facts.get("id") or "")
     size = int(facts.get("bytes") or 0)

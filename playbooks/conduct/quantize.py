@@ -13,6 +13,7 @@ from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe, ModelSource
 from playbooks.errors import UsageError, VoltaforgeError
 from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.plan.engines import engine
 from playbooks.plan.evaluate import evaluate
 from playbooks.plan.exl2_size import exl2_quant_name
 from playbooks.plan.gguf_size import FILE_TYPES
@@ -140,7 +141,7 @@ def quantize_step(
     r = loaded.recipe
     if bpw is not None and quant is not None:
         raise VoltaforgeError("--bpw makes an EXL2 quant and --quant GGUF types: give one")
-    if bpw is not None or r.backend == "exllamav2":
+    if bpw is not None or engine(r.backend).continuous_rate:  # an EXL2 rate
         return _exl2_step(loaded, prefix, bpw, force)
     quants = parse_quants(quant, r.quant_name)
     for q in quants:
@@ -246,7 +247,7 @@ def made_artifacts(loaded: LoadedRecipe, quant: str | None, bpw: str | None, pre
     needs: the quants, not F16 or the measurement)."""
     r = loaded.recipe
     layout = ModelLayout(prefix, recipe_weights(loaded).model_id)
-    if bpw is not None or r.backend == "exllamav2":
+    if bpw is not None or engine(r.backend).continuous_rate:  # an EXL2 rate
         rate = parse_bpw(bpw) if bpw is not None else getattr(r.quant, "bpw", None)
         if rate is None:
             raise VoltaforgeError(f"{loaded.path}: a GGUF recipe: give --bpw for an EXL2 quant of its model")
