@@ -62,7 +62,8 @@ from playbooks.steps.build.buildenv import read_compile_facts  # noqa: E402
 from playbooks.steps.build.llamacpp_source import Source, file_sha256  # noqa: E402
 from playbooks.steps.measure import roofline  # noqa: E402
 from playbooks.steps.measure.bench import decode_figure  # noqa: E402
-from playbooks.steps.serve.units import ServerLayout, llama_server_argv  # noqa: E402
+from playbooks.steps.serve.engine_llamacpp import llama_server_argv  # noqa: E402
+from playbooks.steps.serve.units import ServerLayout  # noqa: E402
 from playbooks.weights.shaped_gguf import write_shaped_gguf  # noqa: E402
 
 TARGETS = ("llama-server", "llama-bench", "llama-fit-params", "llama-quantize")

@@ -416,7 +416,7 @@ def test_shared_settings_from_the_configuration(tmp_path):
 
 def test_render_writes_every_file_at_its_host_path_and_nothing_else(tmp_path):
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.serve.units import render_service_files
+    from playbooks.steps.serve.service_files import render_service_files
 
     out = tmp_path / "out"
     r = invoke("render", "--recipe", "qwen2.5-14b-v100-16gb", "--out", str(out), "--gpus", "0,1")

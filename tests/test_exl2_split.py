@@ -41,7 +41,7 @@ from playbooks.plan.gpus import GIB, get_gpu
 from playbooks.plan.kv_cache import exl2_cache_scratch_bytes
 from playbooks.plan.model_config import shape_from_config
 from playbooks.plan.serving import Serving
-from playbooks.steps.serve.units import planned_service_files
+from playbooks.steps.serve.service_files import planned_service_files
 from playbooks.weights.tinymodel import write_tiny_llama
 from tests.pypi_wheels import exllamav2_python, exllamav2_source
 

@@ -191,15 +191,6 @@ ENGINE_BRANCH = re.compile(
 #: the recipe schema that names one, and an engine's own operation modules (ENGINE_OWNED)
 ENGINE_OWNED = ("playbooks.steps.build.exllamav2", "playbooks.steps.weights.exl2_convert")
 ENGINE_HOMES = ("playbooks.plan.engine", "playbooks.steps.serve.engine", "playbooks.config.recipe", *ENGINE_OWNED)
-#: what issue 54 has not moved yet: the branches left per module, which may only fall (a module
-#: that loses its last one leaves this list; plan/ has none)
-NOT_MOVED_YET = {
-    "playbooks.conduct.tune": 1,
-    "playbooks.steps.measure.bench": 1,
-    "playbooks.steps.measure.bench_run": 4,
-    "playbooks.steps.measure.tune_space": 1,
-    "playbooks.steps.serve.units": 4,
-}
 
 
 def engine_branches(path: Path) -> list[int]:
@@ -212,17 +203,12 @@ def engine_branches(path: Path) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith(ENGINE_HOMES)))
 def test_only_the_engines_compare_an_engine(module):
-    if module.startswith(ENGINE_HOMES):
-        return
     lines = engine_branches(MODULES[module])
-    allowed = NOT_MOVED_YET.get(module, 0)
-    assert len(lines) <= allowed, (
-        f"{module} branches on the engine at lines {lines}: ask the engine (playbooks/plan/engines.py, docs/layout.md)"
-    )
-    assert len(lines) == allowed or module not in NOT_MOVED_YET, (
-        f"{module} has {len(lines)} engine branches, NOT_MOVED_YET says {allowed}: lower it"
+    assert not lines, (
+        f"{module} branches on the engine at lines {lines}: ask the engine (playbooks/plan/engines.py, "
+        "playbooks/steps/serve/engines.py; docs/layout.md)"
     )
 
 

@@ -122,7 +122,7 @@ def test_a_bad_layout_is_refused_with_its_line(tmp_path, serve, message):
         ("      - {recipe: qwen2.5-32b-exl2-v100-16gb, gpus: [0, 1]}\n", r"TabbyAPI serves one instance per host"),
         ("      - {recipe: seed-exl2-3.3-v100-16gb, gpus: [0]}\n"
          "      - {recipe: seed-exl2-4.0-v100-16gb, gpus: [1], port: 8081}\n",
-         r"h: serve: seed-exl2-3.3-v100-16gb, seed-exl2-4.0-v100-16gb are ExLlamaV2 recipes; TabbyAPI has one unit"),
+         r"h: serve: seed-exl2-3.3-v100-16gb, seed-exl2-4.0-v100-16gb are EXL2 recipes; TabbyAPI has one unit"),
         # tiny-cpu's two instances listen on 18080 and 18081, tiny-moe-cpu's port
         ("      - {recipe: tiny-cpu, instances: 2}\n      - {recipe: tiny-moe-cpu}\n",
          r"h: serve: tiny-cpu and tiny-moe-cpu both listen on port 18081: give one of them another port"),

@@ -26,7 +26,9 @@ from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.model_config import load_config_file
 from playbooks.plan.serving import Serving
-from playbooks.steps.serve.units import ServerLayout, llama_server_argv, render_service_files
+from playbooks.steps.serve.engine_llamacpp import llama_server_argv
+from playbooks.steps.serve.service_files import render_service_files
+from playbooks.steps.serve.units import ServerLayout
 from tests.helpers import ROOT, fixture_body
 
 MOE_LOG = "llamacpp-load-h200-qwen3-30b-a3b-q4km-n-cpu-moe-24.log"

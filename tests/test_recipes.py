@@ -9,7 +9,8 @@ from playbooks.cli.plan import run_plan
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import RECIPES_DIR, list_recipes, load_recipe
 from playbooks.errors import RecipeError
-from playbooks.steps.serve.units import ServerLayout, llama_server_argv
+from playbooks.steps.serve.engine_llamacpp import llama_server_argv
+from playbooks.steps.serve.units import ServerLayout
 
 SHIPPED = [p.stem for p in list_recipes()]
 
@@ -242,7 +243,8 @@ def test_defaults_file_and_schema_defaults_agree():
 def test_speculation_types_are_llama_servers_own(tmp_path):
     """spec_type reaches llama-server's --spec-type: only the pinned ref's names, a draft for
     draft-simple, and llama.cpp recipes only."""
-    from playbooks.steps.serve.units import ServerLayout, llama_server_argv
+    from playbooks.steps.serve.engine_llamacpp import llama_server_argv
+    from playbooks.steps.serve.units import ServerLayout
 
     ok = load_recipe(_write(tmp_path, GOOD + "spec_type: ngram-mod\n")).recipe
     argv = llama_server_argv(ok, ServerLayout(prefix="/opt/vf"))[0]
@@ -262,7 +264,8 @@ def test_speculation_types_are_llama_servers_own(tmp_path):
 
 def test_threads_reach_llama_server_and_its_draft(tmp_path):
     """threads: -t and -tb (and the draft's own pair when there is a draft); llama.cpp only."""
-    from playbooks.steps.serve.units import ServerLayout, llama_server_argv
+    from playbooks.steps.serve.engine_llamacpp import llama_server_argv
+    from playbooks.steps.serve.units import ServerLayout
 
     argv = llama_server_argv(load_recipe(_write(tmp_path, GOOD + "threads: 3\n")).recipe, ServerLayout())[0]
     assert argv[argv.index("--threads") + 1] == argv[argv.index("--threads-batch") + 1] == "3"

@@ -14,14 +14,9 @@ import yaml
 from playbooks.config.recipe import list_recipes, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.serve.units import (
-    RenderedFile,
-    ServerLayout,
-    exec_line,
-    parse_exec_start,
-    render_service_files,
-    render_tabbyapi_config,
-)
+from playbooks.steps.serve.engine_exllamav2 import render_tabbyapi_config
+from playbooks.steps.serve.service_files import render_service_files
+from playbooks.steps.serve.units import RenderedFile, ServerLayout, exec_line, parse_exec_start
 from tests.helpers import ROOT, recipe_with
 
 RECIPES = [p.stem for p in list_recipes()]

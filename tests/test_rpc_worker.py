@@ -10,9 +10,10 @@ import pytest
 
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import RecipeError, VoltaforgeError
+from playbooks.steps.serve.engine_llamacpp import render_llama_server_unit
 from playbooks.steps.serve.rpc_worker import RpcLayout, render_rpc_unit, rpc_worker_op, workers_on
 from playbooks.steps.serve.unit_running import UnitFacts
-from playbooks.steps.serve.units import parse_exec_start, render_llama_server_unit
+from playbooks.steps.serve.units import parse_exec_start
 from tests.helpers import recipe_with
 from tests.test_units import exposure
 

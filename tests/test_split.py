@@ -34,7 +34,7 @@ from playbooks.plan.model_config import load_config_file
 from playbooks.plan.moe import expert_layout
 from playbooks.plan.serving import Serving
 from playbooks.plan.split import CUDA_ALIGNMENT, layer_devices, layer_kv_bytes, layer_weights, split_mode_refusal
-from playbooks.steps.serve.units import render_service_files
+from playbooks.steps.serve.service_files import render_service_files
 from tests.helpers import ROOT, recipe_with
 
 MODELS = ROOT / "recipes" / "models"

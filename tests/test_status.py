@@ -33,8 +33,9 @@ from playbooks.steps.serve.deploy import (
     read_record,
     write_record,
 )
+from playbooks.steps.serve.service_files import render_service_files
 from playbooks.steps.serve.service_manager import Running, Systemd
-from playbooks.steps.serve.units import ServerLayout, render_service_files
+from playbooks.steps.serve.units import ServerLayout
 from tests.helpers import ROOT
 from tests.testhosts import free_port
 

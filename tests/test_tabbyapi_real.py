@@ -30,7 +30,7 @@ from playbooks.host import connect
 from playbooks.host.ops import run_ops
 from playbooks.steps.build import wheelhouse
 from playbooks.steps.build.tabbyapi import MARKER, EnsureTabbyAPI, staged_archive
-from playbooks.steps.serve.units import render_tabbyapi_config
+from playbooks.steps.serve.engine_exllamav2 import render_tabbyapi_config
 from tests.helpers import ROOT, spec_for, tabbyapi_archive
 
 TC = Toolchain()

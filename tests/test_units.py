@@ -9,7 +9,8 @@ import pytest
 
 from playbooks.config.recipe import list_recipes, load_recipe
 from playbooks.errors import VoltaforgeError
-from playbooks.steps.serve.units import exec_line, render_llama_server_unit, systemd_quote
+from playbooks.steps.serve.engine_llamacpp import render_llama_server_unit
+from playbooks.steps.serve.units import exec_line, systemd_quote
 from tests.helpers import recipe_with, spec_for
 
 LLAMACPP = [p.stem for p in list_recipes() if load_recipe(p.stem).recipe.backend == "llamacpp"]

@@ -20,7 +20,8 @@ from playbooks.config.planning import refuse_unfit
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.steps.serve.balancer import CONFIG_PATH, UNIT_NAME, Balancer, render_haproxy_config, render_lb_unit
-from playbooks.steps.serve.units import UNIT_DIR, ServerLayout, planned_service_files
+from playbooks.steps.serve.service_files import planned_service_files
+from playbooks.steps.serve.units import UNIT_DIR, ServerLayout
 
 
 def output_dir(value: object) -> Path:

@@ -29,6 +29,7 @@ from playbooks.steps.serve.deploy import (
 )
 from playbooks.steps.serve.engines import server_engine
 from playbooks.steps.serve.secrets import CheckSecret, secret_path
+from playbooks.steps.serve.service_files import planned_service_files
 from playbooks.steps.serve.service_manager import (
     Manager,
     ProcessRunner,
@@ -38,13 +39,7 @@ from playbooks.steps.serve.service_manager import (
     unit_environment,
     unit_working_directory,
 )
-from playbooks.steps.serve.units import (
-    RenderedFile,
-    ServerLayout,
-    default_gpu_indexes,
-    parse_exec_start,
-    planned_service_files,
-)
+from playbooks.steps.serve.units import RenderedFile, ServerLayout, default_gpu_indexes, parse_exec_start
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
 ManagerChoice = Literal["auto", "systemd", "process"]

@@ -13,7 +13,8 @@ from playbooks.config.planning import refuse_unfit
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
 from playbooks.steps.serve.rpc_worker import RpcLayout, render_rpc_unit, unit_path
-from playbooks.steps.serve.units import RenderedFile, default_gpu_indexes, planned_service_files
+from playbooks.steps.serve.service_files import planned_service_files
+from playbooks.steps.serve.units import RenderedFile, default_gpu_indexes
 
 
 def host_files(settings: Settings, host_name: str) -> list[RenderedFile]:

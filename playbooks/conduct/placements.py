@@ -103,8 +103,8 @@ def check_layout(spec: HostSpec, served: Sequence[Served]) -> None:
         ones = [s.name for s in served if e.one_server_per_host and engine(s.loaded.recipe.backend) is e]
         if len(ones) > 1:
             raise VoltaforgeError(
-                f"{spec.name}: serve: {', '.join(ones)} are {e.label} recipes; {e.server_label} has one unit per host: "
-                "place one"
+                f"{spec.name}: serve: {', '.join(ones)} are {e.weights_format} recipes; "
+                f"{e.server_label} has one unit per host: place one"
             )
 
 

@@ -62,6 +62,7 @@ from playbooks.host import Host
 from playbooks.host.lock import host_lock
 from playbooks.host.ops import Change, Command, run_command, run_ops
 from playbooks.host.output import Printer
+from playbooks.plan.engines import engine
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
 from playbooks.steps.measure.bench_noise import counted_or_borrowed, host_noise
@@ -83,7 +84,8 @@ from playbooks.steps.measure.tune_search import (
 from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
 from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.secrets import api_key_for
-from playbooks.steps.serve.units import ServerLayout, planned_service_files
+from playbooks.steps.serve.service_files import planned_service_files
+from playbooks.steps.serve.units import ServerLayout
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
 SCRATCH_UNIT = "voltaforge-tune.service"
@@ -329,7 +331,7 @@ class Tuner:
             if failed:
                 level: dict[str, Any] = {"error": f"the server did not come up: {failed}"}
             else:
-                kind = "llama-server" if cand.recipe.backend == "llamacpp" else "tabbyapi"
+                kind = engine(cand.recipe.backend).server
                 level = measure_level(self.host, self.port, kind, conc, g, api_key_for(self.host, cand.recipe))
         finally:
             self.stop_scratch(cand)

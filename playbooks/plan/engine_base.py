@@ -39,6 +39,8 @@ class Engine:
 
     name: str = ""
     label: str = ""
+    #: the format of the weights it serves, as people name it (GGUF, EXL2)
+    weights_format: str = ""
     #: a draft model beside the target (speculative decoding)
     takes_draft: bool = False
     #: layers on llama.cpp RPC workers
@@ -61,6 +63,8 @@ class Engine:
     #: one server per host, not one per recipe (TabbyAPI's one unit): a host's layout places one
     #: recipe of this engine, as one instance (over all of its cards)
     one_server_per_host: bool = False
+    #: its server is llama.cpp's build: the bench records which build, and runs llama-bench beside it
+    serves_llamacpp_build: bool = False
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         """Whether parallel slots batch on a GPU of this compute capability."""

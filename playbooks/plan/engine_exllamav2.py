@@ -4,8 +4,10 @@ its cache modes (one for K and V together), its working memory from its source
 serve: a CPU, the MoE architectures it lacks, a draft model, RPC workers, parallel slots before
 Ampere. The engine interface is plan/engine_base.py.
 
-Where the rest of ExLlamaV2 lives: its build (steps/build/exllamav2.py, tabbyapi*.py), its
-conversion (steps/weights/exl2_convert.py), TabbyAPI's config and unit (steps/serve/units.py).
+Where the rest of ExLlamaV2 lives: its host half (steps/serve/engine_exllamav2.py: TabbyAPI's
+config and unit, what the host builds for it, the EXL2 directory it loads and the links beside
+it), its build (steps/build/exllamav2.py, tabbyapi*.py), its conversion
+(steps/weights/exl2_convert.py).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ def plan_exl2_split(shape: ModelShape, quant: str, gpu: Gpu, s: Serving, ctx: in
 class ExLlamaV2(Engine):
     name = "exllamav2"
     label = "ExLlamaV2"
+    weights_format = "EXL2"
     server = "tabbyapi"
     server_label = "TabbyAPI"
     ignore_eos = (("ban_eos_token", True),)  # TabbyAPI's sampler option

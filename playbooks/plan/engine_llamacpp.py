@@ -4,8 +4,10 @@ layers split over local cards and RPC workers (plan/split.py), experts in host R
 (--n-cpu-moe: plan/moe.py, plan/moe_offload.py), and the flash-attention cache pairs its CUDA
 build compiles. The engine interface is plan/engine_base.py.
 
-Where the rest of llama.cpp lives: its build (steps/build/build.py, llamacpp_source.py), its
-quantize (steps/weights/), its unit (steps/serve/units.py), its load log (facts/server_log.py).
+Where the rest of llama.cpp lives: its host half (steps/serve/engine_llamacpp.py: llama-server's
+command line and units, the GGUF it loads, what of its load log is held to the plan), its build
+(steps/build/build.py, llamacpp_source.py), its quantize (steps/weights/), its load log's reader
+(facts/server_log.py).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def draft_vram(draft: DraftPlan, s: Serving, ctx: int, gpu: Gpu) -> tuple[int, i
     common_speculative_init_result) llama-server gives the draft its own context with the
     target's parameters except: n_ctx = llama_n_ctx(ctx_tgt), the target's whole context (all
     slots); the KV cache types of -ctkd/-ctvd (f16 unless given: voltaforge renders the recipe's
-    cache types there, steps/serve/units.py); one output row per slot. The same -ub, -fa and slots, so
+    cache types there, steps/serve/engine_llamacpp.py); one output row per slot. The same -ub, -fa and slots, so
     its compute buffer is the same worst-case graph walked for the draft's shape."""
     weights = gguf_weight_bytes(draft.shape, draft.quant, s)[1]
     return (weights, *kv_and_compute(draft.shape, s, ctx, gpu))
@@ -192,8 +194,10 @@ FROM_EXL2_CACHE = {"FP16": ("f16", "f16"), "Q8": ("q8_0", "q8_0"), "Q6": ("q8_0"
 class LlamaCpp(Engine):
     name = "llamacpp"
     label = "llama.cpp"
+    weights_format = "GGUF"
     server = "llama-server"
     server_label = "llama-server"
+    serves_llamacpp_build = True
     ignore_eos = (("ignore_eos", True),)  # llama-server's own extension
     takes_draft = True
     takes_rpc = True

@@ -33,7 +33,8 @@ def outputs(name: str) -> dict[str, Any]:
     from playbooks.config.planning import refuse_unfit
     from playbooks.config.recipe import load_recipe
     from playbooks.errors import VoltaforgeError
-    from playbooks.steps.serve.units import ServerLayout, planned_service_files
+    from playbooks.steps.serve.service_files import planned_service_files
+    from playbooks.steps.serve.units import ServerLayout
 
     out: dict[str, Any] = {}
     try:

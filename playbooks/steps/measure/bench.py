@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from playbooks.plan.engines import engine
 from playbooks.steps.measure import roofline
 from playbooks.steps.measure.bench_client import Sample
 from playbooks.steps.measure.bench_stats import arrivals, compressed_streams, estimate
@@ -305,8 +306,8 @@ def find_knee(levels: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 def scaling(levels: Sequence[dict[str, Any]], backend: str, gpu_is_volta: bool) -> str:
     """Whether concurrency can scale here at all: ExLlamaV2 on a V100 runs batch 1 (TabbyAPI's
     compatibility mode without flash-attn's paged attention), which is expected, not a bug."""
-    if backend == "exllamav2" and gpu_is_volta:
-        return "does not scale (ExLlamaV2 on V100: batch 1, by design)"
+    if gpu_is_volta and not engine(backend).batches((7, 0)):
+        return f"does not scale ({engine(backend).label} on V100: batch 1, by design)"
     if len(levels) < 2:
         return "one level only"
     first, last = levels[0].get("aggregate_tok_s") or 0, levels[-1].get("aggregate_tok_s") or 0

@@ -31,6 +31,7 @@ from playbooks.facts import telemetry as telem
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.host.local import LocalHost
+from playbooks.plan.engines import engine
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.moe import two_sided_tok_s
 from playbooks.plan.tensors import parameter_count
@@ -408,19 +409,20 @@ def measure(
     port = int(record.get("port") or r.service.port)
     model = str((record.get("artifact") or {}).get("path") or "")
     build = None
-    if r.backend == "llamacpp":
+    e = engine(r.backend)
+    if e.serves_llamacpp_build:
         current = build_facts.parse_readlink(
             read_fact(host, build_facts.readlink_command(f"{prefix}/llama.cpp/current"))
         )
         build = current.rstrip("/").rsplit("/", 1)[-1] if current else None
     result["server"] = {
         "port": port,
-        "kind": "llama-server" if r.backend == "llamacpp" else "tabbyapi",
+        "kind": e.server,
         # the name clients ask for (llama-server --alias, TabbyAPI's model directory), and the file
         "model": r.served_name,
         "model_file": model,
         "deployed_at": record.get("at"),
-        "build": build or ("not recorded" if r.backend == "llamacpp" else "TabbyAPI (no llama.cpp build)"),
+        "build": build or ("not recorded" if e.serves_llamacpp_build else f"{e.server_label} (no llama.cpp build)"),
         "url": f"http://127.0.0.1:{port}/v1 on {host.name}",
     }
     python = host_python(host, prefix)
@@ -494,7 +496,7 @@ def measure(
     # utilisation but a ceiling or measurement error (roofline.mbu_note)
     result["mbu"] = round(single / roof, 4) if single and roof else None
     result["mbu_note"] = roofline.mbu_note(result)
-    if r.backend == "llamacpp" and model and "error" not in result:
+    if e.serves_llamacpp_build and model and "error" not in result:
         crowded = no_room_for_llama_bench(loaded)
         if crowded:
             result["llama_bench"] = {"error": crowded}

@@ -35,6 +35,7 @@ from typing import Literal
 from playbooks.config.planning import draft_from_recipe, serving_from_recipe
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.plan.aggregate import aggregate_tok_s
+from playbooks.plan.engines import engine
 from playbooks.plan.evaluate import evaluate
 from playbooks.plan.gpus import get_gpu
 from playbooks.plan.refusals import bf16_refusal
@@ -155,8 +156,8 @@ def rule_out(c: Candidate, gpu_name: str, backend: str, min_bpw: float | None, o
             return "no flash-attention kernel for this K/V pair in a default CUDA build"
         if why := bf16_refusal(gpu, c.quant, (c.cache_k, c.cache_v)):
             return why  # the planner's rule, so plan, render and tune say the same
-        if backend == "exllamav2" and c.parallel > 1 and gpu.compute_capability < (8, 0):
-            return "ExLlamaV2 on this GPU runs one sequence (slots are no lever)"
+        if c.parallel > 1 and not engine(backend).batches(gpu.compute_capability):
+            return f"{engine(backend).label} on this GPU runs one sequence (slots are no lever)"
     if option is None:
         return "the planner has no such quant"
     if option.unfit_reason:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from playbooks.plan.engine_base import Engine
     from playbooks.plan.serving import Option
     from playbooks.steps.serve.deploy import DeployLayout, Expectations
-    from playbooks.steps.serve.units import ServerLayout
+    from playbooks.steps.serve.units import RenderedFile, ServerLayout
     from playbooks.steps.weights.model_layout import ModelLayout
 
 
@@ -27,6 +27,18 @@ class ServerEngine:
     """An engine's server on a host. ``engine``: its plan half (name, flags, memory model)."""
 
     engine: Engine
+
+    def render_files(
+        self,
+        recipe: Recipe,
+        layout: ServerLayout,
+        gpu_indexes: tuple[int, ...],
+        n_cpu_moe: int = 0,
+        gpu_split: tuple[float, ...] = (),
+    ) -> list[RenderedFile]:
+        """Every file deploy installs for its server (steps/serve/service_files.py checked the
+        indexes against the recipe's split)."""
+        raise NotImplementedError
 
     def build_ops(self, prefix: str, venv: str, tc: Toolchain) -> list[Operation]:
         """What the build step adds for this engine after llama.cpp and its bindings."""

@@ -1,6 +1,7 @@
-"""Everything `invoke deploy` installs for a recipe, rendered from Jinja templates in templates/
-(pure: no I/O but reading them): systemd units, their per-instance environment files and
-TabbyAPI's config.yml, as ``RenderedFile`` values with their host path and mode.
+"""What every engine's rendered files share (the engines render their own: steps/serve/engine_*.py;
+steps/serve/service_files.py asks the recipe's): Jinja templates from templates/ (pure: no I/O
+but reading them), ``RenderedFile`` values with their host path and mode, where things live on a
+host (``ServerLayout``), and the checks every unit's values pass.
 
 Every value that reaches a unit is validated first, and every ExecStart argument is quoted by
 systemd's own rules: a value cannot add a directive, a specifier (%) or a variable ($).
@@ -17,17 +18,15 @@ from typing import Literal
 
 import jinja2
 
-from playbooks.config.planning import resolve_gpu_split, resolve_n_cpu_moe
-from playbooks.config.recipe import LoadedRecipe, Recipe
+from playbooks.config.recipe import Recipe
 from playbooks.errors import VoltaforgeError
-from playbooks.plan.gpus import get_gpu
 from playbooks.resources import resource_dir
 from playbooks.steps.build.toolchain import venv_path
 from playbooks.steps.serve.secrets import secret_path
 
 TEMPLATES = resource_dir("templates")
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
-_UNIT_NAME = re.compile(r"^[A-Za-z0-9_.@-]+\.service$")
+UNIT_NAME = re.compile(r"^[A-Za-z0-9_.@-]+\.service$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
@@ -202,101 +201,6 @@ class ServerLayout:
         }
 
 
-DEFAULT_BATCH = 2048  # llama.cpp's own -b default at the pinned ref; the planner assumes it
-
-
-def llama_server_argv(
-    recipe: Recipe, layout: ServerLayout, port: str | None = None, n_cpu_moe: int = 0
-) -> tuple[list[str], frozenset[int]]:
-    """The llama-server command line for a recipe, and which arguments are systemd specifiers
-    or variables (written raw).
-
-    -c is the total context: llama-server splits it across -np slots (knowledge.md section 1).
-    Every flag is spelled out because defaults move between llama.cpp versions (the port did).
-    ``--fit off``: at the pinned ref llama-server otherwise shrinks any argument it thinks is
-    unset to the free memory at load time (knowledge.md section 4); the plan is the contract.
-    -ub is planner.n_ubatch, the size the compute buffer was planned with; -b is recipe.batch
-    or llama.cpp's default 2048 (which the planner assumes), written out all the same. A draft
-    model gets the same KV cache types as the target (the planner sizes its cache so) and runs
-    at the target's context (the pinned ref has no separate draft context flag).
-    ``port``: a raw value (``${VOLTAFORGE_PORT}`` in an instance template) instead of the recipe's.
-    ``n_cpu_moe``: the experts of the first N layers stay in host RAM (the recipe's n_cpu_moe,
-    `auto` resolved by the planner: config/planning.py resolve_n_cpu_moe); written only when
-    N > 0, and with --fit off llama-server moves nothing else.
-    """
-    if recipe.backend != "llamacpp":
-        raise VoltaforgeError(f"recipe {recipe.name}: llama-server serves llamacpp recipes, not {recipe.backend}")
-    gpu = not get_gpu(recipe.gpu).is_cpu
-    # RPC workers are devices too: every layer goes to a device (plan/split.py)
-    layers = "all" if gpu or recipe.rpc else "0"
-    argv = [
-        layout.llama_server,
-        "--model",
-        layout.model_file(recipe),
-        "--ctx-size",
-        str(recipe.context * recipe.parallel),
-        "--parallel",
-        str(recipe.parallel),
-        "--batch-size",
-        str(recipe.batch or DEFAULT_BATCH),
-        "--ubatch-size",
-        str(recipe.planner.n_ubatch),
-        "--cache-type-k",
-        recipe.cache.k,
-        "--cache-type-v",
-        recipe.cache.v,
-        "--flash-attn",
-        "on" if recipe.flash_attn else "off",
-        "--gpu-layers",
-        layers,
-        "--fit",
-        "off",
-    ]
-    if recipe.draft is not None:
-        argv += [
-            "--model-draft",
-            layout.draft_file(recipe),
-            "--gpu-layers-draft",
-            layers,
-            "--cache-type-k-draft",
-            recipe.cache.k,
-            "--cache-type-v-draft",
-            recipe.cache.v,
-        ]
-    if recipe.threads:
-        argv += ["--threads", str(recipe.threads), "--threads-batch", str(recipe.threads)]
-        if recipe.draft is not None:
-            argv += ["--spec-draft-threads", str(recipe.threads), "--spec-draft-threads-batch", str(recipe.threads)]
-    if recipe.spec_type:
-        argv += ["--spec-type", recipe.spec_type]
-    if n_cpu_moe:
-        argv += ["--n-cpu-moe", str(n_cpu_moe)]
-    if recipe.rpc:
-        argv += ["--rpc", ",".join(w.endpoint for w in recipe.rpc)]
-    if recipe.split:
-        # the split the planner planned (plan/split.py): never llama.cpp's default by free memory
-        shares = recipe.tensor_split or [1.0] * recipe.device_count
-        argv += ["--split-mode", "layer", "--tensor-split", ",".join(f"{x:g}" for x in shares)]
-    # the name clients list and ask for (/v1/models, each answer's `model`), never the file's path
-    argv += ["--alias", recipe.served_name]
-    argv += ["--host", recipe.service.bind, "--port", port or str(recipe.service.port)]
-    raw: set[int] = {len(argv) - 1} if port else set()
-    # -lv 4: at the pinned ref the load lines deploy checks (offloaded N/M layers, the KV and
-    # compute buffer sizes, the build) are printed from verbosity 4 only; 5 would add the
-    # trial loads of --fit and count buffers twice (facts/server_log.py)
-    argv += ["--metrics", "--no-webui", "--log-verbosity", "4"]
-    if recipe.service.api_key_ref:
-        argv += ["--api-key-file", "%d/api-key"]
-        raw.add(len(argv) - 1)
-    return argv, frozenset(raw)
-
-
-def tabbyapi_argv(layout: ServerLayout) -> list[str]:
-    """TabbyAPI's main.py in the toolchain venv, with our config (its --config overrides the
-    config.yml it would read from the working directory)."""
-    return [f"{layout.venv}/bin/python", f"{layout.tabbyapi_dir}/main.py", "--config", layout.tabbyapi_config]
-
-
 @dataclass(frozen=True)
 class RenderedUnit:
     name: str
@@ -332,7 +236,7 @@ def render_template(template: str, /, **values: object) -> str:
     return _environment().get_template(template).render(**values)
 
 
-def _check_gpu_indexes(gpu_indexes: tuple[int, ...]) -> None:
+def check_gpu_indexes(gpu_indexes: tuple[int, ...]) -> None:
     if not gpu_indexes or len(set(gpu_indexes)) != len(gpu_indexes):
         raise VoltaforgeError(f"GPU indexes {gpu_indexes!r}: give one or more distinct indexes")
     for i in gpu_indexes:
@@ -340,13 +244,13 @@ def _check_gpu_indexes(gpu_indexes: tuple[int, ...]) -> None:
             raise VoltaforgeError(f"GPU index {i!r} must be a whole number 0-63")
 
 
-def _check_environment(environment: list[tuple[str, str]]) -> None:
+def check_environment(environment: list[tuple[str, str]]) -> None:
     for key, value in environment:
         if not _ENV_NAME.match(key) or not re.fullmatch(r"[A-Z0-9_,]*", value):
             raise VoltaforgeError(f"bad environment entry {key}={value!r}")
 
 
-def _cuda_environment(gpu_indexes: tuple[int, ...]) -> list[tuple[str, str]]:
+def cuda_environment(gpu_indexes: tuple[int, ...]) -> list[tuple[str, str]]:
     # PCI_BUS_ID: CUDA's index i is nvidia-smi's GPU i and /dev/nvidia<i> (CUDA's default
     # order is fastest first, which would not match on a mixed host)
     return [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpu_indexes)))]
@@ -357,214 +261,4 @@ def default_gpu_indexes(recipe: Recipe) -> tuple[int, ...]:
     return tuple(range(recipe.gpu_count))
 
 
-def rpc_peers(recipe: Recipe) -> list[str]:
-    """The RPC workers' addresses a loopback-only server must still reach (IPAddressAllow)."""
-    return sorted({w.address for w in recipe.rpc if not w.ip.is_loopback})
-
-
-def render_llama_server_unit(
-    recipe: Recipe,
-    layout: ServerLayout = ServerLayout(),
-    gpu_indexes: tuple[int, ...] | None = None,
-    n_cpu_moe: int = 0,
-) -> RenderedUnit:
-    """The plain unit: one llama-server over the given GPUs (all of them in one process;
-    none given: default_gpu_indexes)."""
-    gpu_indexes = default_gpu_indexes(recipe) if gpu_indexes is None else gpu_indexes
-    if not _UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
-        raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
-    _check_gpu_indexes(gpu_indexes)
-    argv, raw = llama_server_argv(recipe, layout, n_cpu_moe=n_cpu_moe)
-    gpu = not get_gpu(recipe.gpu).is_cpu
-    environment = _cuda_environment(gpu_indexes) if gpu else []
-    _check_environment(environment)
-    text = render_template(
-        "llama-server.service.j2",
-        unit_name=layout.unit_name,
-        recipe=recipe.name,
-        exec_start=exec_line(argv, raw),
-        api_key_file=layout.api_key_file(recipe),
-        environment=environment,
-        environment_file=None,
-        gpu=gpu,
-        gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
-        loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
-        rpc_peers=rpc_peers(recipe),
-    )
-    return RenderedUnit(layout.unit_name, text, argv)
-
-
-def render_llama_server_template(
-    recipe: Recipe, layout: ServerLayout = ServerLayout(), n_cpu_moe: int = 0
-) -> RenderedUnit:
-    """The instance template ``<service>@.service``: instance %i serves GPU %i on the port its
-    environment file names (recipe port + i); every instance loads the same model link. A CPU
-    recipe's instances are replicas on the host's cores (a layout's ``instances:``): the same
-    template without a GPU."""
-    if not _UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
-        raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
-    gpu = not get_gpu(recipe.gpu).is_cpu
-    argv, raw = llama_server_argv(recipe, layout, port="${VOLTAFORGE_PORT}", n_cpu_moe=n_cpu_moe)
-    name = layout.template_unit_name
-    text = render_template(
-        "llama-server.service.j2",
-        unit_name=name,
-        recipe=recipe.name,
-        exec_start=exec_line(argv, raw),
-        api_key_file=layout.api_key_file(recipe),
-        environment=[("CUDA_DEVICE_ORDER", "PCI_BUS_ID")] if gpu else [],
-        environment_file=layout.instance_env_file("%i"),
-        gpu=gpu,
-        gpu_devices=["/dev/nvidia%i"] if gpu else [],
-        loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
-        rpc_peers=rpc_peers(recipe),
-    )
-    return RenderedUnit(name, text, argv)
-
-
-def instance_environment(recipe: Recipe, index: int) -> str:
-    """The environment file of instance ``index``: its port (recipe port + index) and, on a
-    GPU recipe, its GPU."""
-    port = recipe.service.port + index
-    if port > 65535:
-        raise VoltaforgeError(f"recipe {recipe.name}: instance {index} would listen on port {port}, above 65535")
-    gpu = "" if get_gpu(recipe.gpu).is_cpu else f"CUDA_VISIBLE_DEVICES={index}\n"
-    return (
-        f"# rendered by voltaforge for {recipe.name}: instance {index} of the llama-server template\n"
-        f"{gpu}VOLTAFORGE_PORT={port}\n"
-    )
-
-
-# TabbyAPI's cache modes for ExLlamaV2 (common/config_models.py CACHE_SIZES at the pinned ref)
-TABBYAPI_CACHE_MODES = {"FP16": "FP16", "Q8": "Q8", "Q6": "Q6", "Q4": "Q4"}
-
-
-def render_tabbyapi_config(
-    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_split: tuple[float, ...] = ()
-) -> str:
-    """TabbyAPI's config.yml for an EXL2 recipe. No key in it: with an api_key_ref, auth is on
-    and the keys come from api_tokens.yml (a credential); without one the service is loopback
-    only (the recipe refuses an open port without a key) and auth is off, like llama-server.
-
-    Over several cards (gpu_count > 1) it gives the plan's ``gpu_split`` with
-    ``gpu_split_auto: false``: ExLlamaV2 places the modules by those allotments, as planned
-    (plan/exl2_split.py). One card: autosplit stays on, and TabbyAPI turns it off itself when it
-    sees one GPU."""
-    if recipe.backend != "exllamav2" or isinstance(recipe.quant, str):
-        raise VoltaforgeError(f"recipe {recipe.name}: TabbyAPI serves exllamav2 recipes, not {recipe.backend}")
-    mode = TABBYAPI_CACHE_MODES.get(recipe.cache.k)
-    if mode is None:
-        raise VoltaforgeError(f"recipe {recipe.name}: cache {recipe.cache.k!r} is not a TabbyAPI cache mode")
-    if recipe.gpu_count > 1 and len(gpu_split) != recipe.gpu_count:
-        raise VoltaforgeError(
-            f"recipe {recipe.name}: an EXL2 split over {recipe.gpu_count} cards needs the plan's gpu_split "
-            f"(one allotment per card), got {list(gpu_split)}"
-        )
-    if any(not 0 < a < 1024 for a in gpu_split):
-        raise VoltaforgeError(f"recipe {recipe.name}: gpu_split {list(gpu_split)}: want GB figures above 0")
-    model_dir, model_name = layout.tabbyapi_model_link(recipe).rsplit("/", 1)
-    total = recipe.context * recipe.parallel
-    return render_template(
-        "tabbyapi-config.yml.j2",
-        recipe=recipe.name,
-        path=layout.tabbyapi_config,
-        # where the keys are, by how the server runs (ServerLayout.tabbyapi_tokens)
-        tokens=f"{layout.tabbyapi_tokens}, 0600"
-        + ("" if layout.process_state else ", the unit's credential (LoadCredential)"),
-        host=recipe.service.bind,
-        port=recipe.service.port,
-        disable_auth=not recipe.service.api_key_ref,
-        model_dir=model_dir,
-        model_name=model_name,
-        max_seq_len=recipe.context,
-        # a multiple of 256 (TabbyAPI); ignored by ExLlamaV2 before Ampere, which sizes by max_seq_len
-        cache_size=-(-total // 256) * 256,
-        cache_mode=mode,
-        max_batch_size=recipe.parallel,
-        gpu_split=", ".join(f"{a:.2f}" for a in gpu_split) if recipe.gpu_count > 1 else "",
-    )
-
-
-def render_tabbyapi_unit(
-    recipe: Recipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] = (0,)
-) -> RenderedUnit:
-    """One TabbyAPI over the given GPUs (it splits a model across them itself)."""
-    if not _UNIT_NAME.match(layout.tabbyapi_unit_name) or "@" in layout.tabbyapi_unit_name:
-        raise VoltaforgeError(f"unit name {layout.tabbyapi_unit_name!r} must look like name.service")
-    if recipe.backend != "exllamav2":
-        raise VoltaforgeError(f"recipe {recipe.name}: TabbyAPI serves exllamav2 recipes, not {recipe.backend}")
-    _check_gpu_indexes(gpu_indexes)
-    argv = tabbyapi_argv(layout)
-    environment = _cuda_environment(gpu_indexes)
-    _check_environment(environment)
-    name = layout.tabbyapi_unit_name
-    text = render_template(
-        "tabbyapi.service.j2",
-        unit_name=name,
-        recipe=recipe.name,
-        exec_start=exec_line(argv),
-        working_directory=layout.tabbyapi_serve_dir,
-        service=name.removesuffix(".service"),
-        tokens_file=layout.tabbyapi_tokens if recipe.service.api_key_ref else None,
-        environment=environment,
-        gpu_devices=[f"/dev/nvidia{i}" for i in gpu_indexes],
-        loopback_only=recipe.service.bind in ("127.0.0.1", "::1"),
-    )
-    return RenderedUnit(name, text, argv)
-
-
 UNIT_DIR = "/etc/systemd/system"
-
-
-def render_service_files(
-    recipe: Recipe,
-    layout: ServerLayout = ServerLayout(),
-    gpu_indexes: tuple[int, ...] | None = None,
-    n_cpu_moe: int = 0,
-    gpu_split: tuple[float, ...] = (),
-) -> list[RenderedFile]:
-    """Every file deploy installs for a recipe (not the secrets, nor the links in serve_dir).
-    ``n_cpu_moe``: the resolved --n-cpu-moe of a MoE recipe (llama_server_argv); ``gpu_split``:
-    the planned allotments of an EXL2 recipe over several cards (render_tabbyapi_config).
-
-    llamacpp, one GPU index: the plain unit. Several: the instance template and one environment
-    file per instance (GPU i on recipe port + i; a CPU recipe's indexes are replica slots); a
-    recipe with gpu_count N and N indexes: one plain unit over all N (a layer split).
-    exllamav2: TabbyAPI's unit (over all of the recipe's cards) and config.yml.
-    No indexes: default_gpu_indexes.
-    """
-    gpu_indexes = default_gpu_indexes(recipe) if gpu_indexes is None else gpu_indexes
-    _check_gpu_indexes(gpu_indexes)
-    if recipe.gpu_count > 1:
-        if len(gpu_indexes) != recipe.gpu_count:
-            raise VoltaforgeError(
-                f"recipe {recipe.name} splits one server over {recipe.gpu_count} GPUs: give {recipe.gpu_count} GPU "
-                f"indexes (--gpus {','.join(map(str, range(recipe.gpu_count)))}), not {len(gpu_indexes)}"
-            )
-    if recipe.backend == "exllamav2":
-        unit = render_tabbyapi_unit(recipe, layout, gpu_indexes)
-        config = render_tabbyapi_config(recipe, layout, gpu_split)
-        return [
-            RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit"),
-            RenderedFile(layout.tabbyapi_config, config, 0o644, "config"),
-        ]
-    if recipe.gpu_count > 1:
-        unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
-        return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
-    if len(gpu_indexes) == 1:
-        unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
-        return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
-    template = render_llama_server_template(recipe, layout, n_cpu_moe)
-    return [RenderedFile(f"{UNIT_DIR}/{template.name}", template.text, 0o644, "unit")] + [
-        RenderedFile(layout.instance_env_file(i), instance_environment(recipe, i), 0o644, "env") for i in gpu_indexes
-    ]
-
-
-def planned_service_files(
-    loaded: LoadedRecipe, layout: ServerLayout = ServerLayout(), gpu_indexes: tuple[int, ...] | None = None
-) -> list[RenderedFile]:
-    """render_service_files with what the recipe's plan decides: a MoE's --n-cpu-moe, an EXL2
-    split's gpu_split."""
-    return render_service_files(
-        loaded.recipe, layout, gpu_indexes, resolve_n_cpu_moe(loaded), resolve_gpu_split(loaded)
-    )
