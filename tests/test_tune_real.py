@@ -161,7 +161,10 @@ def test_tune_searches_beside_the_live_service_and_writes_a_winner(
         b = part["budget"]
         assert part["budget_ran_out"] and b["used_s"] <= b["planned_s"] + b["longest_s"], b
         fresh = len(part["candidates"]) + len(part["references"])
-        assert 0.25 * made <= fresh <= 0.75 * made and not any(r["reused"] for r in part["candidates"]), (fresh, made)
+        # some of the search, not all of it: measurements are not equally long (a later rung repeats
+        # more requests, the interleaved blocks come last), so half the time covers more than half
+        # of them (16 of 21 in one cold CI run)
+        assert 0.25 * made <= fresh < made and not any(r["reused"] for r in part["candidates"]), (fresh, made)
         assert b["skipped"] and b["cut"], b  # what the budget left out, listed
 
         # the winner, deployed as it is (in place of the live service), passes its gate
