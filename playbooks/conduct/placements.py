@@ -71,18 +71,18 @@ def placed(spec: HostSpec, p: Placement, loaded: LoadedRecipe) -> Served:
         raise VoltaforgeError(
             f"{where}: the recipe splits one server over {r.gpu_count} GPUs; the layout gives {len(gpus)}: {list(gpus)}"
         )
-    one_server = engine(r.backend).one_server_per_host
-    if len(gpus) > 1 and one_server and r.gpu_count == 1:
+    e = engine(r.backend)
+    if len(gpus) > 1 and e.one_server_per_host and r.gpu_count == 1:
         # (a split recipe is one server over its cards: the check above matched their count)
         raise VoltaforgeError(
-            f"{where}: {engine(r.backend).server_label} serves one instance per host; give it one GPU, or split "
+            f"{where}: {e.server_label} serves one instance per host; give it one GPU, or split "
             f"the model over {len(gpus)} (gpu_count: {len(gpus)} in the recipe)"
         )
     if len(gpus) > 1 and r.rpc:
         raise VoltaforgeError(f"{where}: a recipe with RPC workers runs one server (the workers serve one client each)")
     if p.port is not None:
         loaded = with_port(loaded, p.port)
-    served = Served(loaded, gpus, None if one_server else f"voltaforge-{r.name}.service")
+    served = Served(loaded, gpus, None if e.one_server_per_host else f"voltaforge-{r.name}.service")
     if served.ports()[-1] > 65535:
         raise VoltaforgeError(f"{where}: its last instance would listen on port {served.ports()[-1]}, above 65535")
     return served
@@ -99,8 +99,8 @@ def check_layout(spec: HostSpec, served: Sequence[Served]) -> None:
                     "give one of them another port (port: in its placement)"
                 )
             owner[port] = s.name
-    for e in ENGINES:
-        ones = [s.name for s in served if e.one_server_per_host and engine(s.loaded.recipe.backend) is e]
+    for e in (e for e in ENGINES if e.one_server_per_host):
+        ones = [s.name for s in served if engine(s.loaded.recipe.backend) is e]
         if len(ones) > 1:
             raise VoltaforgeError(
                 f"{spec.name}: serve: {', '.join(ones)} are {e.weights_format} recipes; "
