@@ -5,8 +5,8 @@ measured through the SSH port forward. The sweep runs; the client's decode agree
 server's own within 5% at every level; llama-bench runs beside it; the three reports are
 written and the PNG is a real image; the gate passes below reality and fails above it; `bench
 --noise` gives the host its own run-to-run noise, which `--compare` then counts: an unchanged
-server is not called changed, and the model at Q4_K_M (about 0.57x the bytes a token reads)
-is; a server that is down fails the gate in one line and leaves the history as it was."""
+server is not called changed, and the model a third as deep (a third of the bytes and the work a
+token costs) is; a server that is down fails the gate in one line and leaves the history as it was."""
 
 from __future__ import annotations
 
@@ -39,19 +39,31 @@ def membound(tmp_path_factory) -> Path:
     return llamacpp_tools.quantize(f16, work / "m-Q8_0.gguf", "Q8_0")
 
 
+SHALLOW = BIG | {"num_hidden_layers": 4}
+
+
 @pytest.fixture(scope="module")
-def membound_q4(membound) -> Path:
-    """The same model at Q4_K_M: about 0.57x the bytes a token reads."""
-    return llamacpp_tools.quantize(membound.parent / "f16.gguf", membound.parent / "m-Q4_K_M.gguf", "Q4_K_M")
+def shallow(tmp_path_factory) -> Path:
+    """The same shape a third as deep, at the same quant: a third of the bytes a token reads and of
+    the work it does, so the single stream is faster whether memory or the cores bound it. A
+    change of quant is not that: Q4_K_M reads 0.57x Q8_0's bytes but costs more to unpack (+49.7%
+    on an Intel Xeon VM whose cache held the model, +5.9% on a CI machine where the cores bound
+    it). Why a change this large: on these shared VMs a compare does not yet resolve 30-50%
+    reliably (issue 53, open; docs/bench.md gives the proof's figures), and a suite test asserts
+    what holds on every run, so this one proves the mechanism (an unchanged server not called, a
+    large real change called), not the power."""
+    work = tmp_path_factory.mktemp("bench-shallow")
+    config = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())["model"]["config"] | SHALLOW
+    return llamacpp_tools.quantize(llamacpp_tools.tiny_f16(work, config), work / "m-Q8_0.gguf", "Q8_0")
 
 
-def _recipe(tmp_path: Path, port: int, quant: str = "Q8_0", **gate) -> Path:
+def _recipe(tmp_path: Path, port: int, quant: str = "Q8_0", shape: dict = BIG, **gate) -> Path:
     data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
-    data["model"]["config"] |= BIG
+    data["model"]["config"] |= shape
     data |= {"quant": quant, "parallel": 4, "service": {"port": port}}
     # three levels: a sweep (rising concurrency, each checked); 8 streams would only cost time
     data["gate"] = {"levels": [1, 2, 4], "prompt_tokens": 64, "max_tokens": 48} | gate
-    where = tmp_path / str(abs(hash(json.dumps([quant, gate], sort_keys=True))))
+    where = tmp_path / str(abs(hash(json.dumps([quant, shape, gate], sort_keys=True))))
     where.mkdir(exist_ok=True)
     (where / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
     path = where / "bench-cpu.yaml"
@@ -62,7 +74,7 @@ def _recipe(tmp_path: Path, port: int, quant: str = "Q8_0", **gate) -> Path:
 @pytest.mark.timeout(1200)
 @pytest.mark.usefixtures("cpu_quiet")  # tests/helpers.cpu_quiet: a measurement, the cores to itself
 def test_bench_sweep_reports_gate_and_a_server_that_is_down(
-    sshd_host, membound, membound_q4, tmp_path, monkeypatch, capsys
+    sshd_host, membound, shallow, tmp_path, monkeypatch, capsys
 ):
     port = free_port()
     prefix = str(sshd_host.prefix / "vf")
@@ -137,7 +149,7 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(
         # a threshold above reality: a run fails the gate, exit 1, saying which (one level: the
         # sweep is proven above; its other levels would only cost time)
         failing = _recipe(tmp_path, port, min_tok_s=1e6, levels=[1])
-        smaller = _recipe(tmp_path, port, quant="Q4_K_M", min_tok_s=1e6, levels=[1])
+        smaller = _recipe(tmp_path, port, shape=SHALLOW, min_tok_s=1e6, levels=[1])
         assert run_bench("box", str(failing), settings=settings) == 1
         out = capsys.readouterr().out
         assert "FAILED" in out and "is below the gate's 1e+06" in out, out[-2000:]
@@ -163,17 +175,21 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(
         # called changed against the last configuration (its four runs, pooled) or the best run;
         # the family's rate is at most 5% a compare (simulated: tests/test_bench_noise.py), so a
         # call is met with one more compare, and two in a row (0.25% by that rate) fail
-        verdict = r"concurrency 1: per-stream decode ([+-][\d.]+)% against the (last 4 runs|best run), (outside|within)"
-        assert len(re.findall(verdict, out)) == 2, out[-2000:]
+        # (a run whose tokens the client could not time pools only with runs measured the same
+        # way, bench_report._last_members: "the last 3 runs" where one of four was the server's)
+        verdict = r"concurrency 1: per-stream decode ([+-][\d.]+)% against the (last [2-4] runs|best run), "
+        verdict += r"(outside|within)"
+        assert 1 <= len(re.findall(verdict, out)) <= 2, out[-2000:]
         if any(v == "outside" for _, _, v in re.findall(verdict, out)):
             assert run_bench("box", str(failing), show_compare=True, settings=settings) == 1
             again = " ".join(capsys.readouterr().out.split())
-            verdict = verdict.replace("last 4", "last 5")
-            assert [v for _, _, v in re.findall(verdict, again)] == ["within", "within"], (out[-1500:], again[-1500:])
-        # then a change the bytes per token size: Q4_K_M reads about 0.57x Q8_0's, and the single
-        # stream is memory-bound here: about +50% (+49.7% held out), called against the Q8_0 runs
+            verdict = verdict.replace("[2-4]", "[2-5]")
+            verdicts = [v for _, _, v in re.findall(verdict, again)]
+            assert verdicts and set(verdicts) == {"within"}, (out[-1500:], again[-1500:])
+        # then a change that sizes a token's bytes and work alike: the model a third as deep, called
+        # against the deep one's runs whatever bounds the single stream on the machine at hand
         with connect(spec_for(sshd_host)) as host:
-            stage_served_model(host, prefix, smaller, membound_q4, "Q4_K_M", tools=False)
+            stage_served_model(host, prefix, smaller, shallow, "Q8_0", tools=False)
         assert run_deploy("box", str(smaller), settings=settings) == 0, capsys.readouterr().out[-3000:]
         capsys.readouterr()
         assert run_bench("box", str(smaller), show_compare=True, settings=settings) == 1
@@ -182,7 +198,7 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(
         assert changed and float(changed[1]) > 20 and changed[2] == "outside", out[-2000:]
         assert ", recipe changed since" in out
         kept = len(history.read_text().splitlines())
-        assert kept in (7, 8)  # 6 runs before, the retry if there was one, the Q4_K_M run
+        assert kept in (7, 8)  # 6 runs before, the retry if there was one, the shallow run
     finally:
         assert run_stop("box", str(passing), settings=settings) == 0
     capsys.readouterr()
