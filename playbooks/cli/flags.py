@@ -117,6 +117,15 @@ def host_names(flag: str, value: object) -> list[str]:
     return names
 
 
+def recipe_names(flag: str, value: object) -> list[str]:
+    """``--models a,b,c``: recipe names or paths, separated by commas."""
+    text = str(value or "").strip()
+    names = [n.strip() for n in text.split(",")]
+    if not text or any(not n for n in names):
+        raise UsageError(f"{flag} {_short(text)!r}: give recipe names or paths separated by commas")
+    return names
+
+
 def ip_address(flag: str, value: object) -> str:
     """``--bind 127.0.0.1``: one IP address (what a listener binds to)."""
     import ipaddress

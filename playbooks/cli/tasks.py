@@ -45,6 +45,10 @@ from playbooks.cli.command import command
         "the recipe's, else equal shares)",
         "split-mode": "how the cards share the model, as llama-server's --split-mode: layer (the default and "
         "the one planned; row and tensor get the reason they are not)",
+        "models": "plan a model set instead: recipes served by one llama-server router (a,b,c), each alone and "
+        "which can be resident together (--models-max)",
+        "memory-budget": "with --models on a CPU target: the GiB the set's children may hold (default: the CPU "
+        "target's)",
     },
 )
 def plan(
@@ -64,10 +68,25 @@ def plan(
     gpu_count: str | None = None,
     tensor_split: str | None = None,
     split_mode: str | None = None,
+    models: str | None = None,
+    memory_budget: str | None = None,
     json: bool = False,
 ) -> int:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
     from playbooks.cli.plan import run_plan
+
+    if models is not None:
+        from playbooks.cli.plan_set import run_plan_set
+
+        return run_plan_set(
+            flags.recipe_names("--models", models),
+            gpu=flags.word("--gpu", gpu, "a GPU name, e.g. v100-32gb"),
+            memory_gib=None
+            if memory_budget is None
+            else flags.positive_float("--memory-budget", memory_budget, "GiB", maximum=1048576),
+            as_json=json,
+            recipes_dir=configured.recipes_dir(c),
+        )
 
     return run_plan(
         recipe=flags.name_or_path(

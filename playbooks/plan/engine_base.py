@@ -65,6 +65,11 @@ class Engine:
     one_server_per_host: bool = False
     #: its server is llama.cpp's build: the bench records which build, and runs llama-bench beside it
     serves_llamacpp_build: bool = False
+    #: its server routes requests among several models by name, starting and stopping one child
+    #: per model (a model set, plan/residency.py)
+    routes_models: bool = False
+    #: what that router holds itself on a CPU target, without a model (bytes)
+    router_cpu_bytes: int = 0
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         """Whether parallel slots batch on a GPU of this compute capability."""

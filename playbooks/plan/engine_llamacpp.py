@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from playbooks.plan.compute_buffer import device_input_bytes, replay, worst_case_graph
 from playbooks.plan.engine_base import Engine, SplitPlan, split_devices
 from playbooks.plan.gguf_size import FILE_TYPES, estimate_gguf, quant_refusal
+from playbooks.plan.gpus import MIB
 from playbooks.plan.kv_cache import llamacpp_kv_bytes, llamacpp_kv_bytes_per_token
 from playbooks.plan.moe import expert_layout
 from playbooks.plan.split import split_model
@@ -198,6 +199,11 @@ class LlamaCpp(Engine):
     server = "llama-server"
     server_label = "llama-server"
     serves_llamacpp_build = True
+    # llama-server without a model is a router (tools/server/README.md, "Using multiple models")
+    routes_models = True
+    # measured: llama-server 0c1e570, CPU build, as a router with an empty --models-dir, 4 s after
+    # its start: VmRSS 14,488 kB (2,748 kB anonymous, 11,740 kB its mapped libraries), rounded up
+    router_cpu_bytes = 16 * MIB
     ignore_eos = (("ignore_eos", True),)  # llama-server's own extension
     takes_draft = True
     takes_rpc = True

@@ -1,0 +1,111 @@
+"""A model set (issue 55) turned into its residency plan: several recipes served by one router
+on one GPU set (or one CPU memory budget), each planned alone on the set's target, then judged
+together (plan/residency.py).
+
+Decisions recorded here:
+- Every member is planned on the set's target (``--gpu``, else the first member's recipe
+  GPU), whatever GPU its own recipe names: the set's children share those cards.
+- On a CPU target the memory the children share is a budget (``memory_gib``: a flag, or the
+  inventory's setting for the host), else the CPU target's own figure; on a GPU it is the
+  card's memory, and a budget is refused (the card's memory is not a setting).
+- A member must be an engine that routes models (llama-server's router); two members may not
+  serve the same name (the router routes by it); a member whose plan cannot run for a reason
+  other than memory is refused with that reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from playbooks.config.planning import plan_recipe, unfit_text
+from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
+from playbooks.errors import UsageError, VoltaforgeError
+from playbooks.plan.engines import engine
+from playbooks.plan.gpus import GIB, MIB, Gpu, get_gpu
+from playbooks.plan.planner import Plan
+from playbooks.plan.residency import Member, Residency, refusal
+
+#: the fewest recipes a set names: one model is a plain server
+MIN_MEMBERS = 2
+
+
+@dataclass
+class SetPlan:
+    """A set's plan: its target, each member's own plan, and the residency they make."""
+
+    gpu: Gpu
+    plans: dict[str, Plan]  # served name -> that member's plan on the set's target
+    residency: Residency
+    budget_source: str  # where the capacity came from: the card, the CPU target, a budget
+
+    @property
+    def refusal(self) -> str | None:
+        return refusal(self.residency, f"{self.gpu.name} ({self.budget_source})")
+
+
+def member_of(loaded: LoadedRecipe, plan: Plan) -> Member:
+    """What one member holds alone, from its plan's chosen option."""
+    c = plan.chosen
+    if c is None:  # the planner found no quant to plan (a recipe always names one)
+        raise VoltaforgeError(f"{loaded.recipe.name}: the plan has no option for {loaded.recipe.quant_name}")
+    overhead = "margin" if plan.gpu.is_cpu else "context + margin"
+    parts = (("weights", c.gpu_weights_bytes), ("KV cache", c.kv_bytes), ("compute", c.compute_bytes))
+    return Member(
+        name=loaded.recipe.served_name,
+        recipe=loaded.recipe.name,
+        quant=c.quant,
+        held=c.vram_bytes,
+        parts=(*parts, (overhead, c.overhead_bytes)),
+    )
+
+
+def plan_set(
+    recipes: Sequence[str],
+    gpu: str | None = None,
+    memory_gib: float | None = None,
+    recipes_dir: Path = RECIPES_DIR,
+) -> SetPlan:
+    """Plan each of ``recipes`` on the set's target and judge them together. Raises
+    VoltaforgeError (one line) for a set that cannot be planned: too few members, a member of
+    an engine without a router, a served name twice, a member that cannot run there; a member
+    too large for the set is the SetPlan's refusal (the plan shows why)."""
+    if len(recipes) < MIN_MEMBERS:
+        raise UsageError(f"a set names {MIN_MEMBERS} or more recipes, got {len(recipes)}: one model is a plain server")
+    if len(set(recipes)) != len(recipes):
+        raise UsageError(f"a recipe is named twice in the set: {', '.join(recipes)}")
+    loaded = [load_recipe(name, recipes_dir) for name in recipes]
+    target = get_gpu(gpu or loaded[0].recipe.gpu)
+    seen: dict[str, str] = {}
+    for lr in loaded:
+        r = lr.recipe
+        if not (e := engine(r.backend)).routes_models:
+            raise VoltaforgeError(f"{r.name} is an {e.label} recipe: {e.server_label} serves one model per server")
+        if r.rpc:
+            raise VoltaforgeError(f"{r.name} splits over RPC workers: a set's children run on the set's own cards")
+        if r.served_name in seen:
+            raise VoltaforgeError(
+                f"{seen[r.served_name]} and {r.name} both serve {r.served_name!r}: the router routes by the "
+                "served name (service.model_name)"
+            )
+        seen[r.served_name] = r.name
+    if memory_gib is not None and not target.is_cpu:
+        raise UsageError(f"a memory budget is for a CPU target; {target.name}'s memory is its card's")
+    plans: dict[str, Plan] = {}
+    members = []
+    for lr in loaded:
+        plan = plan_recipe(lr, target)
+        if (c := plan.chosen) is not None and c.unfit_reason:
+            raise VoltaforgeError(f"{lr.recipe.name} in the set: {unfit_text(plan)}")
+        plans[lr.recipe.served_name] = plan
+        members.append(member_of(lr, plan))
+    if target.is_cpu:
+        capacity = int(memory_gib * GIB) if memory_gib is not None else target.memory_bytes
+        given = memory_gib is not None
+        source = f"a {memory_gib:g} GiB budget" if given else f"the CPU target's {target.memory_gib:g} GiB"
+        parent = engine(loaded[0].recipe.backend).router_cpu_bytes
+    else:
+        capacity, source = target.memory_bytes, "the card's memory"
+        parent = loaded[0].recipe.planner.cuda_context_mib * MIB
+    return SetPlan(target, plans, Residency(tuple(members), capacity, parent), source)
