@@ -128,6 +128,12 @@ def test_shipped_v100_recipes_as_one_set_on_a_32gb_card():
             "qwen2.5-32b-exl2-v100-16gb is an ExLlamaV2 recipe: TabbyAPI serves one model per server",
         ),
         (["tiny-cpu", "tiny-rpc-cpu"], None, None, "tiny-rpc-cpu splits over RPC workers"),
+        (
+            ["qwen2.5-14b-v100-32gb", "qwen2.5-32b-spec-v100-32gb"],
+            None,
+            None,
+            "qwen2.5-32b-spec-v100-32gb has a draft model: a set serves its members without speculation",
+        ),
         (["qwen2.5-14b-v100-16gb", "qwen2.5-32b-v100-16gb"], None, 8.0, "a memory budget is for a CPU target"),
         (["tiny-cpu", "no-such-recipe"], None, None, "no-such-recipe"),
     ],

@@ -10,7 +10,9 @@ Decisions recorded here:
   card's memory, and a budget is refused (the card's memory is not a setting).
 - A member must be an engine that routes models (llama-server's router); two members may not
   serve the same name (the router routes by it); a member whose plan cannot run for a reason
-  other than memory is refused with that reason.
+  other than memory is refused with that reason. Not in a set (refused, said): RPC splits (a
+  child runs on the set's own cards) and draft models (speculation needs the draft's own link
+  per member; left for later).
 """
 
 from __future__ import annotations
@@ -50,15 +52,16 @@ def member_of(loaded: LoadedRecipe, plan: Plan) -> Member:
     c = plan.chosen
     if c is None:  # the planner found no quant to plan (a recipe always names one)
         raise VoltaforgeError(f"{loaded.recipe.name}: the plan has no option for {loaded.recipe.quant_name}")
-    overhead = "margin" if plan.gpu.is_cpu else "context + margin"
-    parts = (("weights", c.gpu_weights_bytes), ("KV cache", c.kv_bytes), ("compute", c.compute_bytes))
-    return Member(
-        name=loaded.recipe.served_name,
-        recipe=loaded.recipe.name,
-        quant=c.quant,
-        held=c.vram_bytes,
-        parts=(*parts, (overhead, c.overhead_bytes)),
-    )
+    parts = [("weights", c.gpu_weights_bytes), ("KV cache", c.kv_bytes), ("compute", c.compute_bytes)]
+    held = c.vram_bytes  # the card that decides (a split's parts above are the whole model's)
+    if plan.gpu.is_cpu:
+        # the child is a process of its own: its base beside the model's terms, as the router's
+        base = engine(loaded.recipe.backend).process_cpu_bytes
+        parts += [("process", base), ("margin", c.overhead_bytes)]
+        held += base
+    else:  # its own CUDA context is in the plan's overhead
+        parts += [("context + margin", c.overhead_bytes)]
+    return Member(loaded.recipe.served_name, loaded.recipe.name, c.quant, held, tuple(parts))
 
 
 def plan_set(
@@ -84,6 +87,8 @@ def plan_set(
             raise VoltaforgeError(f"{r.name} is an {e.label} recipe: {e.server_label} serves one model per server")
         if r.rpc:
             raise VoltaforgeError(f"{r.name} splits over RPC workers: a set's children run on the set's own cards")
+        if r.draft is not None:
+            raise VoltaforgeError(f"{r.name} has a draft model: a set serves its members without speculation")
         if r.served_name in seen:
             raise VoltaforgeError(
                 f"{seen[r.served_name]} and {r.name} both serve {r.served_name!r}: the router routes by the "
@@ -104,7 +109,7 @@ def plan_set(
         capacity = int(memory_gib * GIB) if memory_gib is not None else target.memory_bytes
         given = memory_gib is not None
         source = f"a {memory_gib:g} GiB budget" if given else f"the CPU target's {target.memory_gib:g} GiB"
-        parent = engine(loaded[0].recipe.backend).router_cpu_bytes
+        parent = engine(loaded[0].recipe.backend).process_cpu_bytes
     else:
         capacity, source = target.memory_bytes, "the card's memory"
         parent = loaded[0].recipe.planner.cuda_context_mib * MIB

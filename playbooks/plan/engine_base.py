@@ -68,8 +68,9 @@ class Engine:
     #: its server routes requests among several models by name, starting and stopping one child
     #: per model (a model set, plan/residency.py)
     routes_models: bool = False
-    #: what that router holds itself on a CPU target, without a model (bytes)
-    router_cpu_bytes: int = 0
+    #: what one of its server processes holds on a CPU without a model (bytes): the router
+    #: itself, and the base of each child beside the model's own terms
+    process_cpu_bytes: int = 0
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         """Whether parallel slots batch on a GPU of this compute capability."""

@@ -10,8 +10,9 @@ Any k members then fit, whichever the requests load. Pure: bytes in, bytes and c
 
 What a member holds: its plan's bytes on the card that decides (``Option.vram_bytes``: the
 weights, KV cache and compute buffers, its own CUDA context and the margin; a split's worst
-card). A set on several cards is judged with every member's worst card on one card: exact for
-one card, conservative for several.
+card); on a CPU the child's process base too (config/model_set.member_of). A set on several
+cards is judged with every member's worst card on one card: exact for one card, conservative
+for several.
 
 A sleeping child (``--sleep-idle-seconds``) still counts toward ``--models-max`` and, on a GPU,
 keeps its CUDA context; k children at their full size bound any mix of sleeping and awake ones.

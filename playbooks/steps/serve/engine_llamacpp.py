@@ -258,3 +258,80 @@ def instance_environment(recipe: Recipe, index: int) -> str:
 
 
 LLAMACPP_SERVER = LlamaServer()
+
+
+# -- a model set: llama-server as a router (issue 55) ------------------------------------------
+#
+# llama-server started without a model is a router (tools/server/README.md at the pin, "Using
+# multiple models"): it reads a preset INI, one section per model, each key a long flag without
+# its dashes, and starts one child llama-server per model on demand on 127.0.0.1 and a free port
+# of its own, stopping the least recently used past --models-max. A member's section is its own
+# recipe's command line (llama_server_argv), so a model serves in a set as it serves alone.
+
+#: flags of a member's command line the router sets for its children itself (the README: host,
+#: port, API key and alias are removed or overwritten) or gives them from its own command line
+#: (children inherit it), and the model, which is the section's ``model`` key
+ROUTER_OWNED = frozenset(
+    {"--host", "--port", "--alias", "--api-key-file", "--model", "--metrics", "--no-webui", "--log-verbosity"}
+)
+
+
+def _flag_pairs(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """``--flag value`` and bare ``--flag`` (true) of a command line, in order."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        flag = argv[i]
+        if not flag.startswith("--"):
+            raise VoltaforgeError(f"not a long flag in llama-server's command line: {flag!r}")
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            pairs.append((flag, argv[i + 1]))
+            i += 2
+        else:
+            pairs.append((flag, "true"))
+            i += 1
+    return pairs
+
+
+def preset_section(recipe: Recipe, model_file: str, load_at_start: bool = False) -> str:
+    """One member's section of the router's preset: its served name, the path of its GGUF
+    (absolute, as the README recommends) and its own recipe's flags."""
+    argv, _ = llama_server_argv(recipe, ServerLayout())
+    lines = [f"[{recipe.served_name}]", f"model = {model_file}"]
+    lines += [f"{flag[2:]} = {value}" for flag, value in _flag_pairs(argv[1:]) if flag not in ROUTER_OWNED]
+    if load_at_start:
+        lines.append("load-on-startup = true")
+    return "\n".join(lines) + "\n"
+
+
+def render_models_preset(members: Sequence[tuple[Recipe, str]], load_at_start: frozenset[str] = frozenset()) -> str:
+    """The router's preset INI: ``members`` are (recipe, the path of its GGUF) in the set's
+    order; ``load_at_start``: served names loaded when the router starts (it may still stop
+    them for another once --models-max are running)."""
+    head = "; rendered by voltaforge: a model set served by llama-server's router\nversion = 1\n"
+    return head + "".join(
+        "\n" + preset_section(r, path, r.served_name in load_at_start) for r, path in members
+    )  # fmt: skip
+
+
+def router_argv(
+    layout: ServerLayout,
+    preset_file: str,
+    models_max: int,
+    port: int,
+    bind: str = "127.0.0.1",
+    sleep_idle_s: int | None = None,
+    api_key_file: str | None = None,
+) -> list[str]:
+    """The router's command line: the preset, the count the residency plan gave (its k largest
+    fit together: plan/residency.py), models loaded when first asked for, and what every child
+    inherits (metrics, no web UI, the load log's verbosity: llama_server_argv says why 4)."""
+    if models_max < 1:
+        raise VoltaforgeError(f"--models-max {models_max}: a set keeps at least one model resident")
+    argv = [layout.llama_server, "--models-preset", preset_file, "--models-max", str(models_max), "--models-autoload"]
+    if sleep_idle_s is not None:
+        argv += ["--sleep-idle-seconds", str(sleep_idle_s)]
+    argv += ["--host", bind, "--port", str(port), "--metrics", "--no-webui", "--log-verbosity", "4"]
+    if api_key_file:
+        argv += ["--api-key-file", api_key_file]
+    return argv

@@ -1,0 +1,59 @@
+"""The router's preset and command line as the llama.cpp engine renders them (issue 55): each
+member's section is its own recipe's llama-server flags less what the router owns, and the
+router's command line carries the plan's count. tests/test_router_real.py serves them for real."""
+
+from __future__ import annotations
+
+import configparser
+
+import pytest
+
+from playbooks.config.recipe import load_recipe
+from playbooks.errors import VoltaforgeError
+from playbooks.steps.serve.engine_llamacpp import (
+    ROUTER_OWNED,
+    llama_server_argv,
+    render_models_preset,
+    router_argv,
+)
+from playbooks.steps.serve.units import ServerLayout
+
+
+def test_each_section_is_its_recipes_own_flags_less_what_the_router_owns():
+    small = load_recipe("tiny-cpu").recipe
+    big = load_recipe("qwen2.5-14b-v100-32gb").recipe
+    text = render_models_preset(
+        [(small, "/srv/m/small.gguf"), (big, "/srv/m/big.gguf")], load_at_start=frozenset({big.served_name})
+    )
+    ini = configparser.ConfigParser(interpolation=None, default_section="*")
+    ini.read_string("[top]\n" + text)  # the INI's version line sits before any section
+    assert ini["top"]["version"] == "1"
+    assert ini.sections() == ["top", small.served_name, big.served_name]
+    for recipe, path in ((small, "/srv/m/small.gguf"), (big, "/srv/m/big.gguf")):
+        section = ini[recipe.served_name]
+        assert section["model"] == path
+        argv, _ = llama_server_argv(recipe, ServerLayout())
+        flags = [a for a in argv[1:] if a.startswith("--") and a not in ROUTER_OWNED]
+        assert sorted(k for k in section if k not in ("model", "load-on-startup")) == sorted(f[2:] for f in flags)
+        assert section["ctx-size"] == str(recipe.context * recipe.parallel)
+        assert section["parallel"] == str(recipe.parallel) and section["fit"] == "off"
+        assert not {"host", "port", "alias", "api-key-file", "metrics"} & set(section)
+    assert ini[big.served_name]["gpu-layers"] == "all" and ini[big.served_name]["load-on-startup"] == "true"
+    assert ini[small.served_name]["gpu-layers"] == "0" and "load-on-startup" not in ini[small.served_name]
+
+
+def test_the_routers_command_line_carries_the_count_and_what_children_inherit():
+    argv = router_argv(ServerLayout(prefix="/opt/vf"), "/opt/vf/serve/lab/models.ini", 2, 8080, sleep_idle_s=600)
+    assert argv[:6] == [
+        "/opt/vf/llama.cpp/current/bin/llama-server",
+        "--models-preset",
+        "/opt/vf/serve/lab/models.ini",
+        "--models-max",
+        "2",
+        "--models-autoload",
+    ]
+    assert " ".join(argv[6:]) == (
+        "--sleep-idle-seconds 600 --host 127.0.0.1 --port 8080 --metrics --no-webui --log-verbosity 4"
+    )
+    with pytest.raises(VoltaforgeError, match="--models-max 0: a set keeps at least one model resident"):
+        router_argv(ServerLayout(), "/x.ini", 0, 8080)

@@ -1,0 +1,198 @@
+"""A model set served for real by llama-server's router (issue 55): three generated models of
+different sizes, planned as a set under a CPU memory budget that allows two resident, the preset
+and command line rendered by the llama.cpp engine (steps/serve/engine_llamacpp.py), the pinned
+router started on this machine, and requests alternating among the three: each one answered,
+never more children alive than the plan's count (counted from every start and exit the router
+logs, not sampled), each child holding no more than its plan said, and an idle child's sleep
+releasing its model's memory.
+
+What this proves: the rendered preset serves each member as its own recipe's flags say, the
+router's count bound holds, and the plan's per-member memory bounds what a child really holds
+on this machine (data the plan was not shaped on: the children's resident memory). What it does
+not: the set deployed by `invoke provision` and shown by `invoke status` (next, issue 55)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from playbooks.config.model_set import plan_set
+from playbooks.config.recipe import load_recipe
+from playbooks.plan.gpus import GIB, MIB
+from playbooks.steps.serve.engine_llamacpp import render_models_preset, router_argv
+from playbooks.steps.serve.units import ServerLayout
+from tests import llamacpp_tools
+from tests.helpers import ROOT
+from tests.testhosts import free_port
+
+pytestmark = pytest.mark.slow
+
+#: three widths of tiny-cpu's model: a set whose members differ in size
+WIDTHS = {"small": 256, "mid": 512, "large": 768}
+SPAWN = re.compile(r"spawning server instance with name=(\S+) on port (\d+)")
+#: strace's record of a program started and of a process gone, in the order the kernel told it
+EXECVE = re.compile(r'^(\d+) +execve\("[^"]*", \[(.*)\], ')
+GONE = re.compile(r"^(\d+) +\+\+\+ (?:exited with \d+|killed by \w+)")
+
+
+def _members(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
+    """The three recipes (under tmp_path/recipes) and each one's quantized GGUF."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "defaults.yaml").write_text((ROOT / "recipes/defaults.yaml").read_text())
+    base = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
+    ggufs = {}
+    for name, hidden in WIDTHS.items():
+        data = yaml.safe_load(yaml.safe_dump(base))
+        data["model"]["config"] |= {"hidden_size": hidden, "intermediate_size": hidden * 3}
+        data["service"]["model_name"] = name
+        data["threads"] = 1  # two children beside each other and the client, on two cores
+        (recipes / f"{name}.yaml").write_text(yaml.safe_dump(data))
+        work = tmp_path / name
+        work.mkdir()
+        f16 = llamacpp_tools.tiny_f16(work, data["model"]["config"])
+        ggufs[name] = llamacpp_tools.quantize(f16, work / f"{name}-Q4_K_M.gguf", "Q4_K_M")
+    return recipes, ggufs
+
+
+def _children(router_pid: int) -> dict[int, int]:
+    """The router's children: pid -> resident memory in bytes (VmRSS)."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != router_pid:
+                continue
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        rss = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+        out[int(stat.parent.name)] = int(rss[1]) * 1024 if rss else 0
+    return out
+
+
+def _alive_most(trace: str) -> tuple[int, int, int]:
+    """(the most children alive at once, starts, exits) by strace's record of the router: each
+    child's execve and its exit, in the order strace saw them. The router's own log cannot tell
+    it: it writes a child's exit after freeing its slot, racing the next spawn's line."""
+    router = None
+    alive: set[str] = set()
+    most = starts = exits = 0
+    for line in trace.splitlines():
+        if m := EXECVE.match(line):
+            if router is None:
+                router = m[1]
+                continue
+            alive.add(m[1])
+            starts += 1
+            most = max(most, len(alive))
+        elif (m := GONE.match(line)) and m[1] in alive:
+            alive.discard(m[1])
+            exits += 1
+    return most, starts, exits
+
+
+def test_a_set_of_three_served_on_demand_within_its_planned_count(tmp_path):
+    recipes, ggufs = _members(tmp_path)
+    names = list(WIDTHS)
+    planned = plan_set(names, memory_gib=4.0, recipes_dir=recipes)
+    held = {m.name: m.held for m in planned.residency.members}
+    assert held["small"] < held["mid"] < held["large"], held
+    # a budget that allows the two largest together (and so any two), not all three
+    two = planned.residency.parent + held["large"] + held["mid"]
+    sp = plan_set(names, memory_gib=(two + MIB) / GIB, recipes_dir=recipes)
+    k = sp.residency.models_max
+    assert k == 2 and sp.refusal is None, (k, sp.refusal)
+
+    loaded = {n: load_recipe(str(recipes / f"{n}.yaml"), recipes).recipe for n in names}
+    preset = tmp_path / "models.ini"
+    preset.write_text(render_models_preset([(loaded[n], str(ggufs[n])) for n in names]))
+    port = free_port()
+    argv = router_argv(ServerLayout(prefix=str(tmp_path)), str(preset), k, port, sleep_idle_s=3)
+    argv[0] = str(llamacpp_tools.llama_server())
+    log_path, trace = tmp_path / "router.log", tmp_path / "router.strace"
+    # every child's start and exit as the kernel reports them (tests/exec_trace.py: the filter
+    # stops the processes on execve only)
+    traced = ["strace", "-f", "-q", "-e", "trace=execve", "-e", "signal=none", "--seccomp-bpf", "-o", str(trace)]
+    with open(log_path, "wb") as out:
+        tracer = subprocess.Popen([*traced, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    router_pid = None
+    rss_seen: dict[str, int] = {}
+    try:
+        # one connection per request: under strace the router drops a kept-alive connection after
+        # a proxied answer (seen here at 0c1e570; without strace it keeps it)
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, limits=fresh) as client:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if client.get("/models").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            listed = client.get("/models").json()["data"]
+            assert sorted(m["id"] for m in listed) == sorted(names), listed
+            assert {m["status"]["value"] for m in listed} == {"unloaded"}, listed
+            # alternate among the three: with two resident at most, each request for the third
+            # stops the least recently used first
+            for i in range(15):
+                name = names[i % 3]
+                r = client.post("/v1/completions", json={"model": name, "prompt": "ka lo mi", "max_tokens": 4})
+                assert r.status_code == 200, (name, r.text[:500], log_path.read_text()[-3000:])
+                assert r.json()["model"] == name
+                status = {m["id"]: m["status"]["value"] for m in client.get("/models").json()["data"]}
+                ports = {m[1]: int(m[2]) for m in SPAWN.finditer(log_path.read_text())}
+                router_pid = router_pid or _router_pid(trace)
+                for pid, rss in _children(router_pid).items():
+                    child = _child_name(pid, ports)
+                    if child:
+                        rss_seen[child] = max(rss_seen.get(child, 0), rss)
+                assert sum(v == "loaded" for v in status.values()) <= k, status
+            # idle: each child sleeps after 3 s, its weights unloaded, its process kept
+            time.sleep(6)
+            status = {m["id"]: m["status"]["value"] for m in client.get("/models").json()["data"]}
+            asleep_names = sorted(n for n, v in status.items() if v == "sleeping")
+            assert len(asleep_names) == k and set(status.values()) == {"sleeping", "unloaded"}, status
+            asleep = sum(_children(router_pid).values())
+    finally:
+        # the router stops its children on SIGTERM; strace ends when the last traced process does
+        os.kill(router_pid or _router_pid(trace), signal.SIGTERM)
+        tracer.wait(timeout=60)
+    most, starts, exits = _alive_most(trace.read_text())
+    print(f"router: {starts} starts, {exits} exits, at most {most} alive; peak rss {rss_seen}; asleep {asleep}")
+    assert most == k and starts == exits >= 13, (most, starts, exits, log_path.read_text()[-3000:])
+    # each child against its plan without the margin (weights, KV cache, compute, the process's
+    # base): at most that, and at least 80% of it (measured here: 89-93%)
+    for m in sp.residency.members:
+        planned_bytes = m.held - dict(m.parts)["margin"]
+        assert 0.8 * planned_bytes <= rss_seen[m.name] <= planned_bytes, (m, rss_seen)
+    # the sleep released the sleeping children's models: less than 60% of what they held awake
+    assert asleep < 0.6 * sum(rss_seen[n] for n in asleep_names), (asleep, rss_seen)
+
+
+def _router_pid(trace: Path) -> int:
+    """The router's pid: the first program strace started."""
+    for line in trace.read_text().splitlines():
+        if m := EXECVE.match(line):
+            return int(m[1])
+    raise AssertionError(f"no execve in {trace}")
+
+
+def _child_name(pid: int, ports: dict[str, int]) -> str | None:
+    """Which member a child serves, by the port on its command line (the router's own choice)."""
+    try:
+        argv = (Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
+    except OSError:
+        return None
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag == b"--port":
+            return next((n for n, p in ports.items() if p == int(value)), None)
+    return None
