@@ -97,6 +97,8 @@ CONTEXT = {
     ("plan", "model-config"): [],  # not with --recipe: that is refused for naming both
     ("plan", "parallel"): ["--model-config", QWEN7],  # judged on a bare config: no recipe in the way
     ("plan", "quant"): ["--model-config", QWEN7],
+    # a set of two GPU recipes: the budget's own value is judged (a CPU target's, refused here)
+    ("plan", "memory-budget"): ["--models", "qwen2.5-14b-v100-16gb,qwen2.5-32b-v100-16gb"],
 }
 WORKERS = max(2, min(8, os.cpu_count() or 2))
 # tasks that read a recipe and write nothing outside --out (under the run's cwd)

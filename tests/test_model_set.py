@@ -134,7 +134,7 @@ def test_shipped_v100_recipes_as_one_set_on_a_32gb_card():
             None,
             "qwen2.5-32b-spec-v100-32gb has a draft model: a set serves its members without speculation",
         ),
-        (["qwen2.5-14b-v100-16gb", "qwen2.5-32b-v100-16gb"], None, 8.0, "a memory budget is for a CPU target"),
+        (["qwen2.5-14b-v100-16gb", "qwen2.5-32b-v100-16gb"], None, 8.0, "(--memory-budget) is for a CPU target"),
         (["tiny-cpu", "no-such-recipe"], None, None, "no-such-recipe"),
     ],
 )
@@ -163,4 +163,4 @@ def test_invoke_plan_models_as_a_user_runs_it():
     got = json.loads(r.stdout)
     assert got["gpu"] == "v100-sxm2-16gb" and got["models_max"] == 1 and len(got["members"]) == 2
     r = invoke("--models", "tiny-cpu,,tiny-moe-cpu")
-    assert r.returncode != 0 and "--models 'tiny-cpu,,tiny-moe-cpu': give recipe names or paths" in r.stderr
+    assert r.returncode != 0 and "--models 'tiny-cpu,,tiny-moe-cpu': give two or more recipe names" in r.stderr

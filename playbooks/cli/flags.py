@@ -118,11 +118,12 @@ def host_names(flag: str, value: object) -> list[str]:
 
 
 def recipe_names(flag: str, value: object) -> list[str]:
-    """``--models a,b,c``: recipe names or paths, separated by commas."""
+    """``--models a,b,c``: two or more recipe names or paths, separated by commas (a set: one
+    model is a plain server)."""
     text = str(value or "").strip()
     names = [n.strip() for n in text.split(",")]
-    if not text or any(not n for n in names):
-        raise UsageError(f"{flag} {_short(text)!r}: give recipe names or paths separated by commas")
+    if len(names) < 2 or any(not n for n in names):
+        raise UsageError(f"{flag} {_short(text)!r}: give two or more recipe names or paths separated by commas")
     return names
 
 

@@ -96,7 +96,7 @@ def plan_set(
             )
         seen[r.served_name] = r.name
     if memory_gib is not None and not target.is_cpu:
-        raise UsageError(f"a memory budget is for a CPU target; {target.name}'s memory is its card's")
+        raise UsageError(f"a memory budget (--memory-budget) is for a CPU target; {target.name}'s memory is its card's")
     plans: dict[str, Plan] = {}
     members = []
     for lr in loaded:
