@@ -440,6 +440,12 @@ def test_a_managed_process_is_still_ours_after_its_binary_moves_under_it(tmp_pat
     sh(runner.restart().command)
     pid = int((state / "server.pid").read_text())
     try:
+        # the start returns once setsid is forked; until it has exec'd the server, /proc says
+        # setsid (seen once in a cold run): the service is up once the exec is done
+        for _ in range(100):
+            if runner.running(sh(runner.state_command())).up:
+                break
+            time.sleep(0.05)
         assert runner.running(sh(runner.state_command())).up
         if how == "build switched":
             (tmp_path / "current").unlink()
