@@ -15,7 +15,7 @@ from rich.text import Text
 from playbooks.cli.render import console
 from playbooks.config.model_set import SetPlan, plan_set
 from playbooks.config.recipe import RECIPES_DIR
-from playbooks.plan.residency import mem_text
+from playbooks.plan.gpus import mem_text
 
 
 def set_json(sp: SetPlan) -> dict[str, Any]:

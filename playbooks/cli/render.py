@@ -21,6 +21,7 @@ from rich.text import Text
 from playbooks.plan.aggregate import plan_aggregate
 from playbooks.plan.engines import engine
 from playbooks.plan.gpus import ALIASES, GIB, MIB, size_text
+from playbooks.plan.gpus import mem_text as _gib
 from playbooks.plan.moe import OffloadStep
 from playbooks.plan.planner import Plan
 from playbooks.plan.serving import Option
@@ -37,11 +38,6 @@ if TYPE_CHECKING:  # a report is drawn from the changes; cli/ never runs a host 
 def console(file: TextIO | None = None, width: int = 120) -> Console:
     """The console every command prints to: a fixed width, so output is the same in a pipe."""
     return Console(file=file or sys.stdout, width=width)
-
-
-def _gib(b: int) -> str:
-    """Binary size with its unit (GPU memory is sold and reported in GiB/MiB)."""
-    return f"{b / GIB:.2f} GiB" if b >= 100 * MIB else f"{b / MIB:.1f} MiB"
 
 
 def _params(n: int) -> str:

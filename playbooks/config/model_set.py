@@ -35,10 +35,9 @@ MIN_MEMBERS = 2
 
 @dataclass
 class SetPlan:
-    """A set's plan: its target, each member's own plan, and the residency they make."""
+    """A set's plan: its target and the residency its members' own plans make."""
 
     gpu: Gpu
-    plans: dict[str, Plan]  # served name -> that member's plan on the set's target
     residency: Residency
     budget_source: str  # where the capacity came from: the card, the CPU target, a budget
 
@@ -97,20 +96,19 @@ def plan_set(
         seen[r.served_name] = r.name
     if memory_gib is not None and not target.is_cpu:
         raise UsageError(f"a memory budget (--memory-budget) is for a CPU target; {target.name}'s memory is its card's")
-    plans: dict[str, Plan] = {}
     members = []
     for lr in loaded:
         plan = plan_recipe(lr, target)
         if (c := plan.chosen) is not None and c.unfit_reason:
             raise VoltaforgeError(f"{lr.recipe.name} in the set: {unfit_text(plan)}")
-        plans[lr.recipe.served_name] = plan
         members.append(member_of(lr, plan))
-    if target.is_cpu:
-        capacity = int(memory_gib * GIB) if memory_gib is not None else target.memory_bytes
-        given = memory_gib is not None
-        source = f"a {memory_gib:g} GiB budget" if given else f"the CPU target's {target.memory_gib:g} GiB"
-        parent = engine(loaded[0].recipe.backend).process_cpu_bytes
-    else:
+    if not target.is_cpu:
         capacity, source = target.memory_bytes, "the card's memory"
         parent = loaded[0].recipe.planner.cuda_context_mib * MIB
-    return SetPlan(target, plans, Residency(tuple(members), capacity, parent), source)
+    elif memory_gib is not None:
+        capacity, source = int(memory_gib * GIB), f"a {memory_gib:g} GiB budget"
+    else:
+        capacity, source = target.memory_bytes, f"the CPU target's {target.memory_gib:g} GiB"
+    if target.is_cpu:
+        parent = engine(loaded[0].recipe.backend).process_cpu_bytes
+    return SetPlan(target, Residency(tuple(members), capacity, parent), source)

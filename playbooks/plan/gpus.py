@@ -188,6 +188,12 @@ def gpu_from_nvidia_name(product_name: str, memory_mib: int | None = None) -> Gp
     return None
 
 
+def mem_text(b: int) -> str:
+    """Binary size with its unit, as memory is sold and reported: GiB for real models, MiB for
+    the tiny ones."""
+    return f"{b / GIB:.2f} GiB" if b >= 100 * MIB else f"{b / MIB:.1f} MiB"
+
+
 def size_text(b: int) -> str:
     """Decimal size with its unit: GB for real models, MB for the tiny ones."""
     return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from playbooks.plan.gpus import GIB, MIB
+from playbooks.plan.gpus import mem_text
 
 
 @dataclass(frozen=True)
@@ -109,11 +109,6 @@ def _prefix_fit(order: Sequence[Member], room: int) -> int:
         if used > room:
             return n
     return len(order)
-
-
-def mem_text(n: int) -> str:
-    """Binary size with its unit: GiB for real models, MiB for the tiny ones."""
-    return f"{n / GIB:.2f} GiB" if n >= 100 * MIB else f"{n / MIB:.1f} MiB"
 
 
 def refusal(r: Residency, where: str) -> str | None:
