@@ -59,18 +59,28 @@ class Served:
     f16: Path = Path()  # the converted model every quant is made from
     staged: set[str] = field(default_factory=set)  # the quants staged under the prefix
 
-    def write_recipe(self, threads: int | None = None, quant: str = "Q8_0") -> Path:
-        """The served recipe (``threads``, ``quant``: a changed one, written over the same file)."""
+    def write_recipe(self, threads: int | None = None, quant: str = "Q8_0", other: bool = False) -> Path:
+        """The served recipe (``threads``, ``quant``: a changed one, written over the same file;
+        ``other``: a recipe of its own beside it, named for its quant, for `bench --against`)."""
         data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
         data["model"]["config"] |= MODEL
         data |= {"quant": quant, "parallel": self.parallel, "service": {"port": self.port}}
         if threads:
             data["threads"] = threads
         data["gate"] = {"levels": list(self.levels), "prompt_tokens": 64, "max_tokens": 64, "min_tok_s": 1.0}
-        (self.work / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
-        self.recipe = self.work / f"{self.recipe_name}.yaml"
-        self.recipe.write_text(yaml.safe_dump(data))
-        return self.recipe
+        where = self.work / "against" if other else self.work
+        where.mkdir(exist_ok=True)
+        (where / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+        path = where / (f"{self.recipe_name}-{quant.lower()}.yaml" if other else f"{self.recipe_name}.yaml")
+        path.write_text(yaml.safe_dump(data))
+        if not other:
+            self.recipe = path
+        return path
+
+    def other(self, quant: str) -> Path:
+        """A recipe of its own at ``quant`` (staged), for `bench --against` beside the served one."""
+        self.stage(quant)
+        return self.write_recipe(quant=quant, other=True)
 
     def stage(self, quant: str) -> float:
         """``quant`` made from the F16 model (llama-quantize) and staged as `invoke quantize`

@@ -1,12 +1,14 @@
-"""`invoke bench` for real: a generated Llama large enough to be memory-bound on this CPU
-(12 layers, hidden 1024, Q8_0: about 155 MB, random BF16 weights, made like the tiny one),
-deployed by `invoke deploy` on a host without systemd (a private sshd: the managed process),
-measured through the SSH port forward. The sweep runs; the client's decode agrees with the
-server's own within 5% at every level; llama-bench runs beside it; the three reports are
-written and the PNG is a real image; the gate passes below reality and fails above it; `bench
---noise` gives the host its own run-to-run noise, which `--compare` then counts: an unchanged
-server is not called changed, and the model a third as deep (a third of the bytes and the work a
-token costs) is; a server that is down fails the gate in one line and leaves the history as it was."""
+"""`invoke bench` for real: a generated Llama large enough to be memory-bound on this CPU (12 layers,
+hidden 1024, Q8_0: about 155 MB, random BF16 weights, made like the tiny one), deployed by `invoke
+deploy` on a host without systemd (a private sshd: the managed process), measured through the SSH
+port forward. The sweep runs; the client's decode agrees with the server's own within 5% at every
+level; llama-bench runs beside it; the three reports are written and the PNG is a real image; the
+gate passes below reality and fails above it; `bench --noise` gives the host its own run-to-run
+noise, which `--compare` then counts: an unchanged server is not called changed, and the model a
+third as deep (a third of the bytes and the work a token costs) is; the same two judged in one run,
+interleaved (`bench --against`): the same recipe beside the deployed server not called changed, the
+shallow one called; a server that is down fails the gate in one line and leaves the history as it
+was."""
 
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from playbooks.cli.bench import run_bench, run_bench_noise
+from playbooks.cli.bench import run_bench, run_bench_against, run_bench_noise
 from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.conduct.settings import Settings
 from playbooks.host import connect
-from playbooks.steps.measure.bench_run import bench_dir
+from playbooks.steps.measure.bench_run import bench_dir, bench_health
 from tests import llamacpp_tools
 from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
 from tests.testhosts import free_port
@@ -186,10 +188,33 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(
             verdict = verdict.replace("[2-4]", "[2-5]")
             verdicts = [v for _, _, v in re.findall(verdict, again)]
             assert verdicts and set(verdicts) == {"within"}, (out[-1500:], again[-1500:])
-        # then a change that sizes a token's bytes and work alike: the model a third as deep, called
-        # against the deep one's runs whatever bounds the single stream on the machine at hand
+        # then a change that sizes a token's bytes and work alike: the model a third as deep
         with connect(spec_for(sshd_host)) as host:
             stage_served_model(host, prefix, smaller, shallow, "Q8_0", tools=False)
+        # in one run, interleaved (bench --against, issue 53): the same recipe beside the deployed
+        # server is not called changed (at 5% a run; a call is met with one more run, two in a row
+        # fail), the shallow one is, with a large change; the scratch server is gone after each
+        unchanged = tmp_path / "same" / "bench-cpu-same.yaml"
+        unchanged.parent.mkdir()
+        unchanged.write_text(failing.read_text())
+        (unchanged.parent / "defaults.yaml").write_text((failing.parent / "defaults.yaml").read_text())
+        against, before = [], len(history.read_text().splitlines())
+        for other in (unchanged, smaller):
+            assert run_bench_against("box", str(other), str(failing), as_json=True, settings=settings) == 0
+            against.append(json.loads(capsys.readouterr().out))
+        same, deeper = (a["levels"][0]["change"] for a in against)
+        if same["distinct"]:
+            assert run_bench_against("box", str(unchanged), str(failing), as_json=True, settings=settings) == 0
+            again = json.loads(capsys.readouterr().out)["levels"][0]["change"]
+            assert not again["distinct"], (same, again)
+        assert deeper["distinct"] and deeper["change"] > 0.2 and deeper["low"] > 0, deeper
+        assert [lv["concurrency"] for lv in against[0]["levels"]] == [1]  # A's gate's levels
+        assert against[0]["levels"][0]["requests"] == {"a": 4 * 2 * 6, "b": 4 * 2 * 6}  # 6 cycles, 2 blocks of 4
+        assert against[1]["b"]["recipe"] == "bench-cpu" and against[1]["b"]["port"] == port + 100
+        with connect(spec_for(sshd_host)) as host:
+            assert bench_health(host, port + 100) == 0  # nothing of the scratch server left
+        assert len(history.read_text().splitlines()) == before  # a comparison is no gate run: none kept
+        # and across runs (bench --compare): the shallow model deployed, against the deep one's runs
         assert run_deploy("box", str(smaller), settings=settings) == 0, capsys.readouterr().out[-3000:]
         capsys.readouterr()
         assert run_bench("box", str(smaller), show_compare=True, settings=settings) == 1

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from playbooks.cli.render import console
 from playbooks.conduct.bench import bench_balancer, bench_host, bench_noise
+from playbooks.conduct.bench_against import bench_against
 from playbooks.conduct.settings import Settings
 from playbooks.steps.measure.bench_noise import missing_text, noise_text, usable
 from playbooks.steps.measure.bench_report import compare, noise_line, render_compare, render_sweep_table
@@ -104,3 +105,54 @@ def render_lb_table(result: dict, out: Console) -> None:
         if level.get("error"):
             table.add_row(str(level.get("concurrency", "")), "", "", "", Text(level["error"], style="red"), "", "")
     out.print(table)
+
+
+def run_bench_against(
+    host_name: str, other: str, recipe: str | None = None, as_json: bool = False, settings: Settings | None = None
+) -> int:
+    """The host's server (A) and ``other`` (B, beside it on the scratch port) interleaved in one
+    run: a row per level with B's change and its verdict, or JSON. Exit 0: a comparison is no gate."""
+    say = (lambda _line: None) if as_json else (lambda line: console().print(Text(f"{host_name}: {line}")))
+    result, path = bench_against(host_name, recipe, other, settings or Settings(), say)
+    if as_json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return 0
+    out = console()
+    render_against_table(result, out)
+    for level in result["levels"]:
+        out.print(Text(level["verdict"]))
+    d = result["design"]
+    out.print(
+        Text(
+            f"design: per level a warm-up round each, then {d['cycles']} cycles of A B B A (a block: rounds of a "
+            f"request per stream, at least {d['block_requests']} requests); judged at 5% over the {d['family']} "
+            "levels from the cycles' own spread"
+        )
+    )
+    out.print(f"result: {path}")
+    return 0
+
+
+def render_against_table(result: dict, out: Console) -> None:
+    a, b = result["a"], result["b"]
+    table = Table(title=f"{b['recipe']} (B, port {b['port']}) against {a['service']} (A, port {a['port']})")
+    for col in ("concurrency", "A per-stream tok/s", "B per-stream tok/s", "B against A", "95% interval", "verdict"):
+        table.add_column(col, justify="right")
+    for level in result["levels"]:
+        ch = level.get("change")
+        figures = (
+            [f"{ch['change'] * 100:+.1f}%", f"{ch['low'] * 100:+.1f}% to {ch['high'] * 100:+.1f}%"] if ch else ["", ""]
+        )
+        verdict = "" if not ch else "changed" if ch["distinct"] else "within the noise"
+        table.add_row(
+            str(level["concurrency"]),
+            _tok(level["a"]["decode"]),
+            _tok(level["b"]["decode"]),
+            *figures,
+            verdict,
+        )
+    out.print(table)
+
+
+def _tok(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"

@@ -554,6 +554,8 @@ def tune(
         "lb": "measure through the balancer on --host (invoke lb) on this port, with each backend's share",
         "noise": "bench the unchanged server N times (e.g. 4) and report this host's run-to-run noise, which "
         "--compare and tune count (kept with the bench history)",
+        "against": "serve RECIPE beside the deployed server (on its port + 100) and measure both in one run, "
+        "interleaved, with the change of RECIPE against it per level",
     },
 )
 def bench(
@@ -565,6 +567,7 @@ def bench(
     remeasure: bool = False,
     lb: str | None = None,
     noise: str | None = None,
+    against: str | None = None,
     inventory: str | None = None,
 ) -> int:
     """Measure the deployed server against its roofline and judge the gate (exit 1: failed).
@@ -573,9 +576,19 @@ def bench(
     history on this machine. Without a recipe: the one the host's deployment record says it
     serves (a host's serve: layout: each of its servers). --lb PORT: the same workload through
     the host's balancer, with each backend's share of the requests (no gate). --noise N: N runs
-    of the unchanged server, then the host's run-to-run noise from its history."""
-    from playbooks.cli.bench import run_bench, run_bench_lb, run_bench_noise
+    of the unchanged server, then the host's run-to-run noise from its history. --against RECIPE:
+    RECIPE served beside the deployed server and both measured in one run, their rounds
+    interleaved (A B B A), with RECIPE's change per level (no gate, no history)."""
+    from playbooks.cli.bench import run_bench, run_bench_against, run_bench_lb, run_bench_noise
 
+    if against is not None:
+        return run_bench_against(
+            configured.host(c, host),
+            flags.name_or_path("--against", against) or "",
+            recipe=configured.recipe(c, recipe),
+            as_json=json,
+            settings=configured.settings(c, inventory),
+        )
     if noise is not None:
         return run_bench_noise(
             configured.host(c, host),

@@ -37,10 +37,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from playbooks.conduct.deploy import choose_manager, deploy_ops, make_manager, single_service
+from playbooks.conduct.deploy import deploy_ops
 from playbooks.conduct.deployed import deployment_manager, recipe_file
 from playbooks.conduct.placements import Served, host_serves
-from playbooks.conduct.quantize import draft_artifact, quantize_step, recipe_weights
+from playbooks.conduct.scratch import SCRATCH_SERVICE, Ops, Scratch, crowded, planned_bytes, scratch_ops
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.tune_candidates import (
     candidate_recipe,
@@ -49,18 +49,17 @@ from playbooks.conduct.tune_candidates import (
     winner_recipe_text,
     write_winner,
 )
-from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds as build_facts
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, deployments_command, parse_deployments
-from playbooks.facts.files import cat_command, parse_json_object, parse_writable, writable_command
+from playbooks.facts.files import parse_writable, writable_command
 from playbooks.facts.membw import age_days
 from playbooks.facts.provenance import Provenance, parse_provenance, provenance_command
 from playbooks.host import Host
 from playbooks.host.lock import host_lock
-from playbooks.host.ops import Change, Command, run_command, run_ops
+from playbooks.host.ops import run_command, run_ops
 from playbooks.host.output import Printer
 from playbooks.plan.engines import engine
 from playbooks.plan.gpus import get_gpu
@@ -82,21 +81,8 @@ from playbooks.steps.measure.tune_search import (
     successive_halving,
 )
 from playbooks.steps.measure.tune_space import Candidate, Objective, Space, base_candidate, enumerate_space, prune
-from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.secrets import api_key_for
 from playbooks.steps.serve.service_files import planned_service_files
-from playbooks.steps.serve.units import ServerLayout
-from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
-
-SCRATCH_UNIT = "voltaforge-tune.service"
-SCRATCH_SERVICE = SCRATCH_UNIT.removesuffix(".service")
-
-#: the operations the search runs (conduct/deploy.py and conduct/quantize.py build them;
-#: tune_ops() gives the real ones): functions, so the search loop can be driven by others
-DeployOps = Callable[[LoadedRecipe, Host, str, "ServerLayout | None"], list[Any]]
-StopCommand = Callable[[LoadedRecipe, Host, str, "ServerLayout | None"], Any]
-QuantizeOps = Callable[[LoadedRecipe, str, str], list[Any]]
-ModelId = Callable[[LoadedRecipe], str]
 
 
 @dataclass(frozen=True)
@@ -125,17 +111,6 @@ class TuneOptions:
     recipes_dir: Path | None = None  # where the winner is written (default ./recipes)
     remeasure: bool = False  # measure every candidate again, whatever is stored
     max_age_days: float = 7.0  # a stored measurement older than this is measured again
-
-
-@dataclass
-class Ops:
-    """The operations tune runs, built by the task layer."""
-
-    deploy: DeployOps
-    stop: StopCommand
-    quantize: QuantizeOps
-    model_id: ModelId
-    draft_artifact: Callable[[LoadedRecipe, str], str | None] = lambda _loaded, _prefix: None
 
 
 @dataclass
@@ -170,7 +145,7 @@ class Tuner:
         r = loaded.recipe
         self.context = max(r.context, opts.min_ctx or 0)
         self.port = opts.port or r.service.port + 100
-        self.scratch = ServerLayout(prefix=prefix, unit_name=SCRATCH_UNIT)
+        self.scratch = Scratch(host, prefix, ops, say)
         self.store = store_path(host.name, r.name, cache_root)
         self.root = self.store.parent
         self.live_checks: list[tuple[str, int]] = []
@@ -207,24 +182,13 @@ class Tuner:
 
     def fits_beside(self, space: Space, live: Sequence[Deployment]) -> str | None:
         """Why the candidates do not fit beside the live service (None: they do)."""
-        if not live:
-            return None
-        r = self.loaded.recipe
-        gpu = get_gpu(r.gpu)
         biggest = max((p.option.vram_bytes for p in space.survivors), default=0)
-        live_bytes = sum(self._live_bytes(d) for d in live)
-        # the planner's budget for the card (a CPU target: the planner's host budget), both
-        # servers' planned memory within it
-        room = gpu.memory_bytes
-        where = f"the {gpu.name}'s {room / 2**30:.0f} GiB the plan budgets"
-        need = biggest + live_bytes
-        if need <= room:
-            return None
-        names = ", ".join(d.service for d in live)
-        return (
-            f"a candidate ({biggest / 2**30:.2f} GiB planned) does not fit beside the live service ({names}, "
-            f"{live_bytes / 2**30:.2f} GiB) in {where}: pass --take-over to stop it for the search (it is "
-            "deployed again at the end)"
+        return crowded(
+            self.loaded.recipe.gpu,
+            "a candidate",
+            biggest,
+            [(d.service, self._live_bytes(d)) for d in live],
+            "pass --take-over to stop it for the search (it is deployed again at the end)",
         )
 
     def _live_bytes(self, d: Deployment) -> int:
@@ -233,32 +197,18 @@ class Tuner:
             loaded = load_recipe(recorded.path) if recorded and Path(recorded.path).is_file() else self.loaded
         except VoltaforgeError:
             loaded = self.loaded
-        plan = plan_recipe(loaded)
-        option = next((o for o in plan.options if o.quant == loaded.recipe.quant_name), None)
-        return option.vram_bytes if option else 0
+        return planned_bytes(loaded)
 
     # -- one candidate ------------------------------------------------------------------------
 
-    def artifact(self, c: Candidate, cand: LoadedRecipe) -> tuple[str, str]:
-        """The candidate's GGUF (made by the quantize step when its manifest is missing) and its
-        sha256 from the manifest."""
-        layout = ModelLayout(self.prefix, self.ops.model_id(cand))
-        path = layout.gguf(c.quant)
-        facts = parse_json_object(read_fact(self.host, cat_command(manifest_path(path))))
-        draft = self.ops.draft_artifact(cand, self.prefix)
-        if draft and not parse_json_object(read_fact(self.host, cat_command(manifest_path(draft)))):
-            facts = None  # the quantize step makes the draft's GGUF beside the model's
-        if not facts:
-            self.say(f"making {c.quant}: no verified artifact yet")
-            changes = run_ops(self.host, self.ops.quantize(cand, self.prefix, c.quant))
-            failed = next((ch for ch in changes if ch.status == "failed"), None)
-            if failed:
-                raise VoltaforgeError(f"quantize {c.quant}: {failed.why}")
-            facts = parse_json_object(read_fact(self.host, cat_command(manifest_path(path)))) or {}
+    def artifact(self, c: Candidate, cand: LoadedRecipe) -> str:
+        """The sha256 of the candidate's GGUF, from its manifest (the GGUF made by the quantize
+        step when the manifest is missing); its KL divergence noted where the manifest has it."""
+        facts = self.scratch.artifact(cand, c.quant)
         kld = ((facts.get("verification") or {}).get("kld") or {}).get("mean_kld")
         if isinstance(kld, (int, float)):
             self.kld[c.quant] = float(kld)
-        return path, str(facts.get("sha256") or "")
+        return str(facts.get("sha256") or "")
 
     def make_quants(self, space: Space) -> float:
         """Every quant the survivors need, verified or made now (the quantize step), before the
@@ -278,21 +228,6 @@ class Tuner:
         self.say(f"the quants the candidates need are ready ({took:.0f} s, outside the budget)")
         return took
 
-    def stop_scratch(self, cand: LoadedRecipe) -> None:
-        try:
-            run_command(self.host, self.ops.stop(cand, self.host, self.prefix, self.scratch))
-        except VoltaforgeError:
-            pass  # nothing running there
-        # no rollback target between candidates: a failed start must not bring back the last one
-        state = DeployLayout(self.prefix, SCRATCH_SERVICE).state_dir
-        self.host.run(f"rm -rf -- {state}/good", check=False, stream=False)
-
-    def deploy(self, cand: LoadedRecipe) -> str | None:
-        """Serve the candidate under the scratch unit; the failure's line, or None."""
-        changes: list[Change] = run_ops(self.host, self.ops.deploy(cand, self.host, self.prefix, self.scratch))
-        failed = next((ch for ch in changes if ch.status == "failed"), None)
-        return failed.why if failed else None
-
     def measure(self, c: Candidate, rung: int, block: int | None = None, reference: bool = False) -> Measured:
         """One candidate at one rung (``block``: one of the finalists' interleaved blocks at
         that rung, kept under its own key; ``reference``: the previous rung's leader again at
@@ -310,7 +245,7 @@ class Tuner:
             workload["reference"] = True
         workload |= {"least": g.requests_per_level, "most": g.max_requests_per_level, "ci_target": g.ci_target}
         try:
-            _, sha = self.artifact(c, cand)
+            sha = self.artifact(c, cand)
         except VoltaforgeError as exc:
             return Measured(c, rung, error=str(exc))
         unit_text = self._unit_text(cand)
@@ -327,21 +262,21 @@ class Tuner:
         self.check_live(f"before {c.key()} rung {rung}")
         started = time.monotonic()
         try:
-            failed = self.deploy(cand)
+            failed = self.scratch.start(cand)
             if failed:
                 level: dict[str, Any] = {"error": f"the server did not come up: {failed}"}
             else:
                 kind = engine(cand.recipe.backend).server
                 level = measure_level(self.host, self.port, kind, conc, g, api_key_for(self.host, cand.recipe))
         finally:
-            self.stop_scratch(cand)
+            self.scratch.stop(cand)
         self.check_live(f"after {c.key()} rung {rung}")
         self._keep(key, c, rung, level, time.monotonic() - started)
         return replace(Measured.of_level(c, rung, level, self.opts.objective), block=block)
 
     def _unit_text(self, cand: LoadedRecipe) -> str:
         """The scratch unit as rendered: its command line is part of what a measurement is of."""
-        files = planned_service_files(cand, self.scratch)
+        files = planned_service_files(cand, self.scratch.layout)
         return files[0].text
 
     def _stored(self, key: str) -> dict[str, Any] | None:
@@ -426,11 +361,7 @@ class Tuner:
                 out.measured += [m for m in finals if m is not None]
                 out.ran_out = len(out.blocks) < 4
         finally:
-            self.host.run(
-                f"rm -rf -- {DeployLayout(self.prefix, SCRATCH_SERVICE).state_dir} {self.scratch.serve_dir}",
-                check=False,
-                stream=False,
-            )
+            self.scratch.remove()
             if self.took_over:
                 self.say("deploying the live service again")
                 restore()
@@ -499,21 +430,6 @@ def stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _stop(loaded: LoadedRecipe, host: Host, prefix: str, server: ServerLayout | None) -> Command:
-    unit, unit_name, state = single_service(loaded, prefix, server)
-    return make_manager(choose_manager(host, "auto"), state, unit_name, unit.text).stop()
-
-
-def tune_ops() -> Ops:
-    return Ops(
-        deploy=lambda loaded, host, prefix, server: deploy_ops(loaded, host, prefix, "auto", server=server),
-        stop=_stop,
-        quantize=lambda loaded, prefix, quant: quantize_step(loaded, prefix, quant),
-        model_id=lambda loaded: recipe_weights(loaded).model_id,
-        draft_artifact=draft_artifact,
-    )
-
-
 class TuneInterrupted(VoltaforgeError):
     """Ctrl-C during a search: the conductor's finally blocks have run; the message says what
     they left (exit 130, as a shell reports SIGINT)."""
@@ -538,7 +454,7 @@ def tune_host(
     with settings.connect(spec, printer) as host:
         loaded = preloaded or settings.load_recipe(settings.recipe_for(host_name, None, host))
         sudo = not parse_writable(host.run(writable_command(spec.prefix), check=False, stream=False).stdout)
-        tuner = Tuner(host, spec.prefix, loaded, opts, tune_ops(), say=lambda line: say(host.name, line))
+        tuner = Tuner(host, spec.prefix, loaded, opts, scratch_ops(), say=lambda line: say(host.name, line))
         # what the live services are, from the same read the search checks them by: each
         # stopped by its own unit, each recipe deployed again as the host serves it (a layout:
         # its GPUs, port and units)

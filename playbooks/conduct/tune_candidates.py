@@ -41,6 +41,14 @@ def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int
     return loaded.model_copy(update={"recipe": new})
 
 
+def candidate_port(loaded: LoadedRecipe, port: int) -> LoadedRecipe:
+    """The recipe as it is, served on ``port`` (a scratch server beside the live one)."""
+    r = loaded.recipe
+    return loaded.model_copy(
+        update={"recipe": r.model_copy(update={"service": r.service.model_copy(update={"port": port})})}
+    )
+
+
 def rung_gate(g: Gate, rung: int, concurrency: int) -> Gate:
     """The bench's repeats at a rung: rung 0 the fewest requests, each rung twice the last."""
     least = requests_for(rung, concurrency)

@@ -1,0 +1,139 @@
+"""Two configurations measured in one run, their rounds interleaved, and the change between
+them judged from the pairs (pure).
+
+Why: two bench runs minutes apart differ by more than either run's interval says (a run effect:
+bench_stats, bench_noise); on a shared VM that effect is 6-16% between runs and moves in modes
+that last minutes, so two runs tell apart only changes several times that size. Measured in one
+window, A and B share the window's mode and drift, and only what differs between them is left.
+
+The design: per concurrency level, CYCLES cycles of four blocks in the order A B B A (a block:
+rounds of one request per stream, at least BLOCK_REQUESTS requests), so a drift that is linear
+over a cycle falls equally on both sides, and each side follows the other as often as itself.
+Per cycle one observation: the log of B's mean over A's mean across its four blocks. The change
+is exp(mean) - 1, judged by a one-sample t test on the cycles' logs (cycles - 1 degrees of
+freedom), at 5% over the levels of one run (Bonferroni: a run calls an unchanged pair changed at
+any level at most 5% of the time). No host noise figure enters: the cycles carry their own
+spread, which is the point.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from playbooks.steps.measure.bench_stats import ALPHA, POWER, t_quantile
+
+#: one cycle's blocks: each side as often first as second, each after the other as often as after itself
+ORDER = ("a", "b", "b", "a")
+#: cycles per level: 6 give 5 degrees of freedom (t_{0.992} about 3.8 over three levels)
+CYCLES = 6
+#: the fewest requests a block holds: one request at one stream moved by about 10% from the next
+#: on this VM (a cycle's ratio of single requests: 10.5% standard deviation, measured), four
+#: halve that; a sweep of three levels costs about 90 s here
+BLOCK_REQUESTS = 4
+
+
+def rounds_per_block(concurrency: int) -> int:
+    """Whole rounds of ``concurrency`` streams making at least BLOCK_REQUESTS requests."""
+    return max(1, math.ceil(BLOCK_REQUESTS / max(1, concurrency)))
+
+
+def schedule(cycles: int = CYCLES) -> list[tuple[int, str, int]]:
+    """The run order: (cycle, side, the side's block within the cycle: 0 or 1) per block. The
+    same block index on both sides gets the same prompts, so both sides answer the same requests."""
+    out = []
+    for cycle in range(cycles):
+        seen = {"a": 0, "b": 0}
+        for side in ORDER:
+            out.append((cycle, side, seen[side]))
+            seen[side] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class PairedChange:
+    """B against A at one level: the relative change, its interval and the verdict."""
+
+    change: float  # exp(mean of the cycles' log ratios) - 1
+    low: float  # the interval at the family's coverage, as relative changes
+    high: float
+    cycles: int
+    se: float  # of the mean log ratio
+    comparisons: int
+    detectable: float  # the smallest rise called with probability POWER, relative
+
+    @property
+    def distinct(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "change": round(self.change, 5),
+            "low": round(self.low, 5),
+            "high": round(self.high, 5),
+            "cycles": self.cycles,
+            "df": self.cycles - 1,
+            "se_log": round(self.se, 6),
+            "comparisons": self.comparisons,
+            "detectable": round(self.detectable, 5),
+            "distinct": self.distinct,
+        }
+
+
+def cycle_logs(blocks: Sequence[tuple[int, str, float | None]]) -> list[float]:
+    """Per cycle, ln(B's mean / A's mean) over its blocks ((cycle, side, figure) in run order); a
+    cycle missing a side's figure (a failed round) is left out whole."""
+    by_cycle: dict[int, dict[str, list[float]]] = {}
+    for cycle, side, figure in blocks:
+        sides = by_cycle.setdefault(cycle, {"a": [], "b": [], "bad": []})
+        if figure is None or figure <= 0:
+            sides["bad"].append(0.0)
+        else:
+            sides[side].append(figure)
+    return [
+        math.log(statistics.fmean(s["b"]) / statistics.fmean(s["a"]))
+        for _, s in sorted(by_cycle.items())
+        if s["a"] and s["b"] and not s["bad"]
+    ]
+
+
+def paired_change(
+    blocks: Sequence[tuple[int, str, float | None]], comparisons: int = 1, alpha: float = ALPHA, power: float = POWER
+) -> PairedChange | None:
+    """The change of B against A from interleaved blocks (:func:`cycle_logs`), tested at
+    ``alpha`` over ``comparisons`` (Bonferroni); None with fewer than two whole cycles."""
+    logs = cycle_logs(blocks)
+    n = len(logs)
+    if n < 2:
+        return None
+    mean = statistics.fmean(logs)
+    se = statistics.stdev(logs) / math.sqrt(n)
+    t = t_quantile(1 - alpha / max(1, comparisons), n - 1)
+    t_beta = t_quantile(2 * power - 1, n - 1)  # the one-sided quantile at `power`
+    return PairedChange(
+        change=math.exp(mean) - 1,
+        low=math.exp(mean - t * se) - 1,
+        high=math.exp(mean + t * se) - 1,
+        cycles=n,
+        se=se,
+        comparisons=comparisons,
+        detectable=math.exp((t + t_beta) * se) - 1,
+    )
+
+
+def verdict_text(concurrency: int, p: PairedChange | None) -> str:
+    """One line per level, in the words `--compare` uses."""
+    if p is None:
+        return f"concurrency {concurrency}: per-stream decode: too few whole cycles to judge"
+    change = f"{p.change * 100:+.1f}% (95% over the levels: {p.low * 100:+.1f}% to {p.high * 100:+.1f}%)"
+    if p.distinct:
+        return (
+            f"concurrency {concurrency}: per-stream decode {change} against the live server, outside the noise: changed"
+        )
+    return (
+        f"concurrency {concurrency}: per-stream decode {change} against the live server, within the noise: no change "
+        f"shown (a change of {p.detectable * 100:.1f}% or more would show {POWER * 100:.0f}% of the time)"
+    )
