@@ -8,9 +8,12 @@ separate VOLTAFORGE_CACHE), each:
 1. `voltaforge bench --noise 6` on the unchanged Q8_0 server (the host's own run-to-run noise,
    from its history), then one `voltaforge bench --compare`: how many of its verdicts (three
    levels, against the last configuration and the best run) call a change (stated: at most 5%);
-2. the recipe at Q6_K (about 0.77x the bytes per token), Q8_0 again, then Q4_K_M (about 0.57x),
-   each deployed and compared: is the change called, at every level where it is 30% or more
-   (the Q6_K and Q4_K_M ones against the Q8_0 runs before them).
+2. in one run each, interleaved (`voltaforge bench --against RECIPE`, beside the deployed Q8_0
+   server): the same Q8_0 recipe twice (how many of its verdicts, three levels a run, call a
+   change: stated at most 5% a run), then Q6_K (about 0.77x the bytes per token) and Q4_K_M
+   (about 0.57x): is the change called, at every level where it is 30% or more;
+3. the recipe at Q6_K, Q8_0 again, then Q4_K_M, each deployed and compared across runs
+   (`--compare`): the same question for the comparison of separate runs.
 
 Then `voltaforge tune` of one space twice, each from its own empty measurement store: the same
 winner, or each other's winner among the tied.
@@ -49,6 +52,10 @@ BENCH_CODE = [
     "playbooks/steps/measure/bench_stats.py",
     "playbooks/steps/measure/bench_noise.py",
     "playbooks/steps/measure/roofline.py",
+    "playbooks/steps/measure/bench_against.py",
+    "playbooks/steps/measure/paired.py",
+    "playbooks/conduct/bench_against.py",
+    "playbooks/conduct/scratch.py",
 ]
 TUNE_CODE = [
     "playbooks/cli/tune.py",
@@ -68,6 +75,11 @@ PROOF_RUNS = 3
 NOISE_RUNS = 6
 #: the changes, in turn after the unchanged compare: the bytes per token fix their size
 CHANGES = ("Q6_K", "Q8_0", "Q4_K_M")
+#: `bench --against` each, beside the deployed Q8_0 server: the unchanged pair twice, then the changes
+AGAINST = ("Q8_0", "Q8_0", "Q6_K", "Q4_K_M")
+AGAINST_VERDICT = re.compile(
+    r"concurrency (\d+): per-stream decode ([+-][\d.]+)% \(95%.*?\) against the live server, (outside|within)"
+)
 
 
 def cli(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, float]:
@@ -76,6 +88,11 @@ def cli(args: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, floa
         [str(ROOT / ".venv" / "bin" / "voltaforge"), *args], capture_output=True, text=True, env=env, cwd=cwd
     )
     return out.returncode, out.stdout + out.stderr, time.monotonic() - t0
+
+
+def against_verdicts(output: str) -> list[tuple[int, float, bool]]:
+    text = " ".join(output.split())
+    return [(int(c), float(p), v == "outside") for c, p, v in AGAINST_VERDICT.findall(text)]
 
 
 def verdicts(output: str) -> list[tuple[int, float, str, bool]]:
@@ -96,6 +113,7 @@ def main() -> int:
         unchanged: list[tuple[int, float, str, bool]] = []
         proofs: list[dict[str, Any]] = []
         sample, sample_took = "", 0.0
+        against_sample, against_took = "", 0.0
         for p in range(PROOF_RUNS):
             env = {**os.environ, "COLUMNS": "130", "VOLTAFORGE_CACHE": str(work / f"proof-{p}")}
             s.deploy()  # Q8_0 (the last proof run ended at Q4_K_M)
@@ -107,6 +125,14 @@ def main() -> int:
             seen = verdicts(out)
             unchanged += seen
             print(f"proof {p + 1}: unchanged: exit {code}, {took:.0f} s, {seen}", flush=True)
+            against: list[dict[str, Any]] = []
+            for quant in AGAINST:
+                code, out, took = cli(["bench", *inv, "--against", str(s.other(quant))], env, work)
+                seen_b = against_verdicts(out)
+                against.append({"quant": quant, "verdicts": seen_b, "took_s": round(took, 1), "exit": code})
+                print(f"proof {p + 1}: --against {quant}: exit {code}, {took:.0f} s, {seen_b}", flush=True)
+                if quant == "Q6_K":
+                    against_sample, against_took = out, took
             changes: dict[str, list[tuple[int, float, str, bool]]] = {}
             for quant in CHANGES:
                 s.deploy(quant=quant)
@@ -115,7 +141,7 @@ def main() -> int:
                 print(f"proof {p + 1}: {quant}: exit {code}, {took:.0f} s, {changes[quant]}", flush=True)
                 if quant == "Q6_K":
                     sample, sample_took = out, took
-            proofs.append({"noise": noise, "unchanged": seen, "changes": changes})
+            proofs.append({"noise": noise, "unchanged": seen, "changes": changes, "against": against})
         called = [v for v in unchanged if v[3]]
         figures: dict[str, Any] = {
             "proof_runs": PROOF_RUNS,
@@ -141,6 +167,33 @@ def main() -> int:
         big = [v for p in proofs for q in CHANGES for v in p["changes"][q] if v[2] == "last" and abs(v[1]) >= 30]
         figures |= {"levels_30pct_or_more": len(big), "levels_30pct_or_more_called": sum(v[3] for v in big)}
         print(f"unchanged server: {len(called)} of {len(unchanged)} comparisons called changed: {called}")
+        # in one run, interleaved: the unchanged pair's verdicts, the changes at one stream and at
+        # every level where they are 30% or more
+        runs = [a for p in proofs for a in p["against"]]
+        same = [v for a in runs if a["quant"] == "Q8_0" for v in a["verdicts"]]
+        figures |= {
+            "against_unchanged_verdicts": len(same),
+            "against_unchanged_called_changed": sum(v[2] for v in same),
+            "against_unchanged_runs_with_a_call": sum(
+                any(v[2] for v in a["verdicts"]) for a in runs if a["quant"] == "Q8_0"
+            ),
+            "against_run_s_max": max(a["took_s"] for a in runs),
+        }
+        for quant in ("Q6_K", "Q4_K_M"):
+            single = [v for a in runs if a["quant"] == quant for v in a["verdicts"] if v[0] == 1]
+            key = f"against_{quant.lower()}"
+            figures[f"{key}_c1_called_changed"] = sum(v[2] for v in single)
+            figures[f"{key}_c1_runs"] = len(single)
+            figures[f"{key}_c1_change_min_pct"] = min((v[1] for v in single), default=None)
+            figures[f"{key}_c1_change_max_pct"] = max((v[1] for v in single), default=None)
+            every = [v for a in runs if a["quant"] == quant for v in a["verdicts"]]
+            figures[f"{key}_levels_called"] = sum(v[2] for v in every)
+            figures[f"{key}_levels"] = len(every)
+        big = [v for a in runs if a["quant"] != "Q8_0" for v in a["verdicts"] if abs(v[1]) >= 30]
+        figures |= {
+            "against_levels_30pct_or_more": len(big),
+            "against_levels_30pct_or_more_called": sum(v[2] for v in big),
+        }
         # two tunes from empty stores, of the Q8_0 server
         s.deploy()
         env = {**os.environ, "COLUMNS": "130", "VOLTAFORGE_CACHE": str(work / "proof-0")}
@@ -174,7 +227,8 @@ def main() -> int:
             ".venv/bin/python scripts/bench_proof.py",
             notes="8-layer hidden-1024 Llama, random weights, llama-server (4 slots) as a managed process on "
             f"this machine (the `stab` entry); {PROOF_RUNS} proof runs, each with its own history: "
-            f"`voltaforge bench --noise {NOISE_RUNS}` at Q8_0, one `voltaforge bench --compare`, then the "
+            f"`voltaforge bench --noise {NOISE_RUNS}` at Q8_0, one `voltaforge bench --compare`, then "
+            f"`voltaforge bench --against` a recipe at {', '.join(AGAINST)} in turn beside the Q8_0 server, then the "
             f"recipe at {', '.join(CHANGES)} in turn, each deployed and compared; then two `voltaforge tune "
             "--slots 2 --cache f16 --ubatch 64,512 --rungs 2`, each from its own empty store",
             extra=extra,
@@ -190,6 +244,19 @@ def main() -> int:
             notes="the `stab` entry of scripts/bench_proof.py, its last proof run; extra.output is the whole "
             "terminal output",
             extra={"output": sample},
+            measures=BENCH_CODE,
+        )
+        write_result(
+            ROOT / "reports" / "local" / "bench-against-sample.json",
+            "`voltaforge bench --against` a Q6_K recipe beside the deployed Q8_0 server of the 8-layer generated "
+            "model on this machine",
+            {"command_wall_s": round(against_took, 1)},
+            {"command_wall_s": "s"},
+            "voltaforge bench --host stab --inventory .../inventory.yaml --against .../bench-stability-q6_k.yaml "
+            "(scripts/bench_proof.py)",
+            notes="the `stab` entry of scripts/bench_proof.py, its last proof run; extra.output is the whole "
+            "terminal output",
+            extra={"output": against_sample},
             measures=BENCH_CODE,
         )
         write_result(

@@ -46,9 +46,14 @@ MAKERS = (
     ),
     Maker(
         "bench-proof",
-        ("reports/bench/proof.json", "reports/local/bench-sample.json", "reports/local/tune-sample.json"),
+        (
+            "reports/bench/proof.json",
+            "reports/local/bench-sample.json",
+            "reports/local/bench-against-sample.json",
+            "reports/local/tune-sample.json",
+        ),
         ("scripts/bench_proof.py",),
-        16,
+        40,
     ),
     Maker("noop", ("reports/local/bench-noop.json",), ("scripts/bench_noop.py", "--runs", "5", "--fleet", "10"), 6),
     Maker("lb-stream", ("reports/local/lb-stream.json",), ("scripts/bench_lb_stream.py", "--runs", "3"), 4),

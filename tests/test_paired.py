@@ -124,3 +124,15 @@ def test_the_verdict_lines():
     line = verdict_text(2, same)
     assert "within the noise: no change shown (a change of " in line and "would show 80% of the time" in line
     assert verdict_text(4, None) == "concurrency 4: per-stream decode: too few whole cycles to judge"
+
+
+def test_a_second_server_that_does_not_fit_beside_the_live_one_is_refused_with_the_figures():
+    from playbooks.conduct.scratch import crowded
+
+    gib = 2**30
+    assert crowded("v100-sxm2-16gb", "b", 6 * gib, [("a", 8 * gib)], "fix") is None
+    assert crowded("v100-sxm2-16gb", "b", 6 * gib, [], "fix") is None  # nothing live: nothing to fit beside
+    line = crowded("v100-sxm2-16gb", "qwen-q6", 9 * gib, [("voltaforge-llama-server", 8 * gib)], "do this")
+    assert line is not None and "\n" not in line
+    assert line.startswith("qwen-q6 (9.00 GiB planned) does not fit beside the live service (voltaforge-llama-server, ")
+    assert line.endswith("8.00 GiB) in the Tesla V100-SXM2-16GB's 16 GiB the plan budgets: do this"), line
