@@ -164,3 +164,10 @@ def test_invoke_plan_models_as_a_user_runs_it():
     assert got["gpu"] == "v100-sxm2-16gb" and got["models_max"] == 1 and len(got["members"]) == 2
     r = invoke("--models", "tiny-cpu,,tiny-moe-cpu")
     assert r.returncode != 0 and "--models 'tiny-cpu,,tiny-moe-cpu': give two or more recipe names" in r.stderr
+    # a single recipe's flags beside a set would be ignored: refused, each named, one line
+    r = invoke("--models", "tiny-cpu,tiny-moe-cpu", "--recipe", "tiny-cpu", "--ctx", "4096")
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(err) == 1, r.stderr
+    assert "--recipe, --ctx: --models plans each recipe of the set as it is written" in err[0]
+    r = invoke("--recipe", "tiny-cpu", "--memory-budget", "4")
+    assert r.returncode == 2 and "--memory-budget goes with --models" in r.stderr, r.stderr

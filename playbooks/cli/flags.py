@@ -105,12 +105,18 @@ def existing_file(flag: str, value: object) -> Path | None:
     return path
 
 
-def host_names(flag: str, value: object) -> list[str]:
-    """``--host v100-01,v100-02``: inventory names, ~/.ssh/config aliases, addresses or ``local``."""
+def _comma_list(flag: str, value: object, least: int, what: str) -> list[str]:
+    """``a,b,c``: at least ``least`` non-empty names separated by commas, or one line saying so."""
     text = str(value or "").strip()
     names = [n.strip() for n in text.split(",")]
-    if not text or any(not n for n in names):
-        raise UsageError(f"{flag} {text!r}: give one or more host names separated by commas")
+    if not text or len(names) < least or any(not n for n in names):
+        raise UsageError(f"{flag} {_short(text)!r}: give {what} separated by commas")
+    return names
+
+
+def host_names(flag: str, value: object) -> list[str]:
+    """``--host v100-01,v100-02``: inventory names, ~/.ssh/config aliases, addresses or ``local``."""
+    names = _comma_list(flag, value, 1, "one or more host names")
     for n in names:
         if n != "local" and not is_host_address(n):
             raise UsageError(f"{flag} {n!r} is not a valid host name (letters, digits, '-', '_', dot-separated)")
@@ -120,11 +126,7 @@ def host_names(flag: str, value: object) -> list[str]:
 def recipe_names(flag: str, value: object) -> list[str]:
     """``--models a,b,c``: two or more recipe names or paths, separated by commas (a set: one
     model is a plain server)."""
-    text = str(value or "").strip()
-    names = [n.strip() for n in text.split(",")]
-    if len(names) < 2 or any(not n for n in names):
-        raise UsageError(f"{flag} {_short(text)!r}: give two or more recipe names or paths separated by commas")
-    return names
+    return _comma_list(flag, value, 2, "two or more recipe names or paths")
 
 
 def ip_address(flag: str, value: object) -> str:

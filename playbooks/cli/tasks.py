@@ -78,6 +78,20 @@ def plan(
     if models is not None:
         from playbooks.cli.plan_set import run_plan_set
 
+        # a set plans each member as its recipe says: a single recipe's flags would be ignored
+        single = {
+            "--recipe": recipe, "--model-config": model_config, "--ctx": ctx, "--parallel": parallel,
+            "--quant": quant, "--n-cpu-moe": n_cpu_moe, "--host-membw": host_membw, "--host-ram": host_ram,
+            "--cache-type-k": cache_type_k, "--cache-type-v": cache_type_v, "--min-tok-s": min_tok_s,
+            "--gpu-count": gpu_count, "--tensor-split": tensor_split, "--split-mode": split_mode,
+        }  # fmt: skip
+        given = [flag for flag, value in single.items() if value is not None]
+        if given:
+            raise flags.UsageError(
+                f"{', '.join(given)}: --models plans each recipe of the set as it is written (drop the flag, "
+                "or plan that recipe alone)"
+            )
+
         return run_plan_set(
             flags.recipe_names("--models", models),
             gpu=flags.word("--gpu", gpu, "a GPU name, e.g. v100-32gb"),
@@ -88,6 +102,8 @@ def plan(
             recipes_dir=configured.recipes_dir(c),
         )
 
+    if memory_budget is not None:
+        raise flags.UsageError("--memory-budget goes with --models (a set's budget on a CPU target)")
     return run_plan(
         recipe=flags.name_or_path(
             "--recipe", recipe if (recipe is not None or model_config) else configured.cfg(c, "recipe")
