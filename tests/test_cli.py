@@ -63,6 +63,12 @@ BAD = {
     ("plan", "cache-type-k"): [("q9_0", "--cache-type-k 'q9_0': want one of f16")],
     ("plan", "cache-type-v"): [("Q8", "--cache-type-v 'Q8': want one of f16")],
     ("plan", "min-tok-s"): [("0", "must be a positive number of tok/s"), ("fast", "want a decode speed")],
+    ("plan", "host"): [
+        ("nosuch..host", "is not a valid host name"),
+        ("a,b", "takes one host"),
+        ("nowhere.invalid", "its inventory entry serves no model set"),
+    ],
+    ("plan", "inventory"): [("BROKEN", "inventory")],
     ("preflight", "host"): [
         ("nosuch..host", "is not a valid host name"),
         ("a,b", "takes one host"),
@@ -199,6 +205,7 @@ CONTEXT = {
     ("render", "tls"): ["--recipe", "tiny-cpu", "--out", "/tmp/vf-render-unused"],
     ("rpc-worker", "recipe"): ["--host", "local"],
     ("rpc-worker", "inventory"): ["--host", "some-host"],
+    ("plan", "inventory"): ["--host", "some-host"],
     ("preflight", "recipe"): ["--host", "local"],
     ("preflight", "inventory"): ["--host", "some-host"],
     ("toolchain", "recipe"): ["--host", "local"],

@@ -84,3 +84,126 @@ def test_local_reads_an_entry_named_local(tmp_path):
     spec = resolve_host("local", inv)
     assert spec.local and spec.host == "localhost" and spec.prefix == "/srv/vf"
     assert [p.recipe for p in spec.serve] == ["tiny-cpu", "tiny-rpc-cpu"]
+
+
+LAB = """hosts:
+  lab-01:
+    host: 10.0.0.31
+    gpu: v100-sxm2-32gb
+    serve:
+      - recipe: qwen2.5-32b-v100-32gb
+        gpus: [1]
+      - set: chat
+        models: [qwen2.5-14b-v100-16gb, qwen2.5-7b-v100-16gb]
+        gpus: [0]
+        port: 8300
+        load_at_start: [qwen2.5-7b-v100-16gb]
+        sleep_idle_s: 600
+"""
+
+
+def test_a_model_set_is_a_serve_entry_beside_single_recipes(tmp_path):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(LAB)
+    spec = load_inventory(inv)["lab-01"]
+    assert [p.recipe for p in spec.placements] == ["qwen2.5-32b-v100-32gb"]
+    (chat,) = spec.model_sets
+    assert chat.set == "chat" and chat.models == ("qwen2.5-14b-v100-16gb", "qwen2.5-7b-v100-16gb")
+    assert (chat.gpus, chat.port, chat.load_at_start, chat.sleep_idle_s) == ((0,), 8300, ("qwen2.5-7b-v100-16gb",), 600)
+    # an entry named local keeps its set through resolve_host's re-validation
+    inv.write_text(LAB.replace("lab-01:\n    host: 10.0.0.31", "local:"))
+    assert resolve_host("local", inv).model_sets == (chat,)
+
+
+@pytest.mark.parametrize(
+    "edit,where,words",
+    [
+        # a GPU another entry uses (a set without gpus runs on GPU 0)
+        (("gpus: [1]", "gpus: [0]"), "inventory.yaml:2: hosts.lab-01", "GPU 0 is placed twice in serve: "),
+        (
+            (
+                "gpus: [1]\n      - set: chat",
+                "gpus: [0]\n      - set: chat",
+                "        gpus: [0]\n        port",
+                "        port",
+            ),
+            None,
+            "GPU 0 is placed twice in serve: qwen2.5-32b-v100-32gb and set chat",
+        ),
+        # a recipe in a set and as its own server
+        (
+            ("models: [qwen2.5-14b-v100-16gb,", "models: [qwen2.5-32b-v100-32gb,"),
+            None,
+            "a recipe is placed twice in serve (qwen2.5-32b-v100-32gb: qwen2.5-32b-v100-32gb and set chat)",
+        ),
+        (("models: [qwen2.5-14b-v100-16gb, ", "models: ["), "hosts.lab-01.serve.1.models", "at least 2 items"),
+        (("[qwen2.5-7b-v100-16gb]\n        sleep", "[qwen2.5-0.5b]\n        sleep"), "load_at_start", "not among"),
+        (("set: chat", "set: Chat Room"), "hosts.lab-01.serve.1.set", "lower-case letters, digits and -"),
+        (("sleep_idle_s: 600", "sleep_idle_s: 0"), "hosts.lab-01.serve.1.sleep_idle_s", "greater than or equal to 1"),
+        (("sleep_idle_s: 600", "sleep_idle_s: 600\n        slots: 4"), "serve.1.slots", "unknown key"),
+    ],
+)
+def test_a_bad_model_set_is_one_line_saying_what_and_where(tmp_path, edit, where, words):
+    inv = tmp_path / "inventory.yaml"
+    text = LAB
+    for old, new in zip(edit[::2], edit[1::2], strict=True):
+        assert old in text, old
+        text = text.replace(old, new)
+    inv.write_text(text)
+    with pytest.raises(RecipeError) as got:
+        load_inventory(inv)
+    line = str(got.value)
+    assert "\n" not in line and words in line, line
+    assert where is None or where in line, line
+
+
+def test_a_memory_budget_belongs_to_a_host_with_a_set(tmp_path):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("hosts:\n  box:\n    host: 10.0.0.9\n    recipe: tiny-cpu\n    memory_budget_gib: 2\n")
+    with pytest.raises(RecipeError, match=r"memory_budget_gib: it is a model set's budget: this host serves no set"):
+        load_inventory(inv)
+    inv.write_text(
+        "hosts:\n  box:\n    host: 10.0.0.9\n    memory_budget_gib: 2\n"
+        "    serve:\n      - set: two\n        models: [tiny-cpu, tiny-moe-cpu]\n"
+    )
+    assert load_inventory(inv)["box"].memory_budget_gib == 2
+
+
+def test_the_docs_model_set_example_loads_and_plans(tmp_path):
+    """docs/plan.md's inventory example, as written: it loads, and `invoke plan --host` plans it."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    page = (ROOT / "docs" / "plan.md").read_text()
+    block = re.search(r"```yaml\n(hosts:\n.*?)```", page, re.S)
+    assert block, "docs/plan.md has no inventory example"
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(block[1])
+    spec = load_inventory(inv)["lab-01"]
+    assert [s.set for s in spec.model_sets] == ["chat"] and spec.placements
+    cmd = [sys.executable, "-m", "invoke", "plan", "--inventory", str(inv), "--host", "lab-01", "--json"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (chat,) = json.loads(r.stdout)
+    assert chat["set"] == "chat" and len(chat["members"]) == 2 and chat["models_max"] >= 1
+
+
+def test_the_serving_commands_refuse_a_layout_with_a_set_in_one_line(tmp_path):
+    """Until sets are deployed (issue 55's next part), provision, deploy and bench say so for
+    the host rather than serve the rest of its layout as if the set were not there."""
+    from playbooks.conduct.placements import host_serves
+    from playbooks.errors import VoltaforgeError
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(LAB)
+    spec = load_inventory(inv)["lab-01"]
+    with pytest.raises(VoltaforgeError) as got:
+        host_serves(spec, None, lambda name: pytest.fail(f"{name} loaded"))
+    assert str(got.value) == (
+        "lab-01: serve: set chat: a model set is planned (`invoke plan --host lab-01`) but not yet served by this "
+        "version: take it out of serve: to act on the rest"
+    )

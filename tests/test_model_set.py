@@ -171,3 +171,52 @@ def test_invoke_plan_models_as_a_user_runs_it():
     assert "--recipe, --ctx: --models plans each recipe of the set as it is written" in err[0]
     r = invoke("--recipe", "tiny-cpu", "--memory-budget", "4")
     assert r.returncode == 2 and "--memory-budget goes with --models" in r.stderr, r.stderr
+
+
+def test_invoke_plan_host_plans_the_sets_of_its_inventory_entry(tmp_path):
+    """`invoke plan --host H`: each set of the host's serve: layout on the host's own GPU, or on
+    a CPU host within its memory_budget_gib; a host without a set, one line."""
+    small = []
+    for name in ("tiny-a", "tiny-b"):  # two CPU recipes under names of their own
+        data = yaml.safe_load((ROOT / "recipes" / "tiny-cpu.yaml").read_text())
+        data.setdefault("service", {})["model_name"] = name
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(data))
+        small.append(str(tmp_path / f"{name}.yaml"))
+    (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        "hosts:\n"
+        "  lab-01:\n    host: 10.0.0.31\n    gpu: v100-sxm2-16gb\n    serve:\n"
+        "      - set: chat\n        models: [qwen2.5-14b-v100-16gb, qwen2.5-32b-v100-16gb]\n"
+        "  box:\n    host: 10.0.0.32\n    memory_budget_gib: 3\n    serve:\n"
+        f"      - set: small\n        models: [{small[0]}, {small[1]}]\n"
+        "  plain:\n    host: 10.0.0.33\n    recipe: tiny-cpu\n"
+    )
+
+    def invoke(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "invoke", "plan", "--inventory", str(inv), *args]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    r = invoke("--host", "lab-01", "--json")
+    assert r.returncode == 0, r.stderr
+    (chat,) = json.loads(r.stdout)
+    direct = json.loads(invoke_plain("--models", "qwen2.5-14b-v100-16gb,qwen2.5-32b-v100-16gb", "--json"))
+    assert chat == {"set": "chat"} | direct  # the same plan as --models on the host's GPU
+    r = invoke("--host", "box", "--json")
+    assert r.returncode == 0, r.stderr
+    (small,) = json.loads(r.stdout)
+    assert small["capacity_bytes"] == 3 * 2**30 and "a 3 GiB budget" in small["capacity_source"]
+    r = invoke("--host", "box")
+    assert r.returncode == 0 and "box: set small" in r.stdout and "resident together" in r.stdout, r.stdout
+    r = invoke("--host", "plain")
+    assert r.returncode == 2 and "--host plain: its inventory entry serves no model set" in r.stderr, r.stderr
+    r = invoke("--host", "box", "--ctx", "512")
+    assert r.returncode == 2 and "--ctx: --host plans the model sets its inventory entry names" in r.stderr
+
+
+def invoke_plain(*args: str) -> str:
+    r = subprocess.run(
+        [sys.executable, "-m", "invoke", "plan", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout

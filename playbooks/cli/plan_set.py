@@ -1,5 +1,6 @@
-"""`invoke plan --models a,b,c`: a model set's residency plan (config/model_set.py), as a table
-or JSON. Exit 1 where a member does not fit alone (the set is refused), else 0."""
+"""`invoke plan --models a,b,c` (or `--host H`: the model sets its inventory entry serves): a model
+set's residency plan (config/model_set.py), as a table or JSON. Exit 1 where a member does not
+fit alone (the set is refused), else 0."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from playbooks.cli.flags import UsageError
 from playbooks.cli.render import console
+from playbooks.conduct.settings import Settings
 from playbooks.config.model_set import SetPlan, plan_set
 from playbooks.config.recipe import RECIPES_DIR
 from playbooks.plan.gpus import mem_text
@@ -86,3 +89,23 @@ def run_plan_set(
     else:
         render_set(sp, console(out))
     return 1 if sp.refusal else 0
+
+
+def run_plan_host_sets(host_name: str, settings: Settings, as_json: bool = False, out: TextIO | None = None) -> int:
+    """Each model set of the host's ``serve:`` layout planned on the host's GPU (or, on a CPU
+    host, within its ``memory_budget_gib``): the table per set, or JSON (a list, one per set)."""
+    spec = settings.host_spec(host_name)
+    if not spec.model_sets:
+        raise UsageError(f"--host {host_name}: its inventory entry serves no model set (serve: - set: ...)")
+    plans = [
+        (s.set, plan_set(s.models, spec.gpu, spec.memory_budget_gib, settings.recipes_dir or RECIPES_DIR,
+                         budget_from=f"{host_name}'s memory_budget_gib"))
+        for s in spec.model_sets
+    ]  # fmt: skip
+    if as_json:
+        (out or sys.stdout).write(json.dumps([{"set": name} | set_json(sp) for name, sp in plans], indent=2) + "\n")
+    else:
+        for name, sp in plans:
+            console(out).print(Text(f"{host_name}: set {name}"))
+            render_set(sp, console(out))
+    return 1 if any(sp.refusal for _, sp in plans) else 0

@@ -49,6 +49,7 @@ from playbooks.cli.command import command
         "which can be resident together (--models-max)",
         "memory-budget": "with --models on a CPU target: the GiB the set's children may hold (default: the CPU "
         "target's)",
+        "host": "plan the model sets this host's inventory entry serves (its GPU, or its memory_budget_gib)",
     },
 )
 def plan(
@@ -70,22 +71,37 @@ def plan(
     split_mode: str | None = None,
     models: str | None = None,
     memory_budget: str | None = None,
+    host: str | None = None,
+    inventory: str | None = None,
     json: bool = False,
 ) -> int:
     """Compute the physical ceiling: weights, KV cache, VRAM budget, roofline, what fits."""
     from playbooks.cli.plan import run_plan
 
+    # a set plans each member as its recipe says: a single recipe's flags would be ignored
+    single = {
+        "--recipe": recipe, "--model-config": model_config, "--ctx": ctx, "--parallel": parallel,
+        "--quant": quant, "--n-cpu-moe": n_cpu_moe, "--host-membw": host_membw, "--host-ram": host_ram,
+        "--cache-type-k": cache_type_k, "--cache-type-v": cache_type_v, "--min-tok-s": min_tok_s,
+        "--gpu-count": gpu_count, "--tensor-split": tensor_split, "--split-mode": split_mode,
+    }  # fmt: skip
+    given = [flag for flag, value in single.items() if value is not None]
+    if host is not None:
+        from playbooks.cli.plan_set import run_plan_host_sets
+
+        besides = given + [
+            f for f, v in (("--models", models), ("--memory-budget", memory_budget), ("--gpu", gpu)) if v
+        ]
+        if besides:
+            raise flags.UsageError(
+                f"{', '.join(besides)}: --host plans the model sets its inventory entry names, on its GPU and budget"
+            )
+        return run_plan_host_sets(flags.one_host("--host", host), configured.settings(c, inventory), as_json=json)
+    if inventory is not None:
+        raise flags.UsageError("--inventory goes with --host (the host whose model sets are planned)")
     if models is not None:
         from playbooks.cli.plan_set import run_plan_set
 
-        # a set plans each member as its recipe says: a single recipe's flags would be ignored
-        single = {
-            "--recipe": recipe, "--model-config": model_config, "--ctx": ctx, "--parallel": parallel,
-            "--quant": quant, "--n-cpu-moe": n_cpu_moe, "--host-membw": host_membw, "--host-ram": host_ram,
-            "--cache-type-k": cache_type_k, "--cache-type-v": cache_type_v, "--min-tok-s": min_tok_s,
-            "--gpu-count": gpu_count, "--tensor-split": tensor_split, "--split-mode": split_mode,
-        }  # fmt: skip
-        given = [flag for flag, value in single.items() if value is not None]
         if given:
             raise flags.UsageError(
                 f"{', '.join(given)}: --models plans each recipe of the set as it is written (drop the flag, "

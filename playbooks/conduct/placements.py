@@ -117,7 +117,13 @@ def host_serves(
     if not spec.serve:
         name = recipe or spec.recipe or default
         return [Served(load(name))] if name else []
-    loaded = [(p, load(p.recipe)) for p in spec.serve]
+    if spec.model_sets:
+        first = spec.model_sets[0]
+        raise VoltaforgeError(
+            f"{spec.name}: serve: set {first.set}: a model set is planned (`invoke plan --host {spec.name}`) but not "
+            "yet served by this version: take it out of serve: to act on the rest"
+        )
+    loaded = [(p, load(p.recipe)) for p in spec.placements]
     served = [placed(spec, p, lr) for p, lr in loaded]
     check_layout(spec, served)
     if recipe is None:

@@ -42,7 +42,7 @@ class Settings:
             return name
         if spec.serve:
             raise VoltaforgeError(
-                f"{host_name} serves several recipes ({', '.join(p.recipe for p in spec.serve)}): pass --recipe"
+                f"{host_name} serves several recipes ({', '.join(p.recipe for p in spec.placements)}): pass --recipe"
             )
         if host is None:
             raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")

@@ -1,5 +1,6 @@
 """inventory.yaml: host names -> SSH target, user, port, GPU kind, and what it serves: one
-``recipe``, or a ``serve`` layout placing several recipes on disjoint GPU sets; and the fleet's
+``recipe``, or a ``serve`` layout placing several recipes on disjoint GPU sets (an entry may be a
+model set: several recipes served by one llama-server router, loaded on demand); and the fleet's
 balancer, an ``lb:`` entry (which host runs it, over which hosts, where it listens, its key and
 certificate), that `invoke lb`, `render --lb` and `bench --lb` read, flags overriding.
 
@@ -12,9 +13,18 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from playbooks.config.secret_names import check_secret_ref
 from playbooks.config.yamlfile import explain_validation, load_yaml
@@ -27,6 +37,8 @@ HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 HOST_NAME_RULE = "host names may hold letters, digits and . _ - (max 63)"
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")
 _PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]*$")
+#: a set's name: part of its unit's name and its directories
+_SET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 
 
 def check_host_name(v: str) -> str:
@@ -76,10 +88,7 @@ class Placement(BaseModel):
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, v):
-        if v is not None:
-            if not v or len(set(v)) != len(v) or any(not 0 <= i < 64 for i in v):
-                raise ValueError("give one or more distinct GPU indexes from 0 to 63")
-        return v
+        return _gpu_indexes(v)
 
     @model_validator(mode="after")
     def _one_way(self):
@@ -88,6 +97,66 @@ class Placement(BaseModel):
                 "give gpus (a GPU recipe: one instance per GPU, or a split) or instances (a CPU recipe), not both"
             )
         return self
+
+
+def _gpu_indexes(v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    if v is not None and (not v or len(set(v)) != len(v) or any(not 0 <= i < 64 for i in v)):
+        raise ValueError("give one or more distinct GPU indexes from 0 to 63")
+    return v
+
+
+class ModelSetSpec(BaseModel):
+    """A model set in a host's ``serve:`` layout: several recipes served through one
+    llama-server router on one GPU set and one port, each under its own served name and loaded
+    when first asked for, as many at once as the residency plan allows (config/model_set.py,
+    plan/residency.py).
+
+    ``set``: the set's name (its unit and directories). ``models``: two or more recipes.
+    ``gpus``: the indexes its children run on (omitted: 0). ``port``: the router's (omitted: the
+    first member's). ``load_at_start``: members loaded when the router starts (the router may
+    still stop one for another once its count is running). ``sleep_idle_s``: a child idle this
+    long sleeps and gives its memory back (omitted: never)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    set: str
+    models: tuple[str, ...] = Field(min_length=2)
+    gpus: tuple[int, ...] | None = None
+    port: int | None = Field(None, ge=1, le=65535)
+    load_at_start: tuple[str, ...] = ()
+    sleep_idle_s: int | None = Field(None, ge=1, le=7 * 24 * 3600)
+
+    @field_validator("set")
+    @classmethod
+    def _set(cls, v):
+        if not _SET_NAME_RE.match(v):
+            raise ValueError("a set's name is lower-case letters, digits and -, at most 40")
+        return v
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v):
+        return _gpu_indexes(v)
+
+    @model_validator(mode="after")
+    def _members(self):
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"models: a recipe is named twice in set {self.set}")
+        stray = [m for m in self.load_at_start if m not in self.models]
+        if stray:
+            raise ValueError(f"load_at_start: {', '.join(stray)} is not among the set's models")
+        return self
+
+
+def _entry_kind(v: Any) -> str:
+    """Which kind of ``serve:`` entry: a model set names ``models``."""
+    got = v if isinstance(v, dict) else getattr(v, "__dict__", {})
+    return "model-set" if "models" in got else "placement"
+
+
+ServeEntry = Annotated[
+    Annotated[Placement, Tag("placement")] | Annotated[ModelSetSpec, Tag("model-set")], Discriminator(_entry_kind)
+]
 
 
 class HostSpec(BaseModel):
@@ -101,7 +170,12 @@ class HostSpec(BaseModel):
     port: int = Field(22, ge=1, le=65535)
     gpu: str | None = None
     recipe: str | None = None
-    serve: tuple[Placement, ...] = Field((), description="several recipes on disjoint GPU sets (instead of recipe)")
+    serve: tuple[ServeEntry, ...] = Field(
+        (), description="several recipes (or model sets) on disjoint GPU sets (instead of recipe)"
+    )
+    memory_budget_gib: float | None = Field(
+        None, gt=0, le=1048576, description="a CPU host: the GiB a model set's children may hold together"
+    )
     key_file: str | None = None
     known_hosts: str | None = Field(None, description="known_hosts file to trust (default ~/.ssh/known_hosts)")
     host_key: str | None = Field(None, description="pinned public host key: 'ssh-ed25519 AAAA...'")
@@ -144,19 +218,42 @@ class HostSpec(BaseModel):
             raise ValueError("must be '<type> <base64>', e.g. 'ssh-ed25519 AAAA...'")
         return v.strip() if v else v
 
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """The layout's single-recipe entries."""
+        return tuple(e for e in self.serve if isinstance(e, Placement))
+
+    @property
+    def model_sets(self) -> tuple[ModelSetSpec, ...]:
+        """The layout's model sets."""
+        return tuple(e for e in self.serve if isinstance(e, ModelSetSpec))
+
     @model_validator(mode="after")
     def _layout(self):
         if self.serve and self.recipe:
             raise ValueError("give recipe (one) or serve (a layout of several), not both")
         seen: dict[int, str] = {}
-        for p in self.serve:
-            for i in p.gpus or ():
+        placed: dict[str, str] = {}
+        for e in self.serve:
+            owner = e.recipe if isinstance(e, Placement) else f"set {e.set}"
+            # a set without gpus runs on GPU 0 (its children's one card)
+            gpus = e.gpus if isinstance(e, Placement) or e.gpus is not None else (0,)
+            for i in gpus or ():
                 if i in seen:
-                    raise ValueError(f"GPU {i} is placed twice in serve: {seen[i]} and {p.recipe}")
-                seen[i] = p.recipe
-        names = [p.recipe for p in self.serve]
-        if len(set(names)) != len(names):
-            raise ValueError("a recipe is placed twice in serve: place it once, with all its GPUs")
+                    raise ValueError(f"GPU {i} is placed twice in serve: {seen[i]} and {owner}")
+                seen[i] = owner
+            for name in (e.recipe,) if isinstance(e, Placement) else e.models:
+                if name in placed:
+                    raise ValueError(
+                        f"a recipe is placed twice in serve ({name}: {placed[name]} and {owner}): place it once"
+                        + (", with all its GPUs" if isinstance(e, Placement) and placed[name] == name else "")
+                    )
+                placed[name] = owner
+        sets = [e.set for e in self.model_sets]
+        if len(set(sets)) != len(sets):
+            raise ValueError("a set's name is used twice in serve: give each set its own")
+        if self.memory_budget_gib is not None and not self.model_sets:
+            raise ValueError("memory_budget_gib: it is a model set's budget: this host serves no set")
         return self
 
 

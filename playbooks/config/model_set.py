@@ -68,6 +68,7 @@ def plan_set(
     gpu: str | None = None,
     memory_gib: float | None = None,
     recipes_dir: Path = RECIPES_DIR,
+    budget_from: str = "--memory-budget",
 ) -> SetPlan:
     """Plan each of ``recipes`` on the set's target and judge them together. Raises
     VoltaforgeError (one line) for a set that cannot be planned: too few members, a member of
@@ -95,7 +96,7 @@ def plan_set(
             )
         seen[r.served_name] = r.name
     if memory_gib is not None and not target.is_cpu:
-        raise UsageError(f"a memory budget (--memory-budget) is for a CPU target; {target.name}'s memory is its card's")
+        raise UsageError(f"a memory budget ({budget_from}) is for a CPU target; {target.name}'s memory is its card's")
     members = []
     for lr in loaded:
         plan = plan_recipe(lr, target)

@@ -75,6 +75,11 @@ def _allowed_keys(model: type[BaseModel] | None, loc: tuple) -> list[str]:
     return list(model.model_fields) if model is not None else []
 
 
+#: parts of an error's location that are no key of the file: pydantic's type names and the tags
+#: of a discriminated union (config/inventory.py's serve: entries)
+_NOT_KEYS = ("str", "Exl2Quant", "placement", "model-set")
+
+
 def explain_validation(
     exc: ValidationError,
     where: Path,
@@ -90,7 +95,7 @@ def explain_validation(
     # A misspelt key also shows up as a missing one: report the unknown key, it explains both.
     err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = prefix + tuple(
-        p for p in err["loc"] if not (isinstance(p, str) and (p.startswith("function-") or p in ("str", "Exl2Quant")))
+        p for p in err["loc"] if not (isinstance(p, str) and (p.startswith("function-") or p in _NOT_KEYS))
     )
     msg = err["msg"].removeprefix("Value error, ")
     # Cross-field checks raise at the model level; they name their key as "key: message".
