@@ -136,3 +136,27 @@ def test_a_second_server_that_does_not_fit_beside_the_live_one_is_refused_with_t
     assert line is not None and "\n" not in line
     assert line.startswith("qwen-q6 (9.00 GiB planned) does not fit beside the live service (voltaforge-llama-server, ")
     assert line.endswith("8.00 GiB) in the Tesla V100-SXM2-16GB's 16 GiB the plan budgets: do this"), line
+
+
+def test_against_goes_alone():
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "invoke",
+        "bench",
+        "--host",
+        "local",
+        "--against",
+        "tiny-cpu",
+        "--compare",
+        "--lb",
+        "8",
+    ]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["error: --compare, --lb: --against measures two servers in one run, alone"]

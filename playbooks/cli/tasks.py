@@ -614,6 +614,11 @@ def bench(
     from playbooks.cli.bench import run_bench, run_bench_against, run_bench_lb, run_bench_noise
 
     if against is not None:
+        besides = [
+            f for f, v in (("--compare", compare), ("--remeasure", remeasure), ("--lb", lb), ("--noise", noise)) if v
+        ]
+        if besides:
+            raise flags.UsageError(f"{', '.join(besides)}: --against measures two servers in one run, alone")
         return run_bench_against(
             configured.host(c, host),
             flags.name_or_path("--against", against) or "",
