@@ -26,6 +26,8 @@ import yaml
 
 from playbooks.config.model_set import plan_set
 from playbooks.config.recipe import load_recipe
+from playbooks.facts.router import Child, children_command, parse_children, parse_models
+from playbooks.host.local import LocalHost
 from playbooks.plan.gpus import GIB, MIB
 from playbooks.steps.serve.engine_llamacpp import render_models_preset, router_argv
 from playbooks.steps.serve.units import ServerLayout
@@ -37,7 +39,6 @@ pytestmark = pytest.mark.slow
 
 #: three widths of tiny-cpu's model: a set whose members differ in size
 WIDTHS = {"small": 256, "mid": 512, "large": 768}
-SPAWN = re.compile(r"spawning server instance with name=(\S+) on port (\d+)")
 #: strace's record of a program started and of a process gone, in the order the kernel told it
 EXECVE = re.compile(r'^(\d+) +execve\("[^"]*", \[(.*)\], ')
 GONE = re.compile(r"^(\d+) +\+\+\+ (?:exited with \d+|killed by \w+)")
@@ -63,20 +64,10 @@ def _members(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
     return recipes, ggufs
 
 
-def _children(router_pid: int) -> dict[int, int]:
-    """The router's children: pid -> resident memory in bytes (VmRSS)."""
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) != router_pid:
-                continue
-            status = (stat.parent / "status").read_text()
-        except (OSError, IndexError, ValueError):
-            continue
-        rss = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
-        out[int(stat.parent.name)] = int(rss[1]) * 1024 if rss else 0
-    return out
+def _children(pid_file: Path) -> list[Child]:
+    """The router's children as the product reads them (facts/router.py's command, run here)."""
+    with LocalHost() as host:
+        return parse_children(host.run(children_command(str(pid_file)), check=False, stream=False).stdout)
 
 
 def _alive_most(trace: str) -> tuple[int, int, int]:
@@ -125,6 +116,7 @@ def test_a_set_of_three_served_on_demand_within_its_planned_count(tmp_path):
     with open(log_path, "wb") as out:
         tracer = subprocess.Popen([*traced, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     router_pid = None
+    pid_file = tmp_path / "router.pid"
     rss_seen: dict[str, int] = {}
     try:
         # one connection per request: under strace the router drops a kept-alive connection after
@@ -148,20 +140,25 @@ def test_a_set_of_three_served_on_demand_within_its_planned_count(tmp_path):
                 r = client.post("/v1/completions", json={"model": name, "prompt": "ka lo mi", "max_tokens": 4})
                 assert r.status_code == 200, (name, r.text[:500], log_path.read_text()[-3000:])
                 assert r.json()["model"] == name
-                status = {m["id"]: m["status"]["value"] for m in client.get("/models").json()["data"]}
-                ports = {m[1]: int(m[2]) for m in SPAWN.finditer(log_path.read_text())}
+                # the router's list and its children as `invoke status` reads them (facts/router.py)
+                members = parse_models(client.get("/models").text)
+                status = {m.name: m.state for m in members}
+                by_port = {m.port: m.name for m in members if m.port}
+                assert all(m.port for m in members if m.state == "loaded"), members  # its child's port
                 router_pid = router_pid or _router_pid(trace)
-                for pid, rss in _children(router_pid).items():
-                    child = _child_name(pid, ports)
-                    if child:
-                        rss_seen[child] = max(rss_seen.get(child, 0), rss)
+                pid_file.write_text(f"{router_pid}\n")
+                for child in _children(pid_file):
+                    if (member := by_port.get(child.port)) and child.rss_kb:
+                        rss_seen[member] = max(rss_seen.get(member, 0), child.rss_kb * 1024)
+                        # VmRSS is its anonymous and its file pages (the mapped weights), and shmem
+                        assert child.held_bytes is not None and child.held_bytes <= child.rss_kb * 1024
                 assert sum(v == "loaded" for v in status.values()) <= k, status
             # idle: each child sleeps after 3 s, its weights unloaded, its process kept
             time.sleep(6)
-            status = {m["id"]: m["status"]["value"] for m in client.get("/models").json()["data"]}
+            status = {m.name: m.state for m in parse_models(client.get("/models").text)}
             asleep_names = sorted(n for n, v in status.items() if v == "sleeping")
             assert len(asleep_names) == k and set(status.values()) == {"sleeping", "unloaded"}, status
-            asleep = sum(_children(router_pid).values())
+            asleep = sum((c.rss_kb or 0) * 1024 for c in _children(pid_file))
     finally:
         # the router stops its children on SIGTERM; strace ends when the last traced process does
         os.kill(router_pid or _router_pid(trace), signal.SIGTERM)
@@ -184,15 +181,3 @@ def _router_pid(trace: Path) -> int:
         if m := EXECVE.match(line):
             return int(m[1])
     raise AssertionError(f"no execve in {trace}")
-
-
-def _child_name(pid: int, ports: dict[str, int]) -> str | None:
-    """Which member a child serves, by the port on its command line (the router's own choice)."""
-    try:
-        argv = (Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0")
-    except OSError:
-        return None
-    for flag, value in zip(argv, argv[1:], strict=False):
-        if flag == b"--port":
-            return next((n for n, p in ports.items() if p == int(value)), None)
-    return None
