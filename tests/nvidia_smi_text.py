@@ -22,9 +22,14 @@ from playbooks.facts.gpu import (
     cell_int,
     compute_capability_from_name,
     leading_number,
-    major_minor,
     nvidia_smi_failure,
 )
+
+
+def major_minor(value: str | None) -> tuple[int, int] | None:
+    """ "12.2" (nvidia-smi's CUDA Version cell) as (12, 2)."""
+    m = re.match(r"(\d+)\.(\d+)", cell(value) or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _normalise_reason(label: str) -> str:

@@ -122,7 +122,7 @@ def test_bf16_values_counted_exactly_with_tensors_named(tmp_path):
         TensorCount(tensor=HEAD, file="model.safetensors", dtype="BF16", count=2, nan=0, inf=2),
     )
     assert raw["nonfinite"][0]["max_abs"] is None
-    assert (facts.overflow_values, facts.nonfinite_values, facts.fits_fp16) == (5, 3, False)
+    assert (facts.overflow_values, facts.nonfinite_values, bool(facts.overflow)) == (5, 3, True)
     assert facts.summary == (
         f"5 BF16 values beyond FP16's range in 2 tensors ({HEAD}: 3, {DOWN}: 2); "
         f"3 NaN/inf values already in the checkpoint in 2 tensors ({HEAD}: 2, {DOWN}: 1)"
@@ -175,7 +175,7 @@ def test_f16_and_integer_tensors_are_reported_by_dtype_only(tmp_path):
     facts, _ = run_probe([f16, i8])
     assert facts.ok and facts.dtypes == {"F16": 2, "I8": 1}
     assert (facts.overflow, facts.nonfinite, facts.values_checked) == ((), (), 0)
-    assert facts.fits_fp16
+    assert facts.ok and not facts.overflow
     assert facts.summary == "no value beyond FP16's range (0 values checked)"
 
 
@@ -259,7 +259,7 @@ def test_clamp_writes_shards_with_no_overflow_and_every_other_byte_unchanged(tmp
     assert sorted(p.name for p in out.iterdir()) == ["a.safetensors", "b.safetensors", "c.safetensors"]  # no temp
 
     after, _ = run_probe([out])
-    assert after.ok and after.overflow == () and after.fits_fp16
+    assert after.ok and after.overflow == ()
     assert after.nonfinite == before.nonfinite  # NaN/inf are left alone
     assert after.values_checked == before.values_checked
 
@@ -337,7 +337,7 @@ def test_a_broken_shard_is_one_json_line_naming_it(tmp_path, corrupt, expected):
     broken = _valid(tmp_path / "model-00002-of-00002.safetensors")
     corrupt(broken)
     facts, raw = run_probe([first, broken])
-    assert facts.ok is False and not facts.fits_fp16
+    assert facts.ok is False
     assert facts.error is not None and facts.error.startswith(expected.format(p=broken)), facts.error
     assert raw["probe"] == "voltaforge-fp16-range" and raw["probe_version"] == 1
     assert facts.overflow == () and facts.values_checked == 0  # partial counts are not kept
@@ -405,7 +405,7 @@ def test_a_missing_python_is_an_error_not_an_exception(tmp_path):
 def test_garbage_parses_to_an_error(text, error):
     facts = parse_fp16_range(text)
     assert facts.error is not None and facts.error.startswith(error), facts.error
-    assert not facts.ok and not facts.fits_fp16
+    assert not facts.ok
 
 
 def test_the_last_json_line_wins_over_noise():

@@ -185,10 +185,6 @@ class Toolkit(BaseModel):
     error: str | None = None  # why the version could not be read
 
     @property
-    def on_path(self) -> bool:
-        return self.on_path_index is not None
-
-    @property
     def sm70_supported(self) -> bool:
         return sm70_supported(self.release)
 
@@ -288,30 +284,6 @@ def parse_cuobjdump_list_elf(text: str) -> set[str]:
 def parse_cuobjdump_list_ptx(text: str) -> set[str]:
     """`cuobjdump --list-ptx <lib>` -> the PTX archs it holds (named 'sm_XX' in file names)."""
     return set(_archs(text, _PTX_ENTRY))
-
-
-def cuobjdump_arch_counts(text: str) -> dict[str, dict[str, int]]:
-    """Counts per arch, {'elf': {'sm_70': 144}, 'ptx': {'sm_70': 144}}, to compare builds."""
-    return {"elf": dict(_archs(text, _ELF_ENTRY)), "ptx": dict(_archs(text, _PTX_ENTRY))}
-
-
-_FATBIN_HEADER = re.compile(r"^Fatbin (?P<kind>elf|ptx) code:\s*$")
-_FATBIN_ARCH = re.compile(r"^arch = (?P<arch>(?:sm|compute)_\d+[a-z]?)\s*$")
-
-
-def parse_cuobjdump_fatbin_archs(text: str) -> dict[str, set[str]]:
-    """`cuobjdump -elf|-ptx <lib>` headers ('Fatbin elf code:' ... 'arch = sm_70') ->
-    {'elf': {...}, 'ptx': {...}}: the same check as --list-elf for older cuobjdump output."""
-    found: dict[str, set[str]] = {"elf": set(), "ptx": set()}
-    kind = None
-    for line in lines(text):
-        line = line.strip()
-        if m := _FATBIN_HEADER.match(line):
-            kind = m.group("kind")
-        elif kind and (m := _FATBIN_ARCH.match(line)):
-            found[kind].add(m.group("arch"))
-            kind = None
-    return found
 
 
 # --------------------------------------------------------------------------- nvcc errors

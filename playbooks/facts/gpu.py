@@ -68,10 +68,6 @@ class GpuInfo(BaseModel):
         return self.compute_capability == (7, 0)
 
     @property
-    def memory_total_bytes(self) -> int | None:
-        return None if self.memory_total_mib is None else self.memory_total_mib * 2**20
-
-    @property
     def throttling(self) -> tuple[str, ...]:
         """Active reasons that hold clocks down under load (power or thermal caps).
 
@@ -105,10 +101,6 @@ class GpuFacts(BaseModel):
     @property
     def gpu_count(self) -> int:
         return len(self.gpus)
-
-    @property
-    def all_volta(self) -> bool:
-        return bool(self.gpus) and all(g.is_volta for g in self.gpus)
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -229,11 +221,6 @@ def cell_bool(value: str | None) -> bool | None:
 def cell_cc(value: str | None) -> tuple[int, int] | None:
     value = cell(value)
     m = re.fullmatch(r"(\d+)\.(\d+)", value or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def major_minor(value: str | None) -> tuple[int, int] | None:
-    m = re.match(r"(\d+)\.(\d+)", cell(value) or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 

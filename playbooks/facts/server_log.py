@@ -63,10 +63,6 @@ class LoadLog:
         return round(sum(self.kv_mib.values()), 2)
 
     @property
-    def model_total_mib(self) -> float:
-        return round(sum(self.model_mib.values()), 2)
-
-    @property
     def model_device_mib(self) -> float:
         """The weights on accelerators (CUDA0, ...): what --n-cpu-moe and any offload change."""
         return round(sum(v for k, v in self.model_mib.items() if not is_host_buffer(k)), 2)

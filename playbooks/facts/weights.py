@@ -64,7 +64,7 @@ class Fp16Range(BaseModel):
 
     @property
     def ok(self) -> bool:
-        """The probe ran to the end (says nothing about the values: see `fits_fp16`)."""
+        """The probe ran to the end (says nothing about the values: see `overflow`)."""
         return self.error is None
 
     @property
@@ -74,11 +74,6 @@ class Fp16Range(BaseModel):
     @property
     def nonfinite_values(self) -> int:
         return sum(t.count for t in self.nonfinite)
-
-    @property
-    def fits_fp16(self) -> bool:
-        """True when converting to FP16 creates no inf (and the probe did run)."""
-        return self.ok and not self.overflow
 
     @property
     def summary(self) -> str:

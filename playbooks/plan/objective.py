@@ -170,13 +170,3 @@ class Objective:
             return Pick(fastest, "below_speed_floor", q[id(fastest)])
         best = min(fast, key=lambda c: (q[id(c)].kld, -c.roofline_tok_s))
         return Pick(best, "quality", q[id(best)])
-
-    def statement(self) -> str:
-        """The objective in words, for a plan's notes."""
-        floor = f"at least {self.min_bpw:g} bits/weight"
-        if self.min_tok_s is None:
-            return f"the fastest quant of {floor} (no speed floor)"
-        return (
-            f"the best quality (lowest KL divergence) of {floor} whose decode roofline reaches "
-            f"{self.min_tok_s:g} tok/s; the fastest when none does"
-        )
