@@ -59,11 +59,14 @@ class Served:
     f16: Path = Path()  # the converted model every quant is made from
     staged: set[str] = field(default_factory=set)  # the quants staged under the prefix
 
-    def write_recipe(self, threads: int | None = None, quant: str = "Q8_0", other: bool = False) -> Path:
+    def write_recipe(
+        self, threads: int | None = None, quant: str = "Q8_0", other: bool = False, layers: int | None = None
+    ) -> Path:
         """The served recipe (``threads``, ``quant``: a changed one, written over the same file;
-        ``other``: a recipe of its own beside it, named for its quant, for `bench --against`)."""
+        ``other``: a recipe of its own beside it, named for its quant, for `bench --against`;
+        ``layers``: the model that deep instead)."""
         data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
-        data["model"]["config"] |= MODEL
+        data["model"]["config"] |= MODEL | ({"num_hidden_layers": layers} if layers else {})
         data |= {"quant": quant, "parallel": self.parallel, "service": {"port": self.port}}
         if threads:
             data["threads"] = threads
@@ -71,7 +74,8 @@ class Served:
         where = self.work / "against" if other else self.work
         where.mkdir(exist_ok=True)
         (where / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
-        path = where / (f"{self.recipe_name}-{quant.lower()}.yaml" if other else f"{self.recipe_name}.yaml")
+        tag = f"{quant.lower()}" + (f"-{layers}l" if layers else "")
+        path = where / (f"{self.recipe_name}-{tag}.yaml" if other else f"{self.recipe_name}.yaml")
         path.write_text(yaml.safe_dump(data))
         if not other:
             self.recipe = path
@@ -81,6 +85,23 @@ class Served:
         """A recipe of its own at ``quant`` (staged), for `bench --against` beside the served one."""
         self.stage(quant)
         return self.write_recipe(quant=quant, other=True)
+
+    def shallower(self, layers: int, quant: str = "Q8_0") -> Path:
+        """A recipe of its own whose model is ``layers`` deep (made and staged once), for `bench
+        --against`: a change whose size the depth fixes on any machine (a token's bytes and work
+        alike), where a change of quant is sized by the CPU (Q6_K reads 0.77x Q8_0's bytes and
+        costs more to unpack)."""
+        recipe = self.write_recipe(quant=quant, other=True, layers=layers)
+        key = f"{quant}-{layers}l"
+        if key not in self.staged:
+            config = yaml.safe_load(recipe.read_text())["model"]["config"]
+            work = self.work / key
+            f16 = llamacpp_tools.convert_to_gguf(write_tiny_llama(work / "hf", config), work / "f16.gguf")
+            gguf = llamacpp_tools.quantize(f16, work / f"m-{quant}.gguf", quant)
+            with LocalHost() as host:
+                stage_served_model(host, self.prefix, recipe, gguf, quant, tools=False)
+            self.staged.add(key)
+        return recipe
 
     def stage(self, quant: str) -> float:
         """``quant`` made from the F16 model (llama-quantize) and staged as `invoke quantize`

@@ -126,7 +126,7 @@ def run_bench_against(
         Text(
             f"design: per level a warm-up round each, then {d['cycles']} cycles of A B B A (a block: rounds of a "
             f"request per stream, at least {d['block_requests']} requests); judged at 5% over the {d['family']} "
-            "levels from the cycles' own spread"
+            f"level{'s' if d['family'] != 1 else ''} from the cycles' own spread"
         )
     )
     out.print(f"result: {path}")

@@ -128,7 +128,8 @@ def verdict_text(concurrency: int, p: PairedChange | None) -> str:
     """One line per level, in the words `--compare` uses."""
     if p is None:
         return f"concurrency {concurrency}: per-stream decode: too few whole cycles to judge"
-    change = f"{p.change * 100:+.1f}% (95% over the levels: {p.low * 100:+.1f}% to {p.high * 100:+.1f}%)"
+    family = f"{p.comparisons} level{'s' if p.comparisons != 1 else ''}"
+    change = f"{p.change * 100:+.1f}% (95% over {family}: {p.low * 100:+.1f}% to {p.high * 100:+.1f}%)"
     if p.distinct:
         return (
             f"concurrency {concurrency}: per-stream decode {change} against the live server, outside the noise: changed"
