@@ -39,25 +39,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from process_effect import BENCH_CODE, report  # noqa: E402
 from tiny_served import ROOT, served  # noqa: E402
 
 from playbooks.results import write_result  # noqa: E402
 
 #: what each file's figures are of (results.py, ``measures``)
-BENCH_CODE = [
-    "playbooks/cli/bench.py",
-    "playbooks/conduct/bench.py",
-    "playbooks/steps/measure/bench.py",
-    "playbooks/steps/measure/bench_run.py",
-    "playbooks/steps/measure/bench_report.py",
-    "playbooks/steps/measure/bench_stats.py",
-    "playbooks/steps/measure/bench_noise.py",
-    "playbooks/steps/measure/roofline.py",
-    "playbooks/steps/measure/bench_against.py",
-    "playbooks/steps/measure/paired.py",
-    "playbooks/conduct/bench_against.py",
-    "playbooks/conduct/scratch.py",
-]
 TUNE_CODE = [
     "playbooks/cli/tune.py",
     "playbooks/conduct/tune.py",
@@ -221,6 +208,8 @@ def main() -> int:
         # the README's tune sample: the second tune again, every measurement kept
         tenv = {**env, "VOLTAFORGE_CACHE": str(work / "tune-cache-1")}
         _, tune_out, again = cli(tune_args[:-1], tenv, work)
+        # each deployed process's own speed, from the proof runs' histories (reports/bench/process-effect.json)
+        report(work, write=not args.no_report)
     print(json.dumps(figures))
     if not args.no_report:
         write_result(

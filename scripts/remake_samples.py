@@ -48,6 +48,7 @@ MAKERS = (
         "bench-proof",
         (
             "reports/bench/proof.json",
+            "reports/bench/process-effect.json",
             "reports/local/bench-sample.json",
             "reports/local/bench-against-sample.json",
             "reports/local/tune-sample.json",

@@ -1,0 +1,110 @@
+"""Each process's own speed, from a proof's kept files (issue 53): prints figures, asserts nothing.
+
+`scripts/bench_proof.py --keep` leaves each proof run's bench history and every `bench --against`
+result under its work directory. Per proof run this reads the deployed Q8_0 server's
+single-stream decode over its bench runs (one process, deployed once per proof run: `--noise`,
+the unchanged `--compare`) and, in each unchanged `--against`, the two sides' means at one stream
+(the same configuration in two processes, interleaved block by block). Where the same
+configuration runs at two speeds in two processes for their whole life, the process, not the
+run, is what a comparison of configurations must replicate.
+
+Usage: .venv/bin/python scripts/process_effect.py WORK_DIR   (the proof's work directory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from playbooks.results import write_result  # noqa: E402
+
+#: what the figures are of (bench_proof.BENCH_CODE: imported there, so kept here)
+BENCH_CODE = [
+    "playbooks/cli/bench.py",
+    "playbooks/conduct/bench.py",
+    "playbooks/steps/measure/bench.py",
+    "playbooks/steps/measure/bench_run.py",
+    "playbooks/steps/measure/bench_report.py",
+    "playbooks/steps/measure/bench_stats.py",
+    "playbooks/steps/measure/bench_noise.py",
+    "playbooks/steps/measure/roofline.py",
+    "playbooks/steps/measure/bench_against.py",
+    "playbooks/steps/measure/paired.py",
+    "playbooks/conduct/bench_against.py",
+    "playbooks/conduct/scratch.py",
+]
+
+
+def single(levels: list[dict[str, Any]]) -> float | None:
+    one = next((lv for lv in levels if lv.get("concurrency") == 1), None)
+    return ((one or {}).get("decode") or {}).get("mean")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--no-report", action="store_true")
+    args = ap.parse_args()
+    report(args.work, write=not args.no_report)
+    return 0
+
+
+def report(work: Path, write: bool = True) -> dict[str, Any]:
+    """The figures of the proof kept under ``work`` (written to reports/ unless ``write`` is false)."""
+    runs = []
+    for proof in sorted(work.glob("proof-*")):
+        history = [json.loads(line) for line in (proof / "bench" / "history.jsonl").read_text().splitlines()]
+        # the deployed Q8_0 process's runs: the first eight (six --noise runs, the unchanged compare and its
+        # history entry); the deploys after them are other processes
+        served = [round(v, 1) for h in history[:7] if (v := single(h.get("levels") or []))]
+        pairs = []
+        for f in sorted(proof.glob("bench/*/*/against-*/against.json")):
+            got = json.loads(f.read_text())
+            if not got["b"]["recipe"].endswith("-q8_0"):
+                continue  # a change, not the unchanged pair
+            one = next(lv for lv in got["levels"] if lv["concurrency"] == 1)
+            pairs.append(
+                {
+                    "a": one["a"]["decode"],
+                    "b": one["b"]["decode"],
+                    "change_pct": round(one["change"]["change"] * 100, 1),
+                }
+            )
+        runs.append({"proof": proof.name, "deployed_c1": served, "unchanged_pairs_c1": pairs})
+        print(proof.name, served, pairs)
+    means = [statistics.fmean(r["deployed_c1"]) for r in runs if r["deployed_c1"]]
+    spreads = [(max(r["deployed_c1"]) - min(r["deployed_c1"])) / statistics.fmean(r["deployed_c1"]) for r in runs]
+    figures = {
+        "deployed_c1_mean_min": round(min(means), 1),
+        "deployed_c1_mean_max": round(max(means), 1),
+        "between_processes_pct": round((max(means) / min(means) - 1) * 100, 1),
+        "within_process_range_max_pct": round(max(spreads) * 100, 1),
+        "unchanged_pair_c1_change_max_pct": max(abs(p["change_pct"]) for r in runs for p in r["unchanged_pairs_c1"]),
+    }
+    print(json.dumps(figures))
+    if write:
+        write_result(
+            ROOT / "reports" / "bench" / "process-effect.json",
+            "one configuration, several processes: each deployed server's single stream over its bench runs, "
+            "and the unchanged pairs of bench --against",
+            figures,
+            {k: "%" if k.endswith("_pct") else "tok/s" for k in figures},
+            ".venv/bin/python scripts/bench_proof.py (its kept files, read by scripts/process_effect.py)",
+            notes="the proof's three runs, each with its own deployment of the Q8_0 server (a fresh process); "
+            "deployed_c1: its single-stream decode in the first seven bench runs of that process (six --noise runs "
+            "and the unchanged --compare)",
+            extra={"runs": runs},
+            measures=BENCH_CODE,
+        )
+    return figures
+
+
+if __name__ == "__main__":
+    sys.exit(main())
