@@ -52,11 +52,16 @@ def main() -> int:
     ap.add_argument("work", type=Path)
     ap.add_argument("--no-report", action="store_true")
     args = ap.parse_args()
-    report(args.work, write=not args.no_report)
+    how = f".venv/bin/python scripts/process_effect.py {args.work} (the files of a scripts/bench_proof.py run)"
+    report(args.work, write=not args.no_report, command=how)
     return 0
 
 
-def report(work: Path, write: bool = True) -> dict[str, Any]:
+def report(
+    work: Path,
+    write: bool = True,
+    command: str = ".venv/bin/python scripts/bench_proof.py (its kept files, read by scripts/process_effect.py)",
+) -> dict[str, Any]:
     """The figures of the proof kept under ``work`` (written to reports/ unless ``write`` is false)."""
     runs = []
     for proof in sorted(work.glob("proof-*")):
@@ -96,7 +101,7 @@ def report(work: Path, write: bool = True) -> dict[str, Any]:
             "and the unchanged pairs of bench --against",
             figures,
             {k: "%" if k.endswith("_pct") else "tok/s" for k in figures},
-            ".venv/bin/python scripts/bench_proof.py (its kept files, read by scripts/process_effect.py)",
+            command,
             notes="the proof's three runs, each with its own deployment of the Q8_0 server (a fresh process); "
             "deployed_c1: its single-stream decode in the first seven bench runs of that process (six --noise runs "
             "and the unchanged --compare)",
