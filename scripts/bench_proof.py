@@ -169,7 +169,7 @@ def main() -> int:
             "against_unchanged_runs_with_a_call": sum(
                 any(v[2] for v in a["verdicts"]) for a in runs if a["quant"] == "Q8_0"
             ),
-            "against_run_s_max": max(a["took_s"] for a in runs),
+            "against_run_max_s": max(a["took_s"] for a in runs),
         }
         for quant in ("Q6_K", "Q4_K_M", "6 layers"):
             single = [v for a in runs if a["quant"] == quant for v in a["verdicts"] if v[0] == 1]

@@ -99,8 +99,14 @@ CONTEXT = {
     ("plan", "quant"): ["--model-config", QWEN7],
     # a set of two GPU recipes: the budget's own value is judged (a CPU target's, refused here)
     ("plan", "memory-budget"): ["--models", "qwen2.5-14b-v100-16gb,qwen2.5-32b-v100-16gb"],
+    # plan --host: the host's model sets, read from the inventory the flag names
+    ("plan", "host"): [],
+    ("plan", "inventory"): ["--host", NOWHERE],
 }
 WORKERS = max(2, min(8, os.cpu_count() or 2))
+# tasks whose --host chooses what they do, not where (plan --host: the host's model sets), so a
+# flag of the other mode is judged without it
+HOST_IS_A_MODE = {"plan"}
 # tasks that read a recipe and write nothing outside --out (under the run's cwd)
 WRITES_ONLY_UNDER_CWD = {"plan", "render"}
 
@@ -115,7 +121,7 @@ def context(task: str, flag: str, out: Path) -> list[str]:
         return list(CONTEXT[(task, flag)])
     flags = {a.name.replace("_", "-") for a in ns[task].get_arguments()}
     ctx: list[str] = []
-    if "host" in flags and flag != "host":
+    if "host" in flags and flag != "host" and task not in HOST_IS_A_MODE:
         ctx += ["--host", NOWHERE]
     if "hosts" in flags and flag != "hosts":  # the balancer's backends
         ctx += ["--hosts", NOWHERE]
