@@ -105,7 +105,8 @@ def run_plan_host_sets(host_name: str, settings: Settings, as_json: bool = False
     if as_json:
         (out or sys.stdout).write(json.dumps([{"set": name} | set_json(sp) for name, sp in plans], indent=2) + "\n")
     else:
+        shown = console(out)
         for name, sp in plans:
-            console(out).print(Text(f"{host_name}: set {name}"))
-            render_set(sp, console(out))
+            shown.print(Text(f"{host_name}: set {name}"))
+            render_set(sp, shown)
     return 1 if any(sp.refusal for _, sp in plans) else 0
