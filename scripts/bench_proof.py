@@ -8,8 +8,9 @@ separate VOLTAFORGE_CACHE), each:
 1. `voltaforge bench --noise 6` on the unchanged Q8_0 server (the host's own run-to-run noise,
    from its history), then one `voltaforge bench --compare`: how many of its verdicts (three
    levels, against the last configuration and the best run) call a change (stated: at most 5%);
-2. in one run each, interleaved (`voltaforge bench --against RECIPE`, beside the deployed Q8_0
-   server): the same Q8_0 recipe twice (how many of its verdicts, three levels a run, call a
+2. in one run each, interleaved (`voltaforge bench --against RECIPE`: the deployed Q8_0 recipe
+   and RECIPE, each cycle on fresh processes of both, beside the deployed server): the same Q8_0
+   recipe twice (how many of its verdicts, three levels a run, call a
    change: stated at most 5% a run), then Q6_K (about 0.77x the bytes per token), Q4_K_M
    (about 0.57x) and the model 6 layers deep instead of 8 (0.75x the bytes and the work): is the
    change called, at every level where it is 30% or more;
@@ -69,7 +70,7 @@ CHANGES = ("Q6_K", "Q8_0", "Q4_K_M")
 AGAINST = ("Q8_0", "Q8_0", "Q6_K", "Q4_K_M", "6 layers")
 SHALLOW_LAYERS = 6
 AGAINST_VERDICT = re.compile(
-    r"concurrency (\d+): per-stream decode ([+-][\d.]+)% \(95%.*?\) against the live server, (outside|within)"
+    r"concurrency (\d+): per-stream decode ([+-][\d.]+)% \(95%.*?\) against the deployed recipe, (outside|within)"
 )
 
 
@@ -222,7 +223,8 @@ def main() -> int:
             notes="8-layer hidden-1024 Llama, random weights, llama-server (4 slots) as a managed process on "
             f"this machine (the `stab` entry); {PROOF_RUNS} proof runs, each with its own history: "
             f"`voltaforge bench --noise {NOISE_RUNS}` at Q8_0, one `voltaforge bench --compare`, then "
-            f"`voltaforge bench --against` a recipe at {', '.join(AGAINST)} in turn beside the Q8_0 server, then the "
+            f"`voltaforge bench --against` a recipe at {', '.join(AGAINST)} in turn (the deployed Q8_0 recipe and "
+            "it, each cycle on fresh processes, beside the Q8_0 server), then the "
             f"recipe at {', '.join(CHANGES)} in turn, each deployed and compared; then two `voltaforge tune "
             "--slots 2 --cache f16 --ubatch 64,512 --rungs 2`, each from its own empty store",
             extra=extra,

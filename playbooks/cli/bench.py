@@ -124,9 +124,10 @@ def run_bench_against(
     d = result["design"]
     out.print(
         Text(
-            f"design: per level a warm-up round each, then {d['cycles']} cycles of A B B A (a block: rounds of a "
-            f"request per stream, at least {d['block_requests']} requests); judged at 5% over the {d['family']} "
-            f"level{'s' if d['family'] != 1 else ''} from the cycles' own spread"
+            f"design: {d['cycles']} cycles of A B B A, each on fresh processes ({d['processes']} in all, a warm-up "
+            f"round each; a block: at every level rounds of a request per stream, at least {d['block_requests']} "
+            f"requests); judged at 5% over the {d['family']} level{'s' if d['family'] != 1 else ''} from the "
+            "cycles' own spread"
         )
     )
     out.print(f"result: {path}")
@@ -135,7 +136,7 @@ def run_bench_against(
 
 def render_against_table(result: dict, out: Console) -> None:
     a, b = result["a"], result["b"]
-    table = Table(title=f"{b['recipe']} (B, port {b['port']}) against {a['service']} (A, port {a['port']})")
+    table = Table(title=f"{b['recipe']} (B, port {b['port']}) against {a['recipe']} afresh (A, port {a['port']})")
     for col in ("concurrency", "A per-stream tok/s", "B per-stream tok/s", "B against A", "95% interval", "verdict"):
         table.add_column(col, justify="right")
     for level in result["levels"]:

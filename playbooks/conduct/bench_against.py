@@ -1,15 +1,21 @@
-"""`invoke bench --against RECIPE`: would this change help? The host's deployed server (A) and
-RECIPE (B) served beside it on the scratch port (conduct/scratch.py, tune's), measured in one
-run with their rounds interleaved (steps/measure/bench_against.py), then B stopped and removed.
+"""`invoke bench --against RECIPE`: would this change help? The host's deployed recipe (A) and
+RECIPE (B) measured in one run, their blocks interleaved A B B A, each cycle on fresh processes
+(steps/measure/bench_against.py; paired.py says why the process is what is replicated).
 
-Compute first: B is loaded and planned before the host is reached, and refused when the plan
-says it does not fit beside A (the card the plan budgets, or a CPU target's host budget); A is
-never stopped or touched. B's artifact is made by the quantize step when it is missing, before
-the measurement. The run holds the host lock, so no provision or tune changes the host under it.
+Both sides are served on scratch units (conduct/scratch.py, tune's) in turn, one process at a time
+beside the live service, which is never stopped, touched or measured: A afresh under
+``voltaforge-tune-a`` on the live port + 101, B under ``voltaforge-tune`` on the live port + 100.
+Each unit is written once and then started for each process; both are stopped and removed in a
+finally (a failure, Ctrl-C).
 
-B is served on A's port + 100 (tune's scratch port), with A's workload (A's gate). Nothing enters
-the bench history: neither side is a gate run of what the host serves (the result is written
-under ``bench/<host>/<A's recipe>/against-<time>/against.json``).
+Compute first: both recipes are loaded, and the one that is deployed read, before anything
+changes; the larger of the two is refused up front when the plan says it does not fit beside the
+live service (the card the plan budgets, or a CPU target's host budget). B's artifact is made by
+the quantize step when it is missing, before the measurement. The run holds the host lock, so no
+provision or tune changes the host under it.
+
+The workload is A's gate's. Nothing enters the bench history: neither side is a gate run of what
+the host serves (the result is written under ``bench/<host>/<A's recipe>/against-<time>/against.json``).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from playbooks.conduct.deploy import served_instances
-from playbooks.conduct.scratch import Scratch, crowded, planned_bytes, scratch_ops
+from playbooks.conduct.scratch import SCRATCH_A_UNIT, Scratch, crowded, planned_bytes, scratch_ops
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.tune_candidates import candidate_port
 from playbooks.errors import VoltaforgeError
@@ -32,7 +38,7 @@ from playbooks.steps.measure.bench_against import Side, measure_against
 from playbooks.steps.measure.bench_run import bench_dir
 from playbooks.steps.serve.secrets import api_key_for
 
-#: B's port: A's plus this (tune's scratch port)
+#: B's port: the live service's plus this (tune's scratch port); a fresh A's is one more
 SCRATCH_OFFSET = 100
 
 
@@ -60,42 +66,59 @@ def bench_against(
         name, _, a_port = instances[0]
         port = a_port + SCRATCH_OFFSET
         b_loaded = candidate_port(b_loaded, port)
+        a_fresh = candidate_port(a_loaded, port + 1)
+        # one scratch process at a time beside the live service: the larger of the two must fit
         why = crowded(
             a_loaded.recipe.gpu,
-            b_loaded.recipe.name,
-            planned_bytes(b_loaded),
+            f"{b_loaded.recipe.name} or a fresh {a_loaded.recipe.name}",
+            max(planned_bytes(b_loaded), planned_bytes(a_fresh)),
             [(name, planned_bytes(a_loaded))],
             "compare on a host with room for both, or deploy it and compare the runs with --compare",
         )
         if why:
             raise VoltaforgeError(f"{host.name}: {why}")
         sudo = not parse_writable(host.run(writable_command(spec.prefix), check=False, stream=False).stdout)
-        scratch = Scratch(host, spec.prefix, scratch_ops(), say)
+        scratch = {
+            "a": (Scratch(host, spec.prefix, scratch_ops(), say, unit=SCRATCH_A_UNIT), a_fresh),
+            "b": (Scratch(host, spec.prefix, scratch_ops(), say), b_loaded),
+        }
+        a_key, b_key = api_key_for(host, a_loaded.recipe), api_key_for(host, b_loaded.recipe)
+        a = Side(a_loaded.recipe.name, port + 1, engine(a_loaded.recipe.backend).server, a_key)
+        b = Side(b_loaded.recipe.name, port, engine(b_loaded.recipe.backend).server, b_key)
+        running: list[str] = []
+
+        def fresh(side: Side) -> str | None:
+            """The side's process started anew, the other stopped first (one at a time)."""
+            for key in running:
+                scratch[key][0].stop(scratch[key][1])
+            running[:] = ["a" if side is a else "b"]
+            unit, loaded = scratch[running[0]]
+            return unit.start(loaded)
+
         with host_lock(host, spec.prefix, sudo=sudo):
             try:
-                scratch.artifact(b_loaded, b_loaded.recipe.quant_name)
-                say(f"serving {b_loaded.recipe.name} on port {port} beside {name} (port {a_port})")
-                failed = scratch.start(b_loaded)
-                if failed:
-                    raise VoltaforgeError(
-                        f"{host.name}: {b_loaded.recipe.name} did not come up on port {port}: {failed}"
-                    )
-                a = Side(name, a_port, engine(a_loaded.recipe.backend).server, api_key_for(host, a_loaded.recipe))
-                b = Side(
-                    b_loaded.recipe.name,
-                    port,
-                    engine(b_loaded.recipe.backend).server,
-                    api_key_for(host, b_loaded.recipe),
+                for unit, loaded in scratch.values():
+                    unit.artifact(loaded, loaded.recipe.quant_name)
+                say(
+                    f"{a_loaded.recipe.name} (A, port {port + 1}) and {b_loaded.recipe.name} (B, port {port}) "
+                    f"served in turn beside {name} (port {a_port}, untouched)"
                 )
-                measured = measure_against(host, a, b, a_loaded.recipe.gate, say=say)
+                measured = measure_against(host, a, b, a_loaded.recipe.gate, fresh, say=say)
             finally:
-                scratch.stop(b_loaded)
-                scratch.remove()
+                for unit, loaded in scratch.values():
+                    unit.stop(loaded)
+                    unit.remove()
     if "error" in measured:
         raise VoltaforgeError(f"{host.name}: {measured['error']}")
     result = {
         "host": host.name,
-        "a": {"recipe": a_loaded.recipe.name, "path": str(a_loaded.path), "service": name, "port": a_port},
+        "a": {
+            "recipe": a_loaded.recipe.name,
+            "path": str(a_loaded.path),
+            "service": name,
+            "port": port + 1,
+            "live_port": a_port,
+        },
         "b": {"recipe": b_loaded.recipe.name, "path": str(b_loaded.path), "port": port},
         **measured,
     }

@@ -30,6 +30,11 @@ from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
 SCRATCH_UNIT = "voltaforge-tune.service"
 SCRATCH_SERVICE = SCRATCH_UNIT.removesuffix(".service")
+#: a second scratch unit: `bench --against` serves fresh processes of the deployed recipe under it,
+#: taking turns with the other recipe's under SCRATCH_UNIT (each unit written once, then started)
+SCRATCH_A_UNIT = "voltaforge-tune-a.service"
+#: the services that are never a live deployment
+SCRATCH_SERVICES = (SCRATCH_SERVICE, SCRATCH_A_UNIT.removesuffix(".service"))
 
 #: the operations a scratch server runs (conduct/deploy.py and conduct/quantize.py build them;
 #: scratch_ops() gives the real ones): functions, so the loops that use them can be driven by others
@@ -92,9 +97,11 @@ def scratch_ops() -> Ops:
 class Scratch:
     """The scratch server on one connected host."""
 
-    def __init__(self, host: Host, prefix: str, ops: Ops, say: Callable[[str], None] = lambda _: None):
+    def __init__(
+        self, host: Host, prefix: str, ops: Ops, say: Callable[[str], None] = lambda _: None, unit: str = SCRATCH_UNIT
+    ):
         self.host, self.prefix, self.ops, self.say = host, prefix, ops, say
-        self.layout = ServerLayout(prefix=prefix, unit_name=SCRATCH_UNIT)
+        self.layout = ServerLayout(prefix=prefix, unit_name=unit)
 
     def artifact(self, loaded: LoadedRecipe, quant: str) -> dict[str, Any]:
         """The recipe's GGUF at ``quant`` as its manifest describes it (made by the quantize step
@@ -126,13 +133,13 @@ class Scratch:
         except VoltaforgeError:
             pass  # nothing running there
         # no rollback target between configurations: a failed start must not bring back the last one
-        state = DeployLayout(self.prefix, SCRATCH_SERVICE).state_dir
+        state = DeployLayout(self.prefix, self.layout.service).state_dir
         self.host.run(f"rm -rf -- {state}/good", check=False, stream=False)
 
     def remove(self) -> None:
         """Nothing of the scratch server left: its state and its serve directory."""
         self.host.run(
-            f"rm -rf -- {DeployLayout(self.prefix, SCRATCH_SERVICE).state_dir} {self.layout.serve_dir}",
+            f"rm -rf -- {DeployLayout(self.prefix, self.layout.service).state_dir} {self.layout.serve_dir}",
             check=False,
             stream=False,
         )

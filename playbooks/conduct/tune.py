@@ -40,7 +40,7 @@ from typing import Any
 from playbooks.conduct.deploy import deploy_ops
 from playbooks.conduct.deployed import deployment_manager, recipe_file
 from playbooks.conduct.placements import Served, host_serves
-from playbooks.conduct.scratch import SCRATCH_SERVICE, Ops, Scratch, crowded, planned_bytes, scratch_ops
+from playbooks.conduct.scratch import SCRATCH_SERVICES, Ops, Scratch, crowded, planned_bytes, scratch_ops
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.tune_candidates import (
     candidate_recipe,
@@ -167,7 +167,7 @@ class Tuner:
         move during a search: a taken-over service comes back on its own)."""
         if self._live is None:
             found = parse_deployments(read_fact(self.host, deployments_command(self.prefix)))
-            self._live = [d for d in found if d.service != SCRATCH_SERVICE and d.record]
+            self._live = [d for d in found if d.service not in SCRATCH_SERVICES and d.record]
         return self._live
 
     def _port_of(self, d: Deployment) -> int | None:

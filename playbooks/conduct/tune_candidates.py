@@ -31,7 +31,7 @@ def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int
             "parallel": c.parallel,
             "context": context,
             "planner": r.planner.model_copy(update={"n_ubatch": c.ubatch}),
-            "service": r.service.model_copy(update={"port": port}),
+            "service": candidate_port(loaded, port).recipe.service,
             "spec_type": c.spec_type,
             # the draft is loaded by draft-simple alone (the recipe schema refuses it beside others)
             "draft": r.draft if c.spec_type == "draft-simple" else None,

@@ -1,12 +1,12 @@
-"""`invoke bench --against`: the deployed server (A) and another configuration (B, served on the
-scratch port beside it) measured in one run, their rounds interleaved A B B A, and the change
-judged from the pairs (steps/measure/paired.py says why and how).
+"""`invoke bench --against`: the deployed recipe (A) and another configuration (B) measured in
+one run, their blocks interleaved A B B A, each cycle on fresh processes (the conductor starts
+them), and the change judged from the cycles (steps/measure/paired.py says why and how).
 
 The workload is A's gate's (levels, prompt and completion sizes, its text), the same requests
 for both sides (each side's prompts sized by its own tokenizer's count, cut at the same seeded
-offsets). A block is whole rounds (a round: one request per stream, all at once) of at least
-paired.BLOCK_REQUESTS requests. Each level starts with a
-warm-up round on each side, left out.
+offsets). A block is, at every level in turn, whole rounds (a round: one request per stream, all
+at once) of at least paired.BLOCK_REQUESTS requests. Each process starts with a warm-up round
+at the widest level, left out.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from playbooks.steps.measure.bench_run import REQUEST_TIMEOUT_S, bench_health, p
 from playbooks.steps.measure.paired import (
     BLOCK_REQUESTS,
     CYCLES,
+    ORDER,
+    fresh_process,
     paired_change,
     rounds_per_block,
     schedule,
@@ -40,45 +42,25 @@ class Side:
         self.words = 0
 
 
-def _source(a: list[bench.Round], b: list[bench.Round]) -> str:
-    """Whose rates both sides are judged by: the client's where it could time both sides'
-    tokens, else the servers' own (both must report one; TabbyAPI does not: then each side its
-    own judged source, which the result says)."""
-    sa = bench.judged_values([s for got, _ in a for s in got])[1]
-    sb = bench.judged_values([s for got, _ in b for s in got])[1]
-    if sa == sb:
-        return sa
-    has = all("predicted_per_second" in s.timings for got, _ in a + b for s in got if s.error is None)
-    return "server" if has else "mixed"
+def _judged(rounds: dict[str, list[bench.Round]]) -> tuple[str, dict[str, dict[str, list[float | None]]]]:
+    """Whose rates both sides are judged by, and each side's per-round figures by it: the
+    client's where it could time both sides' tokens, else the servers' own (both must report
+    one; TabbyAPI does not: then each side by its own judged source, the result's "mixed")."""
+    own = {s: bench.judged_values([x for got, _ in rounds[s] for x in got])[1] for s in ("a", "b")}
+    if own["a"] == own["b"]:
+        source = own["a"]
+    else:
+        answered = [x for s in ("a", "b") for got, _ in rounds[s] for x in got if x.error is None]
+        has = all("predicted_per_second" in x.timings for x in answered)
+        source = "server" if has else "mixed"
+    per_side = {s: bench.round_observations(rounds[s], own[s] if source == "mixed" else source) for s in ("a", "b")}
+    return source, per_side
 
 
-def _level(a: Side, b: Side, text: bench.Corpus, c: int, g: Gate, cycles: int) -> dict[str, Any]:
-    """One level: a warm-up round per side, then the interleaved blocks."""
-    sides = {"a": a, "b": b}
-
-    def round_on(server: Side, seed: int) -> bench.Round:
-        prompts = bench.prompts_for(text, server.words, c, seed=seed)
-        return asyncio.run(
-            bench_client.run_level(
-                server.url, prompts, c, g.max_tokens, seed, server.kind, REQUEST_TIMEOUT_S, server.api_key
-            )
-        )
-
-    for server in sides.values():
-        round_on(server, 100_000 + c)
-    order = schedule(cycles)
+def _level(rounds: dict[str, list[bench.Round]], order: list[tuple[int, str, int]], c: int) -> dict[str, Any]:
+    """One level's result from its rounds (each side's in run order, rounds_per_block(c) a block)."""
     per_block = rounds_per_block(c)
-    rounds: dict[str, list[bench.Round]] = {"a": [], "b": []}
-    for cycle, side, k in order:
-        for r in range(per_block):
-            rounds[side].append(round_on(sides[side], 1000 * c + 100 * cycle + 10 * k + r))
-    source = _source(rounds["a"], rounds["b"])
-    per_side = {
-        s: bench.round_observations(rounds[s], bench.judged_values([x for got, _ in rounds[s] for x in got])[1])
-        if source == "mixed"
-        else bench.round_observations(rounds[s], source)
-        for s in ("a", "b")
-    }
+    source, per_side = _judged(rounds)
     taken = {"a": 0, "b": 0}
     blocks: list[tuple[int, str, float | None]] = []
     for cycle, side, _ in order:
@@ -110,33 +92,63 @@ def measure_against(
     a: Side,
     b: Side,
     g: Gate,
+    fresh: Callable[[Side], str | None],
     cycles: int = CYCLES,
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """Every level of ``g`` interleaved between the two servers on ``host``'s loopback; per level
-    the blocks, each side's means and the change of B against A (:func:`paired.paired_change`,
-    at 5% over the levels). ``{"error": ...}`` when either does not answer or serve completions."""
-    for side in (a, b):
-        if bench_health(host, side.port) == 0:
-            return {"error": f"{side.name} on {host.name}:{side.port} does not answer: nothing listens there"}
+    """Every level of ``g``, the two sides' blocks interleaved on ``host``'s loopback, each block
+    on a process ``fresh(side)`` starts (paired.fresh_process; it stops the one before and returns
+    a failure's line, or None); per level the blocks, each side's means and the change of B
+    against A (:func:`paired.paired_change`, at 5% over the levels). ``{"error": ...}`` when a
+    side does not start, answer or serve completions."""
     text = workload_text(g.workload)
-    levels = []
+    order = schedule(cycles)
+    sides = {"a": a, "b": b}
+    rounds: dict[int, dict[str, list[bench.Round]]] = {c: {"a": [], "b": []} for c in g.levels}
+    processes = 0
     with host.forward(a.port) as la, host.forward(b.port) as lb:
         a.url, b.url = f"http://127.0.0.1:{la}", f"http://127.0.0.1:{lb}"
-        for side in (a, b):
-            side.words, why = prompt_words(side.url, text, side.kind, g.prompt_tokens, side.api_key)
-            if why:
-                return {"error": f"{side.name} on {host.name}:{side.port} does not serve completions: {why}"}
-        for c in g.levels:
-            say(f"concurrency {c}: {cycles} cycles of A B B A")
-            levels.append(_level(a, b, text, c, g, cycles))
+
+        def round_on(server: Side, c: int, seed: int) -> bench.Round:
+            prompts = bench.prompts_for(text, server.words, c, seed=seed)
+            return asyncio.run(
+                bench_client.run_level(
+                    server.url, prompts, c, g.max_tokens, seed, server.kind, REQUEST_TIMEOUT_S, server.api_key
+                )
+            )
+
+        for i, (cycle, name, k) in enumerate(order):
+            side = sides[name]
+            if fresh_process(order, i):
+                if i % len(ORDER) == 0:
+                    say(f"cycle {cycle + 1} of {cycles}: A B B A, each on a fresh process")
+                failed = fresh(side)
+                processes += 1
+                if failed or bench_health(host, side.port) == 0:
+                    return {"error": f"{side.name} on {host.name}:{side.port} did not come up: {failed or 'no answer'}"}
+                if not side.words:  # the same words on every process of a side: its tokenizer's count
+                    side.words, why = prompt_words(side.url, text, side.kind, g.prompt_tokens, side.api_key)
+                    if why:
+                        return {"error": f"{side.name} on {host.name}:{side.port} does not serve completions: {why}"}
+                top = max(g.levels)  # a warm-up round at the widest level, left out: every stream's slot used once
+                round_on(side, top, 100_000 + top)
+            for c in g.levels:
+                for r in range(rounds_per_block(c)):
+                    rounds[c][name].append(round_on(side, c, 1000 * c + 100 * cycle + 10 * k + r))
+    levels = [_level(rounds[c], order, c) for c in g.levels]
     for lv in levels:
         p = paired_change([(b_["cycle"], b_["side"], b_["decode"]) for b_ in lv["blocks"]], comparisons=len(levels))
         lv["change"] = None if p is None else p.as_dict()
         lv["verdict"] = verdict_text(lv["concurrency"], p)
     return {
         "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "design": {"order": "A B B A", "cycles": cycles, "block_requests": BLOCK_REQUESTS, "family": len(levels)},
+        "design": {
+            "order": "A B B A",
+            "cycles": cycles,
+            "block_requests": BLOCK_REQUESTS,
+            "family": len(levels),
+            "processes": processes,
+        },
         "workload": {"prompt_tokens": g.prompt_tokens, "max_tokens": g.max_tokens, "kind": g.workload},
         "levels": levels,
     }

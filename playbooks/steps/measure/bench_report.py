@@ -459,11 +459,6 @@ def chart_series(result: dict[str, Any]) -> dict[str, list[float]]:
     }
 
 
-def render_chart(result: dict[str, Any], path: Path) -> Path:
-    """Write :func:`chart_png` to ``path`` atomically; returns the path."""
-    return _atomic_write_bytes(Path(path), chart_png(result))
-
-
 # ------------------------------------------------------------------------------------------
 # files
 # ------------------------------------------------------------------------------------------

@@ -1,19 +1,24 @@
-"""Two configurations measured in one run, their rounds interleaved, and the change between
-them judged from the pairs (pure).
+"""Two configurations measured in one run, their rounds interleaved, each cycle on fresh
+processes, and the change between them judged from the cycles (pure).
 
 Why: two bench runs minutes apart differ by more than either run's interval says (a run effect:
 bench_stats, bench_noise); on a shared VM that effect is 6-16% between runs and moves in modes
 that last minutes, so two runs tell apart only changes several times that size. Measured in one
 window, A and B share the window's mode and drift, and only what differs between them is left.
+One more effect is left that one window cannot see: a server process keeps its own speed for its
+whole life (measured: one deployed process 27% below two others of the same recipe, each steady
+within 15% over seven runs: reports/bench/process-effect.json). So the unit replicated is the
+process: every cycle starts its own.
 
-The design: per concurrency level, CYCLES cycles of four blocks in the order A B B A (a block:
-rounds of one request per stream, at least BLOCK_REQUESTS requests), so a drift that is linear
-over a cycle falls equally on both sides, and each side follows the other as often as itself.
-Per cycle one observation: the log of B's mean over A's mean across its four blocks. The change
-is exp(mean) - 1, judged by a one-sample t test on the cycles' logs (cycles - 1 degrees of
-freedom), at 5% over the levels of one run (Bonferroni: a run calls an unchanged pair changed at
-any level at most 5% of the time). No host noise figure enters: the cycles carry their own
-spread, which is the point.
+The design: CYCLES cycles of four blocks in the order A B B A (a block: at every concurrency
+level, rounds of one request per stream, at least BLOCK_REQUESTS requests), so a drift that is
+linear over a cycle falls equally on both sides, and each side follows the other as often as
+itself. Each block runs on a process started for it, except that the middle B B is one process
+(:func:`fresh_process`): three processes a cycle. Per cycle and level one observation: the log of
+B's mean over A's mean across its blocks. The change is exp(mean) - 1, judged by a one-sample t
+test on the cycles' logs (cycles - 1 degrees of freedom), at 5% over the levels of one run
+(Bonferroni: a run calls an unchanged pair changed at any level at most 5% of the time). No host
+noise figure enters: the cycles carry their own spread, processes' included, which is the point.
 """
 
 from __future__ import annotations
@@ -30,9 +35,8 @@ from playbooks.steps.measure.bench_stats import ALPHA, POWER, t_quantile
 ORDER = ("a", "b", "b", "a")
 #: cycles per level: 6 give 5 degrees of freedom (t_{0.992} about 3.8 over three levels)
 CYCLES = 6
-#: the fewest requests a block holds: one request at one stream moved by about 10% from the next
-#: on this VM (a cycle's ratio of single requests: 10.5% standard deviation, measured), four
-#: halve that; a sweep of three levels costs about 90 s here
+#: the fewest requests a block holds at a level: single requests at one stream move from one to
+#: the next by several percent here, and four halve a block's share of that
 BLOCK_REQUESTS = 4
 
 
@@ -51,6 +55,12 @@ def schedule(cycles: int = CYCLES) -> list[tuple[int, str, int]]:
             out.append((cycle, side, seen[side]))
             seen[side] += 1
     return out
+
+
+def fresh_process(order: Sequence[tuple[int, str, int]], i: int) -> bool:
+    """Whether block ``i`` of ``order`` starts its own process: every block but one that follows
+    its own side within the same cycle (the middle B B of A B B A)."""
+    return i == 0 or order[i - 1][:2] != order[i][:2]
 
 
 @dataclass(frozen=True)
@@ -132,9 +142,10 @@ def verdict_text(concurrency: int, p: PairedChange | None) -> str:
     change = f"{p.change * 100:+.1f}% (95% over {family}: {p.low * 100:+.1f}% to {p.high * 100:+.1f}%)"
     if p.distinct:
         return (
-            f"concurrency {concurrency}: per-stream decode {change} against the live server, outside the noise: changed"
+            f"concurrency {concurrency}: per-stream decode {change} against the deployed recipe, "
+            "outside the noise: changed"
         )
     return (
-        f"concurrency {concurrency}: per-stream decode {change} against the live server, within the noise: no change "
-        f"shown (a change of {p.detectable * 100:.1f}% or more would show {POWER * 100:.0f}% of the time)"
+        f"concurrency {concurrency}: per-stream decode {change} against the deployed recipe, within the noise: "
+        f"no change shown (a change of {p.detectable * 100:.1f}% or more would show {POWER * 100:.0f}% of the time)"
     )
