@@ -1,4 +1,4 @@
-"""playbooks/weights/draft_pair.py without the real tools: the edits it makes to a draft's
+"""tests/draft_pair.py without the real tools: the edits it makes to a draft's
 checkpoint, read back byte for byte (tests/test_speculation_real.py converts and serves them).
 
 The draft here is written by hand (write_safetensors, a stand-in tokenizer file) so that no
@@ -11,8 +11,9 @@ import json
 import numpy as np
 import pytest
 
-from playbooks.weights import draft_pair
-from playbooks.weights.draft_pair import (
+from playbooks.weights.tinymodel import write_safetensors
+from tests import draft_pair
+from tests.draft_pair import (
     ZERO_OUTPUT,
     read_safetensors,
     successor_permutation,
@@ -20,7 +21,6 @@ from playbooks.weights.draft_pair import (
     write_successor_model,
     write_zero_layer_target,
 )
-from playbooks.weights.tinymodel import write_safetensors
 
 V, H, FF, LAYERS = 256, 128, 192, 2
 LEAVES = {

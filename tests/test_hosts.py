@@ -182,7 +182,8 @@ def test_local_sudo_as_root_runs_directly(local):
 def test_secrets_travel_on_stdin_and_are_redacted(local, tmp_path, capsys):
     secret = b"hf_Sup3rS3cretT0ken"
     seen = spy_commands(local)
-    local.put_secret(str(tmp_path / "token"), secret)
+    local.redact(secret)  # as steps/serve/secrets.read_api_key does with a key it read
+    local.write_file(str(tmp_path / "token"), secret, 0o600)
     assert (tmp_path / "token").read_bytes() == secret
     assert stat.S_IMODE((tmp_path / "token").stat().st_mode) == 0o600
     assert not any(secret.decode() in c for c in seen)
@@ -242,10 +243,11 @@ def test_ssh_files_round_trip(ssh, sshd_host, tmp_path):
 
 
 @slow
-def test_ssh_put_secret_never_on_a_command_line(ssh, sshd_host, capsys):
+def test_ssh_a_written_secret_is_never_on_a_command_line(ssh, sshd_host, capsys):
     secret = b"sk-live-0123456789abcdef"
     seen = spy_commands(ssh)
-    ssh.put_secret(f"{sshd_host.prefix}/api.key", secret)
+    ssh.redact(secret)
+    ssh.write_file(f"{sshd_host.prefix}/api.key", secret, 0o600)
     path = sshd_host.prefix / "api.key"
     assert path.read_bytes() == secret and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert not any(secret.decode() in c for c in seen)

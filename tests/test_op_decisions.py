@@ -22,12 +22,12 @@ from playbooks.facts.system import OsRelease
 from playbooks.host.ops import (
     Command,
     EnsureDirectory,
-    EnsureFile,
     FileFacts,
     OperationError,
     Upload,
 )
 from playbooks.steps.build.toolchain import CudaFacts, EnsureCudaToolkit, EnsureTorch, EnsureVenv, TorchFacts
+from tests.file_ops import EnsureFile
 
 DATA = Path(__file__).parent / "data" / "operations"
 

@@ -29,12 +29,11 @@ from playbooks.host.ops import (
     FULL_OUTPUT_NOTE,
     Change,
     EnsureDirectory,
-    EnsureFile,
-    RunCommand,
     Shell,
     run_ops,
     summarize,
 )
+from tests.file_ops import EnsureFile, RunCommand
 
 
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.slow)])
@@ -400,7 +399,7 @@ def test_summarize(text, why):
 def test_handlers_run_once_when_notified_and_not_when_nothing_changed(tmp_path):
     """Two files notify the same handler: it runs once after both changed, not on a no-op
     run; a non-idempotent operation acts every time and says so."""
-    from playbooks.host.ops import Handler, RunCommand, Shell
+    from playbooks.host.ops import Handler, Shell
 
     log = tmp_path / "handler.log"
     host = LocalHost()

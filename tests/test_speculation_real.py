@@ -1,5 +1,5 @@
 """Speculative decoding with a known answer, through the real tools: generated models
-(playbooks/weights/draft_pair.py) converted by llama.cpp's convert_hf_to_gguf.py, quantized
+(tests/draft_pair.py) converted by llama.cpp's convert_hf_to_gguf.py, quantized
 to Q8_0 by the pinned llama-quantize and served by the pinned CPU llama-server, one
 slot, one thread (``-t 1``, and one for the draft: two cores shared with other test runs make
 a second thread wait on a descheduled one: 0.7 tok/s seen with ``-t 2``), greedy requests
@@ -58,8 +58,8 @@ import pytest
 import yaml
 
 from playbooks.facts.speculation import acceptance
-from playbooks.weights.draft_pair import write_draft_pair, write_successor_model
 from tests import llamacpp_tools
+from tests.draft_pair import write_draft_pair, write_successor_model
 from tests.helpers import ROOT
 from tests.testhosts import free_port
 

@@ -288,11 +288,6 @@ class Host:
         with open(local, "rb") as fh:
             self.write_file(remote_path, fh, mode, sudo=sudo, owner=owner)
 
-    def put_secret(self, remote_path: str, secret: bytes, *, sudo: bool = False, owner: str | None = None) -> None:
-        """Write a secret with mode 0600. It travels on stdin (never argv) and is redacted."""
-        self.redact(secret)
-        self.write_file(remote_path, secret, 0o600, sudo=sudo, owner=owner)
-
     def read_bytes(self, path: str, *, sudo: bool = False) -> bytes:
         out, err, code = self._run(
             f"cat -- {shlex.quote(path)}",

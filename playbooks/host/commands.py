@@ -42,7 +42,7 @@ def build_command(
     caller's variables are set again *after* sudo (sudo resets the environment);
     ``timeout`` kills the command on the host itself, so a stuck command does not outlive
     our deadline. Variables are on the command line (visible in ``ps`` on the host): pass
-    secrets in files (:meth:`Host.put_secret`), not in ``env``.
+    secrets in files (written on stdin: :meth:`Host.write_file`), not in ``env``.
     """
     assigns = validate_env(env)
     limit = []

@@ -217,18 +217,6 @@ class Handler:
     commands: tuple[Command, ...]
 
 
-class RunCommand(Operation):
-    """Run a command on every run: not idempotent by nature (say why in ``reason``)."""
-
-    idempotent = False
-
-    def __init__(self, name: str, command: Command, reason: str, notify: Sequence[str] = ()):
-        self.name, self.command, self.reason, self.notify = name, command, reason, tuple(notify)
-
-    def decide(self, facts: Any) -> Decision:
-        return Decision.act(self.reason, self.command)
-
-
 def _owner_differs(st: FileStat, owner: str | None) -> bool:
     if owner is None:
         return False
@@ -308,34 +296,6 @@ def decide_file(upload: Upload, facts: FileFacts) -> Decision:
     return Decision.act("; ".join(diffs) or f"file is already up to date (sha256 {upload.digest[:12]})", *cmds)
 
 
-class EnsureFile(Operation):
-    """A file holds exactly ``content`` with this mode (and owner, when given).
-
-    The content is hashed here and compared with the host's sha256: it is uploaded only when
-    it differs (atomically, see ``Host.write_file``); a mode or owner difference alone is
-    fixed with chmod/chown, without an upload.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        content: bytes,
-        mode: int = 0o644,
-        sudo: bool = False,
-        owner: str | None = None,
-        notify: Sequence[str] = (),
-    ):
-        self.upload = Upload(check_path(path), bytes(content), check_mode(mode), owner, sudo)
-        self.path, self.sudo, self.notify = self.upload.path, sudo, tuple(notify)
-        self.name = f"Ensure {self.path} is up to date"
-
-    def read(self, host: Host) -> FileFacts:
-        return read_file_facts(host, self.path, self.sudo)
-
-    def decide(self, facts: FileFacts) -> Decision:
-        return decide_file(self.upload, facts)
-
-
 @dataclass(frozen=True)
 class PushedFacts:
     stat: FileStat | None
@@ -346,8 +306,8 @@ class PushedFacts:
 class EnsurePushedFile(Operation):
     """A file of the controller whose sha256 is already known (a checked download) is on the
     host: compared by that sha256, streamed when it differs. Never read into memory here, and
-    never hashed again on the controller (the pinned sdist is 77 MB: EnsureFile's read and
-    hash of it were a fifth of a no-op).
+    never hashed again on the controller (the pinned sdist is 77 MB: reading and hashing it
+    here was a fifth of a no-op).
 
     On the host, rsync's quick check: a record beside the file (``<path>.vf-sha256``: the
     sha256, the size and the modification time it was written with) stands for the file while
