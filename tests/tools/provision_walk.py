@@ -1,0 +1,106 @@
+"""The walk of `invoke provision --dry-run` (issue 59): which of our modules run, in order, and how
+often the walk goes back to a module it had left.
+
+Two runs on this machine, each a `local: true` inventory entry over a fresh prefix (a dry run
+only reads, so nothing changes): the built-in default recipe (tiny-cpu) on one host, and a
+layout host serving two recipes (inventory ``serve:``). Every Python call is seen
+(sys.setprofile); a call's module is its function's ``__name__``; consecutive calls in one
+module are one visit. A *return* is a visit to a module the walk had already left. Counted
+twice: over every module of playbooks/, and over the assembling layers alone (playbooks.conduct
+and playbooks.steps: where a step is put together, the walk the issue traces), where helpers
+called from everywhere (host, facts, plan) do not count.
+
+    python -m tests.tools.provision_walk          # prints both runs' counts as JSON
+
+It asserts nothing: a figure to compare before and after a change (the issue's closing note).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ("playbooks.conduct.", "playbooks.steps.")
+
+
+@contextlib.contextmanager
+def walked() -> Iterator[list[str]]:
+    """The modules of playbooks/ whose functions are called meanwhile, one entry per visit."""
+    seen: list[str] = []
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event != "call":
+            return
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("playbooks.") and (not seen or seen[-1] != name):
+            seen.append(name)
+
+    sys.setprofile(profile)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(None)
+
+
+def returns(visits: list[str], keep: Callable[[str], bool] = lambda _: True) -> dict[str, int]:
+    """Visits, distinct modules and returns (a visit to a module already left) of the walk
+    narrowed to the modules ``keep`` admits (consecutive visits to one module merged again)."""
+    narrowed: list[str] = []
+    for m in visits:
+        if keep(m) and (not narrowed or narrowed[-1] != m):
+            narrowed.append(m)
+    left: set[str] = set()
+    back = 0
+    for before, now in zip(narrowed, narrowed[1:], strict=False):
+        left.add(before)
+        back += now in left
+    return {"visits": len(narrowed), "modules": len(set(narrowed)), "returns": back}
+
+
+def _walk(inventory: dict[str, Any], host: str) -> dict[str, Any]:
+    from playbooks.cli.provision import run_provision
+    from playbooks.conduct.provision import Options
+    from playbooks.conduct.settings import Settings
+
+    with tempfile.TemporaryDirectory(prefix="vf-walk-") as tmp:
+        inventory["hosts"][host]["prefix"] = f"{tmp}/vf"
+        path = Path(tmp) / "inventory.yaml"
+        path.write_text(yaml.safe_dump(inventory))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), walked() as visits:
+            code = run_provision([host], options=Options(dry_run=True), settings=Settings(inventory=path))
+    return {
+        "exit": code,
+        "all": returns(visits),
+        "assembling": returns(visits, lambda m: m.startswith(LAYERS)),
+    }
+
+
+def main() -> int:
+    local = {"host": "127.0.0.1", "local": True}
+    layout = {
+        **local,
+        "serve": [
+            {"recipe": "tiny-cpu", "port": 18180},
+            {"recipe": "tiny-moe-cpu", "port": 18190},
+        ],
+    }
+    got = {
+        "default": _walk({"hosts": {"walk": dict(local)}}, "walk"),
+        "layout": _walk({"hosts": {"walk-layout": layout}}, "walk-layout"),
+    }
+    print(json.dumps(got, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
