@@ -127,7 +127,10 @@ def pick_up(text: str, root: Path = ROOT) -> str:
         figures = load_result(root / m["file"]).figures
         for key, tok in zip(keys, found, strict=False):
             if key in figures:
-                edits.append((tok.start, tok.end, _as_shown(figures[key], tok.text, tok.decimals, tok.duration)))
+                new = _as_shown(figures[key], tok.text, tok.decimals, tok.duration)
+                # a change written with its sign (`+1.0%`) that is now a fall: `-7.3%`, not `+-7.3%`
+                start = tok.start - 1 if new.startswith("-") and blank[tok.start - 1 : tok.start] == "+" else tok.start
+                edits.append((start, tok.end, new))
     for start, end, new in sorted(edits, reverse=True):
         text = text[:start] + new + text[end:]
     return text

@@ -137,10 +137,11 @@ def _process_runs(rng: random.Random, change: float, process_sd: float, fresh: b
 
 
 def test_a_process_own_speed_is_replicated_away_by_fresh_processes():
-    """Processes whose own speeds differ by 8% (this VM's: the proof's nine Q8_0 processes at one
-    stream, reports/bench/process-effect.json): one process per side calls an unchanged pair
-    changed in far more than 5% of runs, fresh processes per cycle at most 5%; and a 30% change
-    is still called at least 80% of the time."""
+    """Processes whose own speeds differ by 8% (this VM's, reports/bench/process-effect.json: its
+    108 fresh processes spread by 11% with the machine's modes in it, which the simulation adds
+    apart): one process per side calls an unchanged pair changed in far more than 5% of runs,
+    fresh processes per cycle at most 5%; and a 30% change is still called at least 80% of the
+    time."""
     rng = random.Random(59)
     trials = 1000
 

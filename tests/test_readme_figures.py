@@ -44,10 +44,11 @@ BLOCK_MARK = re.compile(r"<!-- result-block: (?P<file>reports/[\w./-]+\.json) --
 ANY_MARK = re.compile(r"<!--\s*result")
 FENCE = re.compile(r"^```[^\n]*\n.*?^```[ \t]*$", re.M | re.S)
 CODE = re.compile(r"(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)  # an inline code span: a marker shown, not used
-# a figure as the README writes it: `13 min 56 s`, `1,745`, `131.5`; not the digits of `sm_90`, `tg64`, `v1.2`
+# a figure as the README writes it: `13 min 56 s`, `1,745`, `131.5`, `-7.3` (a sign after no digit);
+# not the digits of `sm_90`, `tg64`, `v1.2`, nor `12` of a date `2026-12-06`
 FIGURE = re.compile(
     r"(?<![\w.,/-])(?:(?P<min>\d+) min (?P<sec>\d+(?:\.\d+)?) s(?![\w/])"
-    r"|(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?))"
+    r"|(?P<neg>-)?(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?))"
 )
 BOLD = re.compile(r"\*\*([^*]+)\*\*")
 SERIES = re.compile(r"\s*/\s*")
@@ -80,7 +81,8 @@ def _tokens(text: str, start: int = 0, end: int | None = None) -> list[Token]:
             out.append(Token(m.start(), m.end(), m[0], value, len(sec.partition(".")[2]), True))
         else:
             num = m["num"].replace(",", "")
-            out.append(Token(m.start(), m.end(), m[0], Decimal(num), len(num.partition(".")[2]), False))
+            value = -Decimal(num) if m["neg"] else Decimal(num)
+            out.append(Token(m.start(), m.end(), m[0], value, len(num.partition(".")[2]), False))
     return out
 
 
