@@ -14,15 +14,16 @@ from playbooks.config.recipe import list_recipes
 from tests.tools.shipped_renders import kept, renders
 
 SHIPPED = {p.stem: p for p in list_recipes()}
+KEPT = kept()  # read once: every case compares against the same files
 
 
 def test_the_kept_recipes_are_the_shipped_ones():
-    assert sorted(kept()) == sorted(SHIPPED)
+    assert sorted(KEPT) == sorted(SHIPPED)
 
 
 @pytest.mark.parametrize("recipe", sorted(SHIPPED))
 def test_a_shipped_recipe_plans_and_renders_as_kept(recipe):
-    now, was = renders(SHIPPED[recipe]), kept().get(recipe, {})
+    now, was = renders(SHIPPED[recipe]), KEPT.get(recipe, {})
     assert sorted(now) == sorted(was), "the files deploy writes changed"
     for name, text in now.items():
         assert text == was[name], f"{recipe}/{name} changed: python -m tests.tools.shipped_renders (then review)"

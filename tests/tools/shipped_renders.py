@@ -52,7 +52,8 @@ def main() -> int:
     args = ap.parse_args()
     now = all_renders()
     if not args.write:
-        differ = sorted(f"{r}/{f}" for r in now.keys() | kept().keys() for f in _differing(now, kept(), r))
+        was = kept()
+        differ = sorted(f"{r}/{f}" for r in now.keys() | was.keys() for f in _differing(now, was, r))
         print("\n".join(differ) or "identical")
         return 1 if differ else 0
     shutil.rmtree(KEPT, ignore_errors=True)
