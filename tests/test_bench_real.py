@@ -210,8 +210,8 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(
         # output layer stay), far beyond a process's own effect
         assert deeper["distinct"] and deeper["change"] > 0.6 and deeper["low"] > 0.3, deeper
         assert [lv["concurrency"] for lv in against[0]["levels"]] == [1]  # A's gate's levels
-        assert against[0]["levels"][0]["requests"] == {"a": 4 * 2 * 6, "b": 4 * 2 * 6}  # 6 cycles, 2 blocks of 4
-        assert against[0]["design"]["processes"] == 3 * 6  # A, B (its two blocks one process), A: per cycle
+        assert against[0]["levels"][0]["requests"] == {"a": 4 * 2 * 8, "b": 4 * 2 * 8}  # 8 cycles, 2 blocks of 4
+        assert against[0]["design"]["processes"] == 3 * 8  # A, B (its two blocks one process), A: per cycle
         assert against[1]["b"]["recipe"] == "bench-cpu" and against[1]["b"]["port"] == port + 100
         assert against[1]["a"]["port"] == port + 101 and against[1]["a"]["live_port"] == port
         with connect(spec_for(sshd_host)) as host:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -60,11 +61,11 @@ def test_a_linear_drift_cancels_exactly():
 
 def test_drift_makes_two_separate_means_wrong_and_the_pairs_right():
     """A machine slowing by 1% a block: two back-to-back runs of as many blocks (all of A's, then
-    all of B's) put an unchanged pair 13% apart; interleaved, 0 (the reason for the design)."""
+    all of B's) put an unchanged pair 17% apart; interleaved, 0 (the reason for the design)."""
     machine = lambda i: 100 * (1 - 0.01 * i)  # noqa: E731
     n = 2 * CYCLES
     sequential = sum(machine(n + i) for i in range(n)) / sum(machine(i) for i in range(n)) - 1
-    assert sequential == pytest.approx(-0.127, abs=0.001)
+    assert sequential == pytest.approx(-0.173, abs=0.001)
     blocks = _run(machine, 0.0)
     p = paired_change(blocks)
     assert p is not None and abs(p.change) < 0.002 and not p.distinct
@@ -98,13 +99,15 @@ def test_a_change_of_ten_percent_is_called_and_the_stated_detectable_change_hold
     trials = 1000
     hits = sum(paired_change(_run(_mode_machine(rng, 0.05), 0.10), comparisons=3).distinct for _ in range(trials))
     assert hits / trials >= 0.80, hits
-    # what the verdict prints as the size that shows 80% of the time: shown that often
-    p = paired_change(_run(_mode_machine(rng, 0.05), 0.0), comparisons=3)
-    assert p is not None and 0.02 < p.detectable < 0.2
-    shows = sum(
-        paired_change(_run(_mode_machine(rng, 0.05), p.detectable), comparisons=3).distinct for _ in range(trials)
+    # what the verdict prints as the size that shows 80% of the time: shown about that often (the
+    # median of what runs state: one run's figure carries its own spread's draw, with 7 degrees
+    # of freedom a stated 5% where the median says 7%)
+    stated = statistics.median(
+        paired_change(_run(_mode_machine(rng, 0.05), 0.0), comparisons=3).detectable for _ in range(201)
     )
-    assert 0.55 <= shows / trials <= 0.99, (p.detectable, shows)
+    assert 0.02 < stated < 0.2
+    shows = sum(paired_change(_run(_mode_machine(rng, 0.05), stated), comparisons=3).distinct for _ in range(trials))
+    assert 0.55 <= shows / trials <= 0.99, (stated, shows)
 
 
 def test_each_cycle_starts_its_own_processes_the_middle_b_b_one():

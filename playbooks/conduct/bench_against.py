@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from playbooks.conduct.deploy import served_instances
+from playbooks.conduct.placements import with_port
 from playbooks.conduct.scratch import SCRATCH_A_UNIT, Scratch, crowded, planned_bytes, scratch_ops
 from playbooks.conduct.settings import Settings
-from playbooks.conduct.tune_candidates import candidate_port
 from playbooks.errors import VoltaforgeError
 from playbooks.facts.files import parse_writable, writable_command
 from playbooks.host.lock import host_lock
@@ -65,8 +65,8 @@ def bench_against(
         a_loaded = served.loaded
         name, _, a_port = instances[0]
         port = a_port + SCRATCH_OFFSET
-        b_loaded = candidate_port(b_loaded, port)
-        a_fresh = candidate_port(a_loaded, port + 1)
+        b_loaded = with_port(b_loaded, port)
+        a_fresh = with_port(a_loaded, port + 1)
         # one scratch process at a time beside the live service: the larger of the two must fit
         why = crowded(
             a_loaded.recipe.gpu,

@@ -31,7 +31,7 @@ def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int
             "parallel": c.parallel,
             "context": context,
             "planner": r.planner.model_copy(update={"n_ubatch": c.ubatch}),
-            "service": candidate_port(loaded, port).recipe.service,
+            "service": r.service.model_copy(update={"port": port}),
             "spec_type": c.spec_type,
             # the draft is loaded by draft-simple alone (the recipe schema refuses it beside others)
             "draft": r.draft if c.spec_type == "draft-simple" else None,
@@ -39,14 +39,6 @@ def candidate_recipe(loaded: LoadedRecipe, c: Candidate, port: int, context: int
         }
     )
     return loaded.model_copy(update={"recipe": new})
-
-
-def candidate_port(loaded: LoadedRecipe, port: int) -> LoadedRecipe:
-    """The recipe as it is, served on ``port`` (a scratch server beside the live one)."""
-    r = loaded.recipe
-    return loaded.model_copy(
-        update={"recipe": r.model_copy(update={"service": r.service.model_copy(update={"port": port})})}
-    )
 
 
 def rung_gate(g: Gate, rung: int, concurrency: int) -> Gate:

@@ -20,7 +20,7 @@ from typing import Any
 from playbooks.config.recipe import Gate
 from playbooks.host import Host
 from playbooks.steps.measure import bench, bench_client
-from playbooks.steps.measure.bench_run import REQUEST_TIMEOUT_S, bench_health, prompt_words, workload_text
+from playbooks.steps.measure.bench_run import REQUEST_TIMEOUT_S, prompt_words, workload_text
 from playbooks.steps.measure.paired import (
     BLOCK_REQUESTS,
     CYCLES,
@@ -124,8 +124,8 @@ def measure_against(
                     say(f"cycle {cycle + 1} of {cycles}: A B B A, each on a fresh process")
                 failed = fresh(side)
                 processes += 1
-                if failed or bench_health(host, side.port) == 0:
-                    return {"error": f"{side.name} on {host.name}:{side.port} did not come up: {failed or 'no answer'}"}
+                if failed:  # the deploy step's start waits for /health: None means it answers
+                    return {"error": f"{side.name} on {host.name}:{side.port} did not come up: {failed}"}
                 if not side.words:  # the same words on every process of a side: its tokenizer's count
                     side.words, why = prompt_words(side.url, text, side.kind, g.prompt_tokens, side.api_key)
                     if why:

@@ -33,8 +33,11 @@ from playbooks.steps.measure.bench_stats import ALPHA, POWER, t_quantile
 
 #: one cycle's blocks: each side as often first as second, each after the other as often as after itself
 ORDER = ("a", "b", "b", "a")
-#: cycles per level: 6 give 5 degrees of freedom (t_{0.992} about 3.8 over three levels)
-CYCLES = 6
+#: cycles per level: 8 give 7 degrees of freedom (t over three levels 3.13, where 6 cycles' is
+#: 3.53: with the se's sqrt(6/8), a 23% smaller change resolved). The proof's Q6_K change (10-16%
+#: here) was called in 2 of 3 runs at 6 cycles (reports/bench/proof.json at f42cf28); a run is
+#: a third longer, about 4 minutes on this machine
+CYCLES = 8
 #: the fewest requests a block holds at a level: single requests at one stream move from one to
 #: the next by several percent here, and four halve a block's share of that
 BLOCK_REQUESTS = 4
