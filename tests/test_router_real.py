@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from playbooks.config.model_set import plan_set
 from playbooks.config.recipe import load_recipe
@@ -32,36 +31,14 @@ from playbooks.plan.gpus import GIB, MIB
 from playbooks.steps.serve.engine_llamacpp import render_models_preset, router_argv
 from playbooks.steps.serve.units import ServerLayout
 from tests import llamacpp_tools
-from tests.helpers import ROOT
+from tests.model_set_members import WIDTHS, three_members
 from tests.testhosts import free_port
 
 pytestmark = pytest.mark.slow
 
-#: three widths of tiny-cpu's model: a set whose members differ in size
-WIDTHS = {"small": 256, "mid": 512, "large": 768}
 #: strace's record of a program started and of a process gone, in the order the kernel told it
 EXECVE = re.compile(r'^(\d+) +execve\("[^"]*", \[(.*)\], ')
 GONE = re.compile(r"^(\d+) +\+\+\+ (?:exited with \d+|killed by \w+)")
-
-
-def _members(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
-    """The three recipes (under tmp_path/recipes) and each one's quantized GGUF."""
-    recipes = tmp_path / "recipes"
-    recipes.mkdir()
-    (recipes / "defaults.yaml").write_text((ROOT / "recipes/defaults.yaml").read_text())
-    base = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
-    ggufs = {}
-    for name, hidden in WIDTHS.items():
-        data = yaml.safe_load(yaml.safe_dump(base))
-        data["model"]["config"] |= {"hidden_size": hidden, "intermediate_size": hidden * 3}
-        data["service"]["model_name"] = name
-        data["threads"] = 1  # two children beside each other and the client, on two cores
-        (recipes / f"{name}.yaml").write_text(yaml.safe_dump(data))
-        work = tmp_path / name
-        work.mkdir()
-        f16 = llamacpp_tools.tiny_f16(work, data["model"]["config"])
-        ggufs[name] = llamacpp_tools.quantize(f16, work / f"{name}-Q4_K_M.gguf", "Q4_K_M")
-    return recipes, ggufs
 
 
 def _children(pid_file: Path) -> list[Child]:
@@ -92,7 +69,7 @@ def _alive_most(trace: str) -> tuple[int, int, int]:
 
 
 def test_a_set_of_three_served_on_demand_within_its_planned_count(tmp_path):
-    recipes, ggufs = _members(tmp_path)
+    recipes, ggufs = three_members(tmp_path)
     names = list(WIDTHS)
     planned = plan_set(names, memory_gib=4.0, recipes_dir=recipes)
     held = {m.name: m.held for m in planned.residency.members}

@@ -19,9 +19,11 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, parse_process_age, process_age_command
 from playbooks.facts.fleet_units import UNITS_COMMAND, parse_units
+from playbooks.facts.router import children_command, models_command, parse_children, parse_models
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.steps.serve.balancer import parse_stats, stats_command
+from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.service_manager import Running
 
 HEALTH = {200: "200 ready", 503: "503 loading", 0: "nothing listens"}
@@ -58,6 +60,7 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
     if uptime is None:
         basis = None
     gate = d.gate
+    members = set_members(host, prefix, d, running) if d.members else None
     return {
         "service": d.service,
         "recipe": recipe.name if recipe else None,
@@ -76,6 +79,7 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
         "uptime_s": uptime,
         "uptime_basis": basis,
         "deployed_at": d.at,
+        "members": members,
         "gate": {
             "status": gate.get("status") or "not run",
             "at": gate.get("at"),
@@ -84,6 +88,33 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
             "report": gate.get("report"),
         },
     }
+
+
+def set_members(host: Host, prefix: str, d: Deployment, running: Running | None) -> list[dict[str, Any]]:
+    """A model set's members as its router lists them (unloaded, loading, loaded, sleeping) and,
+    for each with a child, the memory the child holds: its own (RssAnon) and the pages of its
+    weights it maps (RssFile, from the page cache: facts/router.py says why that counts each
+    file once). The router does not say when a member was last used: not shown."""
+    state = DeployLayout(prefix, d.service)
+    listed = parse_models(read_fact(host, models_command(d.port or 0, f"{state.state_dir}/credentials/api-key")))
+    by_name = {m.name: m for m in listed}
+    up = running is not None and running.up
+    children = {c.port: c for c in parse_children(read_fact(host, children_command(f"{state.state_dir}/server.pid")))}
+    out = []
+    for r, served in zip(d.members, d.member_names, strict=True):
+        m = by_name.get(served)
+        child = children.get(m.port) if m and m.port and up else None
+        out.append(
+            {
+                "name": served,
+                "recipe": r.name,
+                "state": m.state if m else ("not listed" if up else "router down"),
+                "child_pid": child.pid if child else None,
+                "held_bytes": child.held_bytes if child else None,
+                "failed": bool(m and m.failed),
+            }
+        )
+    return out
 
 
 def fleet_units(host: Host) -> list[dict[str, Any]]:
