@@ -11,6 +11,10 @@ and a re-run after a failure resumes where it stopped: what was finished reads a
   anything is downloaded or written.
 - deploy starts a changed service *gated*: the last deployment that passed stays the rollback
   target until the gate (steps/measure/gate.py) passes on the new one; a failed gate rolls back.
+- A model set of the host's layout (conduct/model_sets.py) is one target: its members are each
+  judged by preflight, share the first member's toolchain and build (one host, one build), are
+  each quantized, and are served by one router (conduct/set_deploy.py), whose gate asks each
+  member for an answer (steps/measure/set_gate.py).
 - The host lock is held for the whole run (a dry run only reads); Ctrl-C or a lost
   connection drops it (host/lock.py), and every step switches things in whole (builds and
   quantized files are made aside and renamed), so nothing is left half-switched.
@@ -297,8 +301,6 @@ class Provisioner:
         (``_read_pass``). True (the outcome filled, the lines printed) when every step is ok;
         False when anything would change, and the run goes on the normal way, under the lock,
         reading afresh."""
-        if isinstance(served, ServedSet):
-            return False  # a set's reads are not batched yet: the normal way, under the lock
         found = self._read_pass(host, spec, served, outcome)
         if found is None:
             return False
@@ -321,7 +323,7 @@ class Provisioner:
             self._run_steps(host, spec, served, printer, trial, dry_run=True, probing=True)
 
         if isinstance(served, ServedSet):
-            return None
+            return None  # a set's reads are not batched yet: it goes the normal way, under the lock
         return read_pass(host, KnownReads.of(spec, served.loaded), fresh, check)
 
     def _steps(
@@ -468,7 +470,7 @@ def _members(target: Target) -> list[LoadedRecipe]:
 
 def resolve_targets(
     settings: Settings, hosts: Sequence[str], recipe: str | None, default_recipe: str
-) -> list[tuple[HostSpec, Served]]:
+) -> list[tuple[HostSpec, Target]]:
     """Every host's inventory entry and recipes (the flag's, else the inventory's for that
     host: its one recipe or each of its layout and its model sets, else the default), loaded
     and checked before anything connects."""
