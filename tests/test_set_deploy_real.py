@@ -86,6 +86,7 @@ def test_a_set_deployed_answers_for_each_member_and_is_shown_stopped_and_removed
             [local] = read_status(settings, ["local"])
             [service] = local["services"]
             assert service["service"] == "voltaforge-set-trio" and service["health"] == 200
+            assert service["recipe"] == "set: small, mid, large" and service["note"] is None
             members = {m["name"]: m for m in service["members"]}
             assert [m["recipe"] for m in service["members"]] == names
             assert members["small"]["state"] == "unloaded" and members["small"]["child_pid"] is None

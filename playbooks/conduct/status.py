@@ -43,7 +43,7 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
     recipe = d.recipe
     if d.record is None:
         note = "its deployment record cannot be read"
-    elif recipe is None:
+    elif recipe is None and not d.members:
         note = "deployed before voltaforge recorded its recipe"
     else:
         note = None
@@ -63,7 +63,8 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
     members = set_members(host, prefix, d, running) if d.members else None
     return {
         "service": d.service,
-        "recipe": recipe.name if recipe else None,
+        # a model set's router: its members, each shown below with its state
+        "recipe": recipe.name if recipe else ("set: " + ", ".join(r.name for r in d.members) if d.members else None),
         "recipe_path": recipe.path if recipe else None,
         "recipe_sha256": recipe.sha256 if recipe else None,
         "note": note,
