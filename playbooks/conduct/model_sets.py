@@ -67,7 +67,7 @@ def served_set(spec: HostSpec, entry: ModelSetSpec, recipes_dir: Path) -> Served
             entry.models, spec.gpu, spec.memory_budget_gib, recipes_dir, budget_from=f"{spec.name}'s memory_budget_gib"
         )
     except VoltaforgeError as exc:
-        raise VoltaforgeError(f"{where}: {exc}") from None
+        raise type(exc)(f"{where}: {exc}") from None  # its kind kept: the exit code says it
     if plan.refusal:
         raise VoltaforgeError(f"{where}: {plan.refusal} (`invoke plan --host {spec.name}` shows the set's plan)")
     members = tuple(load_recipe(name, recipes_dir) for name in entry.models)
