@@ -192,6 +192,10 @@ def test_the_docs_model_set_example_loads_and_plans(tmp_path):
     assert chat["set"] == "chat" and len(chat["members"]) == 2 and chat["models_max"] >= 1
 
 
+#: LAB with shipped recipes only (its 7B is not one): what the commands that load recipes read
+LAB_SHIPPED = LAB.replace("qwen2.5-7b-v100-16gb", "qwen3-30b-a3b-v100-16gb")
+
+
 def test_a_layout_with_a_set_resolves_to_its_recipes_and_its_planned_set(tmp_path):
     """What provision, stop and status act on (conduct/settings.py ``targets``): the single
     recipes, then each set planned on the host's card, with the count its plan gives; a flag
@@ -202,16 +206,16 @@ def test_a_layout_with_a_set_resolves_to_its_recipes_and_its_planned_set(tmp_pat
     from playbooks.errors import VoltaforgeError
 
     inv = tmp_path / "inventory.yaml"
-    inv.write_text(LAB)
+    inv.write_text(LAB_SHIPPED)
     settings = Settings(inventory=inv)
     single, chat = settings.targets("lab-01", None)
     assert isinstance(single, Served) and single.name == "qwen2.5-32b-v100-32gb"
     assert isinstance(chat, ServedSet) and (chat.name, chat.port, chat.gpus) == ("chat", 8300, (0,))
     assert chat.unit_name == "voltaforge-set-chat.service" and chat.models_max == chat.plan.residency.models_max >= 1
-    assert [m.recipe.name for m in chat.members] == ["qwen2.5-14b-v100-16gb", "qwen2.5-7b-v100-16gb"]
+    assert [m.recipe.name for m in chat.members] == ["qwen2.5-14b-v100-16gb", "qwen3-30b-a3b-v100-16gb"]
     assert settings.targets("lab-01", "chat") == [chat]
     assert settings.targets("lab-01", "qwen2.5-32b-v100-32gb") == [single]
-    inv.write_text(LAB.replace("      - recipe: qwen2.5-32b-v100-32gb\n        gpus: [1]\n", ""))
+    inv.write_text(LAB_SHIPPED.replace("      - recipe: qwen2.5-32b-v100-32gb\n        gpus: [1]\n", ""))
     with pytest.raises(VoltaforgeError) as got:
         settings.serves("lab-01", None)
     assert str(got.value) == (
@@ -223,16 +227,22 @@ def test_a_layout_with_a_set_resolves_to_its_recipes_and_its_planned_set(tmp_pat
 @pytest.mark.parametrize(
     "edit,words",
     [
-        # a member too large for the budget: the plan's line, naming it and its parts
+        # a member too large for the card: the plan's line, naming it and its parts
         (
             lambda t: (
                 t.replace("gpu: v100-sxm2-32gb", "gpu: v100-sxm2-16gb")
-                .replace("qwen2.5-14b-v100-16gb, qwen2.5-7b-v100-16gb", "qwen2.5-32b-v100-32gb, qwen2.5-7b-v100-16gb")
                 .replace("      - recipe: qwen2.5-32b-v100-32gb\n        gpus: [1]\n", "")
+                .replace("qwen3-30b-a3b-v100-16gb]", "qwen2.5-32b-v100-32gb]", 1)
+                .replace("load_at_start: [qwen3-30b-a3b-v100-16gb]", "load_at_start: []")
             ),
-            "lab-01: serve: set chat: qwen2.5-32b",
+            "lab-01: serve: set chat: Qwen2.5-32B-Instruct (qwen2.5-32b-v100-32gb, Q4_K_M) holds",
         ),
-        (lambda t: t.replace("qwen2.5-7b-v100-16gb]", "no-such-recipe]", 1), "lab-01: serve: set chat: "),
+        (
+            lambda t: t.replace("qwen3-30b-a3b-v100-16gb]", "no-such-recipe]", 1).replace(
+                "load_at_start: [qwen3-30b-a3b-v100-16gb]", "load_at_start: []"
+            ),
+            "lab-01: serve: set chat: unknown recipe 'no-such-recipe'",
+        ),
         (lambda t: t.replace("port: 8300", "port: 8080"), "lab-01: serve: qwen2.5-32b-v100-32gb and set chat both"),
     ],
 )
@@ -241,7 +251,7 @@ def test_a_set_that_cannot_be_served_is_one_line_before_anything_connects(tmp_pa
     from playbooks.errors import VoltaforgeError
 
     inv = tmp_path / "inventory.yaml"
-    inv.write_text(edit(LAB))
+    inv.write_text(edit(LAB_SHIPPED))
     with pytest.raises(VoltaforgeError) as got:
         Settings(inventory=inv).targets("lab-01", None)
     assert str(got.value).startswith(words) and "\n" not in str(got.value), str(got.value)

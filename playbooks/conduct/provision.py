@@ -375,7 +375,8 @@ class Provisioner:
                 ops = make()
                 if step == "deploy" and not pending and isinstance(served, Served):
                     # a restart behind a balancer: drained first, one server at a time
-                    rolled = self.roll.deploy(host, prefix, served.name, printer, ops, gates, dry_run)
+                    served_gates = [g for g in gates if isinstance(g, EnsureGate)]  # a recipe's: all of them
+                    rolled = self.roll.deploy(host, prefix, served.name, printer, ops, served_gates, dry_run)
                 elif step == "gate" and rolled:
                     ops = [g for g in ops if id(g) not in rolled.gated]
             except (VoltaforgeError, HostError) as exc:

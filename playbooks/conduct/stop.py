@@ -36,13 +36,13 @@ def stop_served(settings: Settings, host_name: str, recipe: str | None = None) -
         records = {d.service: d for d in read_deployments(host, spec.prefix)} if sets else {}
         for ms in sets:
             d = records.get(ms.unit_name.removesuffix(".service"))
-            mgr = deployment_manager(host, spec.prefix, d) if d else None
-            if mgr is None:
+            router = deployment_manager(host, spec.prefix, d) if d else None
+            if router is None:
                 changes.append(Change(host.name, f"Stop set {ms.name}", "ok", "never deployed here"))
                 continue
-            cmd = mgr.stop()
+            cmd = router.stop()
             run_command(host, cmd)
             changes.append(
-                Change(host.name, f"Stop set {ms.name}: {mgr.describe()}", "changed", "stopped", (cmd.show(),))
+                Change(host.name, f"Stop set {ms.name}: {router.describe()}", "changed", "stopped", (cmd.show(),))
             )
     return changes
