@@ -59,8 +59,10 @@ class EnsureSetGate(Operation):
             why = "a new deployment"
         elif verdict.get("status") == "failed" and judged:
             why = "it failed the gate before"
+        elif verdict.get("status") in (None, "pending", "not run"):
+            why = "never judged"
         else:
-            why = "never judged" if not verdict else "the set's members changed"
+            why = "the set's members changed"
         return Decision.act(why, Record(self.serving.layout.record, f"one completion from each of {len(self.members)}"))
 
     def apply(self, host: Host, decision: Decision) -> None:
