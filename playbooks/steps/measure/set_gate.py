@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-import httpx
-
 from playbooks.config.recipe import Recipe
 from playbooks.errors import HostError
 from playbooks.facts.router import parse_models
@@ -84,6 +82,8 @@ class EnsureSetGate(Operation):
 
     def _ask(self, host: Host) -> tuple[dict[str, Any], list[str]]:
         """The router's list, then one completion per member in the set's order."""
+        import httpx  # only when the gate runs: a no-op provision never loads the HTTP client
+
         key = api_key_for(host, self.members[0])
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # a member's first answer waits for its child to load: as long as a start may take
@@ -119,7 +119,8 @@ class EnsureSetGate(Operation):
         return figures, reasons
 
 
-def _model_of(response: httpx.Response) -> str | None:
+def _model_of(response: Any) -> str | None:
+    """The ``model`` an answer names (an httpx response)."""
     try:
         body = response.json()
     except ValueError:
