@@ -20,22 +20,30 @@ from tests.helpers import ROOT
 WIDTHS = {"small": 256, "mid": 512, "large": 768}
 
 
-def three_members(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
-    """The three recipes (under tmp_path/recipes) and each one's quantized GGUF."""
+def member_recipes(tmp_path: Path, service: dict | None = None) -> Path:
+    """The three recipes, under tmp_path/recipes (``service``: keys over each one's service)."""
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     (recipes / "defaults.yaml").write_text((ROOT / "recipes/defaults.yaml").read_text())
     base = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
-    ggufs = {}
     for name, hidden in WIDTHS.items():
         data = yaml.safe_load(yaml.safe_dump(base))
         data["model"]["config"] |= {"hidden_size": hidden, "intermediate_size": hidden * 3}
-        data["service"]["model_name"] = name
+        data["service"] = data.get("service", {}) | (service or {}) | {"model_name": name}
         data["threads"] = 1
         (recipes / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    return recipes
+
+
+def three_members(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
+    """The three recipes (under tmp_path/recipes) and each one's quantized GGUF."""
+    recipes = member_recipes(tmp_path)
+    ggufs = {}
+    for name in WIDTHS:
+        config = yaml.safe_load((recipes / f"{name}.yaml").read_text())["model"]["config"]
         work = tmp_path / name
         work.mkdir()
-        f16 = llamacpp_tools.tiny_f16(work, data["model"]["config"])
+        f16 = llamacpp_tools.tiny_f16(work, config)
         ggufs[name] = llamacpp_tools.quantize(f16, work / f"{name}-Q4_K_M.gguf", "Q4_K_M")
     return recipes, ggufs
 

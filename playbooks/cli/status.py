@@ -128,7 +128,8 @@ def render_status(hosts: Sequence[dict[str, Any]], out: Console) -> None:
             ]
             rows += [(f"member {m['name']}", _member_text(m)) for m in s.get("members") or []]
             for what, value in rows:
-                details.add_row(Text(what), Text(value))
+                if value:  # a set's router has no model or recipe of its own: its members say them
+                    details.add_row(Text(what), Text(value))
             out.print(details)
     down = [f"{h['host']}: {u['unit']}" for h in hosts for u in h.get("units", []) if not _unit_ok(u)]
     if down:

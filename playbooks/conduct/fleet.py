@@ -15,7 +15,7 @@ must not), and every backend accepts the balancer's one key (the edge checks it 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from playbooks.conduct.deployed import read_deployments, recipe_file, stopped
@@ -115,22 +115,24 @@ def fleet_of(lb_spec: HostSpec, servers: Sequence[HostServers], key_ref: str | N
     return Fleet(tuple(backends), edge_key, tuple(servers), tuple(owners))
 
 
-def placed_servers(spec: HostSpec, recipe: str | None, load: Callable[[str], LoadedRecipe]) -> list[HostServers]:
-    """What the inventory places on a host (its layout, its recipe; ``recipe``: that one)."""
-    return [HostServers(spec, s.loaded, tuple(s.ports()), "inventory") for s in host_serves(spec, recipe, load)]
+def placed_servers(settings: Settings, spec: HostSpec, recipe: str | None) -> list[HostServers]:
+    """What the inventory places on a host (its layout, its recipe; ``recipe``: that one, a
+    recipe or a set by name): each single recipe on its ports, and each member of a model set
+    on its set's port (the router serves every member there)."""
+    singles = host_serves(spec, recipe, settings.load_recipe)
+    placed = [HostServers(spec, s.loaded, tuple(s.ports()), "inventory") for s in singles]
+    for each in settings.sets(spec.name, recipe):
+        placed += [HostServers(spec, member, (each.port,), "inventory") for member in each.members]
+    return placed
 
 
 def placed_fleet(
-    lb_spec: HostSpec,
-    backend_specs: Sequence[HostSpec],
-    load: Callable[[str], LoadedRecipe],
-    recipe: str | None,
-    key_ref: str | None,
+    settings: Settings, lb_spec: HostSpec, backend_specs: Sequence[HostSpec], recipe: str | None, key_ref: str | None
 ) -> Fleet:
     """The fleet as the inventory places it, without connecting (`invoke render --lb`)."""
     servers: list[HostServers] = []
     for s in backend_specs:
-        theirs = placed_servers(s, recipe, load)
+        theirs = placed_servers(settings, s, recipe)
         if not theirs:
             raise VoltaforgeError(f"{s.name}: serves no recipe (give it one in the inventory, or pass --recipe)")
         servers += theirs
@@ -189,7 +191,7 @@ def deployed_fleet(
         theirs, stopped_here = deployed_servers(settings, s, wanted)
         left_out += stopped_here
         if not theirs and not stopped_here:
-            theirs = placed_servers(s, recipe, settings.load_recipe)
+            theirs = placed_servers(settings, s, recipe)
             if not theirs:
                 raise VoltaforgeError(
                     f"{s.name}: nothing deployed under {s.prefix} and no recipe in the inventory: provision it first"

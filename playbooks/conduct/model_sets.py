@@ -58,16 +58,27 @@ class ServedSet:
         return [self.port]
 
 
-def served_set(spec: HostSpec, entry: ModelSetSpec, recipes_dir: Path) -> ServedSet:
-    """One set of ``spec``'s layout, planned on the host's GPU (a CPU host: its
-    ``memory_budget_gib``) and checked; one line naming the host and the set otherwise."""
-    where = f"{spec.name}: serve: set {entry.set}"
+def _where(spec: HostSpec, entry: ModelSetSpec) -> str:
+    return f"{spec.name}: serve: set {entry.set}"
+
+
+def host_set_plan(spec: HostSpec, entry: ModelSetSpec, recipes_dir: Path) -> SetPlan:
+    """The plan of one set of ``spec``'s layout on the host's GPU (a CPU host: its
+    ``memory_budget_gib``); a set that cannot be planned (an unknown recipe, a name served
+    twice) is one line naming the host and the set."""
     try:
-        plan = plan_set(
+        return plan_set(
             entry.models, spec.gpu, spec.memory_budget_gib, recipes_dir, budget_from=f"{spec.name}'s memory_budget_gib"
         )
     except VoltaforgeError as exc:
-        raise type(exc)(f"{where}: {exc}") from None  # its kind kept: the exit code says it
+        raise type(exc)(f"{_where(spec, entry)}: {exc}") from None  # its kind kept: the exit code says it
+
+
+def served_set(spec: HostSpec, entry: ModelSetSpec, recipes_dir: Path) -> ServedSet:
+    """One set of ``spec``'s layout, planned (``host_set_plan``) and checked; one line naming the
+    host and the set otherwise."""
+    where = _where(spec, entry)
+    plan = host_set_plan(spec, entry, recipes_dir)
     if plan.refusal:
         raise VoltaforgeError(f"{where}: {plan.refusal} (`invoke plan --host {spec.name}` shows the set's plan)")
     members = tuple(load_recipe(name, recipes_dir) for name in entry.models)
