@@ -217,9 +217,9 @@ def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
             "other": {"service": keyed["service"] | {"model_name": "tiny-chat"}},
         },
     )
-    fleet = placed_fleet(specs[0], specs, settings.load_recipe, None, "lab-key")
+    fleet = placed_fleet(settings, specs[0], specs, None, "lab-key")
     got = fleet.backends
-    assert placed_fleet(specs[0], specs, settings.load_recipe, None, None).key_ref == "lab-key"  # theirs, unnamed
+    assert placed_fleet(settings, specs[0], specs, None, None).key_ref == "lab-key"  # theirs, unnamed
     assert [(b.name, b.model, b.slots, b.context) for b in got] == [
         ("v100-sxm", "tiny-llama", 4, 512),
         ("v100-pcie", "tiny-llama", 2, 1024),
@@ -236,9 +236,9 @@ def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
     with pytest.raises(
         VoltaforgeError, match=r"^b: tiny-cpu takes the key other-key, the balancer's edge checks lab-key"
     ):
-        placed_fleet(bad[0], bad, s2.load_recipe, None, "lab-key")
+        placed_fleet(s2, bad[0], bad, None, "lab-key")
     with pytest.raises(VoltaforgeError, match=r"^the backends take different keys \(a: lab-key, b: other-key\)"):
-        placed_fleet(bad[0], bad, s2.load_recipe, None, None)
+        placed_fleet(s2, bad[0], bad, None, None)
 
     import yaml
 
@@ -248,7 +248,7 @@ def test_a_fleet_is_grouped_by_model_name_with_one_key(tmp_path):
     deeper = {"model": config | {"config": config["config"] | {"num_hidden_layers": 6}}}
     s3, mixed = _fleet(tmp_path / "weights", {"a": keyed, "b": keyed | deeper})
     with pytest.raises(VoltaforgeError, match=r"^model name tiny-llama is served from 2 different base models"):
-        placed_fleet(mixed[0], mixed, s3.load_recipe, None, "lab-key")
+        placed_fleet(s3, mixed[0], mixed, None, "lab-key")
 
 
 @needs_systemd
@@ -348,10 +348,37 @@ def test_a_layout_of_two_quants_of_one_model_is_one_model_on_two_servers(tmp_pat
     }
     settings.inventory.write_text(yaml.safe_dump(inv))
     s = Settings(inventory=settings.inventory)
-    fleet = placed_fleet(s.host_spec("local"), [s.host_spec("local"), s.host_spec("box")], s.load_recipe, None, None)
+    fleet = placed_fleet(s, s.host_spec("local"), [s.host_spec("local"), s.host_spec("box")], None, None)
     assert [(b.name, b.address, b.port, b.model) for b in fleet.backends] == [
         ("local-18301", "127.0.0.1", 18301, "tiny-llama"),
         ("local-18302", "127.0.0.1", 18302, "tiny-llama"),
         ("box", "10.0.0.7", 9000, "tiny-llama"),
     ]
     assert list(fleet.models) == ["tiny-llama"] and fleet.key_ref == "lab-key"
+
+
+def test_render_lb_places_each_member_of_a_model_set_on_its_routers_port(tmp_path):
+    """A set of the inventory (issue 55) is each member's server on the set's port: the edge
+    routes every member's name to the router, which loads it on demand; a member's key is the
+    edge's key check like any backend's, and `--recipe <set>` places that set alone."""
+    import yaml
+
+    from playbooks.conduct.fleet import placed_fleet
+    from playbooks.conduct.settings import Settings
+    from tests.model_set_members import WIDTHS, member_recipes
+
+    recipes = member_recipes(tmp_path, {"bind": "0.0.0.0", "api_key_ref": "lab-key"})
+    trio = {"set": "trio", "models": list(WIDTHS), "port": 8391}
+    inv = tmp_path / "inventory.yaml"
+    hosts = {
+        "lb-01": {"host": "10.0.0.1"},
+        "box": {"host": "10.0.0.9", "memory_budget_gib": 1.0, "serve": [trio]},
+    }
+    inv.write_text(yaml.safe_dump({"hosts": hosts}))
+    settings = Settings(inventory=inv, recipes_dir=recipes)
+    specs = [settings.host_spec(n) for n in ("lb-01", "box")]
+    fleet = placed_fleet(settings, specs[0], specs[1:], None, "lab-key")
+    assert [(b.model, b.address, b.port) for b in fleet.backends] == [(n, "10.0.0.9", 8391) for n in WIDTHS]
+    assert placed_fleet(settings, specs[0], specs[1:], "trio", None).key_ref == "lab-key"
+    with pytest.raises(VoltaforgeError, match=r"^box: small takes the key lab-key, the balancer's edge checks other"):
+        placed_fleet(settings, specs[0], specs[1:], None, "other")

@@ -192,18 +192,66 @@ def test_the_docs_model_set_example_loads_and_plans(tmp_path):
     assert chat["set"] == "chat" and len(chat["members"]) == 2 and chat["models_max"] >= 1
 
 
-def test_the_serving_commands_refuse_a_layout_with_a_set_in_one_line(tmp_path):
-    """Until sets are deployed (issue 55's next part), provision, deploy and bench say so for
-    the host rather than serve the rest of its layout as if the set were not there."""
-    from playbooks.conduct.placements import host_serves
+#: LAB with shipped recipes only (its 7B is not one): what the commands that load recipes read
+LAB_SHIPPED = LAB.replace("qwen2.5-7b-v100-16gb", "qwen3-30b-a3b-v100-16gb")
+
+
+def test_a_layout_with_a_set_resolves_to_its_recipes_and_its_planned_set(tmp_path):
+    """What provision, stop and status act on (conduct/settings.py ``targets``): the single
+    recipes, then each set planned on the host's card, with the count its plan gives; a flag
+    naming the set picks it alone; a command of single recipes on a host of sets only says so."""
+    from playbooks.conduct.model_sets import ServedSet
+    from playbooks.conduct.placements import Served
+    from playbooks.conduct.settings import Settings
     from playbooks.errors import VoltaforgeError
 
     inv = tmp_path / "inventory.yaml"
-    inv.write_text(LAB)
-    spec = load_inventory(inv)["lab-01"]
+    inv.write_text(LAB_SHIPPED)
+    settings = Settings(inventory=inv)
+    single, chat = settings.targets("lab-01", None)
+    assert isinstance(single, Served) and single.name == "qwen2.5-32b-v100-32gb"
+    assert isinstance(chat, ServedSet) and (chat.name, chat.port, chat.gpus) == ("chat", 8300, (0,))
+    assert chat.unit_name == "voltaforge-set-chat.service" and chat.models_max == chat.plan.residency.models_max >= 1
+    assert [m.recipe.name for m in chat.members] == ["qwen2.5-14b-v100-16gb", "qwen3-30b-a3b-v100-16gb"]
+    assert settings.targets("lab-01", "chat") == [chat]
+    assert settings.targets("lab-01", "qwen2.5-32b-v100-32gb") == [single]
+    inv.write_text(LAB_SHIPPED.replace("      - recipe: qwen2.5-32b-v100-32gb\n        gpus: [1]\n", ""))
     with pytest.raises(VoltaforgeError) as got:
-        host_serves(spec, None, lambda name: pytest.fail(f"{name} loaded"))
+        settings.serves("lab-01", None)
     assert str(got.value) == (
-        "lab-01: serve: set chat: a model set is planned (`invoke plan --host lab-01`) but not yet served by this "
-        "version: take it out of serve: to act on the rest"
+        "lab-01: serves model sets (chat) and no single recipe: this command acts on single recipes; provision, "
+        "status, stop and remove act on sets"
     )
+
+
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        # a member too large for the card: the plan's line, naming it and its parts
+        (
+            lambda t: (
+                t.replace("gpu: v100-sxm2-32gb", "gpu: v100-sxm2-16gb")
+                .replace("      - recipe: qwen2.5-32b-v100-32gb\n        gpus: [1]\n", "")
+                .replace("qwen3-30b-a3b-v100-16gb]", "qwen2.5-32b-v100-32gb]", 1)
+                .replace("load_at_start: [qwen3-30b-a3b-v100-16gb]", "load_at_start: []")
+            ),
+            "lab-01: serve: set chat: Qwen2.5-32B-Instruct (qwen2.5-32b-v100-32gb, Q4_K_M) holds",
+        ),
+        (
+            lambda t: t.replace("qwen3-30b-a3b-v100-16gb]", "no-such-recipe]", 1).replace(
+                "load_at_start: [qwen3-30b-a3b-v100-16gb]", "load_at_start: []"
+            ),
+            "lab-01: serve: set chat: unknown recipe 'no-such-recipe'",
+        ),
+        (lambda t: t.replace("port: 8300", "port: 8080"), "lab-01: serve: qwen2.5-32b-v100-32gb and set chat both"),
+    ],
+)
+def test_a_set_that_cannot_be_served_is_one_line_before_anything_connects(tmp_path, edit, words):
+    from playbooks.conduct.settings import Settings
+    from playbooks.errors import VoltaforgeError
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(edit(LAB_SHIPPED))
+    with pytest.raises(VoltaforgeError) as got:
+        Settings(inventory=inv).targets("lab-01", None)
+    assert str(got.value).startswith(words) and "\n" not in str(got.value), str(got.value)

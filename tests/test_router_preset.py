@@ -11,12 +11,14 @@ import pytest
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.steps.serve.engine_llamacpp import (
+    LLAMACPP_SERVER,
     ROUTER_OWNED,
     llama_server_argv,
     render_models_preset,
     router_argv,
 )
-from playbooks.steps.serve.units import ServerLayout
+from playbooks.steps.serve.router import RouterSet, preset_path, set_layout
+from playbooks.steps.serve.units import ServerLayout, parse_exec_start
 
 
 def test_each_section_is_its_recipes_own_flags_less_what_the_router_owns():
@@ -57,3 +59,48 @@ def test_the_routers_command_line_carries_the_count_and_what_children_inherit():
     )
     with pytest.raises(VoltaforgeError, match="--models-max 0: a set keeps at least one model resident"):
         router_argv(ServerLayout(), "/x.ini", 0, 8080)
+
+
+def _set(keyed: bool, gpu: bool) -> RouterSet:
+    small = load_recipe("tiny-cpu").recipe
+    big = load_recipe("qwen2.5-14b-v100-32gb").recipe
+    return RouterSet(
+        name="lab",
+        members=((small, "/opt/vf/models/s/gguf/Q4_K_M.gguf"), (big, "/opt/vf/models/b/gguf/Q4_K_M.gguf")),
+        port=8300,
+        bind="127.0.0.1",
+        models_max=1,
+        gpu=gpu,
+        gpu_indexes=(2, 3) if gpu else (0,),
+        sleep_idle_s=600,
+        load_at_start=frozenset({big.served_name}),
+        api_key_file="/etc/voltaforge/secrets/lab.key" if keyed else None,
+    )
+
+
+@pytest.mark.parametrize("keyed,gpu", [(False, False), (True, True)])
+def test_a_sets_files_are_its_routers_unit_and_its_preset(keyed, gpu):
+    """The engine renders a set's unit in a server's own template (its sandbox, its key as a
+    credential) with the router's command line, read back by systemd's rules as a managed
+    process runs it; and the preset it names, with each member's GGUF by its own path."""
+    s = _set(keyed, gpu)
+    layout = set_layout("/opt/vf", "lab")
+    unit, preset = LLAMACPP_SERVER.render_set_files(s, layout)
+    assert unit.path == "/etc/systemd/system/voltaforge-set-lab.service" and unit.kind == "unit"
+    assert preset.path == "/opt/vf/serve/voltaforge-set-lab/models.ini" == preset_path(layout)
+    argv = parse_exec_start(unit.text)
+    want = router_argv(layout, preset.path, 1, 8300, "127.0.0.1", 600, "%d/api-key" if keyed else None)
+    assert argv == want
+    assert "Description=voltaforge llama-server for model set lab (tiny-cpu, qwen2.5-14b-v100-32gb)" in unit.text
+    assert ("LoadCredential=api-key:/etc/voltaforge/secrets/lab.key" in unit.text) == keyed
+    assert ("Environment=CUDA_VISIBLE_DEVICES=2,3" in unit.text) == gpu
+    assert ("DeviceAllow=/dev/nvidia3 rw" in unit.text) == gpu and "IPAddressDeny=any" in unit.text
+    assert preset.text == render_models_preset(list(s.members), s.load_at_start)
+    assert "model = /opt/vf/models/b/gguf/Q4_K_M.gguf" in preset.text
+
+
+def test_an_engine_without_a_router_has_no_set_files():
+    from playbooks.steps.serve.engine_exllamav2 import EXLLAMAV2_SERVER
+
+    with pytest.raises(NotImplementedError, match="serves one model per server"):
+        EXLLAMAV2_SERVER.render_set_files(_set(False, False), set_layout("/opt/vf", "lab"))

@@ -14,7 +14,6 @@ not: the set deployed by `invoke provision` and shown by `invoke status` (next, 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -22,77 +21,22 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from playbooks.config.model_set import plan_set
 from playbooks.config.recipe import load_recipe
-from playbooks.facts.router import Child, children_command, parse_children, parse_models
-from playbooks.host.local import LocalHost
+from playbooks.facts.router import parse_models
 from playbooks.plan.gpus import GIB, MIB
 from playbooks.steps.serve.engine_llamacpp import render_models_preset, router_argv
 from playbooks.steps.serve.units import ServerLayout
 from tests import llamacpp_tools
-from tests.helpers import ROOT
+from tests.model_set_members import EXECVE, WIDTHS, alive_most, router_children, three_members
 from tests.testhosts import free_port
 
 pytestmark = pytest.mark.slow
 
-#: three widths of tiny-cpu's model: a set whose members differ in size
-WIDTHS = {"small": 256, "mid": 512, "large": 768}
-#: strace's record of a program started and of a process gone, in the order the kernel told it
-EXECVE = re.compile(r'^(\d+) +execve\("[^"]*", \[(.*)\], ')
-GONE = re.compile(r"^(\d+) +\+\+\+ (?:exited with \d+|killed by \w+)")
-
-
-def _members(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
-    """The three recipes (under tmp_path/recipes) and each one's quantized GGUF."""
-    recipes = tmp_path / "recipes"
-    recipes.mkdir()
-    (recipes / "defaults.yaml").write_text((ROOT / "recipes/defaults.yaml").read_text())
-    base = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
-    ggufs = {}
-    for name, hidden in WIDTHS.items():
-        data = yaml.safe_load(yaml.safe_dump(base))
-        data["model"]["config"] |= {"hidden_size": hidden, "intermediate_size": hidden * 3}
-        data["service"]["model_name"] = name
-        data["threads"] = 1  # two children beside each other and the client, on two cores
-        (recipes / f"{name}.yaml").write_text(yaml.safe_dump(data))
-        work = tmp_path / name
-        work.mkdir()
-        f16 = llamacpp_tools.tiny_f16(work, data["model"]["config"])
-        ggufs[name] = llamacpp_tools.quantize(f16, work / f"{name}-Q4_K_M.gguf", "Q4_K_M")
-    return recipes, ggufs
-
-
-def _children(pid_file: Path) -> list[Child]:
-    """The router's children as the product reads them (facts/router.py's command, run here)."""
-    with LocalHost() as host:
-        return parse_children(host.run(children_command(str(pid_file)), check=False, stream=False).stdout)
-
-
-def _alive_most(trace: str) -> tuple[int, int, int]:
-    """(the most children alive at once, starts, exits) by strace's record of the router: each
-    child's execve and its exit, in the order strace saw them. The router's own log cannot tell
-    it: it writes a child's exit after freeing its slot, racing the next spawn's line."""
-    router = None
-    alive: set[str] = set()
-    most = starts = exits = 0
-    for line in trace.splitlines():
-        if m := EXECVE.match(line):
-            if router is None:
-                router = m[1]
-                continue
-            alive.add(m[1])
-            starts += 1
-            most = max(most, len(alive))
-        elif (m := GONE.match(line)) and m[1] in alive:
-            alive.discard(m[1])
-            exits += 1
-    return most, starts, exits
-
 
 def test_a_set_of_three_served_on_demand_within_its_planned_count(tmp_path):
-    recipes, ggufs = _members(tmp_path)
+    recipes, ggufs = three_members(tmp_path)
     names = list(WIDTHS)
     planned = plan_set(names, memory_gib=4.0, recipes_dir=recipes)
     held = {m.name: m.held for m in planned.residency.members}
@@ -147,7 +91,7 @@ def test_a_set_of_three_served_on_demand_within_its_planned_count(tmp_path):
                 assert all(m.port for m in members if m.state == "loaded"), members  # its child's port
                 router_pid = router_pid or _router_pid(trace)
                 pid_file.write_text(f"{router_pid}\n")
-                for child in _children(pid_file):
+                for child in router_children(pid_file):
                     if (member := by_port.get(child.port)) and child.rss_kb:
                         rss_seen[member] = max(rss_seen.get(member, 0), child.rss_kb * 1024)
                         # VmRSS is its anonymous and its file pages (the mapped weights), and shmem
@@ -158,12 +102,12 @@ def test_a_set_of_three_served_on_demand_within_its_planned_count(tmp_path):
             status = {m.name: m.state for m in parse_models(client.get("/models").text)}
             asleep_names = sorted(n for n, v in status.items() if v == "sleeping")
             assert len(asleep_names) == k and set(status.values()) == {"sleeping", "unloaded"}, status
-            asleep = sum((c.rss_kb or 0) * 1024 for c in _children(pid_file))
+            asleep = sum((c.rss_kb or 0) * 1024 for c in router_children(pid_file))
     finally:
         # the router stops its children on SIGTERM; strace ends when the last traced process does
         os.kill(router_pid or _router_pid(trace), signal.SIGTERM)
         tracer.wait(timeout=60)
-    most, starts, exits = _alive_most(trace.read_text())
+    most, starts, exits = alive_most(trace.read_text())
     print(f"router: {starts} starts, {exits} exits, at most {most} alive; peak rss {rss_seen}; asleep {asleep}")
     assert most == k and starts == exits >= 13, (most, starts, exits, log_path.read_text()[-3000:])
     # each child against its plan without the margin (weights, KV cache, compute, the process's

@@ -142,6 +142,22 @@ def test_one_command_lists_every_record_and_the_parser_tells_old_corrupt_and_edi
     assert parse_deployments("garbage\n\tno service\nsvc\t[1, 2]\n") == [parse_deployments("svc\t")[0]]
 
 
+def test_a_sets_record_names_its_members_and_one_edited_by_hand_is_left_out(tmp_path):
+    """A model set's router keeps its members in its record (conduct/set_deploy.py): each as a
+    recipe is kept, with its served name; an entry whose text does not match its sha256 is not
+    trusted, and the router's own ``recipe`` is none."""
+    first = recipe_record(load_recipe(str(_copy_of_tiny(tmp_path / "a"))))
+    second = recipe_record(load_recipe(str(_copy_of_tiny(tmp_path / "b", context=256))))
+    edited = {**second, "yaml": second["yaml"] + "parallel: 1\n"}
+    members = [first | {"served_name": "small"}, second | {"served_name": "mid"}, edited | {"served_name": "big"}]
+    with LocalHost() as host:
+        _write(host, DeployLayout(str(tmp_path / "p"), "voltaforge-set-trio"), _record(None, members=members))
+        (d,) = read_deployments(host, str(tmp_path / "p"))
+    assert d.recipe is None and [r.sha256 for r in d.members] == [first["sha256"], second["sha256"]]
+    assert d.member_names == ("small", "mid")
+    assert parse_deployments("svc\t" + json.dumps({"members": "garbage"}))[0].members == ()
+
+
 def test_bare_commands_take_the_recipe_the_host_serves(tmp_path, monkeypatch):
     monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
     prefix = str(tmp_path / "vf")

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from playbooks.cli.flags import UsageError
 from playbooks.cli.render import console
+from playbooks.conduct.model_sets import host_set_plan
 from playbooks.conduct.settings import Settings
 from playbooks.config.model_set import SetPlan, plan_set
 from playbooks.config.recipe import RECIPES_DIR
@@ -97,11 +98,7 @@ def run_plan_host_sets(host_name: str, settings: Settings, as_json: bool = False
     spec = settings.host_spec(host_name)
     if not spec.model_sets:
         raise UsageError(f"--host {host_name}: its inventory entry serves no model set (serve: - set: ...)")
-    plans = [
-        (s.set, plan_set(s.models, spec.gpu, spec.memory_budget_gib, settings.recipes_dir or RECIPES_DIR,
-                         budget_from=f"{host_name}'s memory_budget_gib"))
-        for s in spec.model_sets
-    ]  # fmt: skip
+    plans = [(s.set, host_set_plan(spec, s, settings.recipes_dir or RECIPES_DIR)) for s in spec.model_sets]
     if as_json:
         (out or sys.stdout).write(json.dumps([{"set": name} | set_json(sp) for name, sp in plans], indent=2) + "\n")
     else:

@@ -82,7 +82,7 @@ def run_render_lb(
         edge = edge_settings(settings.lb(), lb_host, hosts, bind, port, tls)
         lb_spec = settings.host_spec(lb_host)
         specs = [settings.host_spec(n) for n in edge.hosts]
-        fleet = placed_fleet(lb_spec, specs, settings.load_recipe, recipe, edge.key_ref)
+        fleet = placed_fleet(settings, lb_spec, specs, recipe, edge.key_ref)
         use_tls = edge.tls if edge.tls is not None else not ipaddress.ip_address(edge.bind).is_loopback
         lb = Balancer(fleet.recipe, fleet.backends, bind=edge.bind, port=edge.port, tls=use_tls)
     except VoltaforgeError as exc:

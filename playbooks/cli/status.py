@@ -17,6 +17,7 @@ from rich.text import Text
 from playbooks.cli.render import console
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.status import read_status
+from playbooks.plan.gpus import mem_text
 from playbooks.steps.measure.gate import figures_line
 
 
@@ -72,6 +73,15 @@ def _manager_text(s: dict[str, Any]) -> str:
     return f"{kind}, pid {s['pid']}" if s["running"] else f"{kind}, not running"
 
 
+def _member_text(m: dict[str, Any]) -> str:
+    """A model set's member: its state in the router, and what its child holds."""
+    text = f"{m['recipe']}: {m['state']}" + (" (its last child failed)" if m.get("failed") else "")
+    if m.get("child_pid"):
+        held = f", holds {mem_text(m['held_bytes'])}" if m.get("held_bytes") is not None else ""
+        text += f", child pid {m['child_pid']}{held}"
+    return text
+
+
 def render_status(hosts: Sequence[dict[str, Any]], out: Console) -> None:
     """One row per service (or per host that serves nothing or cannot be read), then each
     service's details: its model, manager, recipe file, deployment and last gate."""
@@ -116,8 +126,10 @@ def render_status(hosts: Sequence[dict[str, Any]], out: Console) -> None:
                 ("deployed", s["deployed_at"] or ""),
                 ("last gate", _gate_text(s["gate"])),
             ]
+            rows += [(f"member {m['name']}", _member_text(m)) for m in s.get("members") or []]
             for what, value in rows:
-                details.add_row(Text(what), Text(value))
+                if value:  # a set's router has no model or recipe of its own: its members say them
+                    details.add_row(Text(what), Text(value))
             out.print(details)
     down = [f"{h['host']}: {u['unit']}" for h in hosts for u in h.get("units", []) if not _unit_ok(u)]
     if down:

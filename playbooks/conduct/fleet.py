@@ -15,7 +15,7 @@ must not), and every backend accepts the balancer's one key (the edge checks it 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from playbooks.conduct.deployed import read_deployments, recipe_file, stopped
@@ -25,6 +25,7 @@ from playbooks.conduct.settings import Settings
 from playbooks.config.inventory import HostSpec
 from playbooks.config.recipe import LoadedRecipe, Recipe
 from playbooks.errors import VoltaforgeError
+from playbooks.facts.deployments import Deployment, RecordedRecipe
 from playbooks.steps.serve.balancer import Backend, backends_for, by_model
 
 
@@ -114,22 +115,24 @@ def fleet_of(lb_spec: HostSpec, servers: Sequence[HostServers], key_ref: str | N
     return Fleet(tuple(backends), edge_key, tuple(servers), tuple(owners))
 
 
-def placed_servers(spec: HostSpec, recipe: str | None, load: Callable[[str], LoadedRecipe]) -> list[HostServers]:
-    """What the inventory places on a host (its layout, its recipe; ``recipe``: that one)."""
-    return [HostServers(spec, s.loaded, tuple(s.ports()), "inventory") for s in host_serves(spec, recipe, load)]
+def placed_servers(settings: Settings, spec: HostSpec, recipe: str | None) -> list[HostServers]:
+    """What the inventory places on a host (its layout, its recipe; ``recipe``: that one, a
+    recipe or a set by name): each single recipe on its ports, and each member of a model set
+    on its set's port (the router serves every member there)."""
+    singles = host_serves(spec, recipe, settings.load_recipe)
+    placed = [HostServers(spec, s.loaded, tuple(s.ports()), "inventory") for s in singles]
+    for each in settings.sets(spec.name, recipe):
+        placed += [HostServers(spec, member, (each.port,), "inventory") for member in each.members]
+    return placed
 
 
 def placed_fleet(
-    lb_spec: HostSpec,
-    backend_specs: Sequence[HostSpec],
-    load: Callable[[str], LoadedRecipe],
-    recipe: str | None,
-    key_ref: str | None,
+    settings: Settings, lb_spec: HostSpec, backend_specs: Sequence[HostSpec], recipe: str | None, key_ref: str | None
 ) -> Fleet:
     """The fleet as the inventory places it, without connecting (`invoke render --lb`)."""
     servers: list[HostServers] = []
     for s in backend_specs:
-        theirs = placed_servers(s, recipe, load)
+        theirs = placed_servers(settings, s, recipe)
         if not theirs:
             raise VoltaforgeError(f"{s.name}: serves no recipe (give it one in the inventory, or pass --recipe)")
         servers += theirs
@@ -142,26 +145,37 @@ def deployed_servers(settings: Settings, spec: HostSpec, wanted: str | None) -> 
     stopped deployment is left out, with one line saying so (its key, port and model never
     count: a server `invoke stop` stopped is not served)."""
     with settings.connect(spec) as host:
-        found = [d for d in read_deployments(host, spec.prefix) if d.recipe is not None and d.port is not None]
-        found = [d for d in found if not wanted or (d.recipe and d.recipe.name == wanted)]
+        found = [d for d in read_deployments(host, spec.prefix) if _serves(d) and d.port is not None]
+        found = [d for d in found if not wanted or any(r.name == wanted for r in _served_recipes(d))]
         down = {d.service for d in found if stopped(host, spec.prefix, d)}
     left_out = [
-        f"{spec.name}: {d.service} ({d.recipe.name if d.recipe else '?'}) is stopped: left out of the balancer "
+        f"{spec.name}: {d.service} ({', '.join(r.name for r in _served_recipes(d)) or '?'}) is stopped: left out "
+        "of the balancer "
         f"(`invoke deploy --host {spec.name}` starts it, `invoke remove --host {spec.name}` takes it off)"
         for d in found
         if d.service in down
     ]
     by_recipe: dict[str, tuple[LoadedRecipe, list[int]]] = {}
     for d in found:
-        recorded = d.recipe
-        if recorded is None or d.port is None or d.service in down:
+        if d.port is None or d.service in down:
             continue
-        if recorded.sha256 not in by_recipe:
-            by_recipe[recorded.sha256] = (settings.load_recipe(recipe_file(recorded, spec.name)), [])
-        by_recipe[recorded.sha256][1].append(d.port)
+        # a model set's router is each member's server: the edge routes a member's name to it
+        for recorded in _served_recipes(d):
+            if recorded.sha256 not in by_recipe:
+                by_recipe[recorded.sha256] = (settings.load_recipe(recipe_file(recorded, spec.name)), [])
+            by_recipe[recorded.sha256][1].append(d.port)
     # the recorded recipe keeps the file's port; each instance listens where its record says
     servers = [HostServers(spec, loaded, tuple(sorted(ports)), "deployed") for loaded, ports in by_recipe.values()]
     return servers, (left_out if found else [])
+
+
+def _served_recipes(d: Deployment) -> tuple[RecordedRecipe, ...]:
+    """What a deployment serves: its recipe, or a model set's members."""
+    return d.members or ((d.recipe,) if d.recipe else ())
+
+
+def _serves(d: Deployment) -> bool:
+    return bool(_served_recipes(d))
 
 
 def deployed_fleet(
@@ -177,7 +191,7 @@ def deployed_fleet(
         theirs, stopped_here = deployed_servers(settings, s, wanted)
         left_out += stopped_here
         if not theirs and not stopped_here:
-            theirs = placed_servers(s, recipe, settings.load_recipe)
+            theirs = placed_servers(settings, s, recipe)
             if not theirs:
                 raise VoltaforgeError(
                     f"{s.name}: nothing deployed under {s.prefix} and no recipe in the inventory: provision it first"

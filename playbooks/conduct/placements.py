@@ -113,16 +113,14 @@ def host_serves(
 ) -> list[Served]:
     """What ``spec`` serves: the flag's recipe (in a layout: that placement only), else the
     layout's every recipe, else the inventory's one recipe, else ``default``. An empty list:
-    no recipe is named anywhere (the caller may ask the host's deployment records)."""
+    no recipe is named anywhere (the caller may ask the host's deployment records), or the
+    flag names one of the layout's model sets, or the layout holds sets only (its sets:
+    conduct/model_sets.py)."""
     if not spec.serve:
         name = recipe or spec.recipe or default
         return [Served(load(name))] if name else []
-    if spec.model_sets:
-        first = spec.model_sets[0]
-        raise VoltaforgeError(
-            f"{spec.name}: serve: set {first.set}: a model set is planned (`invoke plan --host {spec.name}`) but not "
-            "yet served by this version: take it out of serve: to act on the rest"
-        )
+    if recipe is not None and any(recipe == s.set for s in spec.model_sets):
+        return []  # a set's name: conduct/model_sets.py resolves it
     loaded = [(p, load(p.recipe)) for p in spec.placements]
     served = [placed(spec, p, lr) for p, lr in loaded]
     check_layout(spec, served)

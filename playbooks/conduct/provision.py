@@ -11,6 +11,10 @@ and a re-run after a failure resumes where it stopped: what was finished reads a
   anything is downloaded or written.
 - deploy starts a changed service *gated*: the last deployment that passed stays the rollback
   target until the gate (steps/measure/gate.py) passes on the new one; a failed gate rolls back.
+- A model set of the host's layout (conduct/model_sets.py) is one target: its members are each
+  judged by preflight, share the first member's toolchain and build (one host, one build), are
+  each quantized, and are served by one router (conduct/set_deploy.py), whose gate asks each
+  member for an answer (steps/measure/set_gate.py).
 - The host lock is held for the whole run (a dry run only reads); Ctrl-C or a lost
   connection drops it (host/lock.py), and every step switches things in whole (builds and
   quantized files are made aside and renamed), so nothing is left half-switched.
@@ -36,13 +40,16 @@ from playbooks.conduct.converge import prefix_needs_sudo
 from playbooks.conduct.deploy import deploy_ops
 from playbooks.conduct.known_reads import KnownReads
 from playbooks.conduct.logs import log_dir
+from playbooks.conduct.model_sets import ServedSet
 from playbooks.conduct.placements import Served
 from playbooks.conduct.quantize import quantize_step
 from playbooks.conduct.read_pass import read_pass
 from playbooks.conduct.roll import DRAIN_BOUND_S, DeployRoll, Roll
+from playbooks.conduct.set_deploy import set_deploy_ops
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.toolchain import toolchain_step
 from playbooks.config.inventory import HostSpec
+from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import HostError, VoltaforgeError
 from playbooks.host import Host
 from playbooks.host.base import Printer
@@ -51,6 +58,7 @@ from playbooks.host.lock import host_lock
 from playbooks.host.ops import Change, Decision, Operation, run_ops, summarize
 from playbooks.host.output import BufferedPrinter
 from playbooks.steps.measure.gate import EnsureGate
+from playbooks.steps.measure.set_gate import EnsureSetGate
 from playbooks.steps.preflight import gather, judge, rpc_endpoints
 from playbooks.steps.serve.deploy import EnsureServing
 from playbooks.words import clip
@@ -60,6 +68,9 @@ DEFAULT_RECIPE = "tiny-cpu"
 
 
 STEPS = ("preflight", "toolchain", "build", "quantize", "deploy", "gate")
+
+#: what one provision target is: a recipe (its servers), or a model set (its router and members)
+Target = Served | ServedSet
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,7 @@ class Provisioner:
 
     # -- per host ----------------------------------------------------------------------------
 
-    def run_host(self, spec: HostSpec, served: Served) -> HostOutcome:
+    def run_host(self, spec: HostSpec, served: Target) -> HostOutcome:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # a host's layout: a log per recipe, run one after the other
         log_path = self.run_dir / (f"{spec.name}-{served.name}.log" if spec.serve else f"{spec.name}.log")
@@ -217,7 +228,7 @@ class Provisioner:
         outcome.seconds = time.monotonic() - t0
         return outcome
 
-    def _provision(self, spec: HostSpec, served: Served, printer: Printer, outcome: HostOutcome) -> None:
+    def _provision(self, spec: HostSpec, served: Target, printer: Printer, outcome: HostOutcome) -> None:
         opts = self.options
         with self.settings.connect(spec, printer) as host:
             with self._lock:
@@ -238,7 +249,7 @@ class Provisioner:
         self,
         host: Host,
         spec: HostSpec,
-        served: Served,
+        served: Target,
         printer: Printer,
         outcome: HostOutcome,
         dry_run: bool,
@@ -250,10 +261,16 @@ class Provisioner:
         t = time.monotonic()
         printer.line(spec.name, "== preflight ==")
         model_dir = f"{spec.prefix}/models"
-        loaded = served.loaded
-        facts = gather(host, spec.prefix, model_dir, rpc_endpoints(loaded))
-        verdict = judge(facts, loaded, model_dir, spec.prefix, spec.gpu, served.gpus if spec.serve else None)
-        blocking = [c for c in verdict.checks if c.status == "fail" and c.blocking]
+        members = _members(served)
+        facts = gather(host, spec.prefix, model_dir, rpc_endpoints(members[0]))
+        # a set: each member judged on the set's cards (each fits alone: the set's plan said so)
+        checks = [
+            c
+            for loaded in members
+            for c in judge(facts, loaded, model_dir, spec.prefix, spec.gpu, served.gpus if spec.serve else None).checks
+        ]
+        checks = list({(c.name, c.status, c.detail): c for c in checks}.values())  # a host check once
+        blocking = [c for c in checks if c.status == "fail" and c.blocking]
         if blocking:
             # every blocking check, not the first only: a user fixes them all in one go
             why = "; ".join(f"{b.name}: {b.detail}" for b in blocking)
@@ -265,8 +282,8 @@ class Provisioner:
                 sudo = prefix_needs_sudo(host, spec.prefix)
                 self._steps(host, spec, served, sudo, printer, outcome, dry_run, blocked=True, probing=probing)
             return
-        warned = [c for c in verdict.checks if c.status == "warn"]
-        why = f"{len(verdict.checks)} checks pass" + (
+        warned = [c for c in checks if c.status == "warn"]
+        why = f"{len(checks)} checks pass" + (
             f", {len(warned)} warning{'s' if len(warned) > 1 else ''}: {warned[0].name}: {warned[0].detail}"
             if warned
             else ""
@@ -279,7 +296,7 @@ class Provisioner:
             with host_lock(host, spec.prefix, sudo=sudo):
                 self._steps(host, spec, served, sudo, printer, outcome, dry_run)
 
-    def _settled(self, host: Host, spec: HostSpec, served: Served, printer: Printer, outcome: HostOutcome) -> bool:
+    def _settled(self, host: Host, spec: HostSpec, served: Target, printer: Printer, outcome: HostOutcome) -> bool:
         """Whether the host has nothing to do, decided from its reads fetched in one round trip
         (``_read_pass``). True (the outcome filled, the lines printed) when every step is ok;
         False when anything would change, and the run goes on the normal way, under the lock,
@@ -295,7 +312,7 @@ class Provisioner:
         return True
 
     def _read_pass(
-        self, host: Host, spec: HostSpec, served: Served, outcome: HostOutcome
+        self, host: Host, spec: HostSpec, served: Target, outcome: HostOutcome
     ) -> tuple[HostOutcome, BufferedPrinter] | None:
         """Every step checked as a dry run checks it, from batched reads (conduct/read_pass.py)."""
 
@@ -305,13 +322,15 @@ class Provisioner:
         def check(printer: BufferedPrinter, trial: HostOutcome) -> None:
             self._run_steps(host, spec, served, printer, trial, dry_run=True, probing=True)
 
+        if isinstance(served, ServedSet):
+            return None  # a set's reads are not batched yet: it goes the normal way, under the lock
         return read_pass(host, KnownReads.of(spec, served.loaded), fresh, check)
 
     def _steps(
         self,
         host: Host,
         spec: HostSpec,
-        served: Served,
+        served: Target,
         sudo: bool,
         printer: Printer,
         outcome: HostOutcome,
@@ -321,10 +340,17 @@ class Provisioner:
     ) -> None:
         """The steps after preflight. ``blocked``: a dry run past a failed preflight, where
         each step shows what it would run once the blocking checks are fixed."""
-        opts, prefix, loaded = self.options, spec.prefix, served.loaded
-        gates: list[EnsureGate] = []
+        opts, prefix = self.options, spec.prefix
+        members = _members(served)
+        loaded = members[0]  # a set's members share its host's toolchain and build
+        gates: list[EnsureGate | EnsureSetGate] = []
 
         def deploy_and_gate() -> list[Operation]:
+            if isinstance(served, ServedSet):
+                ops = set_deploy_ops(served, host, prefix, "auto", gated=True)
+                serving = [op for op in ops if isinstance(op, EnsureServing)]
+                gates.extend(EnsureSetGate(op, [m.recipe for m in served.members]) for op in serving)
+                return ops
             ops = deploy_ops(loaded, host, prefix, "auto", served.gpus, gated=True, server=served.layout(prefix))
             for op in ops:
                 if isinstance(op, EnsureServing):
@@ -334,7 +360,7 @@ class Provisioner:
         makers: list[tuple[str, Callable[[], list[Operation]]]] = [
             ("toolchain", lambda: toolchain_step(loaded, host, prefix, sudo)),
             ("build", lambda: build_step(loaded, host, prefix, sudo)),
-            ("quantize", lambda: quantize_step(loaded, prefix)),
+            ("quantize", lambda: [op for m in members for op in quantize_step(m, prefix)]),
             ("deploy", deploy_and_gate),
             ("gate", lambda: list(gates)),
         ]
@@ -347,9 +373,10 @@ class Provisioner:
                 raise Interrupted(f"interrupted before {step}")
             try:
                 ops = make()
-                if step == "deploy" and not pending:
+                if step == "deploy" and not pending and isinstance(served, Served):
                     # a restart behind a balancer: drained first, one server at a time
-                    rolled = self.roll.deploy(host, prefix, served.name, printer, ops, gates, dry_run)
+                    served_gates = [g for g in gates if isinstance(g, EnsureGate)]  # a recipe's: all of them
+                    rolled = self.roll.deploy(host, prefix, served.name, printer, ops, served_gates, dry_run)
                 elif step == "gate" and rolled:
                     ops = [g for g in ops if id(g) not in rolled.gated]
             except (VoltaforgeError, HostError) as exc:
@@ -385,7 +412,9 @@ class Provisioner:
         if gates and outcome.steps[-1].status in ("ok", "changed"):
             outcome.endpoint = self._endpoint(host, spec, outcome, gates[0])
 
-    def _endpoint(self, host: Host, spec: HostSpec, outcome: HostOutcome, gate: EnsureGate) -> str | None:
+    def _endpoint(
+        self, host: Host, spec: HostSpec, outcome: HostOutcome, gate: EnsureGate | EnsureSetGate
+    ) -> str | None:
         """Where the service answers once its gate passed (the gate's figures into the outcome)."""
         rec = gate.read(host)
         verdict = rec.get("gate") or {}
@@ -397,13 +426,13 @@ class Provisioner:
 
     # -- all hosts ---------------------------------------------------------------------------
 
-    def run_layout(self, targets: Sequence[tuple[HostSpec, Served]]) -> list[HostOutcome]:
+    def run_layout(self, targets: Sequence[tuple[HostSpec, Target]]) -> list[HostOutcome]:
         """One host's recipes, one after the other (a layout shares the host's build and lock)."""
         return [self.run_host(spec, served) for spec, served in targets]
 
-    def run(self, targets: Sequence[tuple[HostSpec, Served]]) -> list[HostOutcome]:
+    def run(self, targets: Sequence[tuple[HostSpec, Target]]) -> list[HostOutcome]:
         """Hosts in parallel, each host's recipes in turn; outcomes in the order given."""
-        by_host: dict[str, list[tuple[HostSpec, Served]]] = {}
+        by_host: dict[str, list[tuple[HostSpec, Target]]] = {}
         for spec, served in targets:
             by_host.setdefault(spec.name, []).append((spec, served))
         if len(by_host) == 1:
@@ -435,16 +464,21 @@ class Provisioner:
                 pass
 
 
+def _members(target: Target) -> list[LoadedRecipe]:
+    """The recipes a target serves: a recipe itself, a set's members in its order."""
+    return list(target.members) if isinstance(target, ServedSet) else [target.loaded]
+
+
 def resolve_targets(
     settings: Settings, hosts: Sequence[str], recipe: str | None, default_recipe: str
-) -> list[tuple[HostSpec, Served]]:
+) -> list[tuple[HostSpec, Target]]:
     """Every host's inventory entry and recipes (the flag's, else the inventory's for that
-    host: its one recipe or each of its layout, else the default), loaded and checked before
-    anything connects."""
+    host: its one recipe or each of its layout and its model sets, else the default), loaded
+    and checked before anything connects."""
     if len(set(hosts)) != len(hosts):
         raise VoltaforgeError(f"--host {','.join(hosts)}: a host is named twice")
     targets = []
     for name in hosts:
         spec = settings.host_spec(name)
-        targets += [(spec, s) for s in settings.serves(name, recipe, default_recipe)]
+        targets += [(spec, s) for s in settings.targets(name, recipe, default_recipe)]
     return targets

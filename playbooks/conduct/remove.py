@@ -1,6 +1,7 @@
 """`invoke remove`: what `invoke deploy` and `invoke rpc-worker` put on a host, taken off it.
 
-Which deployments: those of ``--recipe`` (every instance of its layout), else every deployment
+Which deployments: those of ``--recipe`` (every instance of its layout; a model set's name: its
+router), else every deployment
 record on the host, with the RPC workers the recipe places there (without a recipe: every
 ``voltaforge-rpc-*`` unit). Read from the host's records, not from the recipe as it reads now:
 the record lists the files that deploy really installed, and its manager (systemd or a managed
@@ -29,6 +30,7 @@ from playbooks.host import Host
 from playbooks.host.ops import Change, Operation
 from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.removal import EnsureAbsent, EnsureStopped
+from playbooks.steps.serve.router import set_unit_name
 from playbooks.steps.serve.rpc_worker import RpcLayout
 from playbooks.steps.serve.service_manager import Systemd
 from playbooks.steps.serve.units import UNIT_DIR
@@ -82,11 +84,19 @@ def chosen(
     if recipe is None:
         workers = [u.unit for u in parse_units(read_fact(host, UNITS_COMMAND)) if u.kind == "rpc-worker"]
         return found, workers
+    if _names_a_set(settings, host_name, recipe):
+        service = set_unit_name(recipe).removesuffix(".service")
+        return [d for d in found if d.service == service], []
     r = settings.load_recipe(recipe).recipe
     mine = [d for d in found if d.recipe is not None and d.recipe.name == r.name]
     workers = [RpcLayout(prefix, w.port).unit_name for w in r.rpc if w.worker == host_name]
     present = {u.unit for u in parse_units(read_fact(host, UNITS_COMMAND))} if workers else set()
     return mine, [u for u in workers if u in present or _unit_file_there(host, u)]
+
+
+def _names_a_set(settings: Settings, host_name: str, name: str) -> bool:
+    """Whether ``--recipe`` names one of the host's model sets (its router is removed)."""
+    return any(e.set == name for e in settings.host_spec(host_name).model_sets)
 
 
 def _unit_file_there(host: Host, unit: str) -> bool:
@@ -96,7 +106,7 @@ def _unit_file_there(host: Host, unit: str) -> bool:
 def remove_deployed(settings: Settings, host_name: str, recipe: str | None, dry_run: bool) -> list[Change]:
     """Remove the chosen deployments and workers from the host; a dry run lists every command."""
     spec = settings.host_spec(host_name)
-    if recipe:
+    if recipe and not _names_a_set(settings, host_name, recipe):
         settings.load_recipe(recipe)  # a bad name: one line before connecting
     with settings.connect(spec) as host:
         found, workers = chosen(settings, host_name, host, spec.prefix, recipe)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from playbooks.conduct.deployed import deployed_recipe
+from playbooks.conduct.model_sets import ServedSet, check_set_ports, host_sets
 from playbooks.conduct.placements import Served, host_serves
 from playbooks.config.inventory import HostSpec, LbSpec, load_lb, resolve_host
 from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
@@ -51,10 +52,34 @@ class Settings:
     def serves(self, host_name: str, recipe: str | None, default: str | None = None) -> list[Served]:
         """What the host serves (conduct/placements.py), loaded and checked before connecting;
         one line when no recipe is named anywhere."""
-        served = host_serves(self.host_spec(host_name), recipe, self.load_recipe, default)
+        spec = self.host_spec(host_name)
+        served = host_serves(spec, recipe, self.load_recipe, default)
+        if not served and spec.model_sets:
+            names = ", ".join(s.set for s in spec.model_sets)
+            raise VoltaforgeError(
+                f"{host_name}: serves model sets ({names}) and no single recipe"
+                + (f" named {recipe}" if recipe else "")
+                + ": this command acts on single recipes; provision, status, stop and remove act on sets"
+            )
         if not served:
             raise VoltaforgeError(f"{host_name}: no recipe: pass --recipe or set one in inventory.yaml")
         return served
+
+    def sets(self, host_name: str, recipe: str | None) -> list[ServedSet]:
+        """The host's model sets (conduct/model_sets.py), planned and checked before connecting:
+        every one, or the one ``recipe`` names."""
+        return host_sets(self.host_spec(host_name), recipe, self.recipes_dir or RECIPES_DIR)
+
+    def targets(self, host_name: str, recipe: str | None, default: str | None = None) -> list[Served | ServedSet]:
+        """Everything the host serves, single recipes and model sets, checked together (one port
+        each); a flag naming a set: that set. One line when nothing is named anywhere."""
+        spec = self.host_spec(host_name)
+        sets = self.sets(host_name, recipe)
+        if recipe is not None and sets:
+            return list(sets)
+        served = self.serves(host_name, recipe, default) if spec.placements or not sets else []
+        check_set_ports(spec, [(s.name, p) for s in served for p in s.ports()], sets)
+        return [*served, *sets]
 
     def named_serves(self, host_name: str, recipe: str | None) -> list[Served]:
         """What the host serves by name: the flag's recipe, the inventory's, or its layout,
@@ -62,6 +87,11 @@ class Settings:
         is named anywhere: once connected, deployed_serves asks the host."""
         spec = self.host_spec(host_name)
         return self.serves(host_name, recipe) if recipe or spec.recipe or spec.serve else []
+
+    def named_targets(self, host_name: str, recipe: str | None) -> list[Served | ServedSet]:
+        """Like :meth:`named_serves`, with the host's model sets: [] when nothing is named."""
+        spec = self.host_spec(host_name)
+        return self.targets(host_name, recipe) if recipe or spec.recipe or spec.serve else []
 
     def deployed_serves(self, host_name: str, recipe: str | None, host: Host) -> list[Served]:
         """The connected host's one recipe as its deployment record names it (no name given)."""

@@ -19,9 +19,11 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, parse_process_age, process_age_command
 from playbooks.facts.fleet_units import UNITS_COMMAND, parse_units
+from playbooks.facts.router import children_command, models_command, parse_children, parse_models
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.steps.serve.balancer import parse_stats, stats_command
+from playbooks.steps.serve.deploy import DeployLayout
 from playbooks.steps.serve.service_manager import Running
 
 HEALTH = {200: "200 ready", 503: "503 loading", 0: "nothing listens"}
@@ -41,7 +43,7 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
     recipe = d.recipe
     if d.record is None:
         note = "its deployment record cannot be read"
-    elif recipe is None:
+    elif recipe is None and not d.members:
         note = "deployed before voltaforge recorded its recipe"
     else:
         note = None
@@ -58,9 +60,11 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
     if uptime is None:
         basis = None
     gate = d.gate
+    members = set_members(host, prefix, d, running) if d.members else None
     return {
         "service": d.service,
-        "recipe": recipe.name if recipe else None,
+        # a model set's router: its members, each shown below with its state
+        "recipe": recipe.name if recipe else ("set: " + ", ".join(r.name for r in d.members) if d.members else None),
         "recipe_path": recipe.path if recipe else None,
         "recipe_sha256": recipe.sha256 if recipe else None,
         "note": note,
@@ -76,6 +80,7 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
         "uptime_s": uptime,
         "uptime_basis": basis,
         "deployed_at": d.at,
+        "members": members,
         "gate": {
             "status": gate.get("status") or "not run",
             "at": gate.get("at"),
@@ -84,6 +89,33 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
             "report": gate.get("report"),
         },
     }
+
+
+def set_members(host: Host, prefix: str, d: Deployment, running: Running | None) -> list[dict[str, Any]]:
+    """A model set's members as its router lists them (unloaded, loading, loaded, sleeping) and,
+    for each with a child, the memory the child holds: its own (RssAnon) and the pages of its
+    weights it maps (RssFile, from the page cache: facts/router.py says why that counts each
+    file once). The router does not say when a member was last used: not shown."""
+    state = DeployLayout(prefix, d.service)
+    listed = parse_models(read_fact(host, models_command(d.port or 0, f"{state.state_dir}/credentials/api-key")))
+    by_name = {m.name: m for m in listed}
+    up = running is not None and running.up
+    children = {c.port: c for c in parse_children(read_fact(host, children_command(f"{state.state_dir}/server.pid")))}
+    out = []
+    for r, served in zip(d.members, d.member_names, strict=True):
+        m = by_name.get(served)
+        child = children.get(m.port) if m and m.port and up else None
+        out.append(
+            {
+                "name": served,
+                "recipe": r.name,
+                "state": m.state if m else ("not listed" if up else "router down"),
+                "child_pid": child.pid if child else None,
+                "held_bytes": child.held_bytes if child else None,
+                "failed": bool(m and m.failed),
+            }
+        )
+    return out
 
 
 def fleet_units(host: Host) -> list[dict[str, Any]]:

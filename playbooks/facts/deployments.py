@@ -44,16 +44,28 @@ class Deployment:
     def recipe(self) -> RecordedRecipe | None:
         """The recorded recipe; None for a record written before voltaforge kept it, or one
         whose text does not match its sha256 (edited by hand: not trusted)."""
-        entry = (self.record or {}).get("recipe")
-        if not isinstance(entry, dict):
-            return None
-        values = [entry.get(k) for k in ("name", "path", "sha256", "yaml")]
-        if not all(isinstance(v, str) and v for v in values):
-            return None
-        name, path, sha, text = (str(v) for v in values)
-        if hashlib.sha256(text.encode()).hexdigest() != sha:
-            return None
-        return RecordedRecipe(name, path, sha, text)
+        return _recorded((self.record or {}).get("recipe"))
+
+    @property
+    def members(self) -> tuple[RecordedRecipe, ...]:
+        """A model set's members (its router's record names them), each as ``recipe`` is
+        kept; () for any other deployment. A member whose entry does not verify is left out."""
+        return tuple(r for r, _ in self._members())
+
+    @property
+    def member_names(self) -> tuple[str, ...]:
+        """Each of :attr:`members`' served name (the name the router routes), in its order."""
+        return tuple(name for _, name in self._members())
+
+    def _members(self) -> list[tuple[RecordedRecipe, str]]:
+        entries = (self.record or {}).get("members")
+        out = []
+        for e in entries if isinstance(entries, list) else []:
+            r = _recorded(e)
+            if r is not None:
+                name = e.get("served_name")
+                out.append((r, name if isinstance(name, str) and name else r.name))
+        return out
 
     def _get(self, key: str) -> Any:
         return (self.record or {}).get(key)
@@ -101,6 +113,19 @@ class Deployment:
         units = sorted(str(p) for p in files if str(p).endswith(".service"))
         own = [p for p in units if p.rsplit("/", 1)[-1] == f"{self.service}.service"]
         return (own or units)[0] if units else None
+
+
+def _recorded(entry: object) -> RecordedRecipe | None:
+    """One recipe entry of a record, trusted only when its text matches its sha256."""
+    if not isinstance(entry, dict):
+        return None
+    values = [entry.get(k) for k in ("name", "path", "sha256", "yaml")]
+    if not all(isinstance(v, str) and v for v in values):
+        return None
+    name, path, sha, text = (str(v) for v in values)
+    if hashlib.sha256(text.encode()).hexdigest() != sha:
+        return None
+    return RecordedRecipe(name, path, sha, text)
 
 
 def parse_deployments(output: str) -> list[Deployment]:

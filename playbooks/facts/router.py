@@ -75,6 +75,18 @@ def _port(args: object) -> int | None:
     return None
 
 
+def models_command(port: int, key_file: str) -> str:
+    """The router's ``GET /models`` on the host's loopback; with the key file's first line as
+    the bearer token when the file is there (a keyed router lists nothing without it). The key
+    reaches curl on its stdin as a header line (``-H @-``), never in an argv."""
+    url = shlex.quote(f"http://127.0.0.1:{int(port)}/models")
+    q = shlex.quote(key_file)
+    return (
+        f"if [ -s {q} ]; then {{ printf 'Authorization: Bearer '; head -n1 -- {q}; }} | "
+        f"curl -s -m 5 -H @- {url}; else curl -s -m 5 {url}; fi; true"
+    )
+
+
 def children_command(pid_file: str) -> str:
     """Each child of the router whose pid the file holds: its pid, its resident memory by kind
     (kB, /proc/PID/status) and its command line (NUL-separated words made spaces)."""

@@ -55,6 +55,8 @@ def gate_figures(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def figures_line(fig: dict[str, Any]) -> str:
+    if "answered" in fig:  # a model set's gate (steps/measure/set_gate.py)
+        return set_figures_line(fig)
     parts = []
     if fig.get("single_tok_s") is not None:
         mbu = ""
@@ -71,6 +73,15 @@ def figures_line(fig: dict[str, Any]) -> str:
     if fig.get("ttft_p95_ms") is not None:
         parts.append(f"TTFT p95 {fig['ttft_p95_ms']} ms")
     return ", ".join(parts) or "no figures"
+
+
+def set_figures_line(fig: dict[str, Any]) -> str:
+    """A model set's gate in one line: how many members answered, each one's first answer."""
+    each = fig.get("first_answer_s") or {}
+    parts = ", ".join(f"{name} {s:g} s" for name, s in each.items())
+    return f"{fig.get('answered', 0)} of {fig.get('members', 0)} members answered" + (
+        f" (first answer, its load included: {parts})" if parts else ""
+    )
 
 
 class EnsureGate(Operation):
@@ -122,31 +133,39 @@ class EnsureGate(Operation):
         layout = self.serving.layout
         result, files, _ = gate_run(self.loaded, host, self.prefix, layout, self.out_dir)
         self.result, self.reports = result, files
-        rec = read_record(host, layout) or {}
         judged = result["gate"]
         verdict = {
             "status": "passed" if judged["passed"] else "failed",
-            "fingerprint": rec.get("fingerprint"),
+            "fingerprint": (read_record(host, layout) or {}).get("fingerprint"),
             "criteria": self.criteria,
             "at": result["at"],
             "figures": gate_figures(result),
             "reasons": judged["reasons"],
             "report": str(files["markdown"]),
         }
-        rec["gate"] = verdict
-        good = good_of(rec) or {}
-        same_as_good = bool(good) and good.get("fingerprint") == rec.get("fingerprint")
-        if judged["passed"]:
-            if same_as_good:
-                rec["good"] = {**good, "gate": verdict}
-                write_record(host, layout, rec)
-            else:
-                self.serving.promote(host, rec)
+        outcome = keep_verdict(host, self.serving, verdict, judged["passed"])
+        if outcome is None:
             host.printer.line(host.name, f"gate passed: {figures_line(verdict['figures'])}")
             return
-        write_record(host, layout, rec)
-        if same_as_good:
-            outcome = "no earlier deployment to go back to (this one was made by `invoke deploy`): it keeps serving"
-        else:
-            outcome = self.serving.rollback(host)
         raise HostError(f"the gate failed: {'; '.join(judged['reasons'])}; {outcome} (report {files['markdown']})")
+
+
+def keep_verdict(host: Host, serving: EnsureServing, verdict: dict[str, Any], passed: bool) -> str | None:
+    """The gate's verdict into the deployment's record: passed, the deployment becomes the
+    rollback target (None); failed, the one before is put back, and what happened is said."""
+    layout = serving.layout
+    rec = read_record(host, layout) or {}
+    rec["gate"] = verdict
+    good = good_of(rec) or {}
+    same_as_good = bool(good) and good.get("fingerprint") == rec.get("fingerprint")
+    if passed:
+        if same_as_good:
+            rec["good"] = {**good, "gate": verdict}
+            write_record(host, layout, rec)
+        else:
+            serving.promote(host, rec)
+        return None
+    write_record(host, layout, rec)
+    if same_as_good:
+        return "no earlier deployment to go back to (this one was made by `invoke deploy`): it keeps serving"
+    return serving.rollback(host)

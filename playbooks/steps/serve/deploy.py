@@ -214,6 +214,23 @@ class EnsureModelLink(Operation):
         )
 
 
+class CheckArtifact(Operation):
+    """An artifact a server reads by its own path (a model set's preset names each member's GGUF)
+    is the verified one: its manifest is there. Nothing to change: no manifest, no deploy."""
+
+    def __init__(self, artifact: str, manifest: str, hint: str):
+        self.artifact, self.manifest, self.hint = check_path(artifact), manifest, hint
+        self.name = f"Ensure {artifact} is verified"
+
+    def read(self, host: Host) -> dict[str, Any] | None:
+        return parse_json_object(read_fact(host, cat_command(self.manifest)))
+
+    def decide(self, facts: dict[str, Any] | None) -> Decision:
+        if facts is None or not facts.get("sha256") and not facts.get("id"):
+            raise OperationError(f"model file missing: no verified {self.artifact} (no {self.manifest}): {self.hint}")
+        return Decision.ok(f"sha256 {str(facts.get('sha256') or facts.get('id'))[:12]}")
+
+
 class EnsureSymlink(Operation):
     """A link points at a fixed target (TabbyAPI's working directory: templates/, logs/, ...)."""
 
@@ -365,6 +382,7 @@ class EnsureServing(Operation):
         gated: bool = False,
         recipe: dict[str, str] | None = None,
         served_name: str | None = None,
+        members: Sequence[dict[str, str]] = (),
     ):
         self.manager, self.layout, self.files, self.link = manager, layout, tuple(files), link
         self.artifact, self.artifact_sha256, self.artifact_bytes = artifact, artifact_sha256, artifact_bytes
@@ -373,6 +391,9 @@ class EnsureServing(Operation):
         self.recipe = recipe
         #: the model's name on the API, kept in the record for `invoke status` and bench
         self.served_name = served_name
+        #: a model set's members (config/recorded.py's record of each recipe, with its served
+        #: name): what its router serves, for `invoke status`, stop and the balancer
+        self.members = [dict(m) for m in members]
         self.sudo = not isinstance(manager, ProcessRunner)
         self.want = fingerprint(self.files, artifact_sha256, artifact)
         self.name = f"Ensure {manager.describe()} serves on 127.0.0.1:{port}"
@@ -478,6 +499,9 @@ class EnsureServing(Operation):
         )
         if problems:
             raise HostError(f"the load log disagrees with the plan: {'; '.join(problems)}")
+        if not (log.kv_mib or log.compute_mib or log.model_mib or e.kv_mib or e.compute_mib or e.layers):
+            # nothing loaded and nothing planned: a model set's router (its children load on demand)
+            return Served(time.monotonic() - t0, [], {})
         buffers = {
             "kv_mib": log.kv_mib,
             "compute_mib": log.compute_mib,
@@ -526,11 +550,14 @@ class EnsureServing(Operation):
             record["recipe"] = self.recipe
         if self.served_name:
             record["served_name"] = self.served_name
+        if self.members:
+            record["members"] = self.members
         if self.gated:
             write_record(host, self.layout, record)
         else:
             self.promote(host, record)
-        host.printer.line(host.name, f"answering after {served.seconds:.1f} s; {_buffers_line(served.buffers)}")
+        buffers = _buffers_line(served.buffers)
+        host.printer.line(host.name, f"answering after {served.seconds:.1f} s" + (f"; {buffers}" if buffers else ""))
 
     def promote(self, host: Host, record: dict[str, Any]) -> None:
         """This deployment worked: its files are copied to ``good/`` and it becomes the one a
@@ -590,6 +617,7 @@ class EnsureServing(Operation):
 #: what a rollback target keeps of its deployment's record (with ``copies``: where good/'s files go)
 SNAPSHOT_KEYS = (
     "fingerprint", "at", "files", "artifact", "port", "ready_s", "buffers", "gate", "recipe", "served_name",
+    "members",
 )  # fmt: skip
 
 
@@ -612,7 +640,10 @@ def _now() -> str:
 
 
 def _buffers_line(b: dict[str, Any]) -> str:
-    """The load log's buffers beside the plan's, as the record keeps them."""
+    """The load log's buffers beside the plan's, as the record keeps them ('' for none: a
+    router loads no model itself)."""
+    if not b:
+        return ""
     planned = b.get("planned") or {}
     parts = []
     for key, label in (("kv_mib", "KV cache"), ("compute_mib", "compute buffer")):

@@ -5,7 +5,8 @@ plan/engine_base.py). conduct/build.py and conduct/deploy.py ask it
 what the host builds for it beyond llama.cpp (which every host gets: its conversion and
 quantize tools), the artifact its server loads and the link it reads it through, where a
 managed process keeps its state, what of its load log is held to the plan, and the files,
-links and keys beside its unit."""
+links and keys beside its unit, and, for an engine whose server routes several models (the plan
+half's ``routes_models``), a model set's files."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from playbooks.plan.engine_base import Engine
     from playbooks.plan.serving import Option
     from playbooks.steps.serve.deploy import DeployLayout, Expectations
+    from playbooks.steps.serve.router import RouterSet
     from playbooks.steps.serve.units import RenderedFile, ServerLayout
     from playbooks.steps.weights.model_layout import ModelLayout
 
@@ -63,3 +65,9 @@ class ServerEngine:
     def serve_dir_ops(self, server: ServerLayout, secret: str | None, host: Host) -> list[Operation]:
         """The directories, links and credentials its server opens beside its unit (after /etc)."""
         return []
+
+    def render_set_files(self, s: RouterSet, layout: ServerLayout) -> list[RenderedFile]:
+        """A model set's files (steps/serve/router.py): the router's unit, then its preset.
+        Only an engine whose plan half ``routes_models`` has them (config/model_set.py refuses
+        a set of any other before this is asked)."""
+        raise NotImplementedError(f"{self.engine.server_label} serves one model per server")

@@ -15,6 +15,7 @@ from playbooks.plan.engine_llamacpp import LLAMACPP
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.serve.deploy import DeployLayout, Expectations
 from playbooks.steps.serve.engine_base import ServerEngine
+from playbooks.steps.serve.router import RouterSet, preset_path
 from playbooks.steps.serve.secrets import EnsureCredentialCopy
 from playbooks.steps.serve.units import (
     UNIT_DIR,
@@ -81,6 +82,37 @@ class LlamaServer(ServerEngine):
             else None,
             devices=tuple((d.weights_bytes / 2**20, d.kv_bytes / 2**20) for d in option.devices) if option else (),
         )
+
+    def render_set_files(self, s: RouterSet, layout: ServerLayout) -> list[RenderedFile]:
+        # the router's unit, in the same template as a server's (the same sandbox and key
+        # credential), its command line router_argv's; the preset each member's own flags
+        if not UNIT_NAME.match(layout.unit_name) or "@" in layout.unit_name:
+            raise VoltaforgeError(f"unit name {layout.unit_name!r} must look like name.service")
+        if s.gpu:
+            check_gpu_indexes(s.gpu_indexes)
+        preset = preset_path(layout)
+        key = "%d/api-key" if s.api_key_file else None
+        argv = router_argv(layout, preset, s.models_max, s.port, s.bind, s.sleep_idle_s, key)
+        environment = cuda_environment(s.gpu_indexes) if s.gpu else []
+        check_environment(environment)
+        text = render_template(
+            "llama-server.service.j2",
+            unit_name=layout.unit_name,
+            recipe=f"model set {s.name} ({', '.join(r.name for r, _ in s.members)})",
+            exec_start=exec_line(argv, frozenset({len(argv) - 1}) if key else frozenset()),
+            api_key_file=s.api_key_file,
+            environment=environment,
+            environment_file=None,
+            gpu=s.gpu,
+            gpu_devices=[f"/dev/nvidia{i}" for i in s.gpu_indexes] if s.gpu else [],
+            loopback_only=s.bind in ("127.0.0.1", "::1"),
+            rpc_peers=[],
+        )
+        ini = render_models_preset(list(s.members), s.load_at_start)
+        return [
+            RenderedFile(f"{UNIT_DIR}/{layout.unit_name}", text, 0o644, "unit"),
+            RenderedFile(preset, ini, 0o644, "config"),
+        ]
 
     def key_ops(self, secret: str | None, states: Sequence[DeployLayout], host: Host, systemd: bool) -> list[Operation]:
         if not secret or systemd:

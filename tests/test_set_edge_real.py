@@ -1,0 +1,136 @@
+"""A model set behind the edge for a minute (issue 55's real test): three generated members of
+different sizes in one inventory set on this machine, under a CPU budget that allows two resident;
+the set deployed by its deploy step as a managed process, the balancer's fleet read from its
+deployment record (conduct/fleet.py: each member's name routed to the router), HAProxy run from
+the configuration `invoke lb` renders, and requests alternating among the three through the edge
+for a minute.
+
+Held: every request answered 200; never more than two children alive, counted from every child's
+start and exit in strace's record of the router (attached before the first child, not sampled);
+each child's memory, as `invoke status` reads it, within its plan (at most the plan's figure, at
+least 80% of it without the margin); the edge lists all three, loaded or not, and answers 404 for
+a model of no set; after an idle spell the children sleep and hold less than 60% of what they held
+awake."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import yaml
+
+from playbooks.conduct.fleet import deployed_fleet
+from playbooks.conduct.model_sets import ServedSet
+from playbooks.conduct.set_deploy import set_deploy_ops
+from playbooks.conduct.settings import Settings
+from playbooks.conduct.status import read_status
+from playbooks.conduct.stop import stop_served
+from playbooks.config.model_set import plan_set
+from playbooks.host.local import LocalHost
+from playbooks.host.ops import run_ops
+from playbooks.plan.gpus import GIB, MIB
+from playbooks.steps.serve.balancer import Balancer, render_haproxy_config
+from tests.helpers import stage_served_model
+from tests.model_set_members import WIDTHS, alive_most, three_members
+from tests.test_balancer_real import haproxy, wait_for
+from tests.testhosts import free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not shutil.which("haproxy"), reason="needs haproxy (Debian package: ci/install-system-deps.sh)"),
+]
+#: how long the requests alternate
+MINUTE_S = 60
+#: a child idle this long sleeps (its weights and KV cache unloaded, its process kept)
+SLEEP_S = 4
+
+
+@pytest.mark.timeout(600)
+def test_a_set_behind_the_edge_serves_three_on_demand_for_a_minute(tmp_path):
+    recipes, ggufs = three_members(tmp_path)
+    names = list(WIDTHS)
+    alone = plan_set(names, memory_gib=4.0, recipes_dir=recipes).residency
+    held = {m.name: m.held for m in alone.members}
+    budget = (alone.parent + held["large"] + held["mid"] + MIB) / GIB  # two resident, never three
+    prefix, port, lb_port, stats_port = tmp_path / "opt", free_port(), free_port(), free_port()
+    entry = {"set": "trio", "models": names, "port": port, "sleep_idle_s": SLEEP_S}
+    host_entry = {"host": "127.0.0.1", "local": True, "prefix": str(prefix), "memory_budget_gib": budget}
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {"local": host_entry | {"serve": [entry]}}}))
+    settings = Settings(inventory=inventory, recipes_dir=recipes)
+    [trio] = settings.targets("local", None)
+    assert isinstance(trio, ServedSet) and trio.models_max == 2
+    plan = {m.name: m for m in trio.plan.residency.members}
+
+    with LocalHost() as host:
+        for i, name in enumerate(names):
+            stage_served_model(host, str(prefix), recipes / f"{name}.yaml", ggufs[name], tools=i == 0)
+        # deployed, no member asked yet: no child runs before strace is attached
+        done = run_ops(host, set_deploy_ops(trio, host, str(prefix), "process"))
+        assert not [c for c in done if c.status == "failed"], done
+    state = prefix / "deploy" / "voltaforge-set-trio"
+    router = int((state / "server.pid").read_text())
+    trace = tmp_path / "router.strace"
+    # every child's start and exit: -f follows what the router's threads start from now on
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-q", "-e", "trace=execve", "-e", "signal=none", "-o", str(trace), "-p", str(router)],
+        stderr=subprocess.DEVNULL,
+    )
+    lb_proc = None
+    try:
+        wait_for(lambda: trace.exists(), 10)
+        fleet = deployed_fleet(settings, settings.host_spec("local"), [settings.host_spec("local")], None, None)
+        assert sorted(b.model for b in fleet.backends) == sorted(names)
+        assert {b.port for b in fleet.backends} == {port}  # each member's name routed to the router
+        lb = Balancer(fleet.recipe, fleet.backends, port=lb_port, stats_port=stats_port)
+        lb_proc, lb_log = haproxy(render_haproxy_config(lb), tmp_path)
+        edge = f"http://127.0.0.1:{lb_port}"
+        wait_for(lambda: httpx.get(f"{edge}/v1/models", timeout=5).status_code == 200, 30)
+        listed = httpx.get(f"{edge}/v1/models", timeout=5).json()["data"]
+        assert sorted(m["id"] for m in listed) == sorted(names)  # listed at the edge, none loaded
+        unknown = httpx.post(f"{edge}/v1/completions", json={"model": "no-such", "prompt": "x"}, timeout=10)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+        answered, seen = 0, {n: 0 for n in names}
+        peak: dict[str, int] = {}
+        t0, i = time.monotonic(), 0
+        with httpx.Client(base_url=edge, timeout=120) as client:
+            while time.monotonic() - t0 < MINUTE_S:
+                name = names[i % len(names)]
+                r = client.post("/v1/completions", json={"model": name, "prompt": "ka lo mi", "max_tokens": 8})
+                assert r.status_code == 200 and r.json()["model"] == name, (name, r.status_code, r.text[:300])
+                answered, i = answered + 1, i + 1
+                seen[name] += 1
+                # what each loaded child holds, as `invoke status` reads it (after every request:
+                # read after every third, the same two members were always the loaded ones)
+                [local] = read_status(settings, ["local"])
+                for m in local["services"][0]["members"]:
+                    if m["held_bytes"]:
+                        peak[m["name"]] = max(peak.get(m["name"], 0), m["held_bytes"])
+        # idle: each child sleeps, its model unloaded
+        time.sleep(SLEEP_S + 3)
+        [local] = read_status(settings, ["local"])
+        members = {m["name"]: m for m in local["services"][0]["members"]}
+        asleep = [n for n, m in members.items() if m["state"] == "sleeping"]
+        assert len(asleep) == 2 and all(m["state"] in ("sleeping", "unloaded") for m in members.values()), members
+        asleep_bytes = sum(members[n]["held_bytes"] or 0 for n in asleep)
+    finally:
+        stop_served(settings, "local")  # the router's children end with it; strace ends with them
+        tracer.wait(timeout=60)
+        if lb_proc is not None:
+            lb_proc.send_signal(signal.SIGTERM)
+            lb_proc.wait(timeout=30)
+    most, starts, exits = alive_most(trace.read_text(), attached=True)
+    print(f"set behind the edge: {answered} answered in {MINUTE_S} s ({seen}); children {starts} started, "
+          f"{exits} gone, at most {most} alive; peak held {peak}; asleep {asleep_bytes}")  # fmt: skip
+    assert most == 2 and starts == exits >= 3, (most, starts, exits)
+    for name, got in peak.items():
+        m = plan[name]
+        without_margin = m.held - dict(m.parts)["margin"]
+        assert 0.8 * without_margin <= got <= m.held, (name, got, m)
+    assert len(peak) == 3, peak  # each member was seen loaded at least once
+    assert asleep_bytes < 0.6 * sum(peak[n] for n in asleep), (asleep_bytes, peak)
