@@ -1,6 +1,6 @@
 """facts/router.py's parsers on what the pinned router and /proc print, and on garbage (which
 parses to nothing, never an exception). The real router's output is parsed in
-tests/test_router_real.py, as `invoke status` will read it."""
+tests/test_set_deploy_real.py and tests/test_set_edge_real.py, as `invoke status` reads it."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ state, child, memory and when it was last used), then stop and remove.
 What this proves: the set's files as its engine renders them serve each member through one
 port with the plan's count, and the lifecycle around it (record, status, stop, remove) reads that
 router back. What it does not: the edge in front of it, or the one-minute load with its children
-counted (tests/test_router_real.py counts them for the router alone)."""
+counted (tests/test_set_edge_real.py)."""
 
 from __future__ import annotations
 
