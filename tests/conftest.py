@@ -6,6 +6,10 @@ Strict mode (VOLTAFORGE_STRICT=1, set by ci/test.sh: every skip is a failure) li
 tests/strict.py; importing its hooks here puts them in force for the whole suite.
 """
 
+import os
+import secrets
+from pathlib import Path
+
 import pytest
 
 from helpers import cpu_alone as _cpu_alone
@@ -35,6 +39,21 @@ def cpu_quiet():
     (helpers.cpu_quiet)."""
     with _cpu_quiet():
         yield
+
+
+@pytest.fixture
+def api_secret():
+    """A key in /etc/voltaforge/secrets/ (a local host, or one that shares this machine's
+    filesystem), root's, 0600, as an operator leaves it; removed afterwards: (ref, key, path)."""
+    ref = f"vf-test-{os.getpid()}"
+    path = Path("/etc/voltaforge/secrets") / ref
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, (key + "\n").encode())
+    os.close(fd)
+    yield ref, key, path
+    path.unlink(missing_ok=True)
 
 
 HOLDERS = ("cpu_alone", "cpu_quiet")

@@ -35,9 +35,9 @@ def member_recipes(tmp_path: Path, service: dict | None = None) -> Path:
     return recipes
 
 
-def three_members(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
+def three_members(tmp_path: Path, service: dict | None = None) -> tuple[Path, dict[str, Path]]:
     """The three recipes (under tmp_path/recipes) and each one's quantized GGUF."""
-    recipes = member_recipes(tmp_path)
+    recipes = member_recipes(tmp_path, service)
     ggufs = {}
     for name in WIDTHS:
         config = yaml.safe_load((recipes / f"{name}.yaml").read_text())["model"]["config"]

@@ -39,7 +39,6 @@ from playbooks.host import connect
 from playbooks.steps.serve.balancer import parse_stats, stats_command
 from tests import llamacpp_tools
 from tests.helpers import ROOT, host_entry, spec_for, stage_served_model
-from tests.test_keyed_real import api_secret  # noqa: F401
 
 pytestmark = pytest.mark.slow
 TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
@@ -76,7 +75,7 @@ def served_by(counters: str) -> dict[str, int]:
 def test_one_tls_endpoint_over_a_mixed_fleet_without_systemd(
     make_sshd_host,
     quants,
-    api_secret,  # noqa: F811
+    api_secret,
     tmp_path,
     tmp_path_factory,
     monkeypatch,

@@ -255,3 +255,29 @@ def test_a_set_that_cannot_be_served_is_one_line_before_anything_connects(tmp_pa
     with pytest.raises(VoltaforgeError) as got:
         Settings(inventory=inv).targets("lab-01", None)
     assert str(got.value).startswith(words) and "\n" not in str(got.value), str(got.value)
+
+
+@pytest.mark.parametrize("command", [["plan", "--host", "lab-01"], ["provision", "--host", "lab-01", "--dry-run"]])
+def test_a_set_serving_one_name_twice_is_one_line_and_exit_2_through_the_cli(tmp_path, command):
+    """Through the command a user runs: the line on stderr, exit 2 (bad input), and no host
+    contacted (the entry's address is a closed loopback port: a connection would fail otherwise)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        LAB_SHIPPED.replace("host: 10.0.0.31", "host: 127.0.0.1\n    port: 9")
+        .replace("qwen3-30b-a3b-v100-16gb]", "qwen2.5-14b-v100-32gb]", 1)
+        .replace("load_at_start: [qwen3-30b-a3b-v100-16gb]", "load_at_start: []")
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(ROOT), *command, "--inventory", str(inv)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: lab-01: serve: set chat: qwen2.5-14b-v100-16gb and qwen2.5-14b-v100-32gb both serve "
+        "'Qwen2.5-14B-Instruct': the router routes by the served name (service.model_name)"
+    ]

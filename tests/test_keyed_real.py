@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import ssl
@@ -62,21 +61,6 @@ pytestmark = pytest.mark.slow
 TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
 PORT = 18181  # the namespace has a port space of its own
 LB_PORT = 18200
-
-
-@pytest.fixture
-def api_secret():
-    """A key in /etc/voltaforge/secrets/ (the host shares this machine's filesystem), root's,
-    0600, as an operator leaves it; removed afterwards."""
-    ref = f"vf-test-{os.getpid()}"
-    path = Path("/etc/voltaforge/secrets") / ref
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.write(fd, (key + "\n").encode())
-    os.close(fd)
-    yield ref, key, path
-    path.unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The router's preset and command line as the llama.cpp engine renders them (issue 55): each
 member's section is its own recipe's llama-server flags less what the router owns, and the
-router's command line carries the plan's count. tests/test_router_real.py serves them for real."""
+router's command line carries the plan's count. tests/test_set_edge_real.py serves them for real."""
 
 from __future__ import annotations
 

@@ -3,15 +3,17 @@ sizes in one inventory set under a CPU budget for two, their quantized GGUFs sta
 `invoke quantize` leaves them, then the set's deploy step (conduct/set_deploy.py) and its gate
 (steps/measure/set_gate.py) run as provision runs them: a dry run first (it changes nothing),
 then for real (the router started as a managed process, every member listed and answering
-through it), a second run (nothing changes), `invoke status`'s reading of the members, then stop
-and remove.
+through it), a second run (nothing changes), `invoke status`'s reading of the members (each one's
+state, child, memory and when it was last used), then stop and remove.
 
 What this proves: the set's files as its engine renders them serve each member through one
 port with the plan's count, and the lifecycle around it (record, status, stop, remove) reads that
 router back. What it does not: the edge in front of it, or the one-minute load with its children
-counted (tests/test_router_real.py counts them for the router alone)."""
+counted (tests/test_set_edge_real.py)."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import pytest
@@ -66,6 +68,7 @@ def test_a_set_deployed_answers_for_each_member_and_is_shown_stopped_and_removed
         assert not [c for c in planned if c.status == "failed"], planned
         assert not state.exists() and not (prefix / "serve" / "voltaforge-set-trio").exists()
         try:
+            began = time.monotonic()
             done = run_ops(host, _ops(trio, host, str(prefix)))
             failed = [c for c in done if c.status == "failed"]
             assert not failed, (failed, (state / "server.log").read_text()[-3000:] if state.exists() else "")
@@ -95,6 +98,10 @@ def test_a_set_deployed_answers_for_each_member_and_is_shown_stopped_and_removed
                 assert m["state"] == "loaded" and m["child_pid"], m
                 # its own memory and its mapped weights, within the plan's figure for it
                 assert 0 < m["held_bytes"] <= held[name], (m, held[name])
+            # each was last used by the gate, after the router started (its log's stamps)
+            since = time.monotonic() - began + 1
+            for name in names:
+                assert members[name]["used"] is True and 0 <= members[name]["idle_s"] <= since, members[name]
         finally:
             stopped = stop_served(settings, "local")
         assert [c.status for c in stopped] == ["changed"], stopped

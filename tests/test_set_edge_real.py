@@ -1,19 +1,22 @@
 """A model set behind the edge for a minute (issue 55's real test): three generated members of
 different sizes in one inventory set on this machine, under a CPU budget that allows two resident;
-the set deployed by its deploy step as a managed process, the balancer's fleet read from its
-deployment record (conduct/fleet.py: each member's name routed to the router), HAProxy run from
-the configuration `invoke lb` renders, and requests alternating among the three through the edge
-for a minute.
+the set deployed by its deploy step as a managed process with an API key (every member's
+``api_key_ref``, the key in /etc/voltaforge/secrets/ as an operator leaves it), the balancer's
+fleet read from its deployment record (conduct/fleet.py, as `invoke lb` reads it: each member's
+name routed to the router, the members' key the edge's), HAProxy run from the configuration
+`invoke lb` renders with its own copy of the key as its credential, and requests with the key
+alternating among the three through the edge for a minute.
 
 Held: every request answered 200; never more than two children alive, counted from every child's
 start and exit in strace's record of the router (attached before the first child, not sampled);
 each child's memory, as `invoke status` reads it, within its plan (at most the plan's figure, at
-least 80% of it without the margin); the edge lists all three, loaded or not, and answers 404 for
-a model of no set; after an idle spell the children sleep and hold less than 60% of what they held
-awake."""
+least 80% of it without the margin); the edge lists all three, loaded or not, answers 404 for a
+model of no set and 401 without the key; after an idle spell the children sleep and hold less
+than 60% of what they held awake."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -50,8 +53,9 @@ SLEEP_S = 4
 
 
 @pytest.mark.timeout(600)
-def test_a_set_behind_the_edge_serves_three_on_demand_for_a_minute(tmp_path):
-    recipes, ggufs = three_members(tmp_path)
+def test_a_set_behind_the_edge_serves_three_on_demand_for_a_minute(tmp_path, api_secret):
+    ref, key, _ = api_secret
+    recipes, ggufs = three_members(tmp_path, {"api_key_ref": ref})
     names = list(WIDTHS)
     alone = plan_set(names, memory_gib=4.0, recipes_dir=recipes).residency
     held = {m.name: m.held for m in alone.members}
@@ -86,19 +90,30 @@ def test_a_set_behind_the_edge_serves_three_on_demand_for_a_minute(tmp_path):
         fleet = deployed_fleet(settings, settings.host_spec("local"), [settings.host_spec("local")], None, None)
         assert sorted(b.model for b in fleet.backends) == sorted(names)
         assert {b.port for b in fleet.backends} == {port}  # each member's name routed to the router
+        assert fleet.key_ref == ref  # the members' one key is the edge's
         lb = Balancer(fleet.recipe, fleet.backends, port=lb_port, stats_port=stats_port)
-        lb_proc, lb_log = haproxy(render_haproxy_config(lb), tmp_path)
+        cfg = render_haproxy_config(lb)
+        # the edge's own copy of the key, as its credential (the unit's LoadCredential)
+        creds = tmp_path / "edge-credentials"
+        creds.mkdir(mode=0o700)
+        (creds / "api-key").write_text(key + "\n")
+        assert key not in cfg
+        lb_proc, lb_log = haproxy(cfg, tmp_path, env={**os.environ, "CREDENTIALS_DIRECTORY": str(creds)})
         edge = f"http://127.0.0.1:{lb_port}"
-        wait_for(lambda: httpx.get(f"{edge}/v1/models", timeout=5).status_code == 200, 30)
-        listed = httpx.get(f"{edge}/v1/models", timeout=5).json()["data"]
+        auth = {"Authorization": f"Bearer {key}"}
+        wait_for(lambda: httpx.get(f"{edge}/v1/models", headers=auth, timeout=5).status_code == 200, 30)
+        assert httpx.get(f"{edge}/v1/models", timeout=5).status_code == 401  # no key: the edge says no
+        listed = httpx.get(f"{edge}/v1/models", headers=auth, timeout=5).json()["data"]
         assert sorted(m["id"] for m in listed) == sorted(names)  # listed at the edge, none loaded
-        unknown = httpx.post(f"{edge}/v1/completions", json={"model": "no-such", "prompt": "x"}, timeout=10)
+        unknown = httpx.post(
+            f"{edge}/v1/completions", json={"model": "no-such", "prompt": "x"}, headers=auth, timeout=10
+        )
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
         answered, seen = 0, {n: 0 for n in names}
         peak: dict[str, int] = {}
         t0, i = time.monotonic(), 0
-        with httpx.Client(base_url=edge, timeout=120) as client:
+        with httpx.Client(base_url=edge, headers=auth, timeout=120) as client:
             while time.monotonic() - t0 < MINUTE_S:
                 name = names[i % len(names)]
                 r = client.post("/v1/completions", json={"model": name, "prompt": "ka lo mi", "max_tokens": 8})

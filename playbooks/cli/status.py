@@ -77,8 +77,13 @@ def _member_text(m: dict[str, Any]) -> str:
     """A model set's member: its state in the router, and what its child holds."""
     text = f"{m['recipe']}: {m['state']}" + (" (its last child failed)" if m.get("failed") else "")
     if m.get("child_pid"):
-        held = f", holds {mem_text(m['held_bytes'])}" if m.get("held_bytes") is not None else ""
+        where = " on its cards" if m.get("held_on") == "GPU" else ""
+        held = f", holds {mem_text(m['held_bytes'])}{where}" if m.get("held_bytes") is not None else ""
         text += f", child pid {m['child_pid']}{held}"
+    if m.get("idle_s") is not None:
+        text += f", last used {_uptime(m['idle_s'])} ago"
+    elif m.get("used") is False:
+        text += ", not used since the router started"
     return text
 
 

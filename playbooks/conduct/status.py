@@ -19,7 +19,15 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, parse_process_age, process_age_command
 from playbooks.facts.fleet_units import UNITS_COMMAND, parse_units
-from playbooks.facts.router import children_command, models_command, parse_children, parse_models
+from playbooks.facts.gpu_processes import COMPUTE_APPS_COMMAND, parse_compute_apps
+from playbooks.facts.router import (
+    children_command,
+    models_command,
+    parse_children,
+    parse_models,
+    parse_routed,
+    routed_command,
+)
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.steps.serve.balancer import parse_stats, stats_command
@@ -60,7 +68,7 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
     if uptime is None:
         basis = None
     gate = d.gate
-    members = set_members(host, prefix, d, running) if d.members else None
+    members = set_members(host, prefix, d, running, uptime if basis == "process" else None) if d.members else None
     return {
         "service": d.service,
         # a model set's router: its members, each shown below with its state
@@ -91,28 +99,43 @@ def service_status(host: Host, prefix: str, d: Deployment) -> dict[str, Any]:
     }
 
 
-def set_members(host: Host, prefix: str, d: Deployment, running: Running | None) -> list[dict[str, Any]]:
+def set_members(
+    host: Host, prefix: str, d: Deployment, running: Running | None, age_s: int | None
+) -> list[dict[str, Any]]:
     """A model set's members as its router lists them (unloaded, loading, loaded, sleeping) and,
     for each with a child, the memory the child holds: its own (RssAnon) and the pages of its
     weights it maps (RssFile, from the page cache: facts/router.py says why that counts each
-    file once). The router does not say when a member was last used: not shown."""
+    file once); a child that holds a CUDA context, what nvidia-smi says it holds on the cards
+    (facts/gpu_processes.py). When each was last used: the router's age (``age_s``) less its log's stamp of
+    the last request it routed to it (facts/router.py); a router whose log is not a file (under
+    systemd: the journal) or not stamped says nothing (None), one that routed none to a member
+    since it started says so (``used`` False)."""
     state = DeployLayout(prefix, d.service)
     listed = parse_models(read_fact(host, models_command(d.port or 0, f"{state.state_dir}/credentials/api-key")))
     by_name = {m.name: m for m in listed}
     up = running is not None and running.up
     children = {c.port: c for c in parse_children(read_fact(host, children_command(f"{state.state_dir}/server.pid")))}
+    on_cards = parse_compute_apps(read_fact(host, COMPUTE_APPS_COMMAND)) if up and children else {}
+    routed = parse_routed(read_fact(host, routed_command(f"{state.state_dir}/server.log"))) if up else {}
+    stamped = up and age_s is not None and bool(routed)
     out = []
     for r, served in zip(d.members, d.member_names, strict=True):
         m = by_name.get(served)
         child = children.get(m.port) if m and m.port and up else None
+        at = routed.get(served)
         out.append(
             {
                 "name": served,
                 "recipe": r.name,
                 "state": m.state if m else ("not listed" if up else "router down"),
                 "child_pid": child.pid if child else None,
-                "held_bytes": child.held_bytes if child else None,
+                # a child on a card: what nvidia-smi says it holds there; on CPU, its memory
+                "held_bytes": (on_cards.get(child.pid) or child.held_bytes) if child else None,
+                "held_on": ("GPU" if child.pid in on_cards else "host") if child else None,
                 "failed": bool(m and m.failed),
+                "used": (at is not None) if stamped else None,
+                # whole seconds: the router's age is ps's; its log's stamp starts a moment after
+                "idle_s": max(0, round(age_s - at)) if stamped and at is not None and age_s is not None else None,
             }
         )
     return out

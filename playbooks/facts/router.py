@@ -6,7 +6,10 @@ At the pinned llama.cpp (0c1e570, tools/server/server-models.cpp) ``GET /models`
 model of the preset with ``status.value`` one of unloaded, loading, loaded, sleeping (and
 downloading, downloaded for a hub model: never ours), ``status.args`` the child's command line
 while one runs, ``status.failed`` and ``exit_code`` after a child that died. It does not say when
-a model was last used (the router keeps that for its own eviction only).
+a model was last used (the router keeps that for its own eviction only): its log does. Each
+request it routes is one line, ``proxy_reques: proxying request to model NAME on port N``,
+stamped (``M.SS.mmm.uuu``: minutes, seconds, ms, us) from the logger's start as the process
+starts (common/log.cpp); so a member was last used the router's age less its last line's stamp.
 
 What a child holds, on a CPU host: its anonymous resident memory (KV cache, compute buffers,
 its own heap: ``RssAnon``) and the pages of its model file it has mapped (``RssFile``: the
@@ -18,6 +21,7 @@ the card's memory per process is nvidia-smi's (``--query-compute-apps``), read a
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -145,3 +149,41 @@ def parse_children(text: str) -> list[Child]:
                 fields[key.strip()] = int(words[0])
     close()
     return out
+
+
+#: the router's own lines (a child's come prefixed with its pid in brackets): its start, and a
+#: request it routes, each with its stamp
+_STAMP = r"^([0-9]+)\.([0-9]{2})\.([0-9]{3})\.([0-9]{3}) [IWED] srv +"
+_ROUTED = re.compile(_STAMP + r"proxy_reques: proxying request to model (\S+) on port [0-9]+$")
+_STARTED = re.compile(_STAMP + r"llama_server: initializing")
+
+
+def routed_command(log_file: str) -> str:
+    """The router's start lines and the last line it routed each model, from its log file (a
+    managed process's; none under systemd, whose journal keeps it): one line per model, bounded
+    whatever the log's size. Only the router's own lines count: a child's (``[pid] ...``)
+    start says ``llama_server: initializing`` too."""
+    q = shlex.quote(log_file)
+    return (
+        f"[ -r {q} ] && grep -a -E 'llama_server: initializing|proxying request to model ' -- {q} | "
+        'awk \'!/^[0-9]/ { next } /llama_server: initializing/ { split("", last); print; next } '
+        "{ last[$(NF-3)] = $0 } END { for (m in last) print last[m] }'; true"
+    )
+
+
+def _seconds(m: re.Match[str]) -> float:
+    minutes, seconds, ms, us = (int(g) for g in m.groups()[:4])
+    return minutes * 60 + seconds + ms / 1e3 + us / 1e6
+
+
+def parse_routed(text: str) -> dict[str, float]:
+    """:func:`routed_command`'s output: each model's last routed request, in seconds from the
+    router's start (its latest start: a line routed before it counts for nothing). A log without
+    stamps (``--log-timestamps`` off) says nothing."""
+    last: dict[str, float] = {}
+    for line in text.splitlines():
+        if _STARTED.match(line):
+            last = {}
+        elif m := _ROUTED.match(line.rstrip()):
+            last[m[5]] = _seconds(m)
+    return last

@@ -204,7 +204,8 @@ class LlamaCpp(Engine):
     # measured: llama-server 0c1e570, CPU build, as a router with an empty --models-dir, 4 s after
     # its start: VmRSS 14,488 kB (2,748 kB anonymous, 11,740 kB its mapped libraries), rounded up;
     # a child's resident memory beyond its weights, KV cache and compute buffers is of that size
-    # (12-14 MB over three generated models: tests/test_router_real.py)
+    # (12-14 MB over three generated models, measured when the router was first served; each
+    # child held within its plan: tests/test_set_edge_real.py)
     process_cpu_bytes = 16 * MIB
     ignore_eos = (("ignore_eos", True),)  # llama-server's own extension
     takes_draft = True
