@@ -12,14 +12,14 @@ source); no card here has run it.
 
 from __future__ import annotations
 
-from playbooks.plan.gpus import MIB
-
 #: the per-process query (header and units kept: the parser reads the unit it is given)
 COMPUTE_APPS_COMMAND = (
     "command -v nvidia-smi >/dev/null 2>&1 && "
     "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv 2>/dev/null; true"
 )
 
+#: nvidia-smi's units (facts sit below the plan: its MIB is not imported here)
+MIB = 1024 * 1024
 _UNITS = {"MiB": MIB, "GiB": 1024 * MIB, "KiB": 1024, "B": 1}
 
 
