@@ -59,7 +59,7 @@ def test_the_children_and_what_each_holds():
 
 #: a router's log at 0c1e570 as a managed process writes it (its header says which run): its own
 #: stamped lines and its children's, each prefixed with the child's pid
-ROUTER_LOG = "llama-server-router-0c1e570.log"
+ROUTER_LOG = "thishost-llama-server-router-0c1e570.log"
 
 
 def test_when_each_member_was_last_routed_since_the_routers_latest_start(tmp_path):
