@@ -90,8 +90,14 @@ class EnsureSetGate(Operation):
         timeout = health_timeout(self.serving.artifact_bytes)
         reasons: list[str] = []
         load_s: dict[str, float] = {}
+        # a connection per request: the router at 0c1e570 may close a kept-alive connection after
+        # a proxied answer without saying so, and the next request on it then fails as "Server
+        # disconnected without sending a response" (seen in a cold CI run, under load)
+        fresh = httpx.Limits(max_keepalive_connections=0)
         with host.forward(self.serving.port) as local:
-            with httpx.Client(base_url=f"http://127.0.0.1:{local}", headers=headers, timeout=timeout) as client:
+            with httpx.Client(
+                base_url=f"http://127.0.0.1:{local}", headers=headers, timeout=timeout, limits=fresh
+            ) as client:
                 try:
                     listed = {m.name for m in parse_models(client.get("/v1/models").text)}
                 except httpx.HTTPError as exc:
