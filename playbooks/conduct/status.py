@@ -130,7 +130,7 @@ def set_members(
                 "state": m.state if m else ("not listed" if up else "router down"),
                 "child_pid": child.pid if child else None,
                 # a child on a card: what nvidia-smi says it holds there; on CPU, its memory
-                "held_bytes": (on_cards.get(child.pid) or child.held_bytes) if child else None,
+                "held_bytes": (on_cards[child.pid] if child.pid in on_cards else child.held_bytes) if child else None,
                 "held_on": ("GPU" if child.pid in on_cards else "host") if child else None,
                 "failed": bool(m and m.failed),
                 "used": (at is not None) if stamped else None,
