@@ -9,7 +9,7 @@ separate VOLTAFORGE_CACHE), each:
    from its history), then one `voltaforge bench --compare`: how many of its verdicts (three
    levels, against the last configuration and the best run) call a change (stated: at most 5%);
 2. in one run each, interleaved (`voltaforge bench --against RECIPE`: the deployed Q8_0 recipe
-   and RECIPE, each cycle on fresh processes of both, beside the deployed server): the same Q8_0
+   and RECIPE, each block on a fresh process, beside the deployed server): the same Q8_0
    recipe twice (how many of its verdicts, three levels a run, call a
    change: stated at most 5% a run), then Q6_K (about 0.77x the bytes per token), Q4_K_M
    (about 0.57x) and the model 6 layers deep instead of 8 (0.75x the bytes and the work): is the
@@ -224,7 +224,7 @@ def main() -> int:
             f"this machine (the `stab` entry); {PROOF_RUNS} proof runs, each with its own history: "
             f"`voltaforge bench --noise {NOISE_RUNS}` at Q8_0, one `voltaforge bench --compare`, then "
             f"`voltaforge bench --against` a recipe at {', '.join(AGAINST)} in turn (the deployed Q8_0 recipe and "
-            "it, each cycle on fresh processes, beside the Q8_0 server), then the "
+            "it, each block on a fresh process, beside the Q8_0 server), then the "
             f"recipe at {', '.join(CHANGES)} in turn, each deployed and compared; then two `voltaforge tune "
             "--slots 2 --cache f16 --ubatch 64,512 --rungs 2`, each from its own empty store",
             extra=extra,

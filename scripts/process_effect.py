@@ -4,10 +4,11 @@
 result under its work directory. Per proof run this reads the deployed Q8_0 server's
 single-stream decode over its bench runs (one process, deployed once per proof run: `--noise`,
 the unchanged `--compare`) and, in each unchanged `--against`, the two sides' means at one stream
-and every fresh process's own figure (each cycle starts three: A, B, A). Where the same
+and every fresh process's own figure (each block is one: A, B, B, A a cycle). Where the same
 configuration runs at several speeds in several processes for their whole life, the process, not
 the run, is what a comparison of configurations must replicate; the spread of the processes'
-speeds, less a block's own, is the size of that effect.
+speeds (a block's own noise and the machine's modes in it: a process serves one block) bounds
+the size of that effect.
 
 Usage: .venv/bin/python scripts/process_effect.py WORK_DIR   (the proof's work directory)
 """
@@ -49,23 +50,9 @@ def single(levels: list[dict[str, Any]]) -> float | None:
     return ((one or {}).get("decode") or {}).get("mean")
 
 
-def per_process(blocks: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    """An unchanged --against level's processes (paired.fresh_process: each block its own, but
-    the middle B B one), each one's mean figure; and per B B pair the log of one block over the
-    other (one process, two blocks)."""
-    processes: list[float] = []
-    twins: list[float] = []
-    for i, block in enumerate(blocks):
-        v = block["decode"]
-        if not v:
-            continue
-        same = i > 0 and (blocks[i - 1]["cycle"], blocks[i - 1]["side"]) == (block["cycle"], block["side"])
-        if same and blocks[i - 1]["decode"]:
-            twins.append(math.log(v / blocks[i - 1]["decode"]))
-            processes[-1] = (processes[-1] + v) / 2
-        else:
-            processes.append(v)
-    return processes, twins
+def per_process(blocks: list[dict[str, Any]]) -> list[float]:
+    """An unchanged --against level's processes (each block its own), each one's figure."""
+    return [v for block in blocks if (v := block["decode"])]
 
 
 def main() -> int:
@@ -86,7 +73,6 @@ def report(
     """The figures of the proof kept under ``work`` (written to reports/ unless ``write`` is false)."""
     runs = []
     all_processes: list[float] = []
-    all_twins: list[float] = []
     for proof in sorted(work.glob("proof-*")):
         history = [json.loads(line) for line in (proof / "bench" / "history.jsonl").read_text().splitlines()]
         # the deployed Q8_0 process's runs: the first eight (six --noise runs, the unchanged compare and its
@@ -98,9 +84,7 @@ def report(
             if not got["b"]["recipe"].endswith("-q8_0"):
                 continue  # a change, not the unchanged pair
             one = next(lv for lv in got["levels"] if lv["concurrency"] == 1)
-            processes, twins = per_process(one["blocks"])
-            all_processes.extend(processes)
-            all_twins.extend(twins)
+            all_processes.extend(per_process(one["blocks"]))
             pairs.append(
                 {
                     "a": one["a"]["decode"],
@@ -111,10 +95,9 @@ def report(
         runs.append({"proof": proof.name, "deployed_c1": served, "unchanged_pairs_c1": pairs})
         print(proof.name, served, pairs)
     means = [statistics.fmean(r["deployed_c1"]) for r in runs if r["deployed_c1"]]
-    # each fresh process's own speed: the spread of its single-stream blocks' logs, less what two
-    # blocks of one process (B B) differ by (a block's own noise and the window's mode)
+    # the fresh processes' single-stream figures spread: a process's own speed, a block's own
+    # noise and the window's mode together (one block a process: they cannot be told apart here)
     total = statistics.variance([math.log(v) for v in all_processes]) if len(all_processes) > 2 else 0.0
-    block = statistics.fmean([d * d / 2 for d in all_twins]) if all_twins else 0.0
     spreads = [(max(r["deployed_c1"]) - min(r["deployed_c1"])) / statistics.fmean(r["deployed_c1"]) for r in runs]
     figures = {
         "deployed_c1_mean_min": round(min(means), 1),
@@ -123,8 +106,7 @@ def report(
         "within_process_range_max_pct": round(max(spreads) * 100, 1),
         "unchanged_pair_c1_change_max_pct": max(abs(p["change_pct"]) for r in runs for p in r["unchanged_pairs_c1"]),
         "fresh_processes": len(all_processes),
-        "process_sd_pct": round(math.sqrt(max(0.0, total - block)) * 100, 1),
-        "block_sd_pct": round(math.sqrt(block) * 100, 1),
+        "process_sd_pct": round(math.sqrt(total) * 100, 1),
     }
     print(json.dumps(figures))
     if write:
@@ -138,8 +120,8 @@ def report(
             notes="the proof's three runs, each with its own deployment of the Q8_0 server (a fresh process); "
             "deployed_c1: its single-stream decode in the first seven bench runs of that process (six --noise runs "
             "and the unchanged --compare); fresh_processes, process_sd_pct: every process of the unchanged "
-            "--against runs (each cycle's A, B, A), the spread of their single-stream speeds less a block's own "
-            "(block_sd_pct, from the two blocks of each B process)",
+            "--against runs (each block one: A, B, B, A a cycle), the spread of their single-stream speeds, a "
+            "block's own noise and the machine's modes in it",
             extra={"runs": runs},
             measures=BENCH_CODE,
         )

@@ -415,6 +415,34 @@ def test_stopping_a_stopped_process_continues_it_so_it_acts_on_the_term(tmp_path
             proc.kill()
 
 
+def test_a_stopped_process_nobody_has_reaped_yet_counts_as_gone(tmp_path):
+    """The server exits on the TERM but stays a zombie until its parent reaps it (here pytest,
+    which does not until the end; on this VM pid 1 takes 1.6 s; in a container whose pid 1 reaps
+    nothing, forever): the stop sees it gone at once, where waiting for /proc/<pid> to go sat out
+    the whole 10 s wait (the bound asserted: half of it)."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(["/bin/sleep", "300"], start_new_session=True)
+    try:
+        for _ in range(100):  # exec'd
+            if Path(f"/proc/{proc.pid}/exe").resolve() == Path("/bin/sleep").resolve():
+                break
+            time.sleep(0.01)
+        runner = ProcessRunner(str(tmp_path), "/bin/sleep", ("/bin/sleep", "300"))
+        (tmp_path / "server.pid").write_text(f"{proc.pid}\n")
+        t0 = time.monotonic()
+        subprocess.run(["bash", "-c", runner.stop().command], check=True, timeout=60)
+        waited = time.monotonic() - t0
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        assert stat.rsplit(")", 1)[1].split()[0] == "Z"  # exited, not reaped: /proc/<pid> is still there
+        assert waited < 5, waited
+        assert not (tmp_path / "server.pid").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("how", ["build switched", "binary replaced"])
 def test_a_managed_process_is_still_ours_after_its_binary_moves_under_it(tmp_path, how):
     """`invoke build` moves `current` to a new build under a running server (or a binary is

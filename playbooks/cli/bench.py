@@ -124,10 +124,11 @@ def run_bench_against(
     d = result["design"]
     out.print(
         Text(
-            f"design: {d['cycles']} cycles of A B B A, each on fresh processes ({d['processes']} in all, a warm-up "
-            f"round each; a block: at every level rounds of a request per stream, at least {d['block_requests']} "
-            f"requests); judged at 5% over the {d['family']} level{'s' if d['family'] != 1 else ''} from the "
-            "cycles' own spread"
+            f"design: {d['cycles']} cycles of A B B A, each block on a fresh process ({d['processes']} in all, a "
+            f"warm-up round each; a block: at every level rounds of a request per stream, at least "
+            f"{d['block_requests']} requests); judged at 5% over the {d['family']} level"
+            f"{'s' if d['family'] != 1 else ''} from the cycles' own spread, a change called only when its interval "
+            f"lies beyond {d['margin'] * 100:.0f}%"
         )
     )
     out.print(f"result: {path}")

@@ -1,11 +1,12 @@
 """`invoke bench --against RECIPE`: would this change help? The host's deployed recipe (A) and
-RECIPE (B) measured in one run, their blocks interleaved A B B A, each cycle on fresh processes
+RECIPE (B) measured in one run, their blocks interleaved A B B A, each block on a fresh process
 (steps/measure/bench_against.py; paired.py says why the process is what is replicated).
 
 Both sides are served on scratch units (conduct/scratch.py, tune's) in turn, one process at a time
 beside the live service, which is never stopped, touched or measured: A afresh under
 ``voltaforge-tune-a`` on the live port + 101, B under ``voltaforge-tune`` on the live port + 100.
-Each unit is written once and then started for each process; both are stopped and removed in a
+Each unit is deployed once (the deploy step's checks and load log) and then restarted for each
+process (Scratch.restart); both are stopped and removed in a
 finally (a failure, Ctrl-C).
 
 Compute first: both recipes are loaded, and the one that is deployed read, before anything
@@ -88,12 +89,13 @@ def bench_against(
         running: list[str] = []
 
         def fresh(side: Side) -> str | None:
-            """The side's process started anew, the other stopped first (one at a time)."""
+            """The side's process started anew, the other stopped first (one at a time): deployed
+            the first time, restarted after (Scratch.restart)."""
             for key in running:
                 scratch[key][0].stop(scratch[key][1])
             running[:] = ["a" if side is a else "b"]
             unit, loaded = scratch[running[0]]
-            return unit.start(loaded)
+            return unit.restart(loaded)
 
         with host_lock(host, spec.prefix, sudo=sudo):
             try:

@@ -3,6 +3,11 @@
 stopped and removed. `invoke tune` serves each candidate so; `invoke bench --against` serves the
 other recipe so, beside the deployed one, for the length of one interleaved run.
 
+A server started once can be started afresh cheaply (:meth:`Scratch.restart`): the same files
+restarted by their manager and /health polled, without the deploy's reads and checks again
+(`bench --against` starts 32 processes a run; the deploy chain is a dozen commands, each a round
+trip over SSH, where a restart is one and its polls).
+
 What it must never do: leave a rollback target between two configurations (a failed start must
 not bring back the one before), or leave anything behind (:meth:`Scratch.remove`, in the
 callers' finally blocks).
@@ -10,6 +15,7 @@ callers' finally blocks).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +27,11 @@ from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.files import cat_command, parse_json_object
+from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.host.ops import Change, Command, run_command, run_ops
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.serve.deploy import DeployLayout
+from playbooks.steps.serve.deploy import DeployLayout, EnsureServing, health_timeout
 from playbooks.steps.serve.units import ServerLayout
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 
@@ -35,6 +42,9 @@ SCRATCH_SERVICE = SCRATCH_UNIT.removesuffix(".service")
 SCRATCH_A_UNIT = "voltaforge-tune-a.service"
 #: the services that are never a live deployment
 SCRATCH_SERVICES = (SCRATCH_SERVICE, SCRATCH_A_UNIT.removesuffix(".service"))
+#: /health polls after a restart: a tiny model answers within a second, and every poll saved is
+#: saved 32 times a run
+RESTART_POLL_S = 0.1
 
 #: the operations a scratch server runs (conduct/deploy.py and conduct/quantize.py build them;
 #: scratch_ops() gives the real ones): functions, so the loops that use them can be driven by others
@@ -102,6 +112,8 @@ class Scratch:
     ):
         self.host, self.prefix, self.ops, self.say = host, prefix, ops, say
         self.layout = ServerLayout(prefix=prefix, unit_name=unit)
+        #: the last start's serving step (its manager, port, artifact): what :meth:`restart` restarts
+        self.serving: EnsureServing | None = None
 
     def artifact(self, loaded: LoadedRecipe, quant: str) -> dict[str, Any]:
         """The recipe's GGUF at ``quant`` as its manifest describes it (made by the quantize step
@@ -123,9 +135,35 @@ class Scratch:
     def start(self, loaded: LoadedRecipe) -> str | None:
         """Serve ``loaded`` (its port the scratch port) under the scratch unit; the failure's
         line, or None."""
-        changes: list[Change] = run_ops(self.host, self.ops.deploy(loaded, self.host, self.prefix, self.layout))
+        ops = self.ops.deploy(loaded, self.host, self.prefix, self.layout)
+        changes: list[Change] = run_ops(self.host, ops)
         failed = next((ch for ch in changes if ch.status == "failed"), None)
+        self.serving = None if failed else next((op for op in ops if isinstance(op, EnsureServing)), None)
         return failed.why if failed else None
+
+    def restart(self, loaded: LoadedRecipe) -> str | None:
+        """A fresh process of what the last :meth:`start` served: its manager's restart, then
+        /health polled until it answers; the failure's line, or None. The deploy's reads and checks
+        are not run again: that start judged the files, the link and the load log, and the host
+        lock keeps anyone from changing them since. Without a start to repeat (or after a failed
+        one), a whole :meth:`start`."""
+        serving = self.serving
+        if serving is None:
+            return self.start(loaded)
+        manager, run = serving.manager, (self.host.sudo if serving.sudo else self.host.run)
+        try:
+            run_command(self.host, manager.restart())
+        except VoltaforgeError as e:
+            return str(e)
+        timeout = health_timeout(serving.artifact_bytes)
+        t0 = time.monotonic()
+        while parse_health(read_fact(self.host, health_command(serving.port))) != 200:
+            if not manager.running(run(manager.state_command(), check=False, stream=False).stdout).up:
+                return f"{manager.describe()} exited while loading"
+            if time.monotonic() - t0 > timeout:
+                return f"/health on 127.0.0.1:{serving.port} did not answer 200 within {timeout:.0f} s of a restart"
+            time.sleep(RESTART_POLL_S)
+        return None
 
     def stop(self, loaded: LoadedRecipe) -> None:
         try:

@@ -1,5 +1,5 @@
 """`invoke bench --against`: the deployed recipe (A) and another configuration (B) measured in
-one run, their blocks interleaved A B B A, each cycle on fresh processes (the conductor starts
+one run, their blocks interleaved A B B A, each block on a fresh process (the conductor starts
 them), and the change judged from the cycles (steps/measure/paired.py says why and how).
 
 The workload is A's gate's (levels, prompt and completion sizes, its text), the same requests
@@ -24,8 +24,8 @@ from playbooks.steps.measure.bench_run import REQUEST_TIMEOUT_S, prompt_words, w
 from playbooks.steps.measure.paired import (
     BLOCK_REQUESTS,
     CYCLES,
+    MARGIN,
     ORDER,
-    fresh_process,
     paired_change,
     rounds_per_block,
     schedule,
@@ -97,8 +97,8 @@ def measure_against(
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Every level of ``g``, the two sides' blocks interleaved on ``host``'s loopback, each block
-    on a process ``fresh(side)`` starts (paired.fresh_process; it stops the one before and returns
-    a failure's line, or None); per level the blocks, each side's means and the change of B
+    on a process of its own that ``fresh(side)`` starts (it stops the one before and returns a
+    failure's line, or None); per level the blocks, each side's means and the change of B
     against A (:func:`paired.paired_change`, at 5% over the levels). ``{"error": ...}`` when a
     side does not start, answer or serve completions."""
     text = workload_text(g.workload)
@@ -119,19 +119,18 @@ def measure_against(
 
         for i, (cycle, name, k) in enumerate(order):
             side = sides[name]
-            if fresh_process(order, i):
-                if i % len(ORDER) == 0:
-                    say(f"cycle {cycle + 1} of {cycles}: A B B A, each on a fresh process")
-                failed = fresh(side)
-                processes += 1
-                if failed:  # the deploy step's start waits for /health: None means it answers
-                    return {"error": f"{side.name} on {host.name}:{side.port} did not come up: {failed}"}
-                if not side.words:  # the same words on every process of a side: its tokenizer's count
-                    side.words, why = prompt_words(side.url, text, side.kind, g.prompt_tokens, side.api_key)
-                    if why:
-                        return {"error": f"{side.name} on {host.name}:{side.port} does not serve completions: {why}"}
-                top = max(g.levels)  # a warm-up round at the widest level, left out: every stream's slot used once
-                round_on(side, top, 100_000 + top)
+            if i % len(ORDER) == 0:
+                say(f"cycle {cycle + 1} of {cycles}: A B B A, each block on a fresh process")
+            failed = fresh(side)
+            processes += 1
+            if failed:  # the start waits for /health: None means it answers
+                return {"error": f"{side.name} on {host.name}:{side.port} did not come up: {failed}"}
+            if not side.words:  # the same words on every process of a side: its tokenizer's count
+                side.words, why = prompt_words(side.url, text, side.kind, g.prompt_tokens, side.api_key)
+                if why:
+                    return {"error": f"{side.name} on {host.name}:{side.port} does not serve completions: {why}"}
+            top = max(g.levels)  # a warm-up round at the widest level, left out: every stream's slot used once
+            round_on(side, top, 100_000 + top)
             for c in g.levels:
                 for r in range(rounds_per_block(c)):
                     rounds[c][name].append(round_on(side, c, 1000 * c + 100 * cycle + 10 * k + r))
@@ -148,6 +147,7 @@ def measure_against(
             "block_requests": BLOCK_REQUESTS,
             "family": len(levels),
             "processes": processes,
+            "margin": MARGIN,
         },
         "workload": {"prompt_tokens": g.prompt_tokens, "max_tokens": g.max_tokens, "kind": g.workload},
         "levels": levels,
