@@ -18,6 +18,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def exited(pid: int) -> bool:
+    """The process is gone or has exited and waits to be reaped (a zombie): a managed process's
+    stop returns once it has exited (service_manager.ProcessRunner), and its reaping is pid 1's,
+    1.6 s later on this VM's."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def doc_pages() -> list[Path]:
     """The README and the docs/ pages it links to: where the project's words and figures are."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -36,7 +36,7 @@ from playbooks.errors import VoltaforgeError
 from playbooks.host import connect
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 from tests import llamacpp_tools
-from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
+from tests.helpers import ROOT, exited, inventory_for, spec_for, stage_served_model
 from tests.testhosts import free_port
 
 pytestmark = pytest.mark.slow
@@ -238,7 +238,7 @@ def test_deploy_as_a_process_where_there_is_no_systemd(sshd_host, tiny_q4, tmp_p
         # one change: one restart, a new process
         assert run_deploy("box", str(_recipe(tmp_path, "tiny-process", port, context=256)), settings=settings) == 0
         new_pid = pid_file.read_text().strip()
-        assert new_pid != pid and not Path(f"/proc/{pid}").exists()
+        assert new_pid != pid and exited(int(pid))
         _chat(port)
     finally:
         assert run_stop("box", str(recipe), settings=settings) == 0

@@ -41,7 +41,7 @@ from playbooks.host.base import Printer
 from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.serve.deploy import EnsureServing
 from tests import llamacpp_tools
-from tests.helpers import ROOT, stage_served_model
+from tests.helpers import ROOT, exited, stage_served_model
 
 pytestmark = pytest.mark.slow
 TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
@@ -197,7 +197,7 @@ def test_stopped_stale_and_removed(tmp_path, tmp_path_factory, monkeypatch, api_
         pid = int(lb_pid.read_text())
         code, out = invoke("lb", "--host", "local", "--remove")
         assert code == 0, out[-3000:]
-        assert not lb_record.exists() and not lb_pid.parent.exists() and not Path(f"/proc/{pid}").exists()
+        assert not lb_record.exists() and not lb_pid.parent.exists() and exited(pid)
         code, out = invoke("lb", "--host", "local", "--remove")
         assert code == 0 and "local: 0 changed" in said(out), out[-3000:]
 
