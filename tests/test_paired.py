@@ -110,24 +110,17 @@ def test_a_change_of_ten_percent_is_called_and_the_stated_detectable_change_hold
     assert 0.55 <= shows / trials <= 0.99, (stated, shows)
 
 
-def _process_runs(
-    rng: random.Random, change: float, process_sd: float, design: str, levels: int = 3, warm: float = 0.0
-):
+def _process_runs(rng: random.Random, change: float, process_sd: float, design: str, levels: int = 3):
     """One run's levels on a machine where each server process keeps its own speed (lognormal,
-    ``process_sd``) besides the modes and the blocks' noise, and a process's second block runs
-    ``warm`` faster than its first. ``design``: "block", every block its own process (the design);
-    "shared", the middle B B of a cycle one process (the design until 2026-12-06); "side", one
-    process per side for the whole run (the design before that)."""
+    ``process_sd``) besides the modes and the blocks' noise. ``design``: "block", every block its
+    own process (the design); "side", one process per side for the whole run (the design before)."""
     order = schedule()
-    speeds: list[float] = []
     own: dict[str, float] = {}
-    for i, (_, side, _) in enumerate(order):
-        follows_itself = i > 0 and order[i - 1][:2] == order[i][:2]
-        if design == "block" or side not in own or (design == "shared" and not follows_itself):
+    speeds: list[float] = []
+    for _, side, _ in order:
+        if design == "block" or side not in own:
             own[side] = math.exp(rng.gauss(0, process_sd))
-            speeds.append(own[side])
-        else:  # a block on a process that has already served one
-            speeds.append(own[side] * (1 + warm))
+        speeds.append(own[side])
     machines = [_mode_machine(rng, 0.05) for _ in range(levels)]
     return [
         paired_change(
@@ -141,8 +134,8 @@ def _process_runs(
     ]
 
 
-def _called(rng: random.Random, change: float, design: str, trials: int, warm: float = 0.0, sd: float = 0.08):
-    runs = [_process_runs(rng, change, sd, design, warm=warm) for _ in range(trials)]
+def _called(rng: random.Random, change: float, design: str, trials: int):
+    runs = [_process_runs(rng, change, 0.08, design) for _ in range(trials)]
     return sum(any(p is not None and p.distinct for p in levels) for levels in runs) / trials
 
 
