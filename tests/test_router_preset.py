@@ -5,6 +5,8 @@ router's command line carries the plan's count. tests/test_set_edge_real.py serv
 from __future__ import annotations
 
 import configparser
+import re
+import subprocess
 
 import pytest
 
@@ -19,6 +21,7 @@ from playbooks.steps.serve.engine_llamacpp import (
 )
 from playbooks.steps.serve.router import RouterSet, preset_path, set_layout
 from playbooks.steps.serve.units import ServerLayout, parse_exec_start
+from tests.test_render import needs_systemd, stub_executables
 
 
 def test_each_section_is_its_recipes_own_flags_less_what_the_router_owns():
@@ -104,3 +107,21 @@ def test_an_engine_without_a_router_has_no_set_files():
 
     with pytest.raises(NotImplementedError, match="serves one model per server"):
         EXLLAMAV2_SERVER.render_set_files(_set(False, False), set_layout("/opt/vf", "lab"))
+
+
+@needs_systemd
+@pytest.mark.parametrize("keyed,gpu", [(False, False), (True, True)])
+def test_a_sets_unit_is_hardened_and_verifies(keyed, gpu, tmp_path):
+    """The router's unit under systemd (issue 56) scores <= 2.0 in systemd's own exposure
+    analysis and verifies against an executable that exists, as every server's unit does
+    (tests/test_render.py): the sandbox a router runs its children in is a server's."""
+    layout = set_layout(str(tmp_path / "prefix"), "lab")
+    unit, _ = LLAMACPP_SERVER.render_set_files(_set(keyed, gpu), layout)
+    stub_executables(layout, parse_exec_start(unit.text)[0])
+    path = tmp_path / "voltaforge-set-lab.service"
+    path.write_text(unit.text)
+    r = subprocess.run(["systemd-analyze", "security", "--offline=true", str(path)], capture_output=True, text=True)
+    m = re.search(r"Overall exposure level for \S+: ([\d.]+)", r.stdout)
+    assert m and float(m.group(1)) <= 2.0, r.stdout + r.stderr
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr

@@ -13,7 +13,9 @@ counted (tests/test_set_edge_real.py)."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -41,7 +43,7 @@ pytestmark = pytest.mark.slow
 def _ops(trio: ServedSet, host: LocalHost, prefix: str) -> list:
     ops = set_deploy_ops(trio, host, prefix, "process", gated=True)
     serving = next(op for op in ops if isinstance(op, EnsureServing))
-    return [*ops, EnsureSetGate(serving, [m.recipe for m in trio.members])]
+    return [*ops, EnsureSetGate(serving, trio.members, trio.models_max, prefix, out_dir=Path(prefix) / "gate")]
 
 
 def test_a_set_deployed_answers_for_each_member_and_is_shown_stopped_and_removed(tmp_path):
@@ -80,9 +82,32 @@ def test_a_set_deployed_answers_for_each_member_and_is_shown_stopped_and_removed
                 # the gate asked each in turn: two children at most, the two it asked last
                 states = {m["id"]: m["status"]["value"] for m in listed}
                 assert states == {"small": "unloaded", "mid": "loaded", "large": "loaded"}, states
+            # the gate judged each member by its own recipe's gate (issue 56): its first token
+            # after a swap (the set full without it: the router stopped the least recently used
+            # child and loaded it), then its warm decode against its own roofline
+            verdict = json.loads((state / "deployed.json").read_text())["gate"]
+            each = verdict["figures"]["per_member"]
+            assert verdict["status"] == "passed" and [m["name"] for m in each] == names, verdict
+            evicted = {"small": "mid", "mid": "large", "large": "small"}
+            for name, m in zip(names, each, strict=True):
+                assert m["passed"] and m["reasons"] == [], m
+                assert m["swap"]["evicted"] == evicted[name] and m["swap"]["first_token_s"] > 0, m
+                assert m["single_tok_s"] >= m["gate"]["min_tok_s"] and m["single_halfwidth"] is not None, m
+                assert m["roofline_tok_s"] or m["cache_resident"], m
+            report = (Path(prefix) / "gate" / "set-gate.md").read_text()
+            assert all(f"| {name} | " in report for name in names), report
             # a second run: nothing to do
             again = run_ops(host, _ops(trio, host, str(prefix)))
             assert {c.status for c in again} == {"ok"}, [(c.step, c.status, c.why) for c in again]
+            # one member's own gate out of reach: the set fails, naming that member and no other
+            data = yaml.safe_load((recipes / "mid.yaml").read_text())
+            (recipes / "mid.yaml").write_text(yaml.safe_dump({**data, "gate": {**data["gate"], "min_tok_s": 1e6}}))
+            [strict] = settings.targets("local", None)
+            judged = run_ops(host, _ops(strict, host, str(prefix)))
+            [failed] = [c for c in judged if c.status == "failed"]
+            assert failed.why.startswith("the gate failed: mid: single-stream decode"), failed.why
+            assert "small:" not in failed.why and "large:" not in failed.why, failed.why
+            (recipes / "mid.yaml").write_text(yaml.safe_dump(data))
 
             # `invoke status`: the router's service and each member as it lists them, with what
             # each loaded member's child holds

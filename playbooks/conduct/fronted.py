@@ -48,8 +48,10 @@ class Fronted:
     api: RuntimeApi
     servers: tuple[FrontedServer, ...]
 
-    def server_on(self, port: int) -> FrontedServer | None:
-        return next((s for s in self.servers if s.port == port), None)
+    def servers_on(self, port: int) -> list[FrontedServer]:
+        """Its names for the server on ``port``: one, or one per member for a model set's router
+        (each member's name is its own backend, the router a server in each)."""
+        return [s for s in self.servers if s.port == port]
 
 
 def records_dir(prefix: str) -> str:
@@ -125,5 +127,6 @@ def parse_fronted(text: str) -> list[Fronted]:
 
 
 def fronting(records: Sequence[Fronted], port: int) -> list[tuple[Fronted, FrontedServer]]:
-    """The balancers that send requests to the server on ``port``, each with its name there."""
-    return [(f, s) for f in records if (s := f.server_on(port)) is not None]
+    """The balancers that send requests to the server on ``port``, each with its name there (a
+    set's router: once per member's backend)."""
+    return [(f, s) for f in records for s in f.servers_on(port)]

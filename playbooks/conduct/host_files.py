@@ -1,12 +1,14 @@
 """What one inventory host would get, from the inventory alone (`invoke render --inventory I
 --host H`): every recipe of its layout (or its one recipe) with its GPUs, ports, unit names and
-instance env files, exactly as deploy renders them for that host, and the units of the RPC
-workers the inventory's recipes place on it. No host is reached: the same refusals as deploy
+instance env files, exactly as deploy renders them for that host, each model set's router unit
+and preset (conduct/set_deploy.py ``set_files``), and the units of the RPC workers the
+inventory's recipes place on it. No host is reached: the same refusals as deploy
 (a recipe that cannot fit, a bad layout) come first, one line each."""
 
 from __future__ import annotations
 
 from playbooks.conduct.placements import check_layout, host_serves
+from playbooks.conduct.set_deploy import set_files
 from playbooks.conduct.settings import Settings
 from playbooks.config.inventory import load_inventory
 from playbooks.config.planning import refuse_unfit
@@ -27,6 +29,8 @@ def host_files(settings: Settings, host_name: str) -> list[RenderedFile]:
         refuse_unfit(s.loaded)
         gpus = default_gpu_indexes(s.loaded.recipe) if s.gpus is None else s.gpus
         files += planned_service_files(s.loaded, s.layout(spec.prefix), gpus)
+    for model_set in settings.sets(host_name, None):
+        files += set_files(model_set, spec.prefix, systemd=True)[2]
     for loaded in _fleet_recipes(settings):
         r = loaded.recipe
         for w in (w for w in r.rpc if w.worker == host_name):

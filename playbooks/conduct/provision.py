@@ -349,7 +349,9 @@ class Provisioner:
             if isinstance(served, ServedSet):
                 ops = set_deploy_ops(served, host, prefix, "auto", gated=True)
                 serving = [op for op in ops if isinstance(op, EnsureServing)]
-                gates.extend(EnsureSetGate(op, [m.recipe for m in served.members]) for op in serving)
+                gates.extend(
+                    EnsureSetGate(op, served.members, served.models_max, prefix, out_dir=opts.reports) for op in serving
+                )
                 return ops
             ops = deploy_ops(loaded, host, prefix, "auto", served.gpus, gated=True, server=served.layout(prefix))
             for op in ops:
@@ -373,10 +375,10 @@ class Provisioner:
                 raise Interrupted(f"interrupted before {step}")
             try:
                 ops = make()
-                if step == "deploy" and not pending and isinstance(served, Served):
-                    # a restart behind a balancer: drained first, one server at a time
-                    served_gates = [g for g in gates if isinstance(g, EnsureGate)]  # a recipe's: all of them
-                    rolled = self.roll.deploy(host, prefix, served.name, printer, ops, served_gates, dry_run)
+                if step == "deploy" and not pending:
+                    # a restart behind a balancer (a server's, or a set's router under every
+                    # member's name): drained first, one server at a time
+                    rolled = self.roll.deploy(host, prefix, served.name, printer, ops, gates, dry_run)
                 elif step == "gate" and rolled:
                     ops = [g for g in ops if id(g) not in rolled.gated]
             except (VoltaforgeError, HostError) as exc:

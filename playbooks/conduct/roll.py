@@ -34,6 +34,7 @@ from playbooks.host import Host
 from playbooks.host.base import Printer
 from playbooks.host.ops import Change, Decision, Operation, Shell, run_ops
 from playbooks.steps.measure.gate import EnsureGate
+from playbooks.steps.measure.set_gate import EnsureSetGate
 from playbooks.steps.serve.deploy import EnsureServing
 from playbooks.steps.serve.runtime_api import DrainServer, ReadyServer
 from playbooks.words import clip
@@ -109,7 +110,7 @@ class Roll:
         recipe: str,
         printer: Printer,
         ops: Sequence[Operation],
-        gates: Sequence[EnsureGate],
+        gates: Sequence[EnsureGate | EnsureSetGate],
         dry_run: bool,
     ) -> DeployRoll | None:
         """The deploy step (and the gates of the servers it restarts), rolled; None when no
@@ -203,7 +204,7 @@ class Roll:
         recipe: str,
         printer: Printer,
         serving: EnsureServing,
-        gate: EnsureGate | None,
+        gate: EnsureGate | EnsureSetGate | None,
         fronts: list[tuple[Fronted, FrontedServer]],
         lb_hosts: dict[str, Host | None],
         skipped: dict[str, str],

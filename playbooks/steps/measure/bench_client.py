@@ -67,8 +67,10 @@ class Sample:
         return (n - 1) / span if span > 0 else None
 
 
-def request_body(prompt: str, max_tokens: int, seed: int, kind: str) -> dict[str, Any]:
-    """A completion of exactly ``max_tokens`` (EOS ignored where the server allows), seeded."""
+def request_body(prompt: str, max_tokens: int, seed: int, kind: str, model: str | None = None) -> dict[str, Any]:
+    """A completion of exactly ``max_tokens`` (EOS ignored where the server allows), seeded;
+    ``model``: the served name it asks for (a router serving a model set routes by it; a single
+    server answers whatever it serves)."""
     body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -78,6 +80,8 @@ def request_body(prompt: str, max_tokens: int, seed: int, kind: str) -> dict[str
         "temperature": 0.8,
     }
     body.update(engine_of_server(kind).ignore_eos)
+    if model:
+        body["model"] = model
     return body
 
 
@@ -169,6 +173,7 @@ async def run_level(
     timeout: float,
     api_key: str | None = None,
     verify: str | bool = True,
+    model: str | None = None,
 ) -> tuple[list[Sample], float]:
     """Every prompt once, ``concurrency`` in flight at a time; the samples and the wall time."""
     import httpx  # here, not at the top: a command that sends no request (a no-op) skips its import
@@ -183,7 +188,8 @@ async def run_level(
 
         async def one(i: int, prompt: str) -> Sample:
             async with gate:
-                return await stream_one(client, COMPLETIONS, request_body(prompt, max_tokens, seed + i, kind), timeout)
+                body = request_body(prompt, max_tokens, seed + i, kind, model)
+                return await stream_one(client, COMPLETIONS, body, timeout)
 
         t0 = time.monotonic()
         samples = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -191,14 +197,29 @@ async def run_level(
 
 
 def probe_prompt_tokens(
-    base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None = None, verify: str | bool = True
+    base_url: str,
+    prompt: str,
+    kind: str,
+    timeout: float,
+    api_key: str | None = None,
+    verify: str | bool = True,
+    model: str | None = None,
+    max_tokens: int = 2,
 ) -> Sample:
-    """One short request: does the server answer, and how many tokens is this prompt?"""
-    return asyncio.run(_probe(base_url, prompt, kind, timeout, api_key, verify))
+    """One short request: does the server answer, and how many tokens is this prompt? (A model
+    set's gate times its first token too: the load of a member not resident.)"""
+    return asyncio.run(_probe(base_url, prompt, kind, timeout, api_key, verify, model, max_tokens))
 
 
 async def _probe(
-    base_url: str, prompt: str, kind: str, timeout: float, api_key: str | None, verify: str | bool
+    base_url: str,
+    prompt: str,
+    kind: str,
+    timeout: float,
+    api_key: str | None,
+    verify: str | bool,
+    model: str | None,
+    max_tokens: int,
 ) -> Sample:
     import httpx
 
@@ -206,4 +227,4 @@ async def _probe(
     async with httpx.AsyncClient(
         base_url=base_url, trust_env=False, headers=headers, verify=tls_context(verify)
     ) as client:
-        return await stream_one(client, COMPLETIONS, request_body(prompt, 2, 1, kind), timeout)
+        return await stream_one(client, COMPLETIONS, request_body(prompt, max_tokens, 1, kind, model), timeout)

@@ -76,11 +76,19 @@ def figures_line(fig: dict[str, Any]) -> str:
 
 
 def set_figures_line(fig: dict[str, Any]) -> str:
-    """A model set's gate in one line: how many members answered, each one's first answer."""
-    each = fig.get("first_answer_s") or {}
-    parts = ", ".join(f"{name} {s:g} s" for name, s in each.items())
-    return f"{fig.get('answered', 0)} of {fig.get('members', 0)} members answered" + (
-        f" (first answer, its load included: {parts})" if parts else ""
+    """A model set's gate in one line: how many members passed their own gates, and each one's
+    first token after a swap and warm decode (steps/measure/set_gate.py)."""
+    each = fig.get("per_member") or []
+    passed = sum(1 for m in each if m.get("passed"))
+    parts = []
+    for m in each:
+        name = m.get("name", "?")
+        swap = (m.get("swap") or {}).get("first_token_s")
+        decode = m.get("single_tok_s")
+        got = [f"swap {swap:g} s" if swap is not None else "", f"{decode:g} tok/s" if decode is not None else ""]
+        parts.append(f"{name} " + ", ".join(g for g in got if g) if any(got) else name)
+    return f"{passed} of {fig.get('members', 0)} members passed their gates" + (
+        f" ({'; '.join(parts)})" if parts else ""
     )
 
 
