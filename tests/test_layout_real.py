@@ -32,6 +32,8 @@ import pytest
 import yaml
 
 from playbooks.conduct.balancer import tls_dir
+from playbooks.config.model_set import plan_set
+from playbooks.plan.gpus import GIB, MIB
 from tests.helpers import ROOT
 from tests.test_provision_real import answers, inventory, provision, recipe, seeded_ccache, statuses  # noqa: F401
 from tests.test_rpc_split_real import LB, active, lb, status
@@ -39,20 +41,42 @@ from tests.test_rpc_split_real import LB, active, lb, status
 pytestmark = pytest.mark.slow
 INSTANCES = ("voltaforge-tiny-cpu@0.service", "voltaforge-tiny-cpu@1.service")
 SINGLE = "voltaforge-tiny-b.service"
+#: the model set's members (served names) and its router's unit and port
+DUO = ("duo-a", "duo-b")
+ROUTER = "voltaforge-set-duo.service"
+SET_PORT = 18200
+#: how long requests alternate between the set's two members through the edge
+ALTERNATE_S = 30
 
 
 def layout_inventory(tmp_path: Path, host) -> Path:
-    """box serves tiny-cpu twice (ports 18100, 18101) and tiny-b once (its own port, 18080)."""
+    """box serves tiny-cpu twice (ports 18100, 18101), tiny-b once (its own port, 18080) and a
+    model set ``duo`` (issue 56) of two recipes of the same model under their own names, duo-a
+    and duo-b, through one router on 18200, with a budget that holds one of them at a time."""
     # one gate level: three servers are gated one after the other, and the gate itself is
     # tested elsewhere (tests/test_provision_real.py)
     tiny = recipe(tmp_path, host, "a", gate={"levels": [1]})
     b = tiny.parent / "tiny-b.yaml"
     b.write_text(tiny.read_text())
+    members = []
+    for name in DUO:
+        data = yaml.safe_load(tiny.read_text())
+        data["name"] = name
+        data["service"] = {**data.get("service", {}), "model_name": name}
+        members.append(tiny.parent / f"{name}.yaml")
+        members[-1].write_text(yaml.safe_dump(data))
+    one = plan_set([str(m) for m in members], memory_gib=4.0).residency
     inv = inventory(tmp_path, {"box": (host, tiny)})
     data = yaml.safe_load(inv.read_text())
     entry = data["hosts"]["box"]
     del entry["recipe"]
-    entry["serve"] = [{"recipe": str(tiny), "instances": 2, "port": 18100}, {"recipe": str(b)}]
+    entry["serve"] = [
+        {"recipe": str(tiny), "instances": 2, "port": 18100},
+        {"recipe": str(b)},
+        {"set": "duo", "models": [str(m) for m in members], "port": SET_PORT},
+    ]
+    # room for the router and one member's child, not two: each member's gate evicts the other
+    entry["memory_budget_gib"] = (one.parent + max(m.held for m in one.members) + MIB) / GIB
     inv.write_text(yaml.safe_dump(data))
     return inv
 
@@ -74,7 +98,7 @@ import json, os, ssl, threading, time, urllib.request
 from concurrent.futures import ThreadPoolExecutor
 ctx = ssl.create_default_context(cafile="/root/edge-ca.pem")
 def one(i):
-    body = json.dumps({"prompt": f"Count {i}", "max_tokens": 8, "ignore_eos": True}).encode()
+    body = json.dumps({"model": "tiny-llama", "prompt": f"Count {i}", "max_tokens": 8, "ignore_eos": True}).encode()
     req = urllib.request.Request("https://localhost:18000/v1/completions", body, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, context=ctx, timeout=90) as r:
@@ -91,6 +115,37 @@ with ThreadPoolExecutor(8) as pool:
 failed = [r for r in results if r != "ok"]
 json.dump({"sent": len(results), "failed": failed[:10]}, open("/root/load.json", "w"))
 """
+
+
+# requests alternating between the set's two members through the edge, one at a time, for
+# ALTERNATE_S seconds: each answer's status and the model it names, in order
+ALTERNATE_SCRIPT = """
+import json, ssl, sys, time, urllib.error, urllib.request
+ctx = ssl.create_default_context(cafile="/root/edge-ca.pem")
+seen, end, i = [], time.monotonic() + float(sys.argv[1]), 0
+while time.monotonic() < end:
+    model = ("duo-a", "duo-b")[i % 2]
+    body = json.dumps({"model": model, "prompt": f"Count {i}", "max_tokens": 8, "ignore_eos": True}).encode()
+    req = urllib.request.Request("https://localhost:18000/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=90) as r:
+            seen.append([model, r.status, json.load(r).get("model")])
+    except urllib.error.HTTPError as exc:
+        seen.append([model, exc.code, exc.read()[:200].decode("utf-8", "replace")])
+    except Exception as exc:
+        seen.append([model, 0, f"{type(exc).__name__}: {exc}"])
+    i += 1
+print(json.dumps(seen))
+"""
+
+
+def set_children(host) -> tuple[int, set[int], set[int]]:
+    """(the router's main pid, its children's pids, every pid in the router unit's cgroup)."""
+    main = int(host.run_inside(f"systemctl show -p MainPID --value {ROUTER}").stdout.strip())
+    group = host.run_inside(f"systemctl show -p ControlGroup --value {ROUTER}").stdout.strip()
+    procs = host.run_inside(f"cat /sys/fs/cgroup{group}/cgroup.procs").stdout.split()
+    kids = host.run_inside(f"pgrep -P {main} || true").stdout.split()
+    return main, {int(k) for k in kids}, {int(p) for p in procs}
 
 
 @contextlib.contextmanager
@@ -130,22 +185,29 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
 
     # 1. a dry run of the layout shows both recipes and starts or writes nothing
     code, summary, out, _ = provision(inv, "box", "--dry-run")
-    assert code == 0 and [s["recipe"] for s in summary] == ["tiny-cpu", "tiny-b"], out[-4000:]
+    assert code == 0 and [s["recipe"] for s in summary] == ["tiny-cpu", "tiny-b", "duo"], out[-4000:]
     assert all(statuses(s)["deploy"] in ("would change", "not reached") for s in summary), summary
-    assert not any(active(host, u) for u in (*INSTANCES, SINGLE))
+    assert not any(active(host, u) for u in (*INSTANCES, SINGLE, ROUTER))
     assert host.run_inside(f"ls {host.prefix}/deploy 2>/dev/null || true").stdout.strip() == ""
 
     # each recipe of the layout, in turn, from nothing
     code, summary, out, _ = provision(inv, "box")
     assert code == 0, out[-6000:]
-    assert [s["recipe"] for s in summary] == ["tiny-cpu", "tiny-b"], summary
-    first, second = summary
+    assert [s["recipe"] for s in summary] == ["tiny-cpu", "tiny-b", "duo"], summary
+    first, second, duo = summary
     assert statuses(first)["deploy"] == "changed" and statuses(first)["gate"] == "changed", first
-    # the second shares the first's build and weights: only its own server is new
-    assert statuses(second)["build"] == "ok" and statuses(second)["quantize"] == "ok", second
-    assert statuses(second)["deploy"] == "changed" and statuses(second)["gate"] == "changed", second
-    assert "2 of 2 recipes provisioned" in out
-    for unit in (*INSTANCES, SINGLE):
+    # the second and the set share the first's build and weights: only their own servers are new
+    for later in (second, duo):
+        assert statuses(later)["build"] == "ok" and statuses(later)["quantize"] == "ok", later
+        assert statuses(later)["deploy"] == "changed" and statuses(later)["gate"] == "changed", later
+    assert "3 of 3 recipes provisioned" in out, out[-3000:]
+    # the set's router under systemd, gated per member: each one's first token after a swap (the
+    # budget holds one: the other evicted) and its own recipe's gate
+    verdict = json.loads(host.run_inside(f"cat {host.prefix}/deploy/voltaforge-set-duo/deployed.json").stdout)["gate"]
+    each = verdict["figures"]["per_member"]
+    assert verdict["status"] == "passed" and [m["name"] for m in each] == list(DUO), verdict
+    assert [m["swap"]["evicted"] for m in each] == ["duo-b", "duo-a"] and all(m["passed"] for m in each), each
+    for unit in (*INSTANCES, SINGLE, ROUTER):
         assert active(host, unit), host.run_inside(f"journalctl -u {unit} -o cat | tail -20", check=False).stdout
         assert host.run_inside(f"systemctl show -p User --value {unit}").stdout.strip() != "root"
     listening = host.run_inside("ss -Hltn").stdout
@@ -159,7 +221,7 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     # a second run changes nothing, for either recipe; nor does `invoke deploy` of the layout
     # (both recipes' operations in one converge, the shared ones once)
     code, summary, out, _ = provision(inv, "box")
-    assert code == 0 and [set(statuses(s).values()) for s in summary] == [{"ok"}, {"ok"}], out[-4000:]
+    assert code == 0 and [set(statuses(s).values()) for s in summary] == [{"ok"}] * 3, out[-4000:]
     again = invoke(inv, "deploy", "--host", "box")
     assert again.returncode == 0 and ": 0 changed," in again.stdout, again.stdout[-4000:] + again.stderr[-2000:]
     for unit in (*INSTANCES, SINGLE):
@@ -171,7 +233,9 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     shown = invoke(inv, "render", "--host", "box", "--out", str(out_dir))
     assert shown.returncode == 0, shown.stdout[-2000:] + shown.stderr[-2000:]
     rendered = [p for p in out_dir.rglob("*") if p.is_file()]
-    assert len(rendered) >= 4, rendered  # two units (one a template), two instance env files
+    # three units (one a template), two instance env files, the set's preset
+    assert len(rendered) >= 6, rendered
+    assert (out_dir / "etc/systemd/system" / ROUTER).is_file(), rendered
     for p in rendered:
         installed = host.rootfs / p.relative_to(out_dir)
         assert installed.read_text() == p.read_text(), p
@@ -187,6 +251,7 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
         return {p for p in host.run_inside(f"{find} 2>/dev/null || true").stdout.split() if "voltaforge" in p}
 
     wrote = {"/" + str(p.relative_to(out_dir)) for p in rendered}
+    wrote = {p for p in wrote if p.startswith(("/etc/systemd/", "/etc/voltaforge/"))}  # the preset is the prefix's
     assert on_host() == wrote, on_host()
     # the control: that comparison sees a file render did not write (a drop-in left on the unit)
     stray = f"/etc/systemd/system/{SINGLE}.d/stray.conf"
@@ -201,14 +266,28 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     said = " ".join(run.stdout.split())
     assert "model tiny-llama: box-18080 127.0.0.1:18080, box-18100 127.0.0.1:18100, box-18101" in said, said
+    for name in DUO:  # each member's name routed to the set's router
+        assert f"model {name}: box-{SET_PORT} 127.0.0.1:{SET_PORT}" in said, said
     assert active(host, LB)
     (host.rootfs / "root" / "edge-ca.pem").write_bytes((tls_dir("box") / "cert.pem").read_bytes())
-    body = json.dumps({"prompt": "Hello", "max_tokens": 2})
+    body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 2})
     for _ in range(9):
         host.run_inside(
             "curl -sf -m 30 --cacert /root/edge-ca.pem https://localhost:18000/v1/completions "
             f"-H 'Content-Type: application/json' -d '{body}'"
         )
+
+    # 2a. the set under systemd (issue 56): requests alternating between its two members through
+    # the edge for ALTERNATE_S seconds, each a swap (one member resident at a time), all
+    # answered by the member asked for; the router's children are in its unit's control group
+    (host.rootfs / "root" / "alternate.py").write_text(ALTERNATE_SCRIPT)
+    seen = json.loads(host.run_inside(f"python3 /root/alternate.py {ALTERNATE_S}", timeout=ALTERNATE_S + 120).stdout)
+    assert len(seen) >= 10 and all(status == 200 and got == model for model, status, got in seen), seen[:10]
+    main, kids, group = set_children(host)
+    assert len(kids) == 1 and kids | {main} <= group, (main, kids, group)
+    [child] = kids
+    assert "llama-server" in host.run_inside(f"cat /proc/{child}/cmdline").stdout
+    print(f"set under systemd: {len(seen)} alternating requests in {ALTERNATE_S} s, all answered")
 
     # 2b. a rolling change under load (issue 33): tiny-cpu's context changes, so both of its
     # instances restart; each is drained on the balancer (the runtime API, through sudo: the
@@ -225,7 +304,8 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     with container_load(host) as load:
         code, summary, out, _ = provision(inv, "box")
     assert code == 0, out[-6000:]
-    assert statuses(summary[0])["deploy"] == "changed" and set(statuses(summary[1]).values()) == {"ok"}, summary
+    assert statuses(summary[0])["deploy"] == "changed", summary
+    assert set(statuses(summary[1]).values()) == set(statuses(summary[2]).values()) == {"ok"}, summary
     assert [(r["server"], r["result"], r["while_out"]) for r in summary[0]["rolled"]] == [
         ("box-18100", "changed", 0), ("box-18101", "changed", 0),
     ], summary[0]  # fmt: skip
@@ -239,20 +319,26 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     # 3. everything in `invoke status`; `invoke stop` stops every server of the layout
     listed = status(inv)
     assert sorted(s["service"] for s in listed["services"]) == [
+        "voltaforge-set-duo",
         "voltaforge-tiny-b",
         "voltaforge-tiny-cpu@0",
         "voltaforge-tiny-cpu@1",
     ], listed
     backends = {u["unit"]: u for u in listed["units"]}[LB]["backends"]
-    assert [(b["name"], b["up"]) for b in backends] == [
+    assert sorted((b["name"], b["up"]) for b in backends) == [
         ("box-18080", True), ("box-18100", True), ("box-18101", True),
+        (f"box-{SET_PORT}", True), (f"box-{SET_PORT}", True),
     ], backends  # fmt: skip
     assert all(b["requests"] >= 1 for b in backends), backends
+    main, kids, _ = set_children(host)
     stopped = invoke(inv, "stop", "--host", "box")
     assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-2000:]
-    assert not any(active(host, u) for u in (*INSTANCES, SINGLE))
+    assert not any(active(host, u) for u in (*INSTANCES, SINGLE, ROUTER))
     listening = host.run_inside("ss -Hltn").stdout
-    assert not any(f"127.0.0.1:{p}" in listening for p in (18100, 18101, 18080)), listening
+    assert not any(f"127.0.0.1:{p}" in listening for p in (18100, 18101, 18080, SET_PORT)), listening
+    # the router's stop stopped its children with it (its unit's control group, killed whole)
+    assert kids and not host.run_inside(f"ps -o pid= -p {','.join(map(str, kids | {main}))} || true").stdout.strip()
+    assert host.run_inside("pgrep llama-server || true").stdout.strip() == "", "a llama-server is left running"
 
     # 4. taken off (issue 52): `invoke remove` disables and removes every server's unit, its
     # environment files and its state (the record, good/, the model's links), then `invoke lb

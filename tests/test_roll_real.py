@@ -64,13 +64,14 @@ def write_recipe(where: Path, name: str, context: int, min_tok_s: float = 1) -> 
 class Load:
     """A steady load through the balancer until stopped: every reply's status, kept."""
 
-    def __init__(self, url: str):
-        self.url, self.stop = url, threading.Event()
+    def __init__(self, url: str, models: tuple[str, ...] = ("tiny-llama",)):
+        self.url, self.models, self.stop = url, models, threading.Event()
         self.results: list[str] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _one(self, client: httpx.Client, i: int) -> str:
-        body = {"model": "tiny-llama", "prompt": f"Count {i}", "max_tokens": TOKENS, "ignore_eos": True}
+        model = self.models[i % len(self.models)]  # several: each asked in turn
+        body = {"model": model, "prompt": f"Count {i}", "max_tokens": TOKENS, "ignore_eos": True}
         try:
             reply = client.post(self.url, json=body)
         except httpx.HTTPError as exc:

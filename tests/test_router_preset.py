@@ -98,6 +98,8 @@ def test_a_sets_files_are_its_routers_unit_and_its_preset(keyed, gpu):
     assert ("LoadCredential=api-key:/etc/voltaforge/secrets/lab.key" in unit.text) == keyed
     assert ("Environment=CUDA_VISIBLE_DEVICES=2,3" in unit.text) == gpu
     assert ("DeviceAllow=/dev/nvidia3 rw" in unit.text) == gpu and "IPAddressDeny=any" in unit.text
+    # its own empty cache: where the router looks for hub models at start (a dynamic user has no home)
+    assert "CacheDirectory=voltaforge-set-lab\nEnvironment=LLAMA_CACHE=%C/voltaforge-set-lab\n" in unit.text
     assert preset.text == render_models_preset(list(s.members), s.load_at_start)
     assert "model = /opt/vf/models/b/gguf/Q4_K_M.gguf" in preset.text
 

@@ -74,6 +74,11 @@ def test_a_set_deployed_answers_for_each_member_and_is_shown_stopped_and_removed
             done = run_ops(host, _ops(trio, host, str(prefix)))
             failed = [c for c in done if c.status == "failed"]
             assert not failed, (failed, (state / "server.log").read_text()[-3000:] if state.exists() else "")
+            # the router's own cache (its unit's CacheDirectory=, here under its state directory):
+            # the hub models it lists beside the preset's are none
+            router_pid = (state / "server.pid").read_text().strip()
+            environ = (Path("/proc") / router_pid / "environ").read_bytes().split(b"\0")
+            assert f"LLAMA_CACHE={state}/cache/voltaforge-set-trio".encode() in environ, environ
             preset = (prefix / "serve" / "voltaforge-set-trio" / "models.ini").read_text()
             assert [line for line in preset.splitlines() if line.startswith("[")] == [f"[{n}]" for n in names]
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:

@@ -16,6 +16,12 @@ order their hosts reach deploy (a host's own servers in its order). A model with
 server in rotation cannot keep serving: it is said, and changed in place once its in-flight
 requests end (new ones get the balancer's 503 meanwhile).
 
+A model set's router (issue 56) is one server in several backends: the balancer routes each
+member's name to it, so its record names it once per member. Its turn drains it in every one
+of those backends (holding each member's lane), restarts it once for whatever member changed,
+runs the set's gate (each member's own, steps/measure/set_gate.py) and puts it back in all of
+them; the members' other servers carry their names meanwhile.
+
 The whole of it is operations, so a dry run lists, per server, the drain, the restart, the gate
 and the return, each with its command (Roll.planned: the order per lane, for the summary).
 """

@@ -93,6 +93,12 @@ class LlamaServer(ServerEngine):
         preset = preset_path(layout)
         key = "%d/api-key" if s.api_key_file else None
         argv = router_argv(layout, preset, s.models_max, s.port, s.bind, s.sleep_idle_s, key)
+        # the router's own cache, empty (the template's CacheDirectory= and LLAMA_CACHE): at start
+        # it lists the hub models cached where LLAMA_CACHE (else HOME) points and serves them
+        # beside the preset's; a dynamic user has no home (the start failed: "Failed to determine
+        # HF cache directory"), and a managed process's home cache would add whatever its user
+        # downloaded (service_manager maps %C to its state directory)
+        cache = layout.unit_name.removesuffix(".service")
         environment = cuda_environment(s.gpu_indexes) if s.gpu else []
         check_environment(environment)
         text = render_template(
@@ -103,6 +109,7 @@ class LlamaServer(ServerEngine):
             api_key_file=s.api_key_file,
             environment=environment,
             environment_file=None,
+            cache_directory=cache,
             gpu=s.gpu,
             gpu_devices=[f"/dev/nvidia{i}" for i in s.gpu_indexes] if s.gpu else [],
             loopback_only=s.bind in ("127.0.0.1", "::1"),
