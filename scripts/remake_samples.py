@@ -73,6 +73,12 @@ MAKERS = (
     ),
     Maker("roll", ("reports/local/roll.json",), ("scripts/bench_roll.py",), 5),
     Maker(
+        "set",
+        ("reports/local/set-plan.json", "reports/local/set-gate.json", "reports/local/set-status.json"),
+        ("scripts/sample_set.py",),
+        2,
+    ),
+    Maker(
         "provision-container",
         ("reports/local/provision-from-nothing.json",),
         ("scripts/bench_provision_container.py",),

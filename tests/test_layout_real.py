@@ -139,13 +139,16 @@ print(json.dumps(seen))
 """
 
 
-def set_children(host) -> tuple[int, set[int], set[int]]:
-    """(the router's main pid, its children's pids, every pid in the router unit's cgroup)."""
+def set_children(host) -> tuple[int, set[int], dict[int, str]]:
+    """(the router's main pid, its children's pids, each one's control group as the kernel
+    says it: /proc/PID/cgroup, its unified-hierarchy line)."""
     main = int(host.run_inside(f"systemctl show -p MainPID --value {ROUTER}").stdout.strip())
-    group = host.run_inside(f"systemctl show -p ControlGroup --value {ROUTER}").stdout.strip()
-    procs = host.run_inside(f"cat /sys/fs/cgroup{group}/cgroup.procs").stdout.split()
-    kids = host.run_inside(f"pgrep -P {main} || true").stdout.split()
-    return main, {int(k) for k in kids}, {int(p) for p in procs}
+    kids = {int(k) for k in host.run_inside(f"pgrep -P {main} || true").stdout.split()}
+    groups = {}
+    for pid in kids | {main}:
+        lines = host.run_inside(f"cat /proc/{pid}/cgroup").stdout.splitlines()
+        groups[pid] = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
+    return main, kids, groups
 
 
 @contextlib.contextmanager
@@ -283,8 +286,10 @@ def test_two_recipes_and_two_instances_on_one_host(seeded_ccache, provisionable_
     (host.rootfs / "root" / "alternate.py").write_text(ALTERNATE_SCRIPT)
     seen = json.loads(host.run_inside(f"python3 /root/alternate.py {ALTERNATE_S}", timeout=ALTERNATE_S + 120).stdout)
     assert len(seen) >= 10 and all(status == 200 and got == model for model, status, got in seen), seen[:10]
-    main, kids, group = set_children(host)
-    assert len(kids) == 1 and kids | {main} <= group, (main, kids, group)
+    main, kids, groups = set_children(host)
+    unit_group = host.run_inside(f"systemctl show -p ControlGroup --value {ROUTER}").stdout.strip()
+    assert len(kids) == 1 and set(groups.values()) == {unit_group}, (main, kids, groups, unit_group)
+    assert unit_group.endswith(f"/{ROUTER}"), unit_group
     [child] = kids
     assert "llama-server" in host.run_inside(f"cat /proc/{child}/cmdline").stdout
     print(f"set under systemd: {len(seen)} alternating requests in {ALTERNATE_S} s, all answered")
