@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,6 @@ from playbooks.steps.measure.set_gate import EnsureSetGate  # noqa: E402
 from playbooks.steps.serve.deploy import EnsureServing  # noqa: E402
 from tests.helpers import stage_served_model  # noqa: E402
 from tests.model_set_members import WIDTHS, three_members  # noqa: E402
-from tests.testhosts import free_port  # noqa: E402
 
 REPORTS = ROOT / "reports" / "local"
 MEASURES = [
@@ -62,11 +62,17 @@ MEASURES = [
 TMP = re.compile(r"/tmp/[\w.-]+/")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def invoke(inv: Path, recipes: Path, *args: str) -> str:
     env = {**os.environ, "COLUMNS": "110", "INVOKE_VOLTAFORGE_RECIPES_DIR": str(recipes)}
     r = subprocess.run(
         [sys.executable, "-m", "invoke", "-r", str(ROOT), *args, "--inventory", str(inv)],
-        cwd=inv.parent, capture_output=True, text=True, timeout=600, env=env,
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     if r.returncode:
         raise SystemExit(f"invoke {' '.join(args)} exited {r.returncode}: {r.stdout[-2000:]}{r.stderr[-2000:]}")
