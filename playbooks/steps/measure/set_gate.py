@@ -153,18 +153,20 @@ class EnsureSetGate(Operation):
                     return [], [f"the router does not list {', '.join(missing)}"]
                 for i, loaded in enumerate(self.members):
                     name = loaded.recipe.served_name
-                    swap, why = self._swap(client, url, key, i, timeout)
+                    # the text its prompts are cut from, read once for its swap and its levels
+                    text = _corpus(loaded.recipe.gate)
+                    swap, why = self._swap(client, url, key, i, timeout, text)
                     if why:
                         out.append({"name": name, "swap": swap, "passed": False, "reasons": [why]})
                         reasons.append(f"{name}: {why}")
                         continue
-                    figures = _warm_gate(url, key, loaded, swap.pop("words"), ceilings[name])
+                    figures = _warm_gate(url, key, loaded, text, swap.pop("words"), ceilings[name])
                     out.append({"name": name, "swap": swap, **figures})
                     reasons += [f"{name}: {r}" for r in figures["reasons"]]
         return out, reasons
 
     def _swap(
-        self, client: Any, url: str, key: str | None, i: int, timeout: float
+        self, client: Any, url: str, key: str | None, i: int, timeout: float, text: bench.Corpus
     ) -> tuple[dict[str, Any], str | None]:
         """Member ``i`` out of the resident set and the set full (or, where all fit, it alone
         unloaded); then its first token, timed. Returns the swap's figures (with the words a
@@ -172,7 +174,6 @@ class EnsureSetGate(Operation):
         loaded = self.members[i]
         name, kind = loaded.recipe.served_name, engine(loaded.recipe.backend).server
         others = [m.recipe.served_name for j, m in enumerate(self.members) if j != i]
-        text = _corpus(loaded.recipe.gate)
         if len(self.members) > self.models_max:
             # the count filled with others, the least recently used of them first: the one the
             # router stops for this member
@@ -233,7 +234,9 @@ def _host_ceilings(host: Host, prefix: str, members: Sequence[LoadedRecipe]) -> 
     }
 
 
-def _warm_gate(url: str, key: str | None, loaded: LoadedRecipe, words: int, ceiling: dict[str, Any]) -> dict[str, Any]:
+def _warm_gate(
+    url: str, key: str | None, loaded: LoadedRecipe, text: bench.Corpus, words: int, ceiling: dict[str, Any]
+) -> dict[str, Any]:
     """One member's own gate, warm: the levels it judges, its ceiling, ``bench.judge``."""
     from playbooks.steps.measure.bench_run import thresholds
 
@@ -241,7 +244,7 @@ def _warm_gate(url: str, key: str | None, loaded: LoadedRecipe, words: int, ceil
     levels = [1] + ([g.at_concurrency] if g.min_aggregate_tok_s and g.at_concurrency != 1 else [])
     summaries, samples = [], []
     for c in levels:
-        summary, got = member_level(url, _corpus(g), words, c, g, engine(r.backend).server, key, r.served_name)
+        summary, got = member_level(url, text, words, c, g, engine(r.backend).server, key, r.served_name)
         summaries.append(summary)
         samples += got
     dead = any(lv.get("errors") == lv.get("requests") for lv in summaries)
