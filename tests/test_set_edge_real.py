@@ -16,6 +16,7 @@ than 60% of what they held awake."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -36,7 +37,9 @@ from playbooks.config.model_set import plan_set
 from playbooks.host.local import LocalHost
 from playbooks.host.ops import run_ops
 from playbooks.plan.gpus import GIB, MIB
+from playbooks.steps.measure.set_gate import EnsureSetGate
 from playbooks.steps.serve.balancer import Balancer, render_haproxy_config
+from playbooks.steps.serve.deploy import EnsureServing
 from tests.helpers import stage_served_model
 from tests.model_set_members import WIDTHS, alive_most, three_members
 from tests.test_balancer_real import haproxy, wait_for
@@ -133,6 +136,20 @@ def test_a_set_behind_the_edge_serves_three_on_demand_for_a_minute(tmp_path, api
         asleep = [n for n, m in members.items() if m["state"] == "sleeping"]
         assert len(asleep) == 2 and all(m["state"] in ("sleeping", "unloaded") for m in members.values()), members
         asleep_bytes = sum(members[n]["held_bytes"] or 0 for n in asleep)
+
+        # the set's gate with its key (issue 56), as provision runs it on this deployment (no
+        # restart): each member's swap and its own gate through the keyed router, its children
+        # counted by strace with the rest
+        with LocalHost() as host:
+            ops = set_deploy_ops(trio, host, str(prefix), "process", gated=True)
+            serving = next(op for op in ops if isinstance(op, EnsureServing))
+            gate = EnsureSetGate(serving, trio.members, trio.models_max, str(prefix), out_dir=tmp_path / "gate")
+            judged = run_ops(host, [*ops, gate])
+        assert not [c for c in judged if c.status == "failed"], judged
+        assert int((state / "server.pid").read_text()) == router  # the same router, gated
+        verdict = json.loads((state / "deployed.json").read_text())["gate"]
+        assert verdict["status"] == "passed", verdict
+        assert [m["name"] for m in verdict["figures"]["per_member"] if m["passed"]] == names, verdict
     finally:
         stop_served(settings, "local")  # the router's children end with it; strace ends with them
         tracer.wait(timeout=60)
