@@ -22,13 +22,18 @@ Components: contrib non-free
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
-pkgs="python3-venv openssh-server openssh-client debootstrap systemd systemd-container zstd iproute2 sudo cmake make g++ nvidia-cuda-toolkit ccache haproxy python3-numpy strace"
+pkgs="python3-venv openssh-server openssh-client debootstrap systemd systemd-container zstd iproute2 sudo cmake make g++ nvidia-cuda-toolkit ccache haproxy python3-numpy strace prometheus prometheus-node-exporter python3-prometheus-client python3-pynvml"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
 done
 if [ -n "$missing" ]; then
     apt-get update -qq
+    # Debian's prometheus and node exporter start themselves on install, on every interface:
+    # policy-rc.d (101: "not allowed") keeps them stopped here, as `invoke monitor` does on a host
+    policy=/usr/sbin/policy-rc.d
+    [ -e "$policy" ] && had_policy=1 || { printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod 755 "$policy"; }
     # shellcheck disable=SC2086
-    apt-get install -y -qq --no-install-recommends $missing
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+    [ -n "${had_policy:-}" ] || rm -f "$policy"
 fi

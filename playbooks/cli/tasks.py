@@ -449,6 +449,42 @@ def lb(
     )
 
 
+@command(
+    help={
+        "host": "the host that runs Prometheus (default: monitor: host, else the configuration's host)",
+        "hosts": "the hosts it watches, comma-separated (default: monitor: hosts, else every inventory host)",
+        "bind": "the address Prometheus listens on (default: monitor: bind, else 127.0.0.1)",
+        "port": "the port Prometheus listens on (default: monitor: port, else 9090)",
+        "dry-run": "show what would change and the commands; change nothing",
+    },
+)
+def monitor(
+    c: Context,
+    host: str | None = None,
+    hosts: str | None = None,
+    bind: str | None = None,
+    port: str | None = None,
+    dry_run: bool = False,
+    inventory: str | None = None,
+) -> int:
+    """One Prometheus for the fleet: every server, the edge, each host's node and GPU exporter.
+
+    Targets from the hosts' deployment records (a keyed server scraped with its key from a
+    0600 credential), flags over the inventory's monitor: entry. Debian's packages, never
+    started on install; hardened units (or managed processes), on loopback unless told."""
+    from playbooks.cli.monitor import run_monitor
+
+    return run_monitor(
+        flags.one_host("--host", host) if host is not None else None,
+        flags.host_names("--hosts", hosts) if hosts is not None else None,
+        bind=flags.ip_address("--bind", bind) if bind is not None else None,
+        port=flags.positive_int("--port", port, "a TCP port", maximum=65535) if port is not None else None,
+        dry_run=dry_run,
+        settings=configured.settings(c, inventory),
+        default_host=flags.one_host("--host", configured.cfg(c, "host")),
+    )
+
+
 @command()
 def stop(c: Context, host: str | None = None, recipe: str | None = None, inventory: str | None = None) -> int:
     """Stop the recipe's server on a host (the unit, or the managed process); its files stay.
@@ -821,6 +857,7 @@ ns = Collection(
     remove,
     rpc_worker,
     lb,
+    monitor,
     bench,
     status,
     tune,

@@ -73,3 +73,16 @@ def run_locked(host: Host, prefix: str, ops: list[Operation], dry_run: bool, sud
         return run_ops(host, ops, dry_run=True)
     with host_lock(host, prefix, sudo=sudo):
         return run_ops(host, ops)
+
+
+#: (the connected host, its install prefix, whether that needs sudo) -> the operations: a step
+#: that serves no recipe (the monitor and its exporters)
+HostOps = Callable[[Host, str, bool], list[Operation]]
+
+
+def converge_plain(settings: Settings, host_name: str, make_ops: HostOps, dry_run: bool) -> list[Change]:
+    """converge_host for a step that serves no recipe."""
+    spec = settings.host_spec(host_name)
+    with settings.connect(spec) as host:
+        sudo = prefix_needs_sudo(host, spec.prefix)
+        return run_locked(host, spec.prefix, unique_ops(make_ops(host, spec.prefix, sudo)), dry_run, sudo)

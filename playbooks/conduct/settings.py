@@ -11,6 +11,7 @@ from playbooks.conduct.deployed import deployed_recipe
 from playbooks.conduct.model_sets import ServedSet, check_set_ports, host_sets
 from playbooks.conduct.placements import Served, host_serves
 from playbooks.config.inventory import HostSpec, LbSpec, load_lb, resolve_host
+from playbooks.config.monitor_spec import MonitorSpec, load_monitor
 from playbooks.config.recipe import RECIPES_DIR, LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.host import Host, connect
@@ -113,6 +114,10 @@ class Settings:
     def lb(self) -> LbSpec:
         """The inventory's ``lb:`` entry (empty when it has none)."""
         return load_lb(self.inventory)
+
+    def monitor(self) -> MonitorSpec:
+        """The inventory's ``monitor:`` entry (the defaults when it has none)."""
+        return load_monitor(self.inventory)
 
     def load_recipe(self, name: str) -> LoadedRecipe:
         return load_recipe(name, self.recipes_dir or RECIPES_DIR)

@@ -2,7 +2,8 @@
 ``recipe``, or a ``serve`` layout placing several recipes on disjoint GPU sets (an entry may be a
 model set: several recipes served by one llama-server router, loaded on demand); and the fleet's
 balancer, an ``lb:`` entry (which host runs it, over which hosts, where it listens, its key and
-certificate), that `invoke lb`, `render --lb` and `bench --lb` read, flags overriding.
+certificate), that `invoke lb`, `render --lb` and `bench --lb` read, flags overriding; and a
+``monitor:`` entry, read by config/monitor_spec.py.
 
 A host that is not listed falls back to the user's ~/.ssh/config (and then to plain DNS),
 as Fabric does. The name `local` means this machine, without SSH.
@@ -316,10 +317,12 @@ class LbSpec(BaseModel):
         return self
 
 
-class _InventoryFile(BaseModel):
+class InventoryFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     hosts: dict[str, dict] = {}
     lb: dict | None = None
+    #: `invoke monitor`'s settings (config/monitor_spec.py reads it)
+    monitor: dict | None = None
 
 
 def load_inventory(path: Path = DEFAULT_INVENTORY) -> dict[str, HostSpec]:
@@ -331,9 +334,9 @@ def load_inventory(path: Path = DEFAULT_INVENTORY) -> dict[str, HostSpec]:
     if data is None:
         return {}
     try:
-        parsed = _InventoryFile.model_validate(data)
+        parsed = InventoryFile.model_validate(data)
     except ValidationError as exc:
-        raise explain_validation(exc, path, lines, _InventoryFile) from None
+        raise explain_validation(exc, path, lines, InventoryFile) from None
     specs = {}
     for name, entry in parsed.hosts.items():
         try:
@@ -355,7 +358,7 @@ def load_lb(path: Path = DEFAULT_INVENTORY) -> LbSpec:
     if data is None:
         return LbSpec()
     try:
-        entry = _InventoryFile.model_validate(data).lb
+        entry = InventoryFile.model_validate(data).lb
         spec = LbSpec.model_validate(entry or {})
     except ValidationError as exc:
         raise explain_validation(exc, path, lines, LbSpec, prefix=("lb",)) from None

@@ -71,6 +71,10 @@ class Engine:
     #: what one of its server processes holds on a CPU without a model (bytes): the router
     #: itself, and the base of each child beside the model's own terms
     process_cpu_bytes: int = 0
+    #: where its server publishes Prometheus metrics (`invoke monitor` scrapes it); "" where it
+    #: publishes none (TabbyAPI at our pin: the edge's per-backend counters and the GPU exporter
+    #: cover it, docs/monitor.md)
+    metrics_path: str = ""
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         """Whether parallel slots batch on a GPU of this compute capability."""

@@ -198,6 +198,8 @@ class LlamaCpp(Engine):
     weights_format = "GGUF"
     server = "llama-server"
     server_label = "llama-server"
+    # every unit runs it with --metrics; a router answers /metrics?model= for a loaded model only
+    metrics_path = "/metrics"
     serves_llamacpp_build = True
     # llama-server without a model is a router (tools/server/README.md, "Using multiple models")
     routes_models = True
