@@ -36,11 +36,13 @@ def run_monitor(
     specs = [settings.host_spec(n) for n in watch.hosts]  # an unknown name: one line before connecting
     found = find_targets(settings, watch)
     for note in found.notes:
-        console().print(Text(note))
+        console().print(Text(note), soft_wrap=True)
     for t in found.targets:
         console().print(Text(f"scrape {t.job:<12} {t.url}  {dict(t.labels).get('model', '')}".rstrip()))
     changes = []
     for spec in specs:
+        if spec.name in found.skipped:
+            continue
         changes += converge_plain(settings, spec.name, ExporterOps(watch, spec, mon), dry_run)
     changes += converge_plain(settings, watch.host, MonitorOps(watch, found), dry_run)
     code = report(changes)
@@ -49,5 +51,7 @@ def run_monitor(
     with settings.connect(mon) as host:
         lost = unreachable(host, found.targets)
     for t in lost:
-        console().print(Text(f"{watch.host}: cannot reach {t.what} at {t.url}; Prometheus scrapes the rest"))
+        console().print(
+            Text(f"{watch.host}: cannot reach {t.what} at {t.url}; Prometheus scrapes the rest"), soft_wrap=True
+        )
     return code

@@ -30,10 +30,11 @@ from playbooks.conduct.settings import Settings
 from playbooks.config.inventory import HostSpec, load_inventory
 from playbooks.config.monitor_spec import MonitorSpec
 from playbooks.config.recipe import Recipe
-from playbooks.errors import UsageError, VoltaforgeError
+from playbooks.errors import HostError, UsageError, VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.steps.monitor.edge import parse_edge_metrics
 from playbooks.steps.monitor.packages import EnsurePackagesUnstarted
 from playbooks.steps.monitor.reload import EnsureConfigLoaded
 from playbooks.steps.monitor.scrape import Target, render_config
@@ -52,7 +53,7 @@ from playbooks.steps.monitor.units import (
     render_prometheus_unit,
 )
 from playbooks.steps.monitor.units_masked import EnsureUnitsMasked
-from playbooks.steps.serve.balancer import STATS_PORT
+from playbooks.steps.serve.balancer import CONFIG_PATH, UNIT_NAME
 from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
 from playbooks.steps.serve.engines import server_engine
 from playbooks.steps.serve.secrets import SECRETS_DIR, CheckSecret, EnsureCredentialCopy
@@ -124,6 +125,8 @@ class Found:
     notes: list[str] = field(default_factory=list)
     #: the API keys the scrapes need (api_key_ref), each a file on the monitor host
     keys: set[str] = field(default_factory=set)
+    #: hosts that could not be reached over SSH: left out of this run, each with a note
+    skipped: set[str] = field(default_factory=set)
 
 
 def _reach(spec: HostSpec, mon: HostSpec, bind: str) -> str:
@@ -181,15 +184,22 @@ def find_targets(settings: Settings, watch: Watch) -> Found:
     found.targets.append(Target("prometheus", f"{_reach(mon, mon, watch.bind)}:{watch.port}", what="Prometheus"))
     for name in watch.hosts:
         spec = settings.host_spec(name)
+        try:
+            with settings.connect(spec) as host:
+                records = [d for d in read_deployments(host, spec.prefix) if d.port is not None]
+                down = {d.service for d in records if stopped(host, spec.prefix, d)}
+        except HostError as exc:
+            if spec.name == mon.name:
+                raise
+            found.skipped.add(spec.name)
+            found.notes.append(f"{spec.name}: left out of this run, cannot be reached: {exc}")
+            continue
         for job, port in (("node", watch.node_port), ("gpu", watch.gpu_port)):
             listen = exporter_listen(spec, watch, port)
             found.targets.append(
                 Target(job, f"{_reach(spec, mon, listen.address)}:{port}", (("host", spec.name),),
                        what=f"{spec.name}: the {job} exporter")
             )  # fmt: skip
-        with settings.connect(spec) as host:
-            records = [d for d in read_deployments(host, spec.prefix) if d.port is not None]
-            down = {d.service for d in records if stopped(host, spec.prefix, d)}
         for d in records:
             assert d.port is not None
             if d.service in down:
@@ -201,14 +211,35 @@ def find_targets(settings: Settings, watch: Watch) -> Found:
             elif d.recipe is not None:
                 r = settings.load_recipe(recipe_file(d.recipe, spec.name)).recipe
                 _server_target(spec, mon, r, d.port, d.service, found)
+    edge_target(settings, mon, found)
+    return found
+
+
+def edge_target(settings: Settings, mon: HostSpec, found: Found) -> None:
+    """The edge's exporter, where the inventory's ``lb:`` entry names its host: its stats port
+    read from the configuration `invoke lb` left there (loopback only: the monitor reaches it
+    when it runs on the same host)."""
     lb = settings.lb()
-    if lb.host:
-        spec = settings.host_spec(lb.host)
+    if not lb.host or lb.host in found.skipped:
+        return
+    spec = settings.host_spec(lb.host)
+    with settings.connect(spec) as host:
+        systemd = choose_manager(host, "auto") == "systemd"
+        path = CONFIG_PATH if systemd else f"{spec.prefix}/deploy/{UNIT_NAME.removesuffix('.service')}/haproxy.cfg"
+        run = host.sudo if systemd else host.run
+        text = run(f"cat -- {shlex.quote(path)} 2>/dev/null || true", check=False, stream=False).stdout
+    edge = parse_edge_metrics(text)
+    if edge is None:
+        found.notes.append(f"{spec.name}: no edge configuration at {path} (`invoke lb` deploys it): not scraped")
+    elif not edge.exporter:
+        found.notes.append(
+            f"{spec.name}: the edge was rendered before its exporter: run `invoke lb` again to scrape it"
+        )
+    else:
         found.targets.append(
-            Target("edge", f"{_reach(spec, mon, '127.0.0.1')}:{STATS_PORT}", (("host", spec.name),),
+            Target("edge", f"{_reach(spec, mon, edge.address)}:{edge.port}", (("host", spec.name),),
                    what=f"{spec.name}: the edge (HAProxy's exporter, loopback only)")
         )  # fmt: skip
-    return found
 
 
 def _peers(addresses: Sequence[str]) -> list[str] | None:

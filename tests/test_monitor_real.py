@@ -1,0 +1,200 @@
+"""`invoke monitor` for real (issue 57), on this machine without systemd: two keyed llama-servers
+(generated tiny models, managed processes, the key in /etc/voltaforge/secrets/ as an operator
+leaves it) behind the TLS edge `invoke lb` deploys, and Prometheus, the node exporter and the GPU
+exporter from Debian's packages, as `invoke monitor` deploys them (managed processes).
+
+Held:
+- the scrape configuration names neither key (each scrape reads its 0600 copy), every part
+  listens on loopback only, and a second run changes nothing;
+- every target is up: both servers (with their key), the edge (HAProxy's exporter), the node
+  exporter, the GPU exporter (it sees no GPU here and says so) and Prometheus itself;
+- while the bench's client (steps/measure/bench_client.run_level) sends requests through the
+  edge, Prometheus's counters agree with it exactly: the rise of
+  ``llamacpp:tokens_predicted_total`` per model between a scrape before the run and one after is
+  the completion tokens the client counted, and the rise of the edge's 2xx responses per model
+  backend is the requests it sent. ``increase()`` over the same window agrees within its
+  extrapolation (Prometheus stretches the rise it saw between the window's first and last
+  samples to the window's edges: at most by the window over the span of those samples);
+- one server killed: its target goes ``up 0``, `invoke monitor` names it in one line with the
+  address tried and Prometheus keeps scraping the rest; back (`invoke deploy`), ``up 1``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from playbooks.cli.balancer import run_lb
+from playbooks.cli.deploy import run_deploy
+from playbooks.cli.monitor import run_monitor
+from playbooks.conduct.balancer import edge_client
+from playbooks.conduct.settings import Settings
+from playbooks.host import connect
+from playbooks.steps.measure.bench_client import run_level
+from tests import llamacpp_tools
+from tests.helpers import ROOT, stage_served_model
+from tests.test_balancer_real import wait_for
+from tests.testhosts import free_port
+
+pytestmark = pytest.mark.slow
+TINY = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
+NAMES = ("alpha", "beta")
+INTERVAL_S = 1
+TOKENS = 8
+REQUESTS = 6  # per model
+
+
+def write_server(where: Path, name: str, port: int, ref: str) -> None:
+    data = json.loads(json.dumps(TINY))
+    data |= {"name": name, "parallel": 2, "context": 512, "threads": 1}
+    data["service"] = {"model_name": name, "port": port, "api_key_ref": ref}
+    data["gate"] = {"levels": [1], "prompt_tokens": 16, "max_tokens": 8, "min_tok_s": 1}
+    (where / f"{name}.yaml").write_text(yaml.safe_dump(data))
+
+
+def query(prom: str, expr: str, at: float | None = None) -> dict[str, float]:
+    """An instant query: each series' value by its model (or job) label."""
+    params = {"query": expr} | ({"time": f"{at:.3f}"} if at else {})
+    data = httpx.get(f"{prom}/api/v1/query", params=params, timeout=10).json()
+    assert data["status"] == "success", data
+    return {r["metric"].get("model") or r["metric"].get("proxy") or r["metric"].get("job", ""): float(r["value"][1])
+            for r in data["data"]["result"]}  # fmt: skip
+
+
+def targets(prom: str) -> list[dict]:
+    return httpx.get(f"{prom}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+
+
+def server_up(prom: str, model: str) -> float | None:
+    return query(prom, f'up{{job="llama-server",model="{model}"}}').get(model)
+
+
+@pytest.mark.timeout(600)
+def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
+    tmp_path, tmp_path_factory, monkeypatch, capsys, api_secret
+):
+    ref, key, _ = api_secret
+    work = tmp_path / "w"
+    q4 = llamacpp_tools.quantize(llamacpp_tools.tiny_f16(work, TINY["model"]["config"]), work / "t.gguf", "Q4_K_M")
+    prefix = str(tmp_path_factory.mktemp("vf"))  # short: the edge's runtime API socket lives under it
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
+    ports = {n: free_port() for n in NAMES}
+    for n in NAMES:
+        write_server(recipes, n, ports[n], ref)
+    lb_port, prom_port, node_port, gpu_port = free_port(), free_port(), free_port(), free_port()
+    monitor = {"host": "local", "port": prom_port, "node_exporter_port": node_port,
+               "gpu_exporter_port": gpu_port, "scrape_interval_s": INTERVAL_S}  # fmt: skip
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        yaml.safe_dump(
+            {
+                "hosts": {"local": {"prefix": prefix, "serve": [{"recipe": n} for n in NAMES]}},
+                "lb": {"host": "local", "hosts": ["local"], "port": lb_port, "tls": True},
+                "monitor": monitor,
+            }
+        )
+    )
+    settings = Settings(inventory=inv, recipes_dir=recipes)
+    with connect(settings.host_spec("local")) as here:
+        for i, n in enumerate(NAMES):
+            stage_served_model(here, prefix, recipes / f"{n}.yaml", q4, "Q4_K_M", tools=i == 0)
+    # the balancer's TLS pair in a cache of the test's own (after the tools came from the shared one)
+    monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
+    prom = f"http://127.0.0.1:{prom_port}"
+    state = Path(prefix) / "deploy"
+    try:
+        assert run_deploy("local", None, settings=settings) == 0, capsys.readouterr().out[-3000:]
+        assert run_lb("local", settings=settings) == 0, capsys.readouterr().out[-3000:]
+        capsys.readouterr()
+        assert run_monitor(settings=settings) == 0, capsys.readouterr().out[-4000:]
+        first = capsys.readouterr().out
+        config = (state / "voltaforge-prometheus" / "prometheus.yml").read_text()
+        assert key not in config and key not in first
+        copy = state / "voltaforge-prometheus" / "credentials" / f"key-{ref}"
+        assert copy.stat().st_mode & 0o777 == 0o600 and copy.read_text().strip() == key
+        # nothing of the monitor listens beyond loopback
+        listening = os.popen("ss -Hltn").read()
+        for port in (prom_port, node_port, gpu_port):
+            binds = [line.split()[3] for line in listening.splitlines() if line.split()[3].endswith(f":{port}")]
+            assert binds == [f"127.0.0.1:{port}"], (port, binds)
+        # a second run changes nothing
+        assert run_monitor(settings=settings) == 0
+        assert "0 changed" in capsys.readouterr().out
+
+        jobs = {"llama-server": 2, "edge": 1, "node": 1, "gpu": 1, "prometheus": 1}
+        wait_for(lambda: sum(t["health"] == "up" for t in targets(prom)) == sum(jobs.values()), 30)
+        got = sorted((t["labels"]["job"], t["labels"].get("model", "")) for t in targets(prom))
+        assert got == sorted(
+            [("llama-server", n) for n in NAMES] + [(j, "") for j in ("edge", "node", "gpu", "prometheus")]
+        )
+        assert query(prom, "voltaforge_gpus") == {"gpu": 0.0}  # no GPU here, and it says so
+        assert query(prom, "node_load1")  # the node exporter's own series
+
+        # the bench's client through the edge, with the key, over TLS
+        tokens = 'sum by (model) (llamacpp:tokens_predicted_total{job="llama-server"})'
+        answered = 'sum by (proxy) (haproxy_backend_http_responses_total{proxy=~"model_.*",code="2xx"})'
+        time.sleep(2 * INTERVAL_S)  # a scrape after the deploy's and the gate's requests
+        t0 = time.time()
+        before_tokens, before_answered = query(prom, tokens, t0), query(prom, answered, t0)
+        edge = f"https://127.0.0.1:{lb_port}"
+        counted = {}
+        for n in NAMES:
+            prompts = [f"Count to {i}" for i in range(REQUESTS)]
+            samples, _ = asyncio.run(
+                run_level(edge, prompts, 2, TOKENS, 7, "llama-server", 60, api_key=key,
+                          verify=edge_client("local"), model=n)
+            )  # fmt: skip
+            assert not [s.error for s in samples if s.error]
+            counted[n] = sum(s.completion_tokens or 0 for s in samples)
+        time.sleep(3 * INTERVAL_S)  # a scrape after the last token
+        t1 = time.time()
+        after_tokens, after_answered = query(prom, tokens, t1), query(prom, answered, t1)
+        risen = {n: after_tokens[n] - before_tokens.get(n, 0) for n in NAMES}
+        edge_rise = {p.removeprefix("model_"): after_answered[p] - before_answered.get(p, 0) for p in after_answered}
+        print(f"tokens the client counted {counted}, Prometheus's counters rose {risen}")
+        print(f"requests the client sent: {REQUESTS} per model; the edge's 2xx rose {edge_rise}")
+        assert risen == counted and all(v == REQUESTS * TOKENS for v in counted.values())
+        assert edge_rise == {n: REQUESTS for n in NAMES}, edge_rise
+        # the bench's window, from two scrapes before it began (a sample before the first token)
+        window = math.ceil(t1 - t0) + 2 * INTERVAL_S
+        inc = query(prom, f"sum by (model) (increase(llamacpp:tokens_predicted_total[{window}s]))", t1)
+        for n in NAMES:
+            # increase() extrapolates the rise it saw to the window's edges: never below it, above
+            # it by at most the window over the span its samples cover (an interval short at each
+            # end, and Prometheus's 1.1 intervals of slack)
+            assert counted[n] <= inc[n] + 1e-6 <= counted[n] * window / (window - 2.2 * INTERVAL_S), (n, inc)
+
+        # one server killed: up 0, named in one line; Prometheus scrapes the rest
+        pid = int((state / "voltaforge-alpha" / "server.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: server_up(prom, "alpha") == 0.0, 15)
+        assert server_up(prom, "beta") == 1.0
+        assert run_monitor(settings=settings) == 0
+        out = capsys.readouterr().out
+        lines = [line for line in out.splitlines() if "cannot reach" in line]
+        assert lines == [
+            f"local: cannot reach local: llama-server alpha (voltaforge-alpha) at "
+            f"http://127.0.0.1:{ports['alpha']}/metrics; Prometheus scrapes the rest"
+        ], out[-3000:]
+        # back: up 1 again
+        assert run_deploy("local", None, settings=settings) == 0, capsys.readouterr().out[-3000:]
+        wait_for(lambda: server_up(prom, "alpha") == 1.0, 20)
+    finally:
+        for service in ("voltaforge-prometheus", "voltaforge-node-exporter", "voltaforge-gpu-exporter",
+                        "voltaforge-lb", *(f"voltaforge-{n}" for n in NAMES)):  # fmt: skip
+            pid_file = state / service / "server.pid"
+            if pid_file.exists():
+                try:
+                    os.kill(int(pid_file.read_text()), signal.SIGTERM)
+                except (ProcessLookupError, ValueError):
+                    pass
