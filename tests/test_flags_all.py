@@ -78,6 +78,9 @@ ACCEPTED = {
     ("lb", "host"): {"abc", "1e999"},
     # port 5: well-formed, lb then fails on its host, exit 2
     ("lb", "port"): {"5"},
+    # the same for monitor: well-formed fleet hosts and port 5, then its host fails (nowhere.invalid)
+    ("monitor", "hosts"): {"abc", "1e999"},
+    ("monitor", "port"): {"5"},
     # tune --dry-run (the walk's context) reaches no host: a well-formed name is planned for
     ("tune", "host"): {"abc", "1e999"},
     # a balancer on port 5: well-formed, bench then fails on its host, exit 2

@@ -4,7 +4,7 @@ leaves it) behind the TLS edge `invoke lb` deploys, and Prometheus, the node exp
 exporter from Debian's packages, as `invoke monitor` deploys them (managed processes).
 
 Held:
-- the scrape configuration names neither key (each scrape reads its 0600 copy), every part
+- a dry run changes nothing; the scrape configuration names neither key (each scrape reads its 0600 copy), every part
   listens on loopback only, and a second run changes nothing;
 - every target is up: both servers (with their key), the edge (HAProxy's exporter), the node
   exporter, the GPU exporter (it sees no GPU here and says so) and Prometheus itself;
@@ -116,6 +116,10 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         assert run_deploy("local", None, settings=settings) == 0, capsys.readouterr().out[-3000:]
         assert run_lb("local", settings=settings) == 0, capsys.readouterr().out[-3000:]
         capsys.readouterr()
+        # a dry run shows the plan and changes nothing
+        assert run_monitor(settings=settings, dry_run=True) == 0
+        assert "would run" in capsys.readouterr().out
+        assert not (state / "voltaforge-prometheus").exists() and not (Path(prefix) / "monitor").exists()
         assert run_monitor(settings=settings) == 0, capsys.readouterr().out[-4000:]
         first = capsys.readouterr().out
         config = (state / "voltaforge-prometheus" / "prometheus.yml").read_text()
