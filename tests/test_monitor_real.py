@@ -16,7 +16,9 @@ Held:
   extrapolation (Prometheus stretches the rise it saw between the window's first and last
   samples to the window's edges: at most by the window over the span of those samples);
 - one server killed: its target goes ``up 0``, `invoke monitor` names it in one line with the
-  address tried and Prometheus keeps scraping the rest; back (`invoke deploy`), ``up 1``."""
+  address tried and Prometheus keeps scraping the rest; back (`invoke deploy`), ``up 1``;
+- one server stopped (`invoke stop`): the next run changes the configuration, the same
+  Prometheus process reads it (SIGHUP, no restart) and scrapes the other alone."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -33,7 +36,7 @@ import pytest
 import yaml
 
 from playbooks.cli.balancer import run_lb
-from playbooks.cli.deploy import run_deploy
+from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.cli.monitor import run_monitor
 from playbooks.conduct.balancer import edge_client
 from playbooks.conduct.settings import Settings
@@ -193,6 +196,27 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         # back: up 1 again
         assert run_deploy("local", None, settings=settings) == 0, capsys.readouterr().out[-3000:]
         wait_for(lambda: server_up(prom, "alpha") == 1.0, 20)
+
+        # a server taken out of the fleet (`invoke stop`): the next run changes the configuration
+        # and Prometheus reads it on SIGHUP, the same process (no restart, its history kept)
+        prometheus = int((state / "voltaforge-prometheus" / "server.pid").read_text())
+        assert run_stop("local", "beta", settings=settings) == 0
+        capsys.readouterr()
+        assert run_monitor(settings=settings) == 0
+        out = capsys.readouterr().out
+        assert "local: voltaforge-beta is stopped: not scraped" in out
+        # the configuration file and its reload, nothing else
+        assert re.search(r"local: 2 changed, \d+ ok, 0 failed", out), out[-3000:]
+        assert int((state / "voltaforge-prometheus" / "server.pid").read_text()) == prometheus
+        os.kill(prometheus, 0)  # the same process, still running
+        wait_for(
+            lambda: (
+                sorted(t["labels"].get("model", "") for t in targets(prom) if t["labels"]["job"] == "llama-server")
+                == ["alpha"]
+            ),
+            10,
+        )
+        assert query(prom, 'count(up{job="llama-server"})') == {"": 1.0}
     finally:
         for service in ("voltaforge-prometheus", "voltaforge-node-exporter", "voltaforge-gpu-exporter",
                         "voltaforge-lb", *(f"voltaforge-{n}" for n in NAMES)):  # fmt: skip
