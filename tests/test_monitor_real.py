@@ -216,7 +216,8 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
             ),
             10,
         )
-        assert query(prom, 'count(up{job="llama-server"})') == {"": 1.0}
+        # its series end (Prometheus marks them stale when their target goes)
+        wait_for(lambda: query(prom, 'count(up{job="llama-server"})') == {"": 1.0}, 10)
     finally:
         for service in ("voltaforge-prometheus", "voltaforge-node-exporter", "voltaforge-gpu-exporter",
                         "voltaforge-lb", *(f"voltaforge-{n}" for n in NAMES)):  # fmt: skip
