@@ -22,7 +22,7 @@ Components: contrib non-free
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
 fi
-pkgs="python3-venv openssh-server openssh-client debootstrap systemd systemd-container zstd iproute2 sudo cmake make g++ nvidia-cuda-toolkit ccache haproxy python3-numpy strace prometheus prometheus-node-exporter python3-prometheus-client python3-pynvml"
+pkgs="python3-venv openssh-server openssh-client debootstrap systemd systemd-container zstd iproute2 sudo cmake make g++ nvidia-cuda-toolkit ccache haproxy python3-numpy strace prometheus prometheus-node-exporter python3-prometheus-client"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

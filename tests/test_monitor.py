@@ -4,7 +4,8 @@
   credentials file it names) and never holds a key;
 - the three units score <= 2.0 in ``systemd-analyze security --offline=true`` and verify;
 - the GPU exporter, run on this machine's python3 with Debian's python3-prometheus-client:
-  with the REAL NVML binding (Debian's python3-pynvml) and no driver here it exports that it
+  with the REAL NVML binding (nvidia-ml-py's pynvml.py, shipped beside it as a host gets it) and
+  no driver here it exports that it
   sees no GPU, says why, and keeps answering; with a STAND-IN pynvml module answering the
   values of real V100 captures (tests/fixtures, named where used: there is no GPU here) its
   series carry exactly those values;
@@ -29,14 +30,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from playbooks.conduct.monitor import EXPORTER, PROBE, watch_settings
+from playbooks.conduct.monitor import EXPORTER, PROBE, nvml_binding, watch_settings
 from playbooks.config.inventory import load_inventory
 from playbooks.config.monitor_spec import MonitorSpec, load_monitor
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import RecipeError, UsageError
 from playbooks.facts.system import parse_os_release
 from playbooks.steps.monitor.edge import parse_edge_metrics
-from playbooks.steps.monitor.packages import EnsurePackagesUnstarted
+from playbooks.steps.monitor.packages import EnsurePackagesUnstarted, PackageFacts, parse_indexed
 from playbooks.steps.monitor.scrape import Target, render_config
 from playbooks.steps.monitor.units import (
     Listen,
@@ -61,8 +62,8 @@ def _system_has(module: str) -> bool:
 
 
 needs_exporter_deps = pytest.mark.skipif(
-    not (_system_has("prometheus_client") and _system_has("pynvml")),
-    reason="needs Debian's python3-prometheus-client and python3-pynvml (ci/install-system-deps.sh)",
+    not _system_has("prometheus_client"),
+    reason="needs Debian's python3-prometheus-client (ci/install-system-deps.sh)",
 )
 
 
@@ -158,7 +159,9 @@ def _exporter(tmp_path: Path, standin: str | None = None) -> tuple[subprocess.Po
     shutil.copy(EXPORTER, where / "gpu_exporter.py")
     shutil.copy(PROBE, where / "telemetry_probe.py")
     env = {"PATH": "/usr/bin:/bin"}
-    if standin is not None:
+    if standin is None:
+        shutil.copy(nvml_binding(), where / "pynvml.py")  # as `invoke monitor` ships it
+    else:
         mod = tmp_path / "standin"
         mod.mkdir()
         (mod / "pynvml.py").write_text(standin)
@@ -329,7 +332,7 @@ def test_packages_are_installed_under_a_policy_that_forbids_starting_them(own_po
     deb-systemd-invoke start nothing); after it, the host's own policy (or none) is back."""
     op = EnsurePackagesUnstarted(("prometheus",), "the monitor")
     debian = parse_os_release('ID=debian\nPRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nVERSION_ID="12"\n')
-    decision = op.decide((set(), debian))
+    decision = op.decide(PackageFacts(set(), debian))
     install = decision.commands[-1].command
     assert "apt-get install" in install
     during = tmp_path / "during"
@@ -349,6 +352,27 @@ def test_packages_are_installed_under_a_policy_that_forbids_starting_them(own_po
     assert during.read_text().strip() == "101"
     after = sbin / "policy-rc.d"
     assert after.exists() == own_policy and (not own_policy or "the host's own" in after.read_text())
+
+
+def test_a_host_without_a_package_index_gets_the_packages_staged(tmp_path):
+    """What the host's apt says decides: a candidate, its mirror; none (no lists), the
+    controller's staged .debs, pushed, installed with dpkg under the policy, then removed."""
+    # `apt-cache policy` as Debian 12's apt prints it, with lists and without
+    with_lists = "prometheus:\n  Installed: (none)\n  Candidate: 2.42.0+ds-5+deb12u1\n  Version table:\n"
+    assert parse_indexed(with_lists) == {"prometheus"}
+    assert parse_indexed("N: Unable to locate package prometheus\n") == set()
+    assert parse_indexed("prometheus:\n  Installed: (none)\n  Candidate: (none)\n") == set()
+    deb = tmp_path / "prometheus_2.42.0+ds-5+deb12u1_amd64.deb"
+    deb.write_bytes(b"!<arch>\n")
+    op = EnsurePackagesUnstarted(("prometheus",), "the monitor", lambda *a: [deb], "/opt/vf/monitor/debs")
+    debian = parse_os_release("ID=debian\nVERSION_CODENAME=bookworm\n")
+    decision = op.decide(PackageFacts(set(), debian, (deb,)))
+    shown = decision.shown()
+    assert "no package index: 1 packages staged from the controller" in decision.reason
+    assert any(line.startswith("push ") and deb.name in line for line in shown)
+    assert "dpkg -i -- /opt/vf/monitor/debs/prometheus_2.42.0+ds-5+deb12u1_amd64.deb" in shown[-2]
+    assert "policy-rc.d" in shown[-2] and shown[-1] == "rm -rf -- /opt/vf/monitor/debs"
+    assert op.decide(PackageFacts({"prometheus"}, debian, None)).commands == ()
 
 
 def test_debian_units_are_masked_once():

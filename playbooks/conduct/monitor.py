@@ -17,6 +17,7 @@ in one line each, those it cannot reach, with the address tried; Prometheus runs
 
 from __future__ import annotations
 
+import importlib.metadata
 import ipaddress
 import shlex
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from playbooks.steps.monitor.edge import parse_edge_metrics
 from playbooks.steps.monitor.packages import EnsurePackagesUnstarted
 from playbooks.steps.monitor.reload import EnsureConfigLoaded
 from playbooks.steps.monitor.scrape import Target, render_config
+from playbooks.steps.monitor.staged_debs import stage_debs
 from playbooks.steps.monitor.units import (
     CONFIG_DIR,
     DEBIAN_UNITS,
@@ -65,6 +67,16 @@ from playbooks.steps.serve.units import UNIT_DIR, parse_exec_start
 PROBE = Path(__file__).resolve().parents[1] / "facts" / "probes" / "telemetry_probe.py"
 #: the exporter program (run on the host's python3; never imported here)
 EXPORTER = Path(__file__).resolve().parents[1] / "steps" / "monitor" / "gpu_exporter.py"
+
+
+def nvml_binding() -> Path:
+    """NVIDIA's pynvml.py (PyPI nvidia-ml-py, a dependency of voltaforge), shipped beside the
+    exporter: found through the package's own file list, never a stand-in earlier on sys.path."""
+    files = importlib.metadata.files("nvidia-ml-py") or []
+    found = [Path(str(f.locate())) for f in files if str(f).endswith("pynvml.py")]
+    if not found:
+        raise VoltaforgeError("nvidia-ml-py has no pynvml.py here: reinstall voltaforge (pip install -e .)")
+    return found[0]
 
 
 @dataclass(frozen=True)
@@ -276,7 +288,8 @@ class MonitorOps:
         listen = Listen(self.watch.bind, self.watch.port)
         addresses = [t.address.rsplit(":", 1)[0] for t in targets]
         ops: list[Operation] = [CheckSecret(f"{SECRETS_DIR}/{ref}") for ref in keys]
-        ops.append(EnsurePackagesUnstarted(("prometheus",), "the monitor"))
+        ops += _monitor_dirs(host, prefix, sudo)
+        ops.append(EnsurePackagesUnstarted(("prometheus",), "the monitor", stage_debs, f"{prefix}/monitor/debs"))
         if systemd:
             config = f"{CONFIG_DIR}/prometheus.yml"
             unit = render_prometheus_unit(
@@ -310,6 +323,15 @@ class MonitorOps:
         return ops
 
 
+def _monitor_dirs(host: Host, prefix: str, sudo: bool) -> list[Operation]:
+    """The prefix (the SSH user's, as the build step makes it) and its monitor/ directory: the
+    exporter's program and the packages staged for a host with no package index."""
+    return [
+        EnsureDirectory(prefix, 0o755, owner=host.user if sudo else None, sudo=sudo),
+        EnsureDirectory(f"{prefix}/monitor", 0o755),
+    ]
+
+
 def _with_file(t: Target, path: str) -> Target:
     return Target(t.job, t.address, t.labels, t.path, t.params, path, t.scheme, what=t.what)
 
@@ -328,16 +350,20 @@ class ExporterOps:
         peers = [] if same_host(self.spec, self.monitor) else (_peers([self.monitor.host]) or [])
         program_dir = f"{prefix}/monitor"
         program = f"{program_dir}/gpu_exporter.py"
-        exporter, probe = EXPORTER.read_text(), PROBE.read_text()
+        exporter, probe, nvml = EXPORTER.read_text(), PROBE.read_text(), nvml_binding().read_text()
         devices = read_fact(host, "ls -1d /dev/nvidia[0-9] /dev/nvidia[0-9][0-9] 2>/dev/null || true").split()
         units = {NODE_UNIT: render_node_unit(node, peers), GPU_UNIT: render_gpu_unit(gpu, program, devices, peers)}
         ops: list[Operation] = [
+            *_monitor_dirs(host, prefix, sudo),
             EnsurePackagesUnstarted(
-                ("prometheus-node-exporter", "python3-prometheus-client", "python3-pynvml"), "the monitor's exporters"
+                ("prometheus-node-exporter", "python3-prometheus-client"),
+                "the monitor's exporters",
+                stage_debs,
+                f"{program_dir}/debs",
             ),
-            EnsureDirectory(program_dir, 0o755, sudo=sudo),
-            EnsureServiceFile(ServiceFile(program, exporter, 0o644, sudo=sudo)),
-            EnsureServiceFile(ServiceFile(f"{program_dir}/telemetry_probe.py", probe, 0o644, sudo=sudo)),
+            EnsureServiceFile(ServiceFile(program, exporter, 0o644)),
+            EnsureServiceFile(ServiceFile(f"{program_dir}/telemetry_probe.py", probe, 0o644)),
+            EnsureServiceFile(ServiceFile(f"{program_dir}/pynvml.py", nvml, 0o644)),
         ]
         if systemd:
             ops.append(EnsureUnitsMasked((DEBIAN_UNITS[NODE_UNIT],)))
@@ -351,7 +377,7 @@ class ExporterOps:
                 ops += [EnsureDirectory(f"{prefix}/deploy", 0o755), EnsureDirectory(state, 0o700)]
                 argv = parse_exec_start(unit)
                 manager = ProcessRunner(state, argv[0], tuple(argv))
-            texts = [unit, exporter, probe] if name == GPU_UNIT else [unit]
+            texts = [unit, exporter, probe, nvml] if name == GPU_UNIT else [unit]
             ops.append(
                 EnsureUnitRunning(
                     name, texts, prefix, (listen.address, listen.port), sudo=sudo,

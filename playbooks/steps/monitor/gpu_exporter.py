@@ -6,7 +6,8 @@ utilization and memory errors, as Prometheus metrics, read through NVML at each 
 
 Why our own: NVIDIA's DCGM exporter needs DCGM and a container runtime, and reads nothing a
 V100 lab asks of it that NVML does not give; this is one small process on the host's own python3
-with two Debian packages (python3-pynvml, python3-prometheus-client). It reads what the bench's
+with Debian's python3-prometheus-client and NVIDIA's NVML binding (pynvml.py from PyPI
+nvidia-ml-py, shipped beside it: it loads whichever driver's libnvidia-ml.so.1 the host has). It reads what the bench's
 telemetry reads (facts/probes/telemetry_probe.py, shipped beside it: its table of reason bits
 and its NVML error names are imported, not copied), plus the power limit, memory total, ECC
 error counts and retired pages where the card has them.
@@ -202,7 +203,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     address, _, port = args.listen.rpartition(":")
     try:
-        import pynvml  # Debian's python3-pynvml, or PyPI nvidia-ml-py
+        import pynvml  # nvidia-ml-py's, shipped beside this file (first on sys.path)
     except Exception as exc:
         REGISTRY.register(_NoNvml(_describe(exc)))
     else:

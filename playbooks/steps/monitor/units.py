@@ -7,7 +7,7 @@ own command line as a managed process (steps/serve/service_manager.py):
   reloaded on SIGHUP (``systemctl reload``): a target added or removed is no restart.
 - **the node exporter** (Debian's prometheus-node-exporter) on every host of the fleet.
 - **the GPU exporter** (steps/monitor/gpu_exporter.py, on the host's python3 with Debian's
-  python3-pynvml and python3-prometheus-client) on every host, with exactly the NVIDIA device
+  python3-prometheus-client and NVIDIA's pynvml.py shipped beside it) on every host, with exactly the NVIDIA device
   nodes the host has (none: no device at all; it then says it sees no GPU).
 
 Each listens where the inventory's ``monitor:`` entry says, loopback by default, never on every
