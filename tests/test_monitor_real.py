@@ -15,8 +15,10 @@ Held:
   backend is the requests it sent. ``increase()`` over the same window agrees within its
   extrapolation (Prometheus stretches the rise it saw between the window's first and last
   samples to the window's edges: at most by the window over the span of those samples);
-- one server killed: its target goes ``up 0``, `invoke monitor` names it in one line with the
-  address tried and Prometheus keeps scraping the rest; back (`invoke deploy`), ``up 1``;
+- one server killed: its target goes ``up 0``, the "down" alert of the rules `invoke monitor`
+  wrote fires for it alone (Prometheus's alerts API), `invoke monitor` names it in one line
+  with the address tried and Prometheus keeps scraping the rest; back (`invoke deploy`),
+  ``up 1`` and the alert clears;
 - one server stopped (`invoke stop`): the next run changes the configuration, the same
   Prometheus process reads it (SIGHUP, no restart) and scrapes the other alone."""
 
@@ -74,6 +76,12 @@ def query(prom: str, expr: str, at: float | None = None) -> dict[str, float]:
 
 def targets(prom: str) -> list[dict]:
     return httpx.get(f"{prom}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+
+
+def firing(prom: str) -> list[tuple[str, str]]:
+    """The alerts Prometheus fires now (its alerts API), as (name, model)."""
+    alerts = httpx.get(f"{prom}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    return sorted((a["labels"]["alertname"], a["labels"].get("model", "")) for a in alerts if a["state"] == "firing")
 
 
 def server_up(prom: str, model: str) -> float | None:
@@ -186,6 +194,8 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: server_up(prom, "alpha") == 0.0, 15)
         assert server_up(prom, "beta") == 1.0
+        # its "down" alert (the rules `invoke monitor` wrote: four missed scrapes) fires, for it alone
+        wait_for(lambda: firing(prom) == [("VoltaforgeServerDown", "alpha")], 20)
         assert run_monitor(settings=settings) == 0
         out = capsys.readouterr().out
         lines = [line for line in out.splitlines() if "cannot reach" in line]
@@ -196,6 +206,7 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         # back: up 1 again
         assert run_deploy("local", None, settings=settings) == 0, capsys.readouterr().out[-3000:]
         wait_for(lambda: server_up(prom, "alpha") == 1.0, 20)
+        wait_for(lambda: firing(prom) == [], 20)  # and clears
 
         # a server taken out of the fleet (`invoke stop`): the next run changes the configuration
         # and Prometheus reads it on SIGHUP, the same process (no restart, its history kept)
@@ -205,8 +216,8 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         assert run_monitor(settings=settings) == 0
         out = capsys.readouterr().out
         assert "local: voltaforge-beta is stopped: not scraped" in out
-        # the configuration file and its reload, nothing else
-        assert re.search(r"local: 2 changed, \d+ ok, 0 failed", out), out[-3000:]
+        # the rules file (beta's group gone), the configuration file and the reload, nothing else
+        assert re.search(r"local: 3 changed, \d+ ok, 0 failed", out), out[-3000:]
         assert int((state / "voltaforge-prometheus" / "server.pid").read_text()) == prometheus
         os.kill(prometheus, 0)  # the same process, still running
         wait_for(

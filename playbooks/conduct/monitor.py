@@ -30,14 +30,17 @@ from playbooks.conduct.fleet import same_host
 from playbooks.conduct.settings import Settings
 from playbooks.config.inventory import HostSpec, load_inventory
 from playbooks.config.monitor_spec import MonitorSpec
-from playbooks.config.recipe import Recipe
+from playbooks.config.planning import plan_recipe
+from playbooks.config.recipe import LoadedRecipe
 from playbooks.errors import HostError, UsageError, VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
+from playbooks.plan.gpus import get_gpu
 from playbooks.steps.monitor.edge import parse_edge_metrics
 from playbooks.steps.monitor.packages import EnsurePackagesUnstarted
 from playbooks.steps.monitor.reload import EnsureConfigLoaded
+from playbooks.steps.monitor.rules import ServerFacts, render_rules
 from playbooks.steps.monitor.scrape import Target, render_config
 from playbooks.steps.monitor.staged_debs import stage_debs
 from playbooks.steps.monitor.units import (
@@ -137,6 +140,8 @@ class Found:
     notes: list[str] = field(default_factory=list)
     #: the API keys the scrapes need (api_key_ref), each a file on the monitor host
     keys: set[str] = field(default_factory=set)
+    #: each server's facts for its rules (steps/monitor/rules.py)
+    servers: list[ServerFacts] = field(default_factory=list)
     #: hosts that could not be reached over SSH: left out of this run, each with a note
     skipped: set[str] = field(default_factory=set)
 
@@ -162,9 +167,24 @@ def exporter_listen(spec: HostSpec, watch: Watch, port: int) -> Listen:
     return Listen(spec.host, port)
 
 
+def server_facts(loaded: LoadedRecipe, host: str, service: str, in_set: bool) -> ServerFacts:
+    """What a server's rules take from its recipe's gate and its plan: the single-stream decode
+    floor, the plan's roofline, and what the plan puts on its GPUs (the worst card's figure for
+    each card of a split: an upper bound)."""
+    r = loaded.recipe
+    option = next((o for o in plan_recipe(loaded).options if o.quant == r.quant_name), None)
+    cpu = get_gpu(r.gpu).is_cpu
+    return ServerFacts(
+        host, service, r.served_name, r.gate.min_tok_s,
+        option.roofline_tok_s if option and option.roofline_tok_s else None,
+        0 if cpu or option is None else option.vram_bytes * max(1, r.gpu_count), in_set,
+    )  # fmt: skip
+
+
 def _server_target(
-    spec: HostSpec, mon: HostSpec, r: Recipe, port: int, service: str, found: Found, model: str | None = None
+    spec: HostSpec, mon: HostSpec, loaded: LoadedRecipe, port: int, service: str, found: Found, model: str | None = None
 ) -> None:
+    r = loaded.recipe
     engine = server_engine(r.backend)
     what = f"{spec.name}: {engine.engine.server_label} {r.served_name} ({service})"
     if not engine.engine.metrics_path:
@@ -175,6 +195,7 @@ def _server_target(
     ref = r.service.api_key_ref
     if ref:
         found.keys.add(ref)
+    found.servers.append(server_facts(loaded, spec.name, service, model is not None))
     found.targets.append(
         Target(
             engine.engine.server,
@@ -218,11 +239,11 @@ def find_targets(settings: Settings, watch: Watch) -> Found:
                 found.notes.append(f"{spec.name}: {d.service} is stopped: not scraped")
             elif d.members:
                 for recorded, served in zip(d.members, d.member_names, strict=True):
-                    r = settings.load_recipe(recipe_file(recorded, spec.name)).recipe
-                    _server_target(spec, mon, r, d.port, d.service, found, model=served)
+                    loaded = settings.load_recipe(recipe_file(recorded, spec.name))
+                    _server_target(spec, mon, loaded, d.port, d.service, found, model=served)
             elif d.recipe is not None:
-                r = settings.load_recipe(recipe_file(d.recipe, spec.name)).recipe
-                _server_target(spec, mon, r, d.port, d.service, found)
+                loaded = settings.load_recipe(recipe_file(d.recipe, spec.name))
+                _server_target(spec, mon, loaded, d.port, d.service, found)
     edge_target(settings, mon, found)
     return found
 
@@ -273,7 +294,7 @@ class MonitorOps:
 
     def __init__(self, watch: Watch, found: Found):
         self.watch, self.found = watch, found
-        self.config = ""
+        self.config = self.rules = ""
 
     def __call__(self, host: Host, prefix: str, sudo: bool) -> list[Operation]:
         systemd = choose_manager(host, "auto") == "systemd"
@@ -284,7 +305,9 @@ class MonitorOps:
         targets = [
             t if not t.credentials_file else _with_file(t, path_of[t.credentials_file]) for t in self.found.targets
         ]
-        self.config = render_config(targets, self.watch.interval_s)
+        where = CONFIG_DIR if systemd else state
+        self.rules = render_rules(self.found.servers, self.watch.interval_s)
+        self.config = render_config(targets, self.watch.interval_s, [f"{where}/rules.yml"])
         listen = Listen(self.watch.bind, self.watch.port)
         addresses = [t.address.rsplit(":", 1)[0] for t in targets]
         ops: list[Operation] = [CheckSecret(f"{SECRETS_DIR}/{ref}") for ref in keys]
@@ -299,6 +322,7 @@ class MonitorOps:
             ops += [
                 EnsureUnitsMasked((DEBIAN_UNITS[PROMETHEUS_UNIT],)),
                 EnsureDirectory(CONFIG_DIR, 0o755, sudo=True),
+                EnsureServiceFile(ServiceFile(f"{CONFIG_DIR}/rules.yml", self.rules, 0o644, sudo=True)),
                 EnsureServiceFile(ServiceFile(config, self.config, 0o644, sudo=True)),
                 EnsureServiceFile(ServiceFile(f"{UNIT_DIR}/{PROMETHEUS_UNIT}", unit, 0o644, sudo=True)),
             ]
@@ -308,6 +332,7 @@ class MonitorOps:
             unit = render_prometheus_unit(listen, config, f"{state}/data", [], _peers(addresses))
             ops += [EnsureDirectory(f"{prefix}/deploy", 0o755), EnsureDirectory(state, 0o700)]
             ops += [EnsureCredentialCopy(f"{SECRETS_DIR}/{r}", path_of[r], host.user) for r in keys]
+            ops.append(EnsureServiceFile(ServiceFile(f"{state}/rules.yml", self.rules, 0o600)))
             ops.append(EnsureServiceFile(ServiceFile(config, self.config, 0o600)))
             argv = parse_exec_start(unit)
             manager = ProcessRunner(state, argv[0], tuple(argv), make_dirs=(f"{state}/data",))
@@ -318,7 +343,7 @@ class MonitorOps:
                 what=f"Prometheus on {listen}", manager=manager,
             ),
             EnsureConfigLoaded(config, self.config, prefix, manager, f"http://{Listen(probe, listen.port)}/metrics",
-                               sudo=sudo),
+                               sudo=sudo, rules=self.rules),
         ]  # fmt: skip
         return ops
 

@@ -58,14 +58,18 @@ class EnsureConfigLoaded(Operation):
     """The running Prometheus has read ``config`` (the text at ``path``): after the file step
     and the start, so a start in this run has read it already and the reload is a no-op."""
 
-    def __init__(self, path: str, config: str, prefix: str, manager: Manager, metrics_url: str, *, sudo: bool):
+    def __init__(
+        self, path: str, config: str, prefix: str, manager: Manager, metrics_url: str, *, sudo: bool, rules: str = ""
+    ):
         self.path, self.config, self.manager, self.metrics_url, self.sudo = path, config, manager, metrics_url, sudo
+        #: the rule file's text: a change of it is a reload too
+        self.rules = rules
         self.state_file = f"{prefix}/deploy/voltaforge-prometheus/loaded.sha256"
         self.name = f"Ensure Prometheus has loaded {path}"
 
     @property
     def fingerprint(self) -> str:
-        return hashlib.sha256(self.config.encode()).hexdigest()
+        return hashlib.sha256((self.config + "\0" + self.rules).encode()).hexdigest()
 
     def read(self, host: Host) -> Loaded:
         running = self.manager.running(read_fact(host, self.manager.state_command()))
@@ -74,7 +78,7 @@ class EnsureConfigLoaded(Operation):
 
     def decide(self, facts: Loaded) -> Decision:
         if facts.loaded == self.fingerprint:
-            return Decision.ok("its configuration is the one on disk")
+            return Decision.ok("its configuration and rules are the ones on disk")
         url, wait = shlex.quote(self.metrics_url), shlex.quote(_WAIT)
         if isinstance(self.manager, Systemd):
             signal = Shell(f"systemctl reload -- {shlex.quote(self.manager.unit)}", True)

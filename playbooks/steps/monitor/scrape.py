@@ -71,9 +71,10 @@ def _job_name(t: Target) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", "-".join(parts))
 
 
-def render_config(targets: Sequence[Target], interval_s: int) -> str:
-    """prometheus.yml: the global interval, then one scrape config per way of asking, each
-    target with its labels; stable order (by job name, then address)."""
+def render_config(targets: Sequence[Target], interval_s: int, rule_files: Sequence[str] = ()) -> str:
+    """prometheus.yml: the global interval, the rule files (steps/monitor/rules.py), then one
+    scrape config per way of asking, each target with its labels; stable order (by job name,
+    then address)."""
     jobs: dict[str, list[Target]] = {}
     for t in sorted(set(targets), key=lambda t: (_job_name(t), t.address, t.labels)):
         jobs.setdefault(_job_name(t), []).append(t)
@@ -90,9 +91,9 @@ def render_config(targets: Sequence[Target], interval_s: int) -> str:
             # the series' job is the kind of thing scraped, whatever key or model asked
             config["relabel_configs"] = [{"target_label": "job", "replacement": first.job}]
         configs.append(config)
-    doc = {
-        "global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"},
-        "scrape_configs": configs,
-    }
+    doc: dict = {"global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"}}
+    if rule_files:
+        doc["rule_files"] = list(rule_files)
+    doc["scrape_configs"] = configs
     head = "# rendered by voltaforge (`invoke monitor`) - do not edit; run `invoke monitor` again instead.\n"
     return head + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
