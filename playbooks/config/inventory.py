@@ -49,6 +49,16 @@ def check_host_name(v: str) -> str:
     return v
 
 
+def check_host_names(v: tuple[str, ...]) -> tuple[str, ...]:
+    """A list of inventory names (an lb: or monitor: entry's hosts): each valid, none twice."""
+    bad = [h for h in v if not HOST_NAME_RE.match(h)]
+    if bad:
+        raise ValueError(f"{bad[0]!r}: {HOST_NAME_RULE}")
+    if len(set(v)) != len(v):
+        raise ValueError("a host is named twice")
+    return v
+
+
 def is_host_address(value: str) -> bool:
     """An IP address, or a DNS name of dot-separated labels (RFC 1123; `_` tolerated as
     ~/.ssh/config aliases use it). Anything else would fail deep in the resolver (an empty
@@ -286,12 +296,7 @@ class LbSpec(BaseModel):
     @field_validator("hosts")
     @classmethod
     def _hosts(cls, v):
-        bad = [h for h in v if not HOST_NAME_RE.match(h)]
-        if bad:
-            raise ValueError(f"{bad[0]!r}: {HOST_NAME_RULE}")
-        if len(set(v)) != len(v):
-            raise ValueError("a host is named twice")
-        return v
+        return check_host_names(v)
 
     @field_validator("bind")
     @classmethod

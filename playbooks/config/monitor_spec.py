@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from playbooks.config.inventory import DEFAULT_INVENTORY, HOST_NAME_RE, HOST_NAME_RULE, InventoryFile, check_host_name
+from playbooks.config.inventory import DEFAULT_INVENTORY, InventoryFile, check_host_name, check_host_names
 from playbooks.config.yamlfile import explain_validation, load_yaml
 
 #: Prometheus's own port, and the exporters' (the node exporter's registered default, and the
@@ -51,12 +51,7 @@ class MonitorSpec(BaseModel):
     @field_validator("hosts")
     @classmethod
     def _hosts(cls, v):
-        bad = [h for h in v if not HOST_NAME_RE.match(h)]
-        if bad:
-            raise ValueError(f"{bad[0]!r}: {HOST_NAME_RULE}")
-        if len(set(v)) != len(v):
-            raise ValueError("a host is named twice")
-        return v
+        return check_host_names(v)
 
     @field_validator("bind")
     @classmethod
