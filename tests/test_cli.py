@@ -268,6 +268,8 @@ NO_BAD_VALUE = {
     ("lb", "stop"),
     ("lb", "remove"),
     ("monitor", "dry-run"),
+    ("monitor", "stop"),
+    ("monitor", "remove"),
     ("remove", "dry-run"),
     ("provision", "in-place"),
     ("bench", "json"),

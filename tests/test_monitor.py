@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from playbooks.conduct.monitor import EXPORTER, PROBE, nvml_binding, watch_settings
+from playbooks.conduct.monitor import EXPORTER, PROBE, nvml_binding
+from playbooks.conduct.watch import watch_settings
 from playbooks.config.inventory import load_inventory
 from playbooks.config.monitor_spec import MonitorSpec, load_monitor
 from playbooks.config.recipe import load_recipe

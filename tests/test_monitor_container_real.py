@@ -95,5 +95,22 @@ def test_monitor_under_systemd_on_a_host_without_a_package_index(tmp_path, capsy
         assert re.search(r"box: 2 changed, \d+ ok, 0 failed", out), out[-3000:]
         assert on_box("systemctl show -p MainPID --value voltaforge-prometheus.service").strip() == pid
         assert "scrape_interval: 2s" in on_box("cat /etc/voltaforge/monitor/prometheus.yml")
+
+        # --remove: the three stopped, disabled and gone with their configuration and data;
+        # Debian's packages and the masks on its own units stay (nothing may start on :9090)
+        assert run_monitor(settings=settings, remove=True) == 0
+        assert re.search(r"box: 4 changed, 0 ok, 0 failed", capsys.readouterr().out)
+        assert on_box(f"systemctl is-active {' '.join(UNITS)}").split() == ["inactive"] * 3
+        left = on_box(
+            f"ls -d /etc/systemd/system/voltaforge-* /etc/voltaforge/monitor /var/lib/voltaforge-prometheus "
+            f"/var/lib/private/voltaforge-prometheus {box.prefix}/monitor 2>/dev/null"
+        )
+        assert left.strip() == "", left
+        masked = on_box("systemctl is-enabled prometheus.service prometheus-node-exporter.service 2>&1").split()
+        assert masked == ["masked", "masked"]
+        assert "install ok installed" in on_box("dpkg-query -W -f='${Status}' prometheus 2>&1")
+        assert not [line for line in on_box("ss -Hltn").split("\n") if ":9090 " in line or ":9100 " in line]
+        assert run_monitor(settings=settings, remove=True) == 0
+        assert "box: 0 changed, 4 ok, 0 failed" in capsys.readouterr().out
     finally:
         box.close()

@@ -229,6 +229,28 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         )
         # its series end (Prometheus marks them stale when their target goes)
         wait_for(lambda: query(prom, 'count(up{job="llama-server"})') == {"": 1.0}, 10)
+
+        # taken down again: a dry run changes nothing; --stop stops all three and keeps their
+        # files; --remove takes those off too; each a second time changes nothing
+        parts = [state / p for p in ("voltaforge-prometheus", "voltaforge-node-exporter", "voltaforge-gpu-exporter")]
+        pids = [int((p / "server.pid").read_text()) for p in parts]
+        assert run_monitor(settings=settings, remove=True, dry_run=True) == 0
+        assert "would run" in capsys.readouterr().out
+        for pid in pids:
+            os.kill(pid, 0)
+        assert run_monitor(settings=settings, stop=True) == 0
+        assert re.search(r"local: 3 changed, 0 ok, 0 failed", capsys.readouterr().out)
+        listening = os.popen("ss -Hltn").read()
+        assert not [line for line in listening.splitlines() if line.split()[3].endswith(f":{prom_port}")]
+        assert all(p.is_dir() for p in parts) and (Path(prefix) / "monitor" / "gpu_exporter.py").exists()
+        assert run_monitor(settings=settings, stop=True) == 0
+        assert "local: 0 changed, 3 ok, 0 failed" in capsys.readouterr().out
+        assert run_monitor(settings=settings, remove=True) == 0
+        assert re.search(r"local: 1 changed, 3 ok, 0 failed", capsys.readouterr().out)
+        assert not any(p.exists() for p in parts) and not (Path(prefix) / "monitor").exists()
+        assert (state / "voltaforge-alpha").is_dir()  # the servers' own state untouched
+        assert run_monitor(settings=settings, remove=True) == 0
+        assert "local: 0 changed, 4 ok, 0 failed" in capsys.readouterr().out
     finally:
         for service in ("voltaforge-prometheus", "voltaforge-node-exporter", "voltaforge-gpu-exporter",
                         "voltaforge-lb", *(f"voltaforge-{n}" for n in NAMES)):  # fmt: skip

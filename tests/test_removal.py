@@ -60,6 +60,9 @@ def test_what_is_there_goes_with_the_directories_it_leaves_empty():
         f"{PREFIX}/deploy/../models",
         "/etc/systemd/system/sshd.service",
         "relative/path",
+        "/var/lib/prometheus",  # Debian's package's own data
+        "/var/lib/private",
+        f"{PREFIX}/monitor",  # the directory itself: emptied, then rmdir'd only when empty
     ],
 )
 def test_a_path_voltaforge_does_not_install_is_refused(path):

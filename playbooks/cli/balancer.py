@@ -17,7 +17,8 @@ from playbooks.conduct.balancer import (
     fronted_hosts,
     remember_edge,
 )
-from playbooks.conduct.balancer_off import balancer_off, on_host, record_off_ops
+from playbooks.conduct.balancer_off import balancer_off, record_off_ops
+from playbooks.conduct.converge import on_host
 from playbooks.conduct.fleet import deployed_fleet
 from playbooks.conduct.fronted import fronted_of, record_ops_maker
 from playbooks.conduct.placements import Served

@@ -1,5 +1,6 @@
 """`invoke monitor`: one Prometheus for the fleet (conduct/monitor.py): the targets found, each
-host's report, and a line for each target the monitor host cannot reach."""
+host's report, and a line for each target the monitor host cannot reach; `--stop` and
+`--remove` (conduct/monitor_off.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,11 @@ from rich.text import Text
 from playbooks.cli.converge import report
 from playbooks.cli.render import console
 from playbooks.conduct.converge import converge_plain
-from playbooks.conduct.monitor import (
-    ExporterOps,
-    MonitorOps,
-    find_targets,
-    inventory_hosts,
-    unreachable,
-    watch_settings,
-)
+from playbooks.conduct.monitor import ExporterOps, MonitorOps, unreachable
+from playbooks.conduct.monitor_off import monitor_off
+from playbooks.conduct.monitor_targets import find_targets
 from playbooks.conduct.settings import Settings
+from playbooks.conduct.watch import inventory_hosts, watch_settings
 
 
 def run_monitor(
@@ -29,9 +26,13 @@ def run_monitor(
     dry_run: bool = False,
     settings: Settings | None = None,
     default_host: str | None = None,
+    stop: bool = False,
+    remove: bool = False,
 ) -> int:
     settings = settings or Settings()
     watch = watch_settings(settings.monitor(), inventory_hosts(settings), host_name, hosts, bind, port, default_host)
+    if stop or remove:
+        return report(monitor_off(settings, watch, remove, dry_run))
     mon = settings.host_spec(watch.host)
     specs = [settings.host_spec(n) for n in watch.hosts]  # an unknown name: one line before connecting
     found = find_targets(settings, watch)

@@ -456,6 +456,8 @@ def lb(
         "bind": "the address Prometheus listens on (default: monitor: bind, else 127.0.0.1)",
         "port": "the port Prometheus listens on (default: monitor: port, else 9090)",
         "dry-run": "show what would change and the commands; change nothing",
+        "stop": "stop Prometheus and every host's exporters (and disable their units); their files stay",
+        "remove": "stop them and remove their units, programs, Prometheus's configuration and data",
     },
 )
 def monitor(
@@ -466,12 +468,15 @@ def monitor(
     port: str | None = None,
     dry_run: bool = False,
     inventory: str | None = None,
+    stop: bool = False,
+    remove: bool = False,
 ) -> int:
     """One Prometheus for the fleet: every server, the edge, each host's node and GPU exporter.
 
     Targets from the hosts' deployment records (a keyed server scraped with its key from a
     0600 credential), flags over the inventory's monitor: entry. Debian's packages, never
-    started on install; hardened units (or managed processes), on loopback unless told."""
+    started on install; hardened units (or managed processes), on loopback unless told.
+    --stop / --remove take it down again (Debian's packages stay)."""
     from playbooks.cli.monitor import run_monitor
 
     return run_monitor(
@@ -482,6 +487,8 @@ def monitor(
         dry_run=dry_run,
         settings=configured.settings(c, inventory),
         default_host=flags.one_host("--host", configured.cfg(c, "host")),
+        stop=stop,
+        remove=remove,
     )
 
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from playbooks.conduct.converge import prefix_needs_sudo, run_locked
+from playbooks.conduct.converge import on_host
 from playbooks.conduct.deploy import choose_manager
 from playbooks.conduct.fronted import records_dir
 from playbooks.conduct.settings import Settings
-from playbooks.errors import VoltaforgeError
 from playbooks.host import Host
 from playbooks.host.ops import Change, Operation
 from playbooks.steps.serve.balancer import CONFIG_PATH, TLS_PATH, UNIT_NAME
@@ -64,17 +63,6 @@ def record_off_ops(lb_host: str) -> Callable[[Host, str], list[Operation]]:
         return [EnsureAbsent(what, [f"{where}/{lb_host}.json"], prefix, sudo=sudo, dirs=[where])]
 
     return make
-
-
-def on_host(settings: Settings, name: str, make: Callable[[Host, str], list[Operation]], dry_run: bool) -> list[Change]:
-    """Connect, build the operations, run them under the host lock (none for a dry run); a host
-    that cannot be reached is one failed line, the others go on."""
-    try:
-        spec = settings.host_spec(name)
-        with settings.connect(spec) as host:
-            return run_locked(host, spec.prefix, make(host, spec.prefix), dry_run, prefix_needs_sudo(host, spec.prefix))
-    except VoltaforgeError as exc:
-        return [Change(name, "Connect", "failed", " ".join(str(exc).removeprefix(f"{name}: ").split()))]
 
 
 def balancer_off(

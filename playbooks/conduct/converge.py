@@ -9,6 +9,7 @@ from collections.abc import Callable
 from playbooks.conduct.placements import Served
 from playbooks.conduct.settings import Settings
 from playbooks.config.recipe import LoadedRecipe
+from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.files import parse_writable, writable_command
 from playbooks.host import Host
@@ -86,3 +87,14 @@ def converge_plain(settings: Settings, host_name: str, make_ops: HostOps, dry_ru
     with settings.connect(spec) as host:
         sudo = prefix_needs_sudo(host, spec.prefix)
         return run_locked(host, spec.prefix, unique_ops(make_ops(host, spec.prefix, sudo)), dry_run, sudo)
+
+
+def on_host(settings: Settings, name: str, make: Callable[[Host, str], list[Operation]], dry_run: bool) -> list[Change]:
+    """Connect, build the operations, run them under the host lock (none for a dry run); a host
+    that cannot be reached is one failed line, the others go on."""
+    try:
+        spec = settings.host_spec(name)
+        with settings.connect(spec) as host:
+            return run_locked(host, spec.prefix, make(host, spec.prefix), dry_run, prefix_needs_sudo(host, spec.prefix))
+    except VoltaforgeError as exc:
+        return [Change(name, "Connect", "failed", " ".join(str(exc).removeprefix(f"{name}: ").split()))]

@@ -35,6 +35,14 @@ PYTHON = "/usr/bin/python3"
 #: systemd's data directory for Prometheus (StateDirectory=)
 PROMETHEUS_STATE = "voltaforge-prometheus"
 _DEVICE = re.compile(r"^/dev/nvidia[0-9]{1,2}$")
+#: each part's program: what a managed process runs, and what its pid must still be to be stopped
+PROGRAMS = {PROMETHEUS_UNIT: PROMETHEUS_BIN, NODE_UNIT: NODE_EXPORTER_BIN, GPU_UNIT: PYTHON}
+
+
+def process_state(prefix: str, unit: str) -> str:
+    """A part's directory where it runs as a managed process (its pid file, log, and
+    Prometheus's configuration and data), as a server's is (<prefix>/deploy/<service>)."""
+    return f"{prefix}/deploy/{unit.removesuffix('.service')}"
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class Listen:
         return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
 
 
-def _peers(listen: Listen, peers: Sequence[str] | None) -> list[str] | None:
+def _allowed(listen: Listen, peers: Sequence[str] | None) -> list[str] | None:
     """IPAddressAllow beyond localhost: None (no filter) when ``peers`` is None; a part that
     listens beyond loopback also talks to those who reach it there."""
     if peers is None:
@@ -96,7 +104,7 @@ def render_prometheus_unit(
         credentials=[(credential_name(ref), path) for ref, path in keys],
         state_directory=PROMETHEUS_STATE,
         gpu_devices=[],
-        peers=_peers(listen, peers),
+        peers=_allowed(listen, peers),
     )
 
 
@@ -111,7 +119,7 @@ def render_node_unit(listen: Listen, peers: Sequence[str] = ()) -> str:
         credentials=[],
         state_directory=None,
         gpu_devices=[],
-        peers=_peers(listen, peers),
+        peers=_allowed(listen, peers),
     )
 
 
@@ -129,5 +137,5 @@ def render_gpu_unit(listen: Listen, program: str, gpu_devices: Sequence[str], pe
         credentials=[],
         state_directory=None,
         gpu_devices=sorted(gpu_devices),
-        peers=_peers(listen, peers),
+        peers=_allowed(listen, peers),
     )

@@ -69,9 +69,10 @@ class Present:
 
 
 def removable(path: str, prefix: str) -> str:
-    """``path`` when it is one voltaforge writes for a server or a balancer: its unit (and
-    drop-ins) in /etc/systemd/system, its files in /etc/voltaforge (never the operator's secrets),
-    its state and serve directories under the prefix. Anything else: one error, nothing run."""
+    """``path`` when it is one voltaforge writes for a server, a balancer or the monitor: its unit
+    (and drop-ins) in /etc/systemd/system, its files in /etc/voltaforge (never the operator's
+    secrets), its systemd state directory, its state, serve and monitor directories under the
+    prefix. Anything else: one error, nothing run."""
     p = posixpath.normpath(path)
     ok = (
         p == path
@@ -79,8 +80,12 @@ def removable(path: str, prefix: str) -> str:
         and (
             (p.startswith(f"{UNIT_DIR}/voltaforge-") and p.count("/") in (4, 5))
             or (p.startswith("/etc/voltaforge/") and not p.startswith("/etc/voltaforge/secrets"))
+            # systemd's StateDirectory= of a voltaforge unit (Prometheus's data; under
+            # DynamicUser= the name in /var/lib is a link to /var/lib/private/<name>)
+            or (p.startswith(("/var/lib/voltaforge-", "/var/lib/private/voltaforge-")) and p.count("/") in (3, 4))
             or any(
-                p.startswith(f"{prefix}/{d}/") and p.count("/") >= prefix.count("/") + 2 for d in ("deploy", "serve")
+                p.startswith(f"{prefix}/{d}/") and p.count("/") >= prefix.count("/") + 2
+                for d in ("deploy", "serve", "monitor")
             )
         )
     )
