@@ -85,6 +85,8 @@ ACCEPTED = {
     # the same for monitor: well-formed fleet hosts and port 5, then its host fails (nowhere.invalid)
     ("monitor", "hosts"): {"abc", "1e999"},
     ("monitor", "port"): {"5"},
+    # top: 5 s between redraws, then its host fails (nowhere.invalid)
+    ("top", "interval"): {"5"},
     # tune --dry-run (the walk's context) reaches no host: a well-formed name is planned for
     ("tune", "host"): {"abc", "1e999"},
     # a balancer on port 5: well-formed, bench then fails on its host, exit 2

@@ -284,8 +284,8 @@ def _v100_q() -> dict[str, float]:
     }
 
 
-@needs_exporter_deps
-def test_the_gpu_exporter_exports_what_a_v100_answers(tmp_path):
+def v100_standin() -> str:
+    """The stand-in's text: one V100 answering the captures above (also tests/test_top.py's)."""
     cap, table, q = _v100_capture(), _v100_table(), _v100_q()
     assert table == {"used_mib": 308, "total_mib": 32768, "util": 0, "uncorrected": 0}
     assert q == {"limit_w": 300.0, "double_bit": 0, "pending": False}
@@ -295,7 +295,12 @@ def test_the_gpu_exporter_exports_what_a_v100_answers(tmp_path):
         sm=int(cap["sm"]), mem=int(cap["mem"]), mask=mask, double_bit=q["double_bit"], pending=int(q["pending"]),
         **table,
     )  # fmt: skip
-    proc, url = _exporter(tmp_path, textwrap.dedent(standin))
+    return textwrap.dedent(standin)
+
+
+@needs_exporter_deps
+def test_the_gpu_exporter_exports_what_a_v100_answers(tmp_path):
+    proc, url = _exporter(tmp_path, v100_standin())
     try:
         got = _series(httpx.get(url, timeout=10).text)
     finally:

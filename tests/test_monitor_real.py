@@ -28,8 +28,12 @@ import asyncio
 import json
 import math
 import os
+import pty
 import re
+import select
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,8 +44,10 @@ import yaml
 from playbooks.cli.balancer import run_lb
 from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.cli.monitor import run_monitor
+from playbooks.cli.top import run_top
 from playbooks.conduct.balancer import edge_client
 from playbooks.conduct.settings import Settings
+from playbooks.conduct.top import read_view
 from playbooks.host import connect
 from playbooks.steps.measure.bench_client import run_level
 from tests import llamacpp_tools
@@ -89,6 +95,32 @@ def server_up(prom: str, model: str) -> float | None:
 
 
 @pytest.mark.timeout(600)
+def top_on_a_terminal(inventory: Path, recipes: Path, seconds: float = 3.0) -> str:
+    """`invoke top --interval 0.5` on a pseudo-terminal for a few seconds, then Ctrl-C: what it
+    drew (exit 0 asserted)."""
+    main, sub = pty.openpty()
+    env = {**os.environ, "COLUMNS": "160", "LINES": "40", "TERM": "xterm"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "invoke", "--search-root", str(ROOT), "top", f"--inventory={inventory}",
+         "--interval=0.5"],
+        stdin=sub, stdout=sub, stderr=sub, env=env, cwd=recipes.parent,
+    )  # fmt: skip
+    os.close(sub)
+    out = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([main], [], [], 0.2)
+        if ready:
+            try:
+                out += os.read(main, 65536)
+            except OSError:
+                break
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(15) == 0
+    os.close(main)
+    return out.decode(errors="replace")
+
+
 def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
     tmp_path, tmp_path_factory, monkeypatch, capsys, api_secret
 ):
@@ -189,6 +221,24 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
             # end, and Prometheus's 1.1 intervals of slack)
             assert counted[n] <= inc[n] + 1e-6 <= counted[n] * window / (window - 2.2 * INTERVAL_S), (n, inc)
 
+        # `invoke top`: both servers up, what they served in the last minute, their slots (the
+        # recipes' parallel: 2) idle
+        view = read_view(httpx.Client(timeout=5), prom, "local", "here")
+        slots = {n: yaml.safe_load((recipes / f"{n}.yaml").read_text())["parallel"] for n in NAMES}
+        assert [(r.model, r.up, r.busy, r.slots, r.deferred, r.edge_waiting) for r in view.servers] == [
+            (n, True, 0, slots[n], 0, 0) for n in NAMES
+        ], view.servers
+        assert all(r.tok_s and r.tok_s > 0 and r.stream_tok_s and r.stream_tok_s > 0 for r in view.servers)
+        assert view.gpus == [] and view.no_gpu[0].startswith("local: no GPU seen (NVML no-")
+        assert run_top(settings=settings) == 0  # piped: one snapshot
+        out = capsys.readouterr().out
+        assert [[c.strip() for c in line.split("│")[1:5]] for line in out.splitlines() if "voltaforge-" in line] == [
+            ["local", n, f"voltaforge-{n}", "up"] for n in NAMES
+        ], out
+        # on a terminal: redrawn in place until Ctrl-C, then exit 0
+        frames = top_on_a_terminal(inv, recipes)
+        assert frames.count("servers (Prometheus on local") >= 2 and "\x1b[" in frames, frames[-2000:]
+
         # one server killed: up 0, named in one line; Prometheus scrapes the rest
         pid = int((state / "voltaforge-alpha" / "server.pid").read_text())
         os.kill(pid, signal.SIGKILL)
@@ -196,6 +246,8 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         assert server_up(prom, "beta") == 1.0
         # its "down" alert (the rules `invoke monitor` wrote: four missed scrapes) fires, for it alone
         wait_for(lambda: firing(prom) == [("VoltaforgeServerDown", "alpha")], 20)
+        view = read_view(httpx.Client(timeout=5), prom, "local", "here")
+        assert [(r.model, r.up) for r in view.servers] == [("alpha", False), ("beta", True)]
         assert run_monitor(settings=settings) == 0
         out = capsys.readouterr().out
         lines = [line for line in out.splitlines() if "cannot reach" in line]

@@ -492,6 +492,37 @@ def monitor(
     )
 
 
+@command(
+    help={
+        "host": "the host that runs Prometheus (default: monitor: host, else the configuration's host)",
+        "interval": "seconds between redraws on a terminal (default 2)",
+        "once": "one snapshot, then exit (what a pipe or a file gets anyway)",
+    },
+)
+def top(
+    c: Context,
+    host: str | None = None,
+    interval: str | None = None,
+    once: bool = False,
+    inventory: str | None = None,
+) -> int:
+    """The fleet live, from the monitor's Prometheus: per server its state, tokens/s, slots busy
+    and requests waiting; per GPU its clock, temperature, power and what holds it down.
+
+    Redrawn in place on a terminal until Ctrl-C; one snapshot when piped. Needs `invoke monitor`."""
+    from playbooks.cli.top import run_top
+
+    return run_top(
+        flags.one_host("--host", host) if host is not None else None,
+        interval_s=flags.positive_float("--interval", interval, "seconds", maximum=3600)
+        if interval is not None
+        else 2.0,
+        once=once,
+        settings=configured.settings(c, inventory),
+        default_host=flags.one_host("--host", configured.cfg(c, "host")),
+    )
+
+
 @command()
 def stop(c: Context, host: str | None = None, recipe: str | None = None, inventory: str | None = None) -> int:
     """Stop the recipe's server on a host (the unit, or the managed process); its files stay.
@@ -865,6 +896,7 @@ ns = Collection(
     rpc_worker,
     lb,
     monitor,
+    top,
     bench,
     status,
     tune,

@@ -58,7 +58,7 @@ def server_facts(loaded: LoadedRecipe, host: str, service: str, in_set: bool) ->
     return ServerFacts(
         host, service, r.served_name, r.gate.min_tok_s,
         option.roofline_tok_s if option and option.roofline_tok_s else None,
-        0 if cpu or option is None else option.vram_bytes * max(1, r.gpu_count), in_set,
+        0 if cpu or option is None else option.vram_bytes * max(1, r.gpu_count), in_set, r.parallel,
     )  # fmt: skip
 
 

@@ -10,6 +10,8 @@ Recorded, per server (labels host, model, service):
 - ``voltaforge:decode_tok_s:server``: the tokens/s it serves in all;
 - ``voltaforge:roofline_share``: the stream's rate over the plan's roofline (MBU);
 - ``voltaforge:waiting:server``: requests it deferred (no free slot);
+- ``voltaforge:slots``: the slots its recipe gives it (``parallel``), a constant beside its
+  ``llamacpp:requests_processing`` (the slots busy) for `invoke top`;
 and, fleet-wide, ``voltaforge:decode_tok_s:model`` (by model) and ``voltaforge:waiting:edge``
 (requests queued in the edge, by model backend).
 
@@ -50,6 +52,8 @@ class ServerFacts:
     planned_gpu_bytes: int = 0
     #: a model of a router-mode set (its target is down while the model sleeps)
     in_set: bool = False
+    #: the slots its recipe gives it (parallel)
+    slots: int = 1
 
 
 def _sel(s: ServerFacts) -> str:
@@ -69,6 +73,11 @@ def server_group(s: ServerFacts, down_for_s: int = 60) -> dict:
             "expr": f"rate(llamacpp:tokens_predicted_total{{{sel}}}[{WINDOW}])",
         },
         {"record": "voltaforge:waiting:server", "expr": f"llamacpp:requests_deferred{{{sel}}}"},
+        {
+            "record": "voltaforge:slots",
+            "expr": f"vector({s.slots})",
+            "labels": {"host": s.host, "service": s.service, "model": s.model},
+        },
     ]
     if s.roofline_tok_s:
         rules.append({
