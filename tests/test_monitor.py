@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from playbooks.conduct.monitor import EXPORTER, PROBE, nvml_binding
+from playbooks.conduct.monitor import EXPORTER, PROBE, SLOTS_EXPORTER, nvml_binding
 from playbooks.conduct.watch import watch_settings
 from playbooks.config.inventory import load_inventory
 from playbooks.config.monitor_spec import MonitorSpec, load_monitor
@@ -41,11 +41,13 @@ from playbooks.steps.monitor.edge import parse_edge_metrics
 from playbooks.steps.monitor.packages import EnsurePackagesUnstarted, PackageFacts, parse_indexed
 from playbooks.steps.monitor.scrape import Target, render_config
 from playbooks.steps.monitor.units import (
+    SLOTS_UNIT,
     Listen,
     credential_path,
     render_gpu_unit,
     render_node_unit,
     render_prometheus_unit,
+    render_slots_unit,
 )
 from playbooks.steps.monitor.units_masked import EnsureUnitsMasked
 from playbooks.steps.serve.balancer import Backend, Balancer, render_haproxy_config
@@ -115,7 +117,7 @@ def test_a_target_with_shell_or_yaml_in_it_is_refused():
 
 
 @needs_systemd
-@pytest.mark.parametrize("which", ["prometheus", "node", "gpu", "gpu-none"])
+@pytest.mark.parametrize("which", ["prometheus", "node", "gpu", "gpu-none", "slots"])
 def test_each_unit_is_hardened_and_verifies(which, tmp_path):
     if which == "prometheus":
         text = render_prometheus_unit(
@@ -125,6 +127,15 @@ def test_each_unit_is_hardened_and_verifies(which, tmp_path):
         assert "LoadCredential=key-lab:/etc/voltaforge/secrets/lab" in text and "IPAddressAllow=10.0.0.5" in text
         assert credential_path("lab") == "/run/credentials/voltaforge-prometheus.service/key-lab"
         assert "ExecReload=/bin/kill -HUP $MAINPID" in text
+    elif which == "slots":
+        program = tmp_path / "slots_exporter.py"
+        shutil.copy(SLOTS_EXPORTER, program)
+        text = render_slots_unit(
+            Listen("127.0.0.1", 9836), str(program), "/etc/voltaforge/monitor/slots.json",
+            [("lab", "/etc/voltaforge/secrets/lab")], ["10.0.0.5"],
+        )  # fmt: skip
+        assert "LoadCredential=key-lab:/etc/voltaforge/secrets/lab" in text and "IPAddressAllow=10.0.0.5" in text
+        assert credential_path("lab", SLOTS_UNIT) == "/run/credentials/voltaforge-slots-exporter.service/key-lab"
     elif which == "node":
         text = render_node_unit(Listen("127.0.0.1", 9100))
         assert "--web.listen-address=127.0.0.1:9100" in text and "IPAddressDeny=any" in text
@@ -435,10 +446,78 @@ def test_a_bad_monitor_entry_is_one_message_naming_it(entry, words, tmp_path):
     assert "monitor" in str(exc.value) and words in str(exc.value) and str(inv) in str(exc.value)
 
 
-def test_the_exporter_program_is_python_3_8(tmp_path):
+@pytest.mark.parametrize("program", [EXPORTER, SLOTS_EXPORTER], ids=["gpu", "slots"])
+def test_the_exporter_program_is_python_3_8(program, tmp_path):
     """It runs on the host's own python3 (Debian 11's is 3.9): no syntax newer than 3.8."""
     r = subprocess.run(
-        [sys.executable, "-c", f"import ast; ast.parse(open({str(EXPORTER)!r}).read(), feature_version=(3, 8))"],
+        [sys.executable, "-c", f"import ast; ast.parse(open({str(program)!r}).read(), feature_version=(3, 8))"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
+
+
+@needs_exporter_deps
+def test_the_slots_exporter_says_why_a_server_cannot_be_read(tmp_path):
+    """The program as the monitor host runs it (system python3, Debian's client library) against
+    a small HTTP server answering what a llama-server can: 401 (a wrong key), 501 (--no-slots),
+    an answer that is no list; and a port nobody listens on. A keyed server gets its key from
+    its file as a bearer header. (The real /slots is read in tests/test_monitor_real.py.)"""
+    import http.server
+    import json
+    import threading
+
+    seen: list[str | None] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append(self.headers.get("Authorization"))
+            code, body = {"/a/slots": (401, b"{}"), "/b/slots": (501, b"{}"), "/c/slots": (200, b'{"x": 1}')}.get(
+                self.path, (200, b'[{"n_prompt_tokens": 7}, {"n_ctx": 512}]')
+            )
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    (tmp_path / "key").write_text("k3y\n")
+    servers = [
+        {"url": f"{base}/{p}", "host": "h", "model": p, "service": f"voltaforge-{p}", "key_file": None}
+        for p in ("a", "b", "c")
+    ] + [
+        {"url": base, "host": "h", "model": "ok", "service": "voltaforge-ok", "key_file": str(tmp_path / "key")},
+        {"url": f"http://127.0.0.1:{free_port()}", "host": "h", "model": "gone", "service": "voltaforge-gone",
+         "key_file": None},
+    ]  # fmt: skip
+    (tmp_path / "servers.json").write_text(json.dumps(servers))
+    shutil.copy(SLOTS_EXPORTER, tmp_path / "slots_exporter.py")
+    port = free_port()
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, str(tmp_path / "slots_exporter.py"), f"--listen=127.0.0.1:{port}",
+         f"--servers={tmp_path / 'servers.json'}"],
+        env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                got = _series(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        httpd.shutdown()
+    errors = {k.split('kind="')[1].split('"')[0]: k.split('model="')[1].split('"')[0]
+              for k in got if k.startswith("voltaforge_slots_read_error")}  # fmt: skip
+    assert errors == {"http-401": "a", "http-501": "b", "bad-answer": "c", "unreachable": "gone"}
+    assert got['voltaforge_kv_tokens{host="h",model="ok",service="voltaforge-ok"}'] == 7
+    assert "Bearer k3y" in seen and [k for k in got if k.startswith("voltaforge_kv_tokens")] == [
+        'voltaforge_kv_tokens{host="h",model="ok",service="voltaforge-ok"}'
+    ]

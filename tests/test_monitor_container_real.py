@@ -26,8 +26,13 @@ from tests.test_balancer_real import wait_for
 from tests.testhosts import start_nspawn_host
 
 pytestmark = pytest.mark.slow
-UNITS = ("voltaforge-prometheus.service", "voltaforge-node-exporter.service", "voltaforge-gpu-exporter.service")
-PORTS = (9090, 9100, 9835)
+UNITS = (
+    "voltaforge-prometheus.service",
+    "voltaforge-node-exporter.service",
+    "voltaforge-gpu-exporter.service",
+    "voltaforge-slots-exporter.service",
+)
+PORTS = (9090, 9100, 9835, 9836)
 
 # run by the container's python3: Prometheus's targets, as (job, health) pairs
 TARGETS = (
@@ -63,7 +68,7 @@ def test_monitor_under_systemd_on_a_host_without_a_package_index(tmp_path, capsy
 
         assert run_monitor(settings=settings) == 0, capsys.readouterr().out[-5000:]
         capsys.readouterr()
-        assert on_box(f"systemctl is-active {' '.join(UNITS)}").split() == ["active"] * 3
+        assert on_box(f"systemctl is-active {' '.join(UNITS)}").split() == ["active"] * 4
         masked = on_box("systemctl is-enabled prometheus.service prometheus-node-exporter.service 2>&1").split()
         assert masked == ["masked", "masked"]
         listening = on_box("ss -Hltn").split("\n")
@@ -79,7 +84,7 @@ def test_monitor_under_systemd_on_a_host_without_a_package_index(tmp_path, capsy
             m = re.search(r"Overall exposure level for \S+: ([\d.]+)", live)
             assert m and float(m.group(1)) <= 2.0, live[-2000:]
         wait_for(lambda: json.loads(on_box(f"python3 -c \"{TARGETS}\"")) ==
-                 [["gpu", "up"], ["node", "up"], ["prometheus", "up"]], 30)  # fmt: skip
+                 [["gpu", "up"], ["node", "up"], ["prometheus", "up"], ["slots", "up"]], 30)  # fmt: skip
         gpus = on_box(
             "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9835/metrics').read().decode())\""
         )
@@ -99,8 +104,8 @@ def test_monitor_under_systemd_on_a_host_without_a_package_index(tmp_path, capsy
         # --remove: the three stopped, disabled and gone with their configuration and data;
         # Debian's packages and the masks on its own units stay (nothing may start on :9090)
         assert run_monitor(settings=settings, remove=True) == 0
-        assert re.search(r"box: 4 changed, 0 ok, 0 failed", capsys.readouterr().out)
-        assert on_box(f"systemctl is-active {' '.join(UNITS)}").split() == ["inactive"] * 3
+        assert re.search(r"box: 5 changed, 0 ok, 0 failed", capsys.readouterr().out)
+        assert on_box(f"systemctl is-active {' '.join(UNITS)}").split() == ["inactive"] * 4
         left = on_box(
             f"ls -d /etc/systemd/system/voltaforge-* /etc/voltaforge/monitor /var/lib/voltaforge-prometheus "
             f"/var/lib/private/voltaforge-prometheus {box.prefix}/monitor 2>/dev/null"
@@ -111,6 +116,6 @@ def test_monitor_under_systemd_on_a_host_without_a_package_index(tmp_path, capsy
         assert "install ok installed" in on_box("dpkg-query -W -f='${Status}' prometheus 2>&1")
         assert not [line for line in on_box("ss -Hltn").split("\n") if ":9090 " in line or ":9100 " in line]
         assert run_monitor(settings=settings, remove=True) == 0
-        assert "box: 0 changed, 4 ok, 0 failed" in capsys.readouterr().out
+        assert "box: 0 changed, 5 ok, 0 failed" in capsys.readouterr().out
     finally:
         box.close()

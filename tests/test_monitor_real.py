@@ -134,9 +134,9 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
     ports = {n: free_port() for n in NAMES}
     for n in NAMES:
         write_server(recipes, n, ports[n], ref)
-    lb_port, prom_port, node_port, gpu_port = free_port(), free_port(), free_port(), free_port()
-    monitor = {"host": "local", "port": prom_port, "node_exporter_port": node_port,
-               "gpu_exporter_port": gpu_port, "scrape_interval_s": INTERVAL_S}  # fmt: skip
+    lb_port, prom_port, node_port, gpu_port, slots_port = (free_port() for _ in range(5))
+    monitor = {"host": "local", "port": prom_port, "node_exporter_port": node_port, "gpu_exporter_port": gpu_port,
+               "slots_exporter_port": slots_port, "scrape_interval_s": INTERVAL_S}  # fmt: skip
     inv = tmp_path / "inventory.yaml"
     inv.write_text(
         yaml.safe_dump(
@@ -171,18 +171,18 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         assert copy.stat().st_mode & 0o777 == 0o600 and copy.read_text().strip() == key
         # nothing of the monitor listens beyond loopback
         listening = os.popen("ss -Hltn").read()
-        for port in (prom_port, node_port, gpu_port):
+        for port in (prom_port, node_port, gpu_port, slots_port):
             binds = [line.split()[3] for line in listening.splitlines() if line.split()[3].endswith(f":{port}")]
             assert binds == [f"127.0.0.1:{port}"], (port, binds)
         # a second run changes nothing
         assert run_monitor(settings=settings) == 0
         assert "0 changed" in capsys.readouterr().out
 
-        jobs = {"llama-server": 2, "edge": 1, "node": 1, "gpu": 1, "prometheus": 1}
+        jobs = {"llama-server": 2, "edge": 1, "node": 1, "gpu": 1, "prometheus": 1, "slots": 1}
         wait_for(lambda: sum(t["health"] == "up" for t in targets(prom)) == sum(jobs.values()), 30)
         got = sorted((t["labels"]["job"], t["labels"].get("model", "")) for t in targets(prom))
         assert got == sorted(
-            [("llama-server", n) for n in NAMES] + [(j, "") for j in ("edge", "node", "gpu", "prometheus")]
+            [("llama-server", n) for n in NAMES] + [(j, "") for j in ("edge", "node", "gpu", "prometheus", "slots")]
         )
         assert query(prom, "voltaforge_gpus") == {"gpu": 0.0}  # no GPU here, and it says so
         assert query(prom, "node_load1")  # the node exporter's own series
@@ -229,9 +229,20 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
             (n, True, 0, slots[n], 0, 0) for n in NAMES
         ], view.servers
         assert all(r.tok_s and r.tok_s > 0 and r.stream_tok_s and r.stream_tok_s > 0 for r in view.servers)
+        # KV use: what each server's own /slots says its slots hold (read here with its key), as
+        # the slots exporter read it, over the context its recipe plans (context x slots)
+        for r in view.servers:
+            held = sum(s.get("n_prompt_tokens", 0) for s in httpx.get(
+                f"http://127.0.0.1:{ports[r.model]}/slots", headers={"Authorization": f"Bearer {key}"}, timeout=5
+            ).json())  # fmt: skip
+            recipe = yaml.safe_load((recipes / f"{r.model}.yaml").read_text())
+            assert held > 0 and query(prom, f'voltaforge_kv_tokens{{model="{r.model}"}}') == {r.model: held}
+            assert r.kv_use == pytest.approx(held / (recipe["context"] * recipe["parallel"])), (r, held)
         assert view.gpus == [] and view.no_gpu[0].startswith("local: no GPU seen (NVML no-")
         assert run_top(settings=settings) == 0  # piped: one snapshot
         out = capsys.readouterr().out
+        with capsys.disabled():
+            print(out)  # (docs/monitor.md shows one)
         assert [[c.strip() for c in line.split("│")[1:5]] for line in out.splitlines() if "voltaforge-" in line] == [
             ["local", n, f"voltaforge-{n}", "up"] for n in NAMES
         ], out
@@ -246,6 +257,9 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         assert server_up(prom, "beta") == 1.0
         # its "down" alert (the rules `invoke monitor` wrote: four missed scrapes) fires, for it alone
         wait_for(lambda: firing(prom) == [("VoltaforgeServerDown", "alpha")], 20)
+        with capsys.disabled():  # (docs/monitor.md shows it)
+            print(json.dumps(httpx.get(f"{prom}/api/v1/alerts", timeout=10).json()["data"]["alerts"], indent=1))
+        wait_for(lambda: query(prom, 'voltaforge_slots_read_error{kind="unreachable"}') == {"alpha": 1.0}, 10)
         view = read_view(httpx.Client(timeout=5), prom, "local", "here")
         assert [(r.model, r.up) for r in view.servers] == [("alpha", False), ("beta", True)]
         assert run_monitor(settings=settings) == 0
@@ -269,7 +283,8 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         out = capsys.readouterr().out
         assert "local: voltaforge-beta is stopped: not scraped" in out
         # the rules file (beta's group gone), the configuration file and the reload, nothing else
-        assert re.search(r"local: 3 changed, \d+ ok, 0 failed", out), out[-3000:]
+        # (and the slots exporter's list of servers, read at its restart)
+        assert re.search(r"local: 5 changed, \d+ ok, 0 failed", out), out[-3000:]
         assert int((state / "voltaforge-prometheus" / "server.pid").read_text()) == prometheus
         os.kill(prometheus, 0)  # the same process, still running
         wait_for(
@@ -284,27 +299,29 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
 
         # taken down again: a dry run changes nothing; --stop stops all three and keeps their
         # files; --remove takes those off too; each a second time changes nothing
-        parts = [state / p for p in ("voltaforge-prometheus", "voltaforge-node-exporter", "voltaforge-gpu-exporter")]
+        parts = [state / p for p in ("voltaforge-prometheus", "voltaforge-slots-exporter", "voltaforge-node-exporter",
+                                     "voltaforge-gpu-exporter")]  # fmt: skip
         pids = [int((p / "server.pid").read_text()) for p in parts]
         assert run_monitor(settings=settings, remove=True, dry_run=True) == 0
         assert "would run" in capsys.readouterr().out
         for pid in pids:
             os.kill(pid, 0)
         assert run_monitor(settings=settings, stop=True) == 0
-        assert re.search(r"local: 3 changed, 0 ok, 0 failed", capsys.readouterr().out)
+        assert re.search(r"local: 4 changed, 0 ok, 0 failed", capsys.readouterr().out)
         listening = os.popen("ss -Hltn").read()
         assert not [line for line in listening.splitlines() if line.split()[3].endswith(f":{prom_port}")]
         assert all(p.is_dir() for p in parts) and (Path(prefix) / "monitor" / "gpu_exporter.py").exists()
         assert run_monitor(settings=settings, stop=True) == 0
-        assert "local: 0 changed, 3 ok, 0 failed" in capsys.readouterr().out
+        assert "local: 0 changed, 4 ok, 0 failed" in capsys.readouterr().out
         assert run_monitor(settings=settings, remove=True) == 0
-        assert re.search(r"local: 1 changed, 3 ok, 0 failed", capsys.readouterr().out)
+        assert re.search(r"local: 1 changed, 4 ok, 0 failed", capsys.readouterr().out)
         assert not any(p.exists() for p in parts) and not (Path(prefix) / "monitor").exists()
         assert (state / "voltaforge-alpha").is_dir()  # the servers' own state untouched
         assert run_monitor(settings=settings, remove=True) == 0
-        assert "local: 0 changed, 4 ok, 0 failed" in capsys.readouterr().out
+        assert "local: 0 changed, 5 ok, 0 failed" in capsys.readouterr().out
     finally:
-        for service in ("voltaforge-prometheus", "voltaforge-node-exporter", "voltaforge-gpu-exporter",
+        for service in ("voltaforge-prometheus", "voltaforge-slots-exporter", "voltaforge-node-exporter",
+                        "voltaforge-gpu-exporter",
                         "voltaforge-lb", *(f"voltaforge-{n}" for n in NAMES)):  # fmt: skip
             pid_file = state / service / "server.pid"
             if pid_file.exists():

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not shutil.which("promtool"), reason="needs Debi
 GIB = 2**30
 SICK = ServerFacts("gpu-01", "voltaforge-qwen", "qwen", floor_tok_s=20, roofline_tok_s=60.0, planned_gpu_bytes=15 * GIB)
 HEALTHY = ServerFacts("gpu-02", "voltaforge-qwen", "qwen", floor_tok_s=20, roofline_tok_s=60.0,
-                      planned_gpu_bytes=15 * GIB)  # fmt: skip
+                      planned_gpu_bytes=15 * GIB, slots=4, kv_tokens=4 * 8192)  # fmt: skip
 ASLEEP = ServerFacts("gpu-03", "voltaforge-set-lab", "small", floor_tok_s=5, in_set=True)
 
 
@@ -50,6 +50,9 @@ def series() -> list[dict]:
         {"series": 'voltaforge_gpu_clocks_event_reason{host="gpu-02",gpu="0",reason="idle"}', "values": "1x42"},
         {"series": 'voltaforge_gpu_clocks_event_reason{host="gpu-02",gpu="0",reason="hw_thermal_slowdown"}',
          "values": "0x42"},
+        # gpu-02's slots hold 8192 tokens (the slots exporter's reading of its /slots)
+        {"series": 'voltaforge_kv_tokens{job="slots",host="gpu-02",service="voltaforge-qwen",model="qwen"}',
+         "values": "8192x42"},
         # gpu-01's card holds 16 GiB against 15 planned; gpu-02's 14
         {"series": 'voltaforge_gpu_memory_used_bytes{host="gpu-01",gpu="0"}', "values": f"{16 * GIB}x42"},
         {"series": 'voltaforge_gpu_memory_used_bytes{host="gpu-02",gpu="0"}', "values": f"{14 * GIB}x42"},
@@ -81,6 +84,14 @@ def test_the_rules_pass_promtools_check_and_each_alert_fires_only_where_it_shoul
                 {"expr": 'voltaforge:roofline_share{host="gpu-02"}', "eval_time": "5m",
                  "exp_samples": [{"labels": 'voltaforge:roofline_share{job="llama-server",host="gpu-02",'
                                   'service="voltaforge-qwen",model="qwen"}', "value": 0.5}]},
+                # 8192 of the 4 x 8192 its plan gives it
+                {"expr": "voltaforge:kv_use", "eval_time": "5m",
+                 "exp_samples": [{"labels": 'voltaforge:kv_use{job="slots",host="gpu-02",'
+                                  'service="voltaforge-qwen",model="qwen"}', "value": 0.25}]},
+                # the slots its recipe gives it, a constant under its labels
+                {"expr": 'voltaforge:slots{host="gpu-02"}', "eval_time": "5m",
+                 "exp_samples": [{"labels": 'voltaforge:slots{host="gpu-02",service="voltaforge-qwen",model="qwen"}',
+                                  "value": 4}]},
                 {"expr": "voltaforge:decode_tok_s:model", "eval_time": "5m",
                  "exp_samples": [{"labels": 'voltaforge:decode_tok_s:model{model="qwen"}', "value": 40}]},
             ],
@@ -115,5 +126,6 @@ def test_a_rule_the_fleet_does_not_know_is_not_written():
     text = render_rules([ServerFacts("cpu-01", "voltaforge-tiny", "tiny")])
     assert "VoltaforgeDecodeBelowGate" not in text and "roofline_share" not in text
     assert "VoltaforgeGpuMemoryAbovePlan" not in text and "VoltaforgeServerDown" in text
+    assert "voltaforge:kv_use" not in text  # no planned context: no share invented
     # a set's model: no "down" alert (its target is down while it sleeps)
     assert "VoltaforgeServerDown" not in render_rules([ASLEEP])

@@ -20,6 +20,7 @@ from playbooks.cli.top import run_top
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.top import NoMonitor, read_view
 from playbooks.steps.monitor.top import parse_answer
+from tests.helpers import ROOT
 from tests.test_monitor import _exporter, needs_exporter_deps, v100_standin
 from tests.testhosts import free_port
 
@@ -93,11 +94,16 @@ def test_top_shows_each_card_as_its_exporter_read_it(tmp_path, capsys):
         assert run_top(settings=_inventory(tmp_path, port)) == 0
         out = capsys.readouterr().out
         print(out)
-        assert f"Prometheus on local at 127.0.0.1:{port}" in out
-        assert "no llama-server among the monitor's targets" in out
+        assert f"Prometheus on local at 127.0.0.1:{port}: no llama-server among its targets" in out
         row = next(r for r in out.splitlines() if "gpu-01" in r)
         for cell in ("Tesla V100-SXM2-32GB", "1290", "32", "57/300", "0%", "0.3/32.0", "hw_thermal_slowdown"):
             assert cell in row, (cell, row)
+        # the page shows this run's rows as they are
+        page = (ROOT / "docs" / "monitor.md").read_text()
+        for line in out.splitlines()[
+            out.splitlines().index(next(r for r in out.splitlines() if r.startswith("GPUs"))) :
+        ]:
+            assert line.rstrip() in page, line
 
         # a query Prometheus refuses is named, with Prometheus's own word
         bad = httpx.get(f"{url}/api/v1/query", params={"query": "rate(x[1m]"}).json()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
@@ -14,7 +13,7 @@ from rich.text import Text
 
 from playbooks.cli.render import console
 from playbooks.conduct.settings import Settings
-from playbooks.conduct.top import prometheus, read_view
+from playbooks.conduct.top import watching
 from playbooks.conduct.watch import inventory_hosts, watch_settings
 from playbooks.steps.monitor.top import View
 
@@ -27,16 +26,16 @@ def _f(value: float | None, fmt: str = "{:.1f}") -> str:
 
 def render_view(view: View, source: str) -> Group:
     servers = Table(title=f"servers ({source})", title_justify="left")
-    for col in ("host", "model", "service", "state", "tok/s", "tok/s a stream", "slots busy", "deferred",
+    for col in ("host", "model", "service", "state", "tok/s", "tok/s a stream", "slots busy", "KV use", "deferred",
                 "waiting at edge"):  # fmt: skip
-        servers.add_column(col, justify="right" if col.startswith(("tok", "slots", "def", "wait")) else "left")
+        servers.add_column(col, justify="right" if col.startswith(("tok", "slots", "KV", "def", "wait")) else "left")
     for s in view.servers:
         busy = "-" if s.busy is None else f"{s.busy}/{'?' if s.slots is None else s.slots}"
         servers.add_row(
             s.host, s.model, s.service, "up" if s.up else "[red]down[/red]", _f(s.tok_s), _f(s.stream_tok_s), busy,
-            _f(s.deferred, "{}"), _f(s.edge_waiting, "{}"),
+            _f(None if s.kv_use is None else s.kv_use * 100, "{:.0f}%"), _f(s.deferred, "{}"), _f(s.edge_waiting, "{}"),
         )  # fmt: skip
-    parts: list[Table | Text] = [servers] if view.servers else [Text("no llama-server among the monitor's targets")]
+    parts: list[Table | Text] = [servers] if view.servers else [Text(f"{source}: no llama-server among its targets")]
     if view.gpus:
         gpus = Table(title="GPUs", title_justify="left")
         for col in ("host", "gpu", "name", "SM MHz", "temp C", "power W", "util", "memory GiB", "held by"):
@@ -67,9 +66,8 @@ def run_top(
     settings = settings or Settings()
     watch = watch_settings(settings.monitor(), inventory_hosts(settings), host_name, default_host=default_host)
     out = console()
-    with prometheus(settings, watch) as (url, where), httpx.Client(timeout=10) as client:
-        source = f"Prometheus on {watch.host} at {where}"
-        view = read_view(client, url, watch.host, where)
+    with watching(settings, watch) as (read, source):
+        view = read()
         if once or not out.is_terminal:
             out.print(render_view(view, source))
             return 0
@@ -77,6 +75,6 @@ def run_top(
             try:
                 while True:
                     time.sleep(interval_s)
-                    live.update(render_view(read_view(client, url, watch.host, where), source), refresh=True)
+                    live.update(render_view(read(), source), refresh=True)
             except KeyboardInterrupt:
                 return 0

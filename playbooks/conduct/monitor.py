@@ -3,7 +3,8 @@ conduct/monitor_targets.py found:
 
 - on every host of the fleet: its node exporter and GPU exporter (Debian's packages; ours on
   its python3), as hardened units, or managed processes where systemd does not run;
-- on the monitor host: Prometheus, its configuration and rules, each scrape key a credential.
+- on the monitor host: Prometheus, its configuration and rules, each scrape key a credential;
+  beside it the slots exporter, which reads each server's /slots (its KV cache use).
 
 Compute first: the targets and every file are decided before a host changes; a second run
 changes nothing; a server added or removed changes the configuration, which Prometheus reloads
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import ipaddress
+import json
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +42,7 @@ from playbooks.steps.monitor.units import (
     NODE_UNIT,
     PROMETHEUS_STATE,
     PROMETHEUS_UNIT,
+    SLOTS_UNIT,
     Listen,
     credential_name,
     credential_path,
@@ -47,6 +50,7 @@ from playbooks.steps.monitor.units import (
     render_gpu_unit,
     render_node_unit,
     render_prometheus_unit,
+    render_slots_unit,
 )
 from playbooks.steps.monitor.units_masked import EnsureUnitsMasked
 from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
@@ -57,8 +61,9 @@ from playbooks.steps.serve.units import UNIT_DIR, parse_exec_start
 
 #: the telemetry probe the GPU exporter imports its reason table from, shipped beside it
 PROBE = Path(__file__).resolve().parents[1] / "facts" / "probes" / "telemetry_probe.py"
-#: the exporter program (run on the host's python3; never imported here)
+#: the exporter programs (run on the host's python3; never imported here)
 EXPORTER = Path(__file__).resolve().parents[1] / "steps" / "monitor" / "gpu_exporter.py"
+SLOTS_EXPORTER = EXPORTER.with_name("slots_exporter.py")
 
 
 def nvml_binding() -> Path:
@@ -141,6 +146,51 @@ class MonitorOps:
             EnsureConfigLoaded(config, self.config, prefix, manager, f"http://{Listen(probe, listen.port)}/metrics",
                                sudo=sudo, rules=self.rules),
         ]  # fmt: skip
+        return ops + self._slots_ops(systemd, prefix, sudo, keys, path_of)
+
+    def _slots_ops(
+        self, systemd: bool, prefix: str, sudo: bool, keys: list[str], prometheus_copy: dict[str, str]
+    ) -> list[Operation]:
+        """The slots exporter beside Prometheus (steps/monitor/slots_exporter.py): every server
+        Prometheus scrapes but a set's models (their /slots is the router's), its keys its own
+        credentials under systemd, Prometheus's 0600 copies for a process of the same user."""
+        servers = [t for t in self.found.targets if t.job == "llama-server" and not t.params]
+        key_file = {r: credential_path(r, SLOTS_UNIT) if systemd else prometheus_copy[r] for r in keys}
+        listed = [
+            {"url": f"{t.scheme}://{t.address}", **dict(t.labels),
+             "key_file": key_file[t.credentials_file] if t.credentials_file else None}
+            for t in servers
+        ]  # fmt: skip
+        for entry in listed:
+            entry.pop("engine", None)  # the exporter's labels: host, model, service
+        text = json.dumps(listed, indent=1, sort_keys=True) + "\n"
+        program = f"{prefix}/monitor/slots_exporter.py"
+        state = process_state(prefix, SLOTS_UNIT)
+        servers_file = f"{CONFIG_DIR}/slots.json" if systemd else f"{state}/servers.json"
+        listen = Listen("127.0.0.1", self.watch.slots_port)
+        used = sorted({t.credentials_file for t in servers if t.credentials_file})
+        unit = render_slots_unit(
+            listen, program, servers_file, [(r, f"{SECRETS_DIR}/{r}") for r in used] if systemd else [],
+            _beyond_loopback([t.address.rsplit(":", 1)[0] for t in servers]),
+        )  # fmt: skip
+        exporter = SLOTS_EXPORTER.read_text()
+        ops: list[Operation] = [EnsureServiceFile(ServiceFile(program, exporter, 0o644))]
+        if systemd:
+            ops += [
+                EnsureServiceFile(ServiceFile(servers_file, text, 0o644, sudo=True)),
+                EnsureServiceFile(ServiceFile(f"{UNIT_DIR}/{SLOTS_UNIT}", unit, 0o644, sudo=True)),
+            ]
+            manager: Manager = Systemd(SLOTS_UNIT)
+        else:
+            ops += [EnsureDirectory(state, 0o700), EnsureServiceFile(ServiceFile(servers_file, text, 0o600))]
+            argv = parse_exec_start(unit)
+            manager = ProcessRunner(state, argv[0], tuple(argv))
+        ops.append(
+            EnsureUnitRunning(
+                SLOTS_UNIT, [unit, exporter, text], prefix, (listen.address, listen.port), sudo=sudo,
+                what=f"the slots exporter on {listen}", manager=manager,
+            )
+        )  # fmt: skip
         return ops
 
 

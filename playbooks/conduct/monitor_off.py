@@ -1,9 +1,10 @@
 """`invoke monitor --stop` and `invoke monitor --remove`: the monitor's own lifecycle.
 
-``--stop`` stops Prometheus on the monitor host and the node and GPU exporters on every host of
-the fleet (each unit stopped and disabled, or its managed process); ``--remove`` also takes off
-their units, Prometheus's configuration, rules and data (its TSDB: the history goes with it),
-the exporter's program and anything staged for a host with no package index. `invoke monitor`
+``--stop`` stops Prometheus and its slots exporter on the monitor host and the node and GPU
+exporters on every host of the fleet (each unit stopped and disabled, or its managed process);
+``--remove`` also takes off their units, Prometheus's configuration, rules and data (its TSDB:
+the history goes with it), the exporters' programs and anything staged for a host with no
+package index. `invoke monitor`
 makes it all again.
 
 Kept on purpose: Debian's packages (shared with whatever else the host runs, as the balancer
@@ -31,15 +32,21 @@ from playbooks.steps.monitor.units import (
     PROGRAMS,
     PROMETHEUS_STATE,
     PROMETHEUS_UNIT,
+    SLOTS_UNIT,
     process_state,
 )
 from playbooks.steps.serve.removal import EnsureAbsent, EnsureStopped
 from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Systemd
 from playbooks.steps.serve.units import UNIT_DIR
 
-_WHAT = {PROMETHEUS_UNIT: "Prometheus", NODE_UNIT: "the node exporter", GPU_UNIT: "the GPU exporter"}
+_WHAT = {
+    PROMETHEUS_UNIT: "Prometheus",
+    SLOTS_UNIT: "the slots exporter",
+    NODE_UNIT: "the node exporter",
+    GPU_UNIT: "the GPU exporter",
+}
 #: what `invoke monitor` ships into <prefix>/monitor (conduct/monitor.py's ExporterOps) and stages there
-_SHIPPED = ("gpu_exporter.py", "telemetry_probe.py", "pynvml.py", "debs")
+_SHIPPED = ("gpu_exporter.py", "telemetry_probe.py", "pynvml.py", "slots_exporter.py", "debs")
 
 
 def _manager(systemd: bool, prefix: str, unit: str) -> Manager:
@@ -75,6 +82,6 @@ def monitor_off(settings: Settings, watch: Watch, remove: bool, dry_run: bool) -
         settings.host_spec(name)  # an unknown name: one line before connecting
     changes: list[Change] = []
     for name in watch.hosts:
-        units = (NODE_UNIT, GPU_UNIT) + ((PROMETHEUS_UNIT,) if name == watch.host else ())
+        units = (NODE_UNIT, GPU_UNIT) + ((PROMETHEUS_UNIT, SLOTS_UNIT) if name == watch.host else ())
         changes += on_host(settings, name, part_off_ops(units, remove), dry_run)
     return changes

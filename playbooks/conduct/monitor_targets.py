@@ -59,6 +59,7 @@ def server_facts(loaded: LoadedRecipe, host: str, service: str, in_set: bool) ->
         host, service, r.served_name, r.gate.min_tok_s,
         option.roofline_tok_s if option and option.roofline_tok_s else None,
         0 if cpu or option is None else option.vram_bytes * max(1, r.gpu_count), in_set, r.parallel,
+        r.context * r.parallel,
     )  # fmt: skip
 
 
@@ -96,6 +97,9 @@ def find_targets(settings: Settings, watch: Watch) -> Found:
     mon = settings.host_spec(watch.host)
     found = Found()
     found.targets.append(Target("prometheus", f"{reach(mon, mon, watch.bind)}:{watch.port}", what="Prometheus"))
+    found.targets.append(
+        Target("slots", f"127.0.0.1:{watch.slots_port}", what=f"{mon.name}: the slots exporter (loopback only)")
+    )
     for name in watch.hosts:
         spec = settings.host_spec(name)
         try:

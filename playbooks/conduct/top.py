@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 
@@ -35,6 +35,13 @@ def prometheus(settings: Settings, watch: Watch) -> Iterator[tuple[str, str]]:
         return
     with settings.connect(settings.host_spec(watch.host)) as host, host.forward(watch.port) as local:
         yield f"http://127.0.0.1:{local}", where
+
+
+@contextlib.contextmanager
+def watching(settings: Settings, watch: Watch) -> Iterator[tuple[Callable[[], View], str]]:
+    """(a call that reads the view now, what it reads from), one connection for the session."""
+    with prometheus(settings, watch) as (url, where), httpx.Client(timeout=10) as client:
+        yield (lambda: read_view(client, url, watch.host, where)), f"Prometheus on {watch.host} at {where}"
 
 
 def read_view(client: httpx.Client, url: str, host: str, where: str) -> View:

@@ -29,6 +29,7 @@ class Watch:
     node_port: int = 9100
     gpu_port: int = 9835
     interval_s: int = 15
+    slots_port: int = 9836
 
 
 def watch_settings(
@@ -57,6 +58,7 @@ def watch_settings(
         entry.node_exporter_port,
         entry.gpu_exporter_port,
         entry.scrape_interval_s,
+        entry.slots_exporter_port,
     )
 
 

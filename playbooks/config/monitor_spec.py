@@ -29,6 +29,8 @@ from playbooks.config.yamlfile import explain_validation, load_yaml
 PROMETHEUS_PORT = 9090
 NODE_EXPORTER_PORT = 9100
 GPU_EXPORTER_PORT = 9835
+#: the slots exporter's, beside Prometheus on the monitor host (loopback only)
+SLOTS_EXPORTER_PORT = 9836
 
 
 class MonitorSpec(BaseModel):
@@ -41,6 +43,7 @@ class MonitorSpec(BaseModel):
     exporters: Literal["loopback", "address"] = "loopback"
     node_exporter_port: int = Field(NODE_EXPORTER_PORT, ge=1, le=65535)
     gpu_exporter_port: int = Field(GPU_EXPORTER_PORT, ge=1, le=65535)
+    slots_exporter_port: int = Field(SLOTS_EXPORTER_PORT, ge=1, le=65535)
     scrape_interval_s: int = Field(15, ge=1, le=300)
 
     @field_validator("host")

@@ -12,6 +12,8 @@ Recorded, per server (labels host, model, service):
 - ``voltaforge:waiting:server``: requests it deferred (no free slot);
 - ``voltaforge:slots``: the slots its recipe gives it (``parallel``), a constant beside its
   ``llamacpp:requests_processing`` (the slots busy) for `invoke top`;
+- ``voltaforge:kv_use``: the tokens its slots hold (the slots exporter's reading of its /slots)
+  over the context its plan gives it (the recipe's context x slots);
 and, fleet-wide, ``voltaforge:decode_tok_s:model`` (by model) and ``voltaforge:waiting:edge``
 (requests queued in the edge, by model backend).
 
@@ -21,8 +23,7 @@ the servers' slots for a minute; decode below the gate's floor for five minutes 
 generates; a card held by a power or thermal reason for five minutes; a host's GPU memory
 above what its servers' plans put there.
 
-Not yet: KV cache use (llama-server at our pin publishes none; its /slots would need a scraper
-of our own)."""
+A set's models have no KV use: the router answers their /slots (not read)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class ServerFacts:
     in_set: bool = False
     #: the slots its recipe gives it (parallel)
     slots: int = 1
+    #: the KV cache its plan gives it, in tokens (context per slot x slots; 0: not known)
+    kv_tokens: int = 0
 
 
 def _sel(s: ServerFacts) -> str:
@@ -79,6 +82,11 @@ def server_group(s: ServerFacts, down_for_s: int = 60) -> dict:
             "labels": {"host": s.host, "service": s.service, "model": s.model},
         },
     ]
+    if s.kv_tokens and not s.in_set:
+        rules.append({
+            "record": "voltaforge:kv_use",
+            "expr": f'voltaforge_kv_tokens{{host="{s.host}",service="{s.service}",model="{s.model}"}} / {s.kv_tokens}',
+        })  # fmt: skip
     if s.roofline_tok_s:
         rules.append({
             "record": "voltaforge:roofline_share",

@@ -4,14 +4,15 @@ same view (tests/test_top.py feeds it what a real exporter and a real Prometheus
 Per server (a llama-server target of the monitor): its state (its scrape ``up``), the tokens/s
 it serves and one stream's decode rate while it generates (the recording rules of
 steps/monitor/rules.py), its slots busy against the slots its recipe gives it, requests it
-deferred, and requests waiting at the edge for its model. Per GPU (the GPU exporter): name, SM
+deferred, requests waiting at the edge for its model, and the share of its planned KV cache its
+slots hold (the slots exporter's reading of its /slots). Per GPU (the GPU exporter): name, SM
 clock, temperature, power against its limit, utilization, memory, and each power or thermal
 reason holding its clocks down (the alert's, rules.HELD). A host whose exporter sees no GPU is
 one line, with NVML's own word for why.
 
 Where a server sits on a host's GPUs is not in Prometheus's labels (a host's servers share its
 exporter), so GPUs are their own rows under their host rather than columns of a server.
-KV cache use is not shown: llama-server at our pin publishes no metric for it (issue 58)."""
+A set's models show no KV use (their /slots is the router's)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ QUERIES: dict[str, str] = {
     "busy": 'llamacpp:requests_processing{job="llama-server"}',
     "deferred": 'llamacpp:requests_deferred{job="llama-server"}',
     "slots": "voltaforge:slots",
+    "kv": "voltaforge:kv_use",
     "edge": "voltaforge:waiting:edge",
     "gpus": "voltaforge_gpus",
     "nvml": "voltaforge_nvml_error == 1",
@@ -58,6 +60,8 @@ class ServerRow:
     slots: int | None
     deferred: int | None
     edge_waiting: int | None
+    #: the share of the KV cache its plan gives it that its slots hold
+    kv_use: float | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ def fleet_view(answers: Mapping[str, Sequence[Sample]]) -> View:
     key = ("host", "service", "model")
     tok, stream = _by(answers.get("tok_s", ()), *key), _by(answers.get("stream", ()), *key)
     busy, deferred = _by(answers.get("busy", ()), *key), _by(answers.get("deferred", ()), *key)
-    slots = _by(answers.get("slots", ()), *key)
+    slots, kv = _by(answers.get("slots", ()), *key), _by(answers.get("kv", ()), *key)
     edge = {p.removeprefix("model_"): v for (p,), v in _by(answers.get("edge", ()), "proxy").items()}
     view = View()
     for labels, up in answers.get("up", ()):
@@ -114,7 +118,7 @@ def fleet_view(answers: Mapping[str, Sequence[Sample]]) -> View:
         view.servers.append(
             ServerRow(
                 k[0], k[2], k[1], up == 1.0, tok.get(k), stream.get(k), _num(busy.get(k)), _num(slots.get(k)),
-                _num(deferred.get(k)), _num(edge.get(k[2])),
+                _num(deferred.get(k)), _num(edge.get(k[2])), kv.get(k),
             )
         )  # fmt: skip
     view.servers.sort(key=lambda r: (r.host, r.model, r.service))

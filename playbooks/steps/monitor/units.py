@@ -6,6 +6,9 @@ own command line as a managed process (steps/serve/service_manager.py):
   /etc/voltaforge/monitor/, its data in its state directory, each scrape key a credential;
   reloaded on SIGHUP (``systemctl reload``): a target added or removed is no restart.
 - **the node exporter** (Debian's prometheus-node-exporter) on every host of the fleet.
+- **the slots exporter** (steps/monitor/slots_exporter.py, the same python3 and client library)
+  beside Prometheus: each llama-server's /slots read at scrape time (its KV cache use), with the
+  keys as its own credentials.
 - **the GPU exporter** (steps/monitor/gpu_exporter.py, on the host's python3 with Debian's
   python3-prometheus-client and NVIDIA's pynvml.py shipped beside it) on every host, with exactly the NVIDIA device
   nodes the host has (none: no device at all; it then says it sees no GPU).
@@ -26,6 +29,7 @@ from playbooks.steps.serve.units import exec_line, render_template
 PROMETHEUS_UNIT = "voltaforge-prometheus.service"
 NODE_UNIT = "voltaforge-node-exporter.service"
 GPU_UNIT = "voltaforge-gpu-exporter.service"
+SLOTS_UNIT = "voltaforge-slots-exporter.service"
 #: Debian's own units for the packages: masked under systemd, so nothing starts them beside ours
 DEBIAN_UNITS = {PROMETHEUS_UNIT: "prometheus.service", NODE_UNIT: "prometheus-node-exporter.service"}
 CONFIG_DIR = "/etc/voltaforge/monitor"
@@ -36,7 +40,7 @@ PYTHON = "/usr/bin/python3"
 PROMETHEUS_STATE = "voltaforge-prometheus"
 _DEVICE = re.compile(r"^/dev/nvidia[0-9]{1,2}$")
 #: each part's program: what a managed process runs, and what its pid must still be to be stopped
-PROGRAMS = {PROMETHEUS_UNIT: PROMETHEUS_BIN, NODE_UNIT: NODE_EXPORTER_BIN, GPU_UNIT: PYTHON}
+PROGRAMS = {PROMETHEUS_UNIT: PROMETHEUS_BIN, NODE_UNIT: NODE_EXPORTER_BIN, GPU_UNIT: PYTHON, SLOTS_UNIT: PYTHON}
 
 
 def process_state(prefix: str, unit: str) -> str:
@@ -74,9 +78,9 @@ def credential_name(key_ref: str) -> str:
     return f"key-{key_ref}"
 
 
-def credential_path(key_ref: str) -> str:
+def credential_path(key_ref: str, unit: str = PROMETHEUS_UNIT) -> str:
     """Where a scrape key is under systemd: the unit's credentials directory (a fixed path)."""
-    return f"/run/credentials/{PROMETHEUS_UNIT}/{credential_name(key_ref)}"
+    return f"/run/credentials/{unit}/{credential_name(key_ref)}"
 
 
 def render_prometheus_unit(
@@ -137,5 +141,24 @@ def render_gpu_unit(listen: Listen, program: str, gpu_devices: Sequence[str], pe
         credentials=[],
         state_directory=None,
         gpu_devices=sorted(gpu_devices),
+        peers=_allowed(listen, peers),
+    )
+
+
+def render_slots_unit(
+    listen: Listen, program: str, servers_file: str, keys: Sequence[tuple[str, str]], peers: Sequence[str] | None
+) -> str:
+    """``keys``: (api_key_ref, its file on this host), each a credential; ``peers``: the servers'
+    addresses beyond this host (None: any)."""
+    return render_template(
+        "monitor.service.j2",
+        unit_name=SLOTS_UNIT,
+        description="voltaforge slots exporter (llama-server /slots)",
+        documentation="file://" + program,
+        exec_start=exec_line([PYTHON, program, f"--listen={listen}", f"--servers={servers_file}"]),
+        reload_signal=None,
+        credentials=[(credential_name(ref), path) for ref, path in keys],
+        state_directory=None,
+        gpu_devices=[],
         peers=_allowed(listen, peers),
     )
