@@ -506,10 +506,11 @@ def top(
     once: bool = False,
     inventory: str | None = None,
 ) -> int:
-    """The fleet live, from the monitor's Prometheus: per server its state, tokens/s, slots busy
-    and requests waiting; per GPU its clock, temperature, power and what holds it down.
+    """The fleet live from the monitor's Prometheus: its servers and its GPUs, a row each.
 
-    Redrawn in place on a terminal until Ctrl-C; one snapshot when piped. Needs `invoke monitor`."""
+    Per server its state, tokens/s, slots busy, KV use and requests waiting; per GPU its clock,
+    temperature, power and what holds it down. Redrawn in place on a terminal until Ctrl-C; one
+    snapshot when piped. Needs `invoke monitor`."""
     from playbooks.cli.top import run_top
 
     return run_top(
