@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -95,9 +96,11 @@ def server_up(prom: str, model: str) -> float | None:
 
 
 @pytest.mark.timeout(600)
-def top_on_a_terminal(inventory: Path, recipes: Path, seconds: float = 3.0) -> str:
-    """`invoke top --interval 0.5` on a pseudo-terminal for a few seconds, then Ctrl-C: what it
-    drew (exit 0 asserted)."""
+def top_on_a_terminal(inventory: Path, recipes: Path) -> str:
+    """`invoke top --interval 0.5` on a pseudo-terminal until it has drawn two frames (a cold
+    start compiles its bytecode first: up to a minute), then Ctrl-C: what it drew (exit 0
+    asserted). Read throughout, as a terminal does: the last frame Live draws on its way out
+    must not block on a full pseudo-terminal."""
     main, sub = pty.openpty()
     env = {**os.environ, "COLUMNS": "160", "LINES": "40", "TERM": "xterm"}
     proc = subprocess.Popen(
@@ -107,27 +110,27 @@ def top_on_a_terminal(inventory: Path, recipes: Path, seconds: float = 3.0) -> s
     )  # fmt: skip
     os.close(sub)
     out = b""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([main], [], [], 0.2)
-        if ready:
-            try:
-                out += os.read(main, 65536)
-            except OSError:
-                break
-    proc.send_signal(signal.SIGINT)
-    # a terminal goes on reading: the last frame Live draws on its way out must not block on a
-    # full pseudo-terminal (cold CI: it did, under load, when this stopped reading first)
-    deadline = time.monotonic() + 30
-    while proc.poll() is None and time.monotonic() < deadline:
-        ready, _, _ = select.select([main], [], [], 0.2)
-        if ready:
-            try:
-                out += os.read(main, 65536)
-            except OSError:
-                break
-    assert proc.wait(5) == 0
-    os.close(main)
+
+    def read_until(done: Callable[[], bool], seconds: float) -> None:
+        nonlocal out
+        deadline = time.monotonic() + seconds
+        while not done() and time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 0.2)
+            if ready:
+                try:
+                    out += os.read(main, 65536)
+                except OSError:
+                    return
+
+    try:
+        read_until(lambda: out.count(b"servers (Prometheus on local") >= 2 or proc.poll() is not None, 60)
+        proc.send_signal(signal.SIGINT)
+        read_until(lambda: proc.poll() is not None, 30)
+        assert proc.wait(5) == 0, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(main)
     return out.decode(errors="replace")
 
 
