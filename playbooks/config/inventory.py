@@ -59,6 +59,17 @@ def check_host_names(v: tuple[str, ...]) -> tuple[str, ...]:
     return v
 
 
+def check_bind(v: str | None, example: str = "127.0.0.1") -> str | None:
+    """A ``bind:`` (a recipe's service, an lb: or monitor: entry): an IP address, never a name;
+    None stays None (unset)."""
+    if v is not None:
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"must be an IP address, e.g. {example}") from None
+    return v
+
+
 def is_host_address(value: str) -> bool:
     """An IP address, or a DNS name of dot-separated labels (RFC 1123; `_` tolerated as
     ~/.ssh/config aliases use it). Anything else would fail deep in the resolver (an empty
@@ -301,12 +312,7 @@ class LbSpec(BaseModel):
     @field_validator("bind")
     @classmethod
     def _bind(cls, v):
-        if v is not None:
-            try:
-                ipaddress.ip_address(v)
-            except ValueError:
-                raise ValueError("must be an IP address, e.g. 0.0.0.0") from None
-        return v
+        return check_bind(v, "0.0.0.0")
 
     @field_validator("api_key_ref")
     @classmethod

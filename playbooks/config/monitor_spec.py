@@ -15,13 +15,18 @@ which a monitor on the same host reaches; a fleet watched from another host name
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from playbooks.config.inventory import DEFAULT_INVENTORY, InventoryFile, check_host_name, check_host_names
+from playbooks.config.inventory import (
+    DEFAULT_INVENTORY,
+    InventoryFile,
+    check_bind,
+    check_host_name,
+    check_host_names,
+)
 from playbooks.config.yamlfile import explain_validation, load_yaml
 
 #: Prometheus's own port, and the exporters' (the node exporter's registered default, and the
@@ -59,11 +64,7 @@ class MonitorSpec(BaseModel):
     @field_validator("bind")
     @classmethod
     def _bind(cls, v):
-        try:
-            ipaddress.ip_address(v)
-        except ValueError:
-            raise ValueError("must be an IP address, e.g. 127.0.0.1") from None
-        return v
+        return check_bind(v)
 
 
 def load_monitor(path: Path = DEFAULT_INVENTORY) -> MonitorSpec:

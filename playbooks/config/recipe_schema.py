@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from playbooks.config.inventory import HOST_NAME_RE
+from playbooks.config.inventory import HOST_NAME_RE, check_bind
 from playbooks.config.secret_names import check_secret_ref
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
 from playbooks.plan.gguf_size import FILE_TYPES
@@ -216,11 +216,7 @@ class Service(_Strict):
     @field_validator("bind")
     @classmethod
     def _bind(cls, v):
-        try:
-            ipaddress.ip_address(v)
-        except ValueError:
-            raise ValueError("must be an IP address, e.g. 127.0.0.1") from None
-        return v
+        return check_bind(v)
 
     @field_validator("api_key_ref")
     @classmethod
