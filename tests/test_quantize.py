@@ -181,6 +181,23 @@ def test_kld_statistics_from_a_real_run():
     assert parse_kld("main: error: failed to load model\n") is None
 
 
+def test_kld_from_the_last_chunk_row_when_the_statistics_are_lost():
+    """llama.cpp's leaked log thread loses the lines still queued at exit (seen in cold CI: the
+    output ended at chunk 20's row). A whole real run, cut where that run was cut, gives the
+    statistics' mean KLD and same top p from the last row; cut a row earlier it gives none."""
+    whole = fixture_body("thishost-llama-perplexity-kld-whole.txt")
+    full = parse_kld(whole)
+    assert full is not None and full["mean_kld"] == 0.002171 and full["same_top_p"] == 45.079
+    assert full["max_kld"] == 0.002772 and full["ppl_q"] == 1846.338743
+    rows = whole[: whole.index("====== Perplexity statistics")]
+    cut = parse_kld(rows)
+    assert cut == {"mean_kld": 0.00217, "same_top_p": 45.079, "ppl_q": 1846.3387}
+    assert cut["mean_kld"] == pytest.approx(full["mean_kld"], abs=5e-6)  # the row's 5 decimals
+    before_last = rows[: rows.index("\n  20 ")] + "\n"
+    assert "  19 " in before_last and parse_kld(before_last) is None  # a run cut short is never finished
+    assert parse_kld(rows.replace("computing over 20 chunks", "computing over 21 chunks")) is None
+
+
 def test_the_gguf_check_line_or_an_error_never_an_exception():
     line = '{"probe": "voltaforge-gguf-check", "probe_version": 1, "mode": "run", "tokens_out": 16, "finite": true}'
     assert parse_gguf_check("llama noise\n" + line + "\n")["tokens_out"] == 16

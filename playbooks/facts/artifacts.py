@@ -45,22 +45,52 @@ _KLD = {
     "ppl_q": re.compile(r"^Mean PPL\(Q\)\s+:\s+(\S+)"),
     "ppl_base": re.compile(r"^Mean PPL\(base\)\s+:\s+(\S+)"),
 }
+#: "kl_divergence: computing over 20 chunks, ..." (an info line, after a timestamp prefix)
+_KLD_CHUNKS = re.compile(r"kl_divergence: computing over (\d+) chunks")
+#: a chunk's row: its number, then five running "value ± uncertainty" columns over every token
+#: so far: PPL(Q), ln(PPL(Q)/PPL(base)), KL divergence, Δp RMS (%), same top p (%)
+_KLD_ROW = re.compile(r"^\s*(\d+)" + r"\s+(\S+)\s+±\s+\S+(?:\s*%)?" * 5 + r"\s*$")
 
 
 def parse_kld(output: str) -> dict[str, float] | None:
     """`llama-perplexity --kl-divergence`'s statistics: mean and max KLD, the share of tokens
     whose most likely token is the same as the base's (percent), both perplexities. None when
-    the run printed no KLD statistics."""
+    the run printed no KLD statistics.
+
+    Where the closing statistics are missing but the row of the last chunk is there, the figures
+    come from that row: each row prints the running PPL(Q), mean KLD and same-top share over all
+    tokens so far, so the last chunk's row holds the same mean KLD (to 5 decimals, not 6) and
+    same top p as the statistics (the maximum KLD and the base's PPL are then absent). Why: at
+    the pin, llama.cpp's log is written by a thread of a logger it leaks on purpose
+    (common/log.cpp, common_log_main), so lines still queued when main() returns are lost: cold
+    test runs under load have lost exactly the statistics block, the output ending at a row. The row counts only
+    when its number is the run's chunk count ("computing over N chunks"), so a run cut short
+    is never read as finished."""
     found: dict[str, float] = {}
+    chunks: int | None = None
+    last: tuple[int, list[str]] | None = None
     for line in lines(output):
+        if chunks is None and (c := _KLD_CHUNKS.search(line)):
+            chunks = int(c.group(1))
+        if r := _KLD_ROW.match(line):
+            last = (int(r.group(1)), list(r.groups()[1:]))
         for key, rx in _KLD.items():
             m = rx.match(line.strip())
             if m and key not in found:
-                try:
-                    found[key] = float(m.group(1))
-                except ValueError:
-                    found[key] = float("nan")
-    return found if "mean_kld" in found and "same_top_p" in found else None
+                found[key] = _float(m.group(1))
+    if "mean_kld" in found and "same_top_p" in found:
+        return found
+    if chunks is not None and last is not None and last[0] == chunks:
+        ppl_q, _ratio, mean_kld, _p_rms, same_top_p = last[1]
+        return {"mean_kld": _float(mean_kld), "same_top_p": _float(same_top_p), "ppl_q": _float(ppl_q)}
+    return None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
 
 
 def parse_hub_fetch(output: str) -> dict[str, Any]:

@@ -223,9 +223,9 @@ class EnsureGguf(Operation):
                 if isinstance(cmd, Probe):
                     result = host.run(cmd.command, stream=False, check=False)
                     if cmd.key == "kld" and result.exited == 0 and parse_kld(result.stdout) is None:
-                        # seen once in a cold test run: exit 0, every chunk's row, and none of
-                        # the statistics llama-perplexity prints after them (its log is written
-                        # by a thread); one more run, then the judge says what is missing
+                        # exit 0 and not even the last chunk's row (parse_kld reads the figures
+                        # from it when only the closing statistics were lost to llama.cpp's log
+                        # thread at exit): one more run, then the judge says what is missing
                         result = host.run(cmd.command, stream=False, check=False)
                     proof[cmd.key] = self._judge(cmd.key, result.stdout, result.exited)
                 elif isinstance(cmd, Record):
