@@ -120,7 +120,7 @@ def main() -> int:
             "noise, round spread, drift); the bench's own stopping rule; old rule: |a-b| > hypot(half-widths); "
             "new: bench_stats.difference with RUN_NOISE and Bonferroni. RUN_NOISE is the idle set's: the busy "
             "set's run noise is four times it, and there the stated rates do not hold. proof_*: the procedure "
-            "of scripts/bench_proof.py through bench_noise.host_noise and bench_report.compare "
+            "of scripts/bench_proof.py through bench_noise.host_noise and bench_compare.compare "
             "(tests/noise_sim.compare_verdicts)",
             extra={"machines": machines},
         )

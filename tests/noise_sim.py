@@ -130,7 +130,7 @@ def compare_verdicts(
     m: Machine, trials: int, noise_runs: int = 4, change: float = 0.30, pool_runs: int = 8, seed: int = 3
 ) -> dict[str, float]:
     """`bench --compare` as scripts/bench_proof.py uses it, through the product's own code
-    (bench_noise.host_noise, bench_report.compare): ``noise_runs`` runs of an unchanged server
+    (bench_noise.host_noise, bench_compare.compare): ``noise_runs`` runs of an unchanged server
     (`bench --noise`), one more compared with them (unchanged: any of its two verdicts called
     changed is a false change), then the recipe changed so the rate moves by ``change`` and
     compared (called changed against the last configuration: the power). ``pool_runs`` 1 is
@@ -151,11 +151,11 @@ def _compared(
 ) -> dict[str, Any]:
     """One more run of recipe ``sha`` compared with ``history`` (then appended to it), as
     `bench --compare` makes it: the host's noise from the history before it."""
-    from playbooks.steps.measure import bench_noise, bench_report
+    from playbooks.steps.measure import bench_compare, bench_noise
 
     line = _history_line(len(history), sha, run(rng, m, rate, len(history)))
     noise = bench_noise.host_noise(history)
     result = line | {"workload": {}, "host_noise": noise.as_dict() if noise else None}
-    [row] = bench_report.compare(result, history, pool_runs)
+    [row] = bench_compare.compare(result, history, pool_runs)
     history.append(line)
     return row

@@ -23,8 +23,15 @@ import pytest
 from playbooks.cli.render import console
 from playbooks.config.recipe import load_recipe
 from playbooks.facts import system
-from playbooks.steps.measure import bench, roofline, tune_report
-from playbooks.steps.measure import bench_report as br
+from playbooks.steps.measure import (
+    bench,
+    bench_compare,
+    bench_figures,
+    bench_history,
+    bench_render,
+    roofline,
+    tune_report,
+)
 from playbooks.steps.measure.bench_run import ceilings
 from playbooks.steps.measure.gate import figures_line, gate_figures
 from tests.helpers import ROOT, fixture_body
@@ -76,13 +83,13 @@ def test_the_one_per_stream_figure_is_the_judged_one_in_old_levels_too():
     assert bench.decode_figure(level) == 1732.0
     # older still: no estimate, only the crosscheck saying the client could not time the tokens
     older = {k: v for k, v in level.items() if k != "decode"}
-    assert bench.decode_figure(older) == 1731.6 and br.per_stream(older) == 1731.6
+    assert bench.decode_figure(older) == 1731.6 and bench_figures.per_stream(older) == 1731.6
     # a level with no figure at all (every request failed): none, not 0 tok/s
-    assert br.per_stream({"concurrency": 1, "per_stream_decode_tok_s": None}) is None
+    assert bench_figures.per_stream({"concurrency": 1, "per_stream_decode_tok_s": None}) is None
 
 
 def test_markdown_shows_the_judged_figure_and_its_share(old):
-    md = br.render_markdown(old)
+    md = bench_render.render_markdown(old)
     assert "| 1 | 1290.4 (9%) | 1732.0 ± 244.0 (12%)* | 1731.6 (12%) | not timeable |" in md
     assert "30886" not in md and "213%" not in md  # 30,886 / 14,531: the share the old report showed
     assert "- MBU: 12%" in md
@@ -91,39 +98,39 @@ def test_markdown_shows_the_judged_figure_and_its_share(old):
     # a level stored before the estimates, untimeable: the server's own, marked as such
     older = copy.deepcopy(old)
     del older["levels"][0]["decode"]
-    assert "| 1 | 1290.4 (9%) | 1731.6 (12%)* | 1731.6 (12%) | not timeable |" in br.render_markdown(older)
+    assert "| 1 | 1290.4 (9%) | 1731.6 (12%)* | 1731.6 (12%) | not timeable |" in bench_render.render_markdown(older)
 
 
 def test_the_chart_draws_the_judged_figure(old):
-    series = br.chart_series(old)
+    series = bench_render.chart_series(old)
     assert series["per_stream_decode_tok_s"][0] == 1732.0
     assert series["per_stream_decode_tok_s"][1:] == [lv["per_stream_decode_tok_s"] for lv in old["levels"][1:]]
     gone = copy.deepcopy(old)
     gone["levels"][1] |= {"per_stream_decode_tok_s": None, "decode": None, "server_predicted_per_second": None}
-    assert math.isnan(br.chart_series(gone)["per_stream_decode_tok_s"][1])
-    assert br.chart_png(old).startswith(b"\x89PNG")
+    assert math.isnan(bench_render.chart_series(gone)["per_stream_decode_tok_s"][1])
+    assert bench_render.chart_png(old).startswith(b"\x89PNG")
 
 
 def test_history_and_compare_read_the_judged_figure_from_old_lines(old, tmp_path):
     # a history line the old code wrote: the client's 30,886 under the rate's name, the estimate beside it
-    line = br.history_summary(old)
+    line = bench_history.history_summary(old)
     line["levels"][0]["per_stream_decode_tok_s"] = 30886.0
     line["at"] = "2026-11-01T10:00:00Z"
     history = tmp_path / "history.jsonl"
     history.write_text(json.dumps(line) + "\n")
-    assert br.history_summary(old)["levels"][0]["per_stream_decode_tok_s"] == 1732.0  # what is written now
+    assert bench_history.history_summary(old)["levels"][0]["per_stream_decode_tok_s"] == 1732.0  # what is written now
     now = copy.deepcopy(old)
     now["levels"][0]["decode"] = dict(old["levels"][0]["decode"], mean=1800.0)
-    rows = br.compare(now, br.read_history(history))
+    rows = bench_compare.compare(now, bench_history.read_history(history))
     one = rows[0]
     assert one["now"]["per_stream_decode_tok_s"] == 1800.0
     assert one["last"]["values"]["per_stream_decode_tok_s"] == 1732.0
     assert one["last"]["change_pct"]["per_stream_decode_tok_s"] == pytest.approx(3.93, abs=0.01)
-    out = _text(br.render_compare, rows)
+    out = _text(bench_compare.render_compare, rows)
     assert "30886" not in out and "1732.0" in out and "1800.0" in out
     # a line from before the estimates: its per_stream_decode_tok_s is the figure it has
     plain = {"concurrency": 1, "aggregate_tok_s": 60.1, "per_stream_decode_tok_s": 60.3, "ttft_p95_s": 0.2}
-    assert br.tracked(plain) == {"aggregate_tok_s": 60.1, "per_stream_decode_tok_s": 60.3, "ttft_p95_s": 0.2}
+    assert bench_history.tracked(plain) == {"aggregate_tok_s": 60.1, "per_stream_decode_tok_s": 60.3, "ttft_p95_s": 0.2}
 
 
 def test_the_client_figure_has_its_own_name_in_the_crosscheck():
@@ -133,9 +140,9 @@ def test_the_client_figure_has_its_own_name_in_the_crosscheck():
     assert bench.judge(result, {}, {})["reasons"] == [
         "at concurrency 1 the client's decode 46.0 tok/s and the server's own 50.0 differ by 8% (over 5%)"
     ]
-    assert br.crosscheck_ratio({"client_decode_tok_s": 46.0, "per_stream_decode_tok_s": 50.0,
+    assert bench_figures.crosscheck_ratio({"client_decode_tok_s": 46.0, "per_stream_decode_tok_s": 50.0,
                                 "server_predicted_per_second": 50.0}) == pytest.approx(0.92)  # fmt: skip
-    assert br.crosscheck_ratio({"client_decode_tok_s": None, "per_stream_decode_tok_s": 50.0,
+    assert bench_figures.crosscheck_ratio({"client_decode_tok_s": None, "per_stream_decode_tok_s": 50.0,
                                 "server_predicted_per_second": 50.0}) is None  # fmt: skip
 
 
@@ -184,13 +191,13 @@ def _resident(old: dict) -> dict:
 
 def test_a_cache_resident_result_prints_no_percentage(old):
     r = _resident(old)
-    md = br.render_markdown(r)
+    md = bench_render.render_markdown(r)
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table and not [line for line in table if "%" in line and "MBU" not in line], table
     assert "- roofline: none (cache-resident: 2.3 MB per token fits the 32 MiB last-level cache" in md
     assert "- MBU: none: cache-resident: 2.3 MB per token fits the 32 MiB last-level cache" in md
     assert "% of" not in md and "(12%)" not in md
-    terminal = _text(br.render_sweep_table, r)
+    terminal = _text(bench_render.render_sweep_table, r)
     assert "no roofline, rates without a share: cache-resident" in terminal and "(12%)" not in terminal
     line = figures_line(gate_figures(r))
     assert line.startswith("1732 ± 244 tok/s single stream (cache-resident: the DRAM ceiling does not bind)")
@@ -226,7 +233,7 @@ def _above(old: dict) -> dict:
 def test_an_mbu_above_one_is_reported_as_a_ceiling_or_measurement_error(old):
     r = _above(old)
     assert roofline.mbu_note(r) == "above the ceiling: a ceiling or measurement error"
-    md = br.render_markdown(r)
+    md = bench_render.render_markdown(r)
     assert "- MBU: above the ceiling: a ceiling or measurement error (decode 1.02x the 14531.0 tok/s roofline)" in md
     assert "| 1 | 1290.4 (9%) | 14822.0 ± 300.0 (above the ceiling)* |" in md
     assert "above the ceiling = a per-stream rate over it: a ceiling or measurement error" in md
@@ -246,7 +253,7 @@ def test_an_mbu_above_one_is_reported_as_a_ceiling_or_measurement_error(old):
     )
     assert "102%" not in line
     # an aggregate above the single-stream roofline is batching, not an error: still a share
-    assert br._of_roofline(20000.0, 14531.0, bounded=False) == "20000.0 (138%)"
+    assert bench_figures.of_roofline(20000.0, 14531.0, bounded=False) == "20000.0 (138%)"
 
 
 def test_the_device_check_gives_no_percentage_above_the_ceiling(old, tmp_path):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from playbooks.steps.measure import bench_noise, bench_report
+from playbooks.steps.measure import bench_compare, bench_noise
 from tests import noise_sim
 from tests.helpers import ROOT, rich_text
 
@@ -17,7 +17,7 @@ NOISE = json.loads((ROOT / "reports" / "bench" / "noise.json").read_text())
 
 
 def _line(at: str, decode: dict, recipe: str = "r", sha: str = "s1", build: str = "b1", c: int = 1) -> dict:
-    """A history line (bench_report.history_summary's shape) with one level's decode."""
+    """A history line (bench_history.history_summary's shape) with one level's decode."""
     level = {"concurrency": c, "aggregate_tok_s": decode["mean"], "decode": decode}
     return {"at": at, "host": "box", "recipe": recipe, "recipe_sha256": sha, "build": build, "levels": [level]}
 
@@ -88,25 +88,25 @@ def test_compare_counts_the_hosts_own_noise_and_without_one_gives_no_verdict():
     figure at all: no verdict, and the line names the command that measures one."""
     then = [_line("t", {"mean": 100.0, "stdev": 4.0, "n": 8, "source": "client"})]
     quiet = bench_noise.HostNoise(0.02, 9, 12, 3, "2026-12-01T00:00:00Z", "2026-12-05T00:00:00Z").as_dict()
-    [row] = bench_report.compare(_result(quiet), then)
+    [row] = bench_compare.compare(_result(quiet), then)
     assert row["last"]["decode_outside_noise"] is True and row["last"]["run_noise"] == 0.02
-    assert bench_report.noise_line(_result(quiet)) == (
+    assert bench_compare.noise_line(_result(quiet)) == (
         "noise between runs: 2.0% between runs (12 runs, 9 degrees of freedom, 2026-12-01 to 2026-12-05), "
         "box's own history"
     )
-    [row] = bench_report.compare(_result(quiet, run_noise=0.09), then)  # the recipe's own figure wins
+    [row] = bench_compare.compare(_result(quiet, run_noise=0.09), then)  # the recipe's own figure wins
     assert row["last"]["decode_outside_noise"] is False and row["last"]["detectable_pct"] > 30
     few = bench_noise.HostNoise(0.02, 2, 3, 1, "a", "b").as_dict()
     for noise in (None, few):
-        [row] = bench_report.compare(_result(noise), then)
+        [row] = bench_compare.compare(_result(noise), then)
         assert (
             row["last"]["decode_outside_noise"] is None and row["last"]["change_pct"]["per_stream_decode_tok_s"] == 30
         )
-        line = bench_report.noise_line(_result(noise))
+        line = bench_compare.noise_line(_result(noise))
         assert "box has no run-to-run noise figure of its own" in line, line
         assert "run `invoke bench --host box --noise 6` against the unchanged server" in line
         assert line.endswith("the changes are shown without a verdict")
-    assert "(3 unchanged runs (2 degrees of freedom)" in bench_report.noise_line(_result(few))
+    assert "(3 unchanged runs (2 degrees of freedom)" in bench_compare.noise_line(_result(few))
 
 
 def test_compare_pools_the_last_configurations_recent_runs_as_its_reference():
@@ -123,23 +123,23 @@ def test_compare_pools_the_last_configurations_recent_runs_as_its_reference():
     history.append(_line("2026-12-01T00:07:00Z", {"mean": 104.0, **d}))
     noise = bench_noise.HostNoise(0.04, 5, 6, 1, "2026-12-01T00:00:00Z", "2026-12-01T00:07:00Z").as_dict()
     now = _result(noise, mean=130.0) | {"recipe_sha256": "s9"}
-    [row] = bench_report.compare(now, history)
+    [row] = bench_compare.compare(now, history)
     last = row["last"]
     assert (last["runs"], last["first_at"], last["at"]) == (4, "2026-12-01T00:00:00Z", "2026-12-01T00:07:00Z")
     assert last["values"]["per_stream_decode_tok_s"] == pytest.approx(101.0)  # 98, 102, 100, 104
     assert last["change_pct"]["per_stream_decode_tok_s"] == pytest.approx(29 / 101 * 100)
     assert last["recipe_changed"] and last["decode_outside_noise"] is True
-    [alone] = bench_report.compare(now, history, pool_runs=1)
+    [alone] = bench_compare.compare(now, history, pool_runs=1)
     assert alone["last"]["runs"] == 1 and alone["last"]["values"]["per_stream_decode_tok_s"] == 104.0
     assert last["detectable_pct"] < alone["last"]["detectable_pct"]
-    [two] = bench_report.compare(now, history, pool_runs=2)
+    [two] = bench_compare.compare(now, history, pool_runs=2)
     assert two["last"]["runs"] == 2 and two["last"]["first_at"] == "2026-12-01T00:02:00Z"
-    out = " ".join(rich_text(bench_report.render_compare, [row], width=200).split())
+    out = " ".join(rich_text(bench_compare.render_compare, [row], width=200).split())
     assert "concurrency 1: per-stream decode +28.7% against the last 4 runs, outside the noise: a real change" in out
     assert "last: 4 runs of one configuration, 2026-12-01T00:00:00Z to 2026-12-01T00:07:00Z, build b1" in out
     # the latest run without an interval: no pooling, the run alone (and no verdict)
     history.append(_line("2026-12-01T00:08:00Z", {"mean": 100.0}))
-    [row] = bench_report.compare(now, history)
+    [row] = bench_compare.compare(now, history)
     assert row["last"]["runs"] == 1 and row["last"]["decode_outside_noise"] is None
 
 
@@ -178,13 +178,13 @@ def test_each_level_is_judged_by_its_own_noise():
     assert "; by concurrency: 1: " in bench_noise.noise_text(found)
     now = _result(found.as_dict(), mean=127.8 * 1.15)
     now["levels"].append({"concurrency": 2, "aggregate_tok_s": 1.0, "decode": {"mean": 73.0 * 1.15, **d}})
-    rows = {r["concurrency"]: r for r in bench_report.compare(now, history)}
+    rows = {r["concurrency"]: r for r in bench_compare.compare(now, history)}
     assert rows[1]["last"]["decode_outside_noise"] is True and rows[2]["last"]["decode_outside_noise"] is False
     assert rows[1]["last"]["run_noise"] == pytest.approx(one, abs=1e-4)
     assert rows[2]["last"]["run_noise"] == pytest.approx(two, abs=1e-4)
     # without the levels' own figures (a history line from before them) the mean figure judges both
     mean_only = {k: v for k, v in found.as_dict().items() if k != "levels"}
-    rows = {r["concurrency"]: r for r in bench_report.compare(_result(mean_only, mean=127.8 * 1.15), history)}
+    rows = {r["concurrency"]: r for r in bench_compare.compare(_result(mean_only, mean=127.8 * 1.15), history)}
     assert rows[1]["last"]["run_noise"] == pytest.approx(found.rsd, abs=1e-4)
 
 
@@ -194,7 +194,7 @@ def test_a_compare_at_a_noise_no_change_overcomes_says_so():
     d = {"stdev": 4.0, "n": 8, "source": "client"}
     history = [_line(f"2026-12-01T00:0{i}:00Z", {"mean": 100.0, **d}) for i in range(6)]
     noisy = bench_noise.HostNoise(0.25, 5, 6, 1, "2026-12-01T00:00:00Z", "2026-12-01T00:05:00Z").as_dict()
-    [row] = bench_report.compare(_result(noisy, mean=110.0), history)
+    [row] = bench_compare.compare(_result(noisy, mean=110.0), history)
     assert row["last"]["decode_outside_noise"] is False and row["last"]["detectable_pct"] is None
-    out = " ".join(rich_text(bench_report.render_compare, [row], width=200).split())
+    out = " ".join(rich_text(bench_compare.render_compare, [row], width=200).split())
     assert "against the last 6 runs, within the noise: no change shown (at this noise no change would show 80%" in out

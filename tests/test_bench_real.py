@@ -181,7 +181,7 @@ def test_bench_sweep_reports_gate_and_a_server_that_is_down(
         # the family's rate is at most 5% a compare (simulated: tests/test_bench_noise.py), so a
         # call is met with one more compare, and two in a row (0.25% by that rate) fail
         # (a run whose tokens the client could not time pools only with runs measured the same
-        # way, bench_report._last_members: "the last 3 runs" where one of four was the server's)
+        # way, bench_compare._last_members: "the last 3 runs" where one of four was the server's)
         verdict = r"concurrency 1: per-stream decode ([+-][\d.]+)% against the (last [2-4] runs|best run), "
         verdict += r"(outside|within)"
         assert 1 <= len(re.findall(verdict, out)) <= 2, out[-2000:]

@@ -12,17 +12,11 @@ import os
 import matplotlib.image
 import pytest
 
-from playbooks.steps.measure import bench_report as br
-from playbooks.steps.measure.bench_report import (
-    append_history,
-    chart_png,
-    compare,
-    read_history,
-    render_compare,
-    render_markdown,
-    render_sweep_table,
-    write_reports,
-)
+from playbooks import errors
+from playbooks.steps.measure import atomic_files, bench_history
+from playbooks.steps.measure.bench_compare import compare, render_compare
+from playbooks.steps.measure.bench_history import append_history, read_history
+from playbooks.steps.measure.bench_render import chart_png, render_markdown, render_sweep_table, write_reports
 from tests.helpers import ROOT, rich_text
 
 EXAMPLE = ROOT / "tests" / "data" / "bench-result-example.json"
@@ -152,7 +146,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp_file(result, tmp_path, m
     def refuse(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(br.os, "replace", refuse)
+    monkeypatch.setattr(atomic_files.os, "replace", refuse)
     with pytest.raises(OSError, match="disk full"):
         write_reports(failed(result), tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
@@ -333,8 +327,8 @@ def test_history_append_read_and_compare_pick_last_and_best(result, tmp_path):
 
 
 def test_compare_per_level_best_and_a_level_never_measured(result):
-    a = br.history_summary(run_at(result, "2026-11-01T10:00:00Z", 1.0))
-    b = br.history_summary(run_at(result, "2026-11-02T10:00:00Z", 1.0))
+    a = bench_history.history_summary(run_at(result, "2026-11-01T10:00:00Z", 1.0))
+    b = bench_history.history_summary(run_at(result, "2026-11-02T10:00:00Z", 1.0))
     a["levels"][0]["aggregate_tok_s"] = 90.0  # a is best at concurrency 1 only
     b["levels"] = b["levels"][:2]  # an older sweep that stopped at concurrency 2
     b["recipe_sha256"] = "0" * 64
@@ -365,7 +359,7 @@ def test_compare_says_whether_a_decode_change_is_outside_the_noise(result):
         run["host_noise"] = {"rsd": 0.09, "df": 7, "runs": 8, "groups": 1, "oldest": None, "newest": None}
         return run
 
-    then = br.history_summary(with_decode(run_at(result, "2026-11-01T10:00:00Z", 1.0), 60.3))
+    then = bench_history.history_summary(with_decode(run_at(result, "2026-11-01T10:00:00Z", 1.0), 60.3))
     near, far = with_decode(result, 61.0), with_decode(result, 100.0)
     assert compare(near, [then])[0]["last"]["decode_outside_noise"] is False
     assert compare(with_decode(result, 66.0), [then])[0]["last"]["decode_outside_noise"] is False
@@ -381,7 +375,7 @@ def test_compare_says_whether_a_decode_change_is_outside_the_noise(result):
     assert "concurrency 1: per-stream decode +65.8% against the last run, outside the noise: a real change" in out
     # the client's figure against the server's own: not the same measurement, no verdict
     assert compare(with_decode(result, 66.0, "server"), [then])[0]["last"]["decode_outside_noise"] is None
-    old = br.history_summary(run_at(result, "2026-11-01T10:00:00Z", 1.0))
+    old = bench_history.history_summary(run_at(result, "2026-11-01T10:00:00Z", 1.0))
     assert compare(far, [old])[0]["last"]["decode_outside_noise"] is None
 
 
@@ -390,13 +384,13 @@ def test_a_corrupt_history_line_names_the_file_and_line(result, tmp_path):
     append_history(result, history)
     with history.open("a") as f:
         f.write("{not json\n")
-    with pytest.raises(br.VoltaforgeError, match=r"h\.jsonl:2: not a JSON line"):
+    with pytest.raises(errors.VoltaforgeError, match=r"h\.jsonl:2: not a JSON line"):
         read_history(history)
 
 
 def test_append_survives_a_history_without_a_final_newline(result, tmp_path):
     history = tmp_path / "h.jsonl"
-    history.write_text(json.dumps(br.history_summary(run_at(result, "2026-01-01T00:00:00Z", 1.0))))
+    history.write_text(json.dumps(bench_history.history_summary(run_at(result, "2026-01-01T00:00:00Z", 1.0))))
     append_history(result, history)
     assert [r["at"] for r in read_history(history)] == ["2026-01-01T00:00:00Z", result["at"]]
     assert not [p for p in os.listdir(tmp_path) if p != "h.jsonl"]

@@ -25,6 +25,7 @@ Held:
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
 import os
@@ -43,14 +44,17 @@ import pytest
 import yaml
 
 from playbooks.cli.balancer import run_lb
+from playbooks.cli.bench import render_prometheus_view, run_bench
 from playbooks.cli.deploy import run_deploy, run_stop
 from playbooks.cli.monitor import run_monitor
+from playbooks.cli.render import console
 from playbooks.cli.top import run_top
 from playbooks.conduct.balancer import edge_client
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.top import read_view
 from playbooks.host import connect
 from playbooks.steps.measure.bench_client import run_level
+from playbooks.steps.measure.bench_run import bench_dir
 from tests import llamacpp_tools
 from tests.helpers import ROOT, stage_served_model
 from tests.test_balancer_real import wait_for
@@ -262,6 +266,30 @@ def test_monitor_scrapes_keyed_servers_the_edge_and_the_exporters(
         # on a terminal: redrawn in place until Ctrl-C, then exit 0
         frames = top_on_a_terminal(inv, recipes)
         assert frames.count("servers (Prometheus on local") >= 2 and "\x1b[" in frames, frames[-2000:]
+
+        # `invoke bench` where a monitor exists: Prometheus's view of its run beside its own
+        # figures. The server's counter rose between the scrape before the run's first request and
+        # the first after its last answer by exactly the tokens the bench received (its probe and
+        # warm-ups too): the client's count and the server's, two sources
+        capsys.readouterr()
+        code = run_bench("local", "alpha", as_json=True, settings=settings)
+        result = json.loads(capsys.readouterr().out)
+        assert code in (0, 1) and result["complete"], result.get("error")  # (the gate is not this test's)
+        seen = result["prometheus"]
+        assert seen["tokens_predicted"] == result["sent"]["completion_tokens"] > 0, seen
+        assert seen["sent_requests"] == result["sent"]["requests"] > len(result["levels"])  # warm-ups in
+        w = seen["window"]
+        assert w["from"] <= result["sent"]["from"] < result["sent"]["to"] <= w["to"], (w, result["sent"])
+        assert w["to"] - result["sent"]["to"] < 10 * INTERVAL_S  # a scrape soon after (1 s apart, on a busy machine)
+        assert seen["decode_tok_s"] > 0 and seen["deferred_max"] == 0
+        assert seen["gpus"] == [] and seen["gpus_seen"] == 0  # no GPU here, and the exporter says so
+        report = bench_dir() / "local" / "alpha" / result["at"].replace(":", "") / "bench.md"
+        assert "## Prometheus's view of the run" in report.read_text()
+        buf = io.StringIO()
+        render_prometheus_view(result, console(file=buf, width=130))
+        with capsys.disabled():
+            print(buf.getvalue())  # (docs/monitor.md shows one)
+        assert f"{seen['tokens_predicted']} (equal)" in buf.getvalue()
 
         # one server killed: up 0, named in one line; Prometheus scrapes the rest
         pid = int((state / "voltaforge-alpha" / "server.pid").read_text())

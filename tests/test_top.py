@@ -19,6 +19,7 @@ import yaml
 from playbooks.cli.top import run_top
 from playbooks.conduct.settings import Settings
 from playbooks.conduct.top import NoMonitor, read_view
+from playbooks.steps.monitor.bench_view import run_view, server_selector, window_queries
 from playbooks.steps.monitor.top import parse_answer
 from tests.helpers import ROOT
 from tests.test_monitor import _exporter, needs_exporter_deps, v100_standin
@@ -89,6 +90,19 @@ def test_top_shows_each_card_as_its_exporter_read_it(tmp_path, capsys):
         [line] = view.no_gpu
         assert line.startswith("cpu-01: no GPU seen (NVML no-"), line  # no-driver or no-nvml-library
         assert view.servers == []
+
+        # the bench's view of a run on gpu-01 (steps/monitor/bench_view.py): its GPU over the
+        # window, by the same queries, is the card as the captures say
+        now = time.time()
+        result = {"host": "gpu-01", "server": {"service": "s", "model": "m"},
+                  "sent": {"from": now - 3, "to": now - 1, "requests": 1, "completion_tokens": 2}}  # fmt: skip
+        queries = window_queries(result, server_selector(result), 5)
+        answers = {k: parse_answer(httpx.get(f"{url}/api/v1/query", params={"query": q}).json())
+                   for k, q in queries.items()}  # fmt: skip
+        counter = [(now - 4, 0.0), (now, 2.0)]  # (no llama-server here: the tokens are the test's)
+        bench = run_view(result, {"tokens": counter}, answers, "here")
+        assert bench["gpus"] == [{"gpu": "0", "sm_min_mhz": 1290.0, "temp_max_c": 32.0, "power_max_w": 57.4,
+                                  "held": ["hw_thermal_slowdown"]}] and bench["gpus_seen"] == 1  # fmt: skip
 
         # the command, piped (not a terminal): one snapshot
         assert run_top(settings=_inventory(tmp_path, port)) == 0

@@ -14,8 +14,10 @@ from playbooks.cli.render import console
 from playbooks.conduct.bench import bench_balancer, bench_host, bench_noise
 from playbooks.conduct.bench_against import bench_against
 from playbooks.conduct.settings import Settings
+from playbooks.steps.measure.bench_compare import compare, noise_line, render_compare
 from playbooks.steps.measure.bench_noise import missing_text, noise_text, usable
-from playbooks.steps.measure.bench_report import compare, noise_line, render_compare, render_sweep_table
+from playbooks.steps.measure.bench_render import render_sweep_table
+from playbooks.steps.monitor.bench_view import single_stream, view_rows
 
 
 def run_bench(
@@ -40,11 +42,26 @@ def run_bench(
             if len(runs) > 1:
                 out.print(f"[bold]{result['recipe']}[/] on {result.get('server', {}).get('url', host_name)}")
             render_sweep_table(result, out)
+            if result.get("prometheus"):
+                render_prometheus_view(result, out)
             if show_compare:
                 render_compare(compare(result, earlier), out)
                 out.print(Text(noise_line(result)))
             out.print(f"reports: {files['json']}, {files['markdown']}, {files['png']}")
     return 0 if all(result["gate"]["passed"] for result, _, _ in runs) else 1
+
+
+def render_prometheus_view(result: dict, out: Console) -> None:
+    """The monitor's view of the run beside the bench's own figures (steps/monitor/bench_view.py)."""
+    view = result["prometheus"]
+    span = (view.get("window") or {}).get("span_s")
+    over = f"over the run (between scrapes {span} s apart)" if span is not None else "over the run"
+    table = Table(title=f"{view.get('source')}, {over}", title_justify="left")
+    for col in ("", "Prometheus", "the bench"):
+        table.add_column(col)
+    for what, seen, own in view_rows(view, single_stream(result)):
+        table.add_row(what, Text(seen, style="yellow") if view.get("error") else seen, own)
+    out.print(table)
 
 
 def run_bench_noise(

@@ -14,15 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from playbooks.conduct.balancer import edge_client
+from playbooks.conduct.bench_view import Run, add_prometheus_views
 from playbooks.conduct.deploy import served_instances
 from playbooks.conduct.settings import Settings
+from playbooks.steps.measure.bench_history import read_history
 from playbooks.steps.measure.bench_lb import bench_through_balancer
 from playbooks.steps.measure.bench_noise import HostNoise, host_noise
-from playbooks.steps.measure.bench_report import read_history
 from playbooks.steps.measure.bench_run import bench_dir, gate_run
-
-#: one server's run: its result, the report files written, the earlier results to compare with
-Run = tuple[dict[str, Any], dict[str, Path], list[dict[str, Any]]]
 
 
 def bench_host(
@@ -32,8 +30,17 @@ def bench_host(
     out_dir: Path | None = None,
     remeasure: bool = False,
 ) -> list[Run]:
-    """Each server of the host benched and gated. ``remeasure``: the host's memory bandwidth
+    """Each server of the host benched and gated, with Prometheus's view of each run where the
+    inventory has a monitor (conduct/bench_view.py). ``remeasure``: the host's memory bandwidth
     measured again instead of the stored figure."""
+    runs = _gate_runs(host_name, recipe, settings, out_dir, remeasure)
+    add_prometheus_views(settings, runs)
+    return runs
+
+
+def _gate_runs(
+    host_name: str, recipe: str | None, settings: Settings, out_dir: Path | None = None, remeasure: bool = False
+) -> list[Run]:
     spec = settings.host_spec(host_name)
     served = settings.named_serves(host_name, recipe)
     runs = []
@@ -50,10 +57,10 @@ def bench_noise(
 ) -> tuple[list[Run], HostNoise | None]:
     """The unchanged server(s) benched ``runs`` times back to back, each run kept in the
     history, and the host's run-to-run noise pooled from its history after them
-    (steps/measure/bench_noise.py)."""
+    (steps/measure/bench_noise.py). No Prometheus view: these runs are for their spread."""
     done: list[Run] = []
     for _ in range(runs):
-        done += bench_host(host_name, recipe, settings)
+        done += _gate_runs(host_name, recipe, settings)
     host = done[-1][0]["host"] if done else host_name  # the name the history keeps
     return done, host_noise(read_history(bench_dir() / "history.jsonl", host))
 

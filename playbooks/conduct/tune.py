@@ -64,8 +64,8 @@ from playbooks.host.output import Printer
 from playbooks.plan.engines import engine
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
+from playbooks.steps.measure.bench_history import read_history
 from playbooks.steps.measure.bench_noise import counted_or_borrowed, host_noise
-from playbooks.steps.measure.bench_report import read_history
 from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
 from playbooks.steps.measure.tune_cost import plan_costs, streams_for
 from playbooks.steps.measure.tune_search import (

@@ -67,6 +67,20 @@ class Sample:
         return (n - 1) / span if span > 0 else None
 
 
+@dataclass
+class Sent:
+    """Every request a run sent one server, its probe and warm-ups included, and the tokens that
+    came back: what the server's own counters should show for the run (Prometheus's view of it,
+    steps/monitor/bench_view.py)."""
+
+    requests: int = 0
+    completion_tokens: int = 0
+
+    def add(self, samples: Sequence[Sample]) -> None:
+        self.requests += len(samples)
+        self.completion_tokens += sum(s.completion_tokens or 0 for s in samples)
+
+
 def request_body(prompt: str, max_tokens: int, seed: int, kind: str, model: str | None = None) -> dict[str, Any]:
     """A completion of exactly ``max_tokens`` (EOS ignored where the server allows), seeded;
     ``model``: the served name it asks for (a router serving a model set routes by it; a single

@@ -93,7 +93,7 @@ def _group_variance(runs: list[dict[str, Any]]) -> dict[str, tuple[float, int]]:
 
 
 def host_noise(history: Iterable[dict[str, Any]]) -> HostNoise | None:
-    """The pooled figure of one host's history lines (bench_report.read_history(path, host)),
+    """The pooled figure of one host's history lines (bench_history.read_history(path, host)),
     or None when no group has two runs with intervals. Below MIN_DF degrees of freedom it is
     returned all the same: the caller says it is not enough (:func:`usable`)."""
     groups: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}

@@ -38,8 +38,9 @@ from playbooks.plan.tensors import parameter_count
 from playbooks.resources import resource_dir
 from playbooks.steps.build.llamacpp_source import source_cache_dir
 from playbooks.steps.measure import bench, bench_client, roofline
+from playbooks.steps.measure.bench_history import append_history, read_history
 from playbooks.steps.measure.bench_noise import host_noise
-from playbooks.steps.measure.bench_report import append_history, read_history, write_reports
+from playbooks.steps.measure.bench_render import write_reports
 from playbooks.steps.measure.bench_stats import MIN_ROUNDS, estimate, settled
 from playbooks.steps.serve.deploy import DeployLayout, read_record
 from playbooks.steps.serve.secrets import api_key_for
@@ -255,16 +256,21 @@ def sweep_level(
     kind: str,
     api_key: str | None = None,
     verify: str | bool = True,
+    sent: bench_client.Sent | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     """One concurrency level: a warm-up round (every stream once, left out), then rounds of one
     request per stream until the judged per-stream decode's 95% half-width (over rounds) is
     within the gate's ``ci_target`` of its mean, or the cap (:func:`round_bounds`); a level that
     stopped at the cap short of the target says so (``capped``). Returns the level's summary
     (with the client's own CPU time: on the served host it competes with the server) and its
-    samples."""
+    samples. ``sent``: every request of the level counted in it, the warm-up's too."""
     least, most = round_bounds(g, c)
     warm = bench.prompts_for(text, words, c, seed=100_000 + c)
-    asyncio.run(bench_client.run_level(url, warm, c, g.max_tokens, 100_000, kind, REQUEST_TIMEOUT_S, api_key, verify))
+    warmed, _ = asyncio.run(
+        bench_client.run_level(url, warm, c, g.max_tokens, 100_000, kind, REQUEST_TIMEOUT_S, api_key, verify)
+    )
+    if sent is not None:
+        sent.add(warmed)
     rounds: list[bench.Round] = []
     cpu0 = time.process_time()
     while True:
@@ -275,6 +281,8 @@ def sweep_level(
             )
         )
         rounds.append((got, took))
+        if sent is not None:
+            sent.add(got)
         if all(s.error for s in got):
             break
         values, _ = bench.judged_rounds(rounds)
@@ -299,12 +307,20 @@ def workload_text(workload: str = "chat") -> bench.Corpus:
 
 
 def prompt_words(
-    url: str, text: bench.Corpus, kind: str, prompt_tokens: int, api_key: str | None = None, verify: str | bool = True
+    url: str,
+    text: bench.Corpus,
+    kind: str,
+    prompt_tokens: int,
+    api_key: str | None = None,
+    verify: str | bool = True,
+    sent: bench_client.Sent | None = None,
 ) -> tuple[int, str | None]:
     """Words per prompt for about ``prompt_tokens`` tokens, from one probe request's own token
-    count; or why the server does not serve completions."""
+    count; or why the server does not serve completions. ``sent``: the probe counted in it."""
     probe_words = 64
     first = bench_client.probe_prompt_tokens(url, text.cut(0, probe_words), kind, 60, api_key, verify)
+    if sent is not None:
+        sent.add([first])
     if first.error:
         return 0, first.error
     return bench.words_for(prompt_tokens, probe_words, first.prompt_tokens or probe_words), None
@@ -424,6 +440,7 @@ def measure(
         "deployed_at": record.get("at"),
         "build": build or ("not recorded" if e.serves_llamacpp_build else f"{e.server_label} (no llama.cpp build)"),
         "url": f"http://127.0.0.1:{port}/v1 on {host.name}",
+        "service": layout.service,
     }
     python = host_python(host, prefix)
     membw = None
@@ -449,7 +466,10 @@ def measure(
     api_key = api_key_for(host, r)
     with host.forward(port) as local_port:
         url = f"http://127.0.0.1:{local_port}"
-        words, why = prompt_words(url, text, kind, g.prompt_tokens, api_key)
+        # what the server is sent from here on, and when: Prometheus's view of the run reads the
+        # server's counters over this window (conduct/bench_view.py)
+        sent, sent_from = bench_client.Sent(), time.time()
+        words, why = prompt_words(url, text, kind, g.prompt_tokens, api_key, sent=sent)
         if why:
             result["error"] = f"the server on {host.name}:{port} does not serve completions: {why}"
             return result, seen
@@ -465,7 +485,7 @@ def measure(
         samples_all = []
         try:
             for c in levels:
-                summary, samples = sweep_level(url, text, words, c, g, kind, api_key)
+                summary, samples = sweep_level(url, text, words, c, g, kind, api_key, sent=sent)
                 samples_all += samples
                 result["levels"].append(summary)
                 if all(s.error for s in samples):
@@ -477,6 +497,12 @@ def measure(
                 t = telem.parse_telemetry(read_fact(host, f"cat -- {shlex.quote(tel_out)} 2>/dev/null || true"))
                 result["telemetry"] = {"source": t.source, "error": t.error, "summary": telem.throttle_summary(t)}
         result["sweep_s"] = round(time.monotonic() - t0, 2)
+        result["sent"] = {
+            "from": round(sent_from, 3),
+            "to": round(time.time(), 3),
+            "requests": sent.requests,
+            "completion_tokens": sent.completion_tokens,
+        }
     cpu_s = sum(lv.get("client_cpu_s") or 0 for lv in result["levels"])
     walls = sum(lv.get("wall_s") or 0 for lv in result["levels"])
     result["client_cpu"] = {
