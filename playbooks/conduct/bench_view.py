@@ -27,6 +27,7 @@ from playbooks.steps.monitor.bench_view import (
     Values,
     parse_matrix,
     raw_query,
+    rise,
     run_view,
     scraped_after,
     server_selector,
@@ -99,11 +100,9 @@ def read_run_view(
             if scraped_after(series["tokens"], sent["to"]) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        window = [t for t, _ in series["tokens"] if t <= sent["from"]][-1:] + [
-            t for t, _ in series["tokens"] if t >= sent["to"]
-        ][:1]
+        _, window, _ = rise(series["tokens"], sent["from"], sent["to"])
         answers = {}
-        if len(window) == 2:
+        if window is not None:
             over = max(1, math.ceil(window[1] - window[0]))
             answers = {k: parse_answer(ask(q, window[1])) for k, q in window_queries(result, selector, over).items()}
         return run_view(result, series, answers, source)

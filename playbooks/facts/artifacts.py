@@ -63,9 +63,9 @@ def parse_kld(output: str) -> dict[str, float] | None:
     same top p as the statistics (the maximum KLD and the base's PPL are then absent). Why: at
     the pin, llama.cpp's log is written by a thread of a logger it leaks on purpose
     (common/log.cpp, common_log_main), so lines still queued when main() returns are lost: cold
-    test runs under load have lost exactly the statistics block, the output ending at a row. The row counts only
-    when its number is the run's chunk count ("computing over N chunks"), so a run cut short
-    is never read as finished."""
+    test runs under load have lost exactly the statistics block, the output ending at a row.
+    The row counts only when its number is the run's chunk count ("computing over N chunks"),
+    so a run cut short is never read as finished."""
     found: dict[str, float] = {}
     chunks: int | None = None
     last: tuple[int, list[str]] | None = None

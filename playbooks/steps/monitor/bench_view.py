@@ -19,6 +19,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from playbooks.steps.monitor.top import Sample
+
 #: the server's counters read as raw samples (llama-server's --metrics at the pin)
 COUNTERS = {"tokens": "llamacpp:tokens_predicted_total", "decode_s": "llamacpp:tokens_predicted_seconds_total"}
 
@@ -97,7 +99,7 @@ def rise(values: Values, start: float, end: float) -> tuple[float | None, tuple[
     return v1 - v0, (t0, t1), None
 
 
-def _gpu_rows(answers: Mapping[str, Sequence[tuple[Mapping[str, str], float]]]) -> list[dict[str, Any]]:
+def _gpu_rows(answers: Mapping[str, Sequence[Sample]]) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for key, field, scale in (("sm", "sm_min_mhz", 1e-6), ("temp", "temp_max_c", 1.0), ("power", "power_max_w", 1.0)):
         for labels, value in answers.get(key, ()):
@@ -113,7 +115,7 @@ def _gpu_rows(answers: Mapping[str, Sequence[tuple[Mapping[str, str], float]]]) 
 def run_view(
     result: Mapping[str, Any],
     series: Mapping[str, Values],
-    answers: Mapping[str, Sequence[tuple[Mapping[str, str], float]]],
+    answers: Mapping[str, Sequence[Sample]],
     source: str,
 ) -> dict[str, Any]:
     """The view kept in the result (``result["prometheus"]``): what Prometheus saw over the
@@ -146,7 +148,7 @@ def single_stream(result: Mapping[str, Any]) -> float | None:
     return None if mean is None else float(mean)
 
 
-def _first(samples: Sequence[tuple[Mapping[str, str], float]]) -> int | None:
+def _first(samples: Sequence[Sample]) -> int | None:
     return int(round(samples[0][1])) if samples else None
 
 
