@@ -38,7 +38,7 @@ COMMAND = re.compile(r"^\[local\] \$ ")  # a command line deploy prints before r
 PROBE = ROOT / "playbooks" / "facts" / "probes" / "membw_probe.py"
 BUILD_MEASURES = ["recipes/tiny-cpu.yaml", "playbooks/conduct/build.py", "playbooks/steps/build"]
 QUANTIZE_MEASURES = ["recipes/tiny-cpu.yaml", "playbooks/conduct/quantize.py", "playbooks/steps/weights"]
-ARTIFACT_MEASURES = [*QUANTIZE_MEASURES, "playbooks/conduct/artifacts.py", "playbooks/weights"]
+ARTIFACT_MEASURES = [*QUANTIZE_MEASURES, "playbooks/conduct/artifacts.py", "playbooks/modelgen"]
 DEPLOY_MEASURES = ["recipes/tiny-cpu.yaml", "playbooks/conduct/deploy.py", "playbooks/steps/serve"]
 MEMBW_MEASURES = ["playbooks/facts/probes/membw_probe.py"]
 

@@ -53,6 +53,7 @@ from playbooks.facts import builds, cuda, gpu, membw, read_fact  # noqa: E402
 from playbooks.facts.server_log import judge_load, parse_load_log  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.host.ops import run_ops  # noqa: E402
+from playbooks.modelgen.shaped_gguf import write_shaped_gguf  # noqa: E402
 from playbooks.plan.gpus import get_gpu, gpu_from_nvidia_name  # noqa: E402
 from playbooks.plan.model_config import load_config_file  # noqa: E402
 from playbooks.plan.moe import expert_layout  # noqa: E402
@@ -64,7 +65,6 @@ from playbooks.steps.measure import roofline  # noqa: E402
 from playbooks.steps.measure.bench import decode_figure  # noqa: E402
 from playbooks.steps.serve.engine_llamacpp import llama_server_argv  # noqa: E402
 from playbooks.steps.serve.units import ServerLayout  # noqa: E402
-from playbooks.weights.shaped_gguf import write_shaped_gguf  # noqa: E402
 
 TARGETS = ("llama-server", "llama-bench", "llama-fit-params", "llama-quantize")
 MODELS = Path("/tmp/vf-device/models")

@@ -196,7 +196,7 @@ def premade_tokenizer(where: Path) -> Path:
     tokenizer's training is deterministic, so the device trains the same bytes."""
     import tempfile
 
-    from playbooks.weights.tinymodel import cached_tokenizer_json, train_tokenizer, write_tokenizer_json
+    from playbooks.modelgen.tinymodel import cached_tokenizer_json, train_tokenizer, write_tokenizer_json
 
     where.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,7 +32,7 @@ for _p in (ROOT, ROOT / "tests"):
 from playbooks.cli.deploy import run_deploy, run_stop  # noqa: E402
 from playbooks.conduct.settings import Settings  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
-from playbooks.weights.tinymodel import write_tiny_llama  # noqa: E402
+from playbooks.modelgen.tinymodel import write_tiny_llama  # noqa: E402
 from tests import llamacpp_tools  # noqa: E402
 from tests.helpers import stage_served_model  # noqa: E402
 from tests.testhosts import free_port  # noqa: E402

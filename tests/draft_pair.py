@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from playbooks.weights.tinymodel import write_safetensors, write_tiny_llama
+from playbooks.modelgen.tinymodel import write_safetensors, write_tiny_llama
 
 #: the tokenizer files write_tiny_llama writes, copied so that every model here shares one vocabulary
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")

@@ -335,7 +335,7 @@ def tiny_f16(work: Path, config: dict, name: str = "f16.gguf") -> Path:
     import hashlib
     import json
 
-    from playbooks.weights.tinymodel import GENERATOR_VERSION, write_tiny_llama
+    from playbooks.modelgen.tinymodel import GENERATOR_VERSION, write_tiny_llama
 
     key = hashlib.sha256(json.dumps([GENERATOR_VERSION, SDIST, config], sort_keys=True).encode()).hexdigest()[:16]
     cached = cache_dir() / "tiny-gguf" / f"{key}-f16.gguf"

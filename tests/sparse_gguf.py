@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from playbooks.weights.shaped_gguf import add_byte_fallback_vocab
+from playbooks.modelgen.shaped_gguf import add_byte_fallback_vocab
 
 NAME = re.compile(
     r"(?P<arch>[a-z0-9]+)-E(?P<E>\d+)-F(?P<F>\d+)-L(?P<L>\d+)-H(?P<H>\d+)-K(?P<K>\d+)-D(?P<D>\d+)"

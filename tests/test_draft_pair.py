@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from playbooks.weights.tinymodel import write_safetensors
+from playbooks.modelgen.tinymodel import write_safetensors
 from tests import draft_pair
 from tests.draft_pair import (
     ZERO_OUTPUT,

@@ -28,6 +28,7 @@ import yaml
 from playbooks.config.planning import plan_recipe, refuse_unfit
 from playbooks.config.recipe import load_recipe
 from playbooks.errors import VoltaforgeError
+from playbooks.modelgen.tinymodel import write_tiny_llama
 from playbooks.plan.engine_exllamav2 import exl2_compute_bytes, plan_exl2_split
 from playbooks.plan.evaluate import evaluate
 from playbooks.plan.exl2_size import estimate_exl2, head_bits_per_weight
@@ -42,7 +43,6 @@ from playbooks.plan.kv_cache import exl2_cache_scratch_bytes
 from playbooks.plan.model_config import shape_from_config
 from playbooks.plan.serving import Serving
 from playbooks.steps.serve.service_files import planned_service_files
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests.pypi_wheels import exllamav2_python, exllamav2_source
 
 TOOL = Path(__file__).parent / "tools" / "exl2_device_map.py"

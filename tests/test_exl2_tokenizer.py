@@ -14,9 +14,9 @@ import pytest
 
 from playbooks.host.local import LocalHost
 from playbooks.host.ops import run_ops
+from playbooks.modelgen import tinymodel
 from playbooks.steps.weights.exl2_tokenizer import EnsureTokenizerJson
 from playbooks.steps.weights.model_layout import ModelLayout
-from playbooks.weights import tinymodel
 
 SMALL = {
     "model_type": "llama",
@@ -40,7 +40,7 @@ def test_the_generated_model_ships_a_tokenizer_json_that_encodes_like_its_senten
     import sentencepiece as spm
     from tokenizers import Tokenizer
 
-    from playbooks.weights.tokenizer_json import SAMPLES
+    from playbooks.modelgen.tokenizer_json import SAMPLES
 
     hf = tinymodel.write_tiny_llama(tmp_path / "hf", SMALL)
     sp = spm.SentencePieceProcessor(model_file=str(hf / "tokenizer.model"))
@@ -65,7 +65,7 @@ def test_without_transformers_the_generator_names_what_to_install_or_where_the_f
 def test_the_converter_refuses_a_tokenizer_json_that_encodes_otherwise(tmp_path, cache):
     """The check is real: text the fast tokenizer reads differently (it takes "<s>" as the BOS
     token, SentencePiece as characters) stops the write, and no file is left."""
-    from playbooks.weights.tokenizer_json import convert
+    from playbooks.modelgen.tokenizer_json import convert
 
     tinymodel.train_tokenizer(tmp_path, 512)
     with pytest.raises(ValueError, match="tokenizer.json not written"):

@@ -1,7 +1,7 @@
 """The FP16 range probe on real safetensors files, run as the host runs it (no mocks).
 
 Every file here is written with the tiny model's own safetensors writer and BF16 rounding
-(playbooks/weights/tinymodel.py), the probe runs as a subprocess of this very python through
+(playbooks/modelgen/tinymodel.py), the probe runs as a subprocess of this very python through
 the shell command that `fp16_range_command` builds, and its one JSON line goes through
 `parse_fp16_range`. The expected counts come from reasoning about the formats, and are
 cross-checked against numpy's own float16 conversion (round-to-nearest-even, like torch's).
@@ -28,7 +28,7 @@ from playbooks.facts.weights import (
     fp16_range_command,
     parse_fp16_range,
 )
-from playbooks.weights.tinymodel import _bf16_bytes, write_safetensors
+from playbooks.modelgen.tinymodel import _bf16_bytes, write_safetensors
 
 DOWN = "model.layers.0.mlp.down_proj.weight"
 HEAD = "lm_head.weight"

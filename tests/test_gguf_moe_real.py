@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from playbooks.modelgen.shaped_gguf import write_shaped_gguf
 from playbooks.plan.gguf_size import CONVERTER_TYPES, FILE_TYPES, assign_types, quant_refusal
 from playbooks.plan.model_config import ModelShape, shape_from_config
-from playbooks.weights.shaped_gguf import write_shaped_gguf
 from tests import llamacpp_tools
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from playbooks.modelgen.tinymodel import write_tiny_llama
 from playbooks.plan.gguf_size import assign_types, estimate_gguf
 from playbooks.plan.model_config import shape_from_config
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.helpers import ROOT
 

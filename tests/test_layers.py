@@ -6,7 +6,7 @@
     facts/    fact commands + pure parsers                -> nothing above
     config/   recipes, inventory                          -> plan
     host/     transports, operations, lock               -> config (HostSpec), facts
-    weights/  model files                                 -> plan
+    modelgen/ generated tiny models (random weights)     -> plan
     steps/    what runs against a host                    -> host, facts, config, plan
     conduct/  the conductors: steps run in order per host -> steps and below
     cli/      flags and tables                            -> conduct and below, never host/ or facts/
@@ -32,10 +32,10 @@ ALLOWED = {
     "facts": {"facts"},
     "config": {"config", "plan"},
     "host": {"host", "config", "facts"},
-    "weights": {"weights", "plan"},
-    "steps": {"steps", "host", "facts", "config", "plan", "weights"},
-    "conduct": {"conduct", "steps", "host", "facts", "config", "plan", "weights"},
-    "cli": {"cli", "conduct", "steps", "config", "plan", "weights"},
+    "modelgen": {"modelgen", "plan"},
+    "steps": {"steps", "host", "facts", "config", "plan", "modelgen"},
+    "conduct": {"conduct", "steps", "host", "facts", "config", "plan", "modelgen"},
+    "cli": {"cli", "conduct", "steps", "config", "plan", "modelgen"},
 }
 #: what a module may name for its annotations only (under ``if TYPE_CHECKING:``, never run)
 TYPES_ONLY = {"cli": {"host", "facts"}}

@@ -301,7 +301,7 @@ def test_an_offloaded_expert_is_copied_into_the_device_buffer_for_prefill(qwen3)
 @pytest.mark.slow
 def test_pinned_llama_server_reserves_what_the_moe_walk_says(tmp_path):
     """Half of MOE_CPU_LOADS again, from freshly written shaped GGUFs (sparse: no disk)."""
-    from playbooks.weights.shaped_gguf import write_shaped_gguf
+    from playbooks.modelgen.shaped_gguf import write_shaped_gguf
     from tests import llamacpp_tools
     from tests.testhosts import free_port
 

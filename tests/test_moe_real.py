@@ -19,10 +19,10 @@ import pytest
 from playbooks.config.planning import resolve_n_cpu_moe
 from playbooks.config.recipe import load_recipe
 from playbooks.facts.server_log import parse_load_log
+from playbooks.modelgen.tinymodel import write_tiny_llama
 from playbooks.plan.gguf_size import assign_types, estimate_gguf
 from playbooks.steps.serve.engine_llamacpp import llama_server_argv
 from playbooks.steps.serve.units import ServerLayout
-from playbooks.weights.tinymodel import write_tiny_llama
 from tests import llamacpp_tools
 from tests.testhosts import free_port
 

@@ -6,7 +6,7 @@ a lent H200 (scripts/device_check.py), serving shaped GGUFs (the planner's tenso
 zero data) of Qwen3-30B-A3B with --n-cpu-moe 24 and of the dense Qwen2.5-14B.
 
 What the "GPU weights = plan" comparisons prove, and what they do not. The GGUFs were written
-from the planner's own tensor list (playbooks/weights/shaped_gguf.py), so every tensor's size in
+from the planner's own tensor list (playbooks/modelgen/shaped_gguf.py), so every tensor's size in
 them IS the planner's size: that the GPU model buffer equals the planned GPU weights does not
 check the sizes (a wrong size would be in the file and in the plan alike). It checks PLACEMENT:
 which tensors llama.cpp puts on the GPU and which it keeps in host RAM (token_embd, the experts of

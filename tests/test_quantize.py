@@ -297,7 +297,7 @@ def test_fp16_overflow_is_refused_or_clamped_as_the_recipe_says(tmp_path):
     from playbooks.facts import weights as weights_facts
     from playbooks.host import LocalHost
     from playbooks.host.ops import run_ops
-    from playbooks.weights.tinymodel import _bf16_bytes, write_safetensors
+    from playbooks.modelgen.tinymodel import _bf16_bytes, write_safetensors
 
     layout = ModelLayout(str(tmp_path), "m")
     hf = Path(layout.hf)
@@ -374,8 +374,8 @@ def test_calibration_text_is_the_recipes_file_the_tiny_models_words_or_the_shipp
 def test_the_generated_models_id_changes_with_the_generator_not_only_the_config(tmp_path, monkeypatch):
     """The tiny model is cached under its id and never regenerated: a generator that writes
     something new (v2: a chat template) must make a new id for the same config."""
+    from playbooks.modelgen import tinymodel
     from playbooks.steps.weights.sources import generated_weights
-    from playbooks.weights import tinymodel
 
     made = []
 

@@ -22,11 +22,11 @@ from gguf import GGUFReader
 
 from playbooks.config.recipe import load_recipe
 from playbooks.host import connect
+from playbooks.modelgen.tinymodel import CHAT_TEMPLATE
 from playbooks.steps.measure import bench, bench_client
 from playbooks.steps.measure.bench_stats import compressed_streams
 from playbooks.steps.serve.engine_llamacpp import render_llama_server_unit
 from playbooks.steps.serve.units import ServerLayout
-from playbooks.weights.tinymodel import CHAT_TEMPLATE
 from tests import llamacpp_tools
 from tests.helpers import ROOT, spec_for
 from tests.testhosts import free_port

@@ -19,8 +19,8 @@ from pathlib import Path
 from playbooks.facts import python, read_fact
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, OperationError, Shell
+from playbooks.modelgen import tokenizer_json
 from playbooks.steps.weights.model_layout import ModelLayout
-from playbooks.weights import tokenizer_json
 
 #: the converter, pushed beside the model and run with the venv's python (a script of its own)
 TOKENIZER_JSON_PATH = Path(tokenizer_json.__file__)

@@ -82,7 +82,7 @@ def _hash_dir(directory: Path) -> dict[str, tuple[int, str]]:
 
 def generated_weights(config: dict[str, Any], cache: Path) -> LocalWeights:
     """The tiny random Llama of `config`, generated once into the controller's cache."""
-    from playbooks.weights.tinymodel import GENERATOR_VERSION, write_tiny_llama
+    from playbooks.modelgen.tinymodel import GENERATOR_VERSION, write_tiny_llama
 
     # The id names what is cached here and on hosts (models/<id>/: the weights, their GGUFs),
     # and a cached model is never regenerated: so the key holds the generator's version as well
@@ -118,7 +118,7 @@ def path_weights(directory: Path) -> LocalWeights:
 @functools.cache
 def _generated_model_text() -> str:
     """The generated model's calibration text: the same every time, so made once per run."""
-    from playbooks.weights.tinymodel import corpus
+    from playbooks.modelgen.tinymodel import corpus
 
     return corpus(600, random.Random(1)) + "\nHello, World! The quick brown fox.\n"
 

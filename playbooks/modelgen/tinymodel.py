@@ -235,7 +235,7 @@ def write_tokenizer_json(out_dir: Path) -> Path:
     if cached.is_file():
         shutil.copyfile(cached, out)
         return out
-    from playbooks.weights.tokenizer_json import convert
+    from playbooks.modelgen.tokenizer_json import convert
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its import warns that there is no torch
     try:

@@ -1,1 +1,0 @@
-"""Model weights: the generated tiny model (later: fetch, convert, quantize)."""
