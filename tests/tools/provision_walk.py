@@ -11,15 +11,20 @@ and playbooks.steps: where a step is put together, the walk the issue traces), w
 called from everywhere (host, facts, plan) do not count.
 
     python -m tests.tools.provision_walk          # prints both runs' counts as JSON
+    python -m tests.tools.provision_walk --against REV --out reports/local/provision-walk.json
 
-It asserts nothing: a figure to compare before and after a change (the issue's closing note).
+``--against REV``: the same walk of the commit REV too (a temporary git worktree, the walk run
+there by that commit's own copy of this tool), both written side by side as a result file.
+It asserts nothing: a figure to compare before and after a change (docs/layout.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -85,7 +90,7 @@ def _walk(inventory: dict[str, Any], host: str) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def walks() -> dict[str, Any]:
     local = {"host": "127.0.0.1", "local": True}
     layout = {
         **local,
@@ -94,10 +99,59 @@ def main() -> int:
             {"recipe": "tiny-moe-cpu", "port": 18190},
         ],
     }
-    got = {
+    return {
         "default": _walk({"hosts": {"walk": dict(local)}}, "walk"),
         "layout": _walk({"hosts": {"walk-layout": layout}}, "walk-layout"),
     }
+
+
+def walks_at(rev: str) -> tuple[str, dict[str, Any]]:
+    """The walk of commit ``rev`` (its short sha, the counts), run in a worktree of it."""
+    git = ["git", "-C", str(ROOT)]
+    sha = subprocess.run([*git, "rev-parse", "--short", rev], capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory(prefix="vf-walk-rev-") as tmp:
+        tree = f"{tmp}/tree"
+        subprocess.run([*git, "worktree", "add", "--detach", "-q", tree, rev], check=True)
+        try:
+            # cwd first on sys.path: that commit's playbooks/, not this checkout's
+            walk = [sys.executable, "-m", "tests.tools.provision_walk"]
+            out = subprocess.run(walk, cwd=tree, capture_output=True, text=True, check=True).stdout
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", tree], check=True)
+    return sha.strip(), json.loads(out)
+
+
+def write_compared(out: Path, rev: str, before: dict[str, Any], now: dict[str, Any]) -> None:
+    from playbooks.results import write_result
+
+    figures: dict[str, float] = {}
+    for when, got in (("before", before), ("after", now)):
+        for run in ("default", "layout"):
+            for scope in ("assembling", "all"):
+                figures[f"{run}_{scope}_returns_{when}"] = got[run][scope]["returns"]
+    write_result(
+        out,
+        "returns to a module already left during `invoke provision --dry-run`, before and after",
+        figures,
+        dict.fromkeys(figures, "count"),
+        f"python -m tests.tools.provision_walk --against {rev} --out {out}",
+        notes=f"before: commit {rev}, run in a worktree of it; after: this checkout. assembling: "
+        "playbooks.conduct and playbooks.steps only; all: every module of playbooks/",
+        extra={"before": before, "after": now},
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", help="a commit to walk too, for comparison")
+    ap.add_argument("--out", type=Path, help="with --against: the result file to write")
+    args = ap.parse_args()
+    got = walks()
+    if args.against:
+        rev, before = walks_at(args.against)
+        if args.out:
+            write_compared(args.out, rev, before, got)
+        got = {"before": before, "after": got}
     print(json.dumps(got, indent=1))
     return 0
 
