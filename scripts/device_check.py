@@ -234,7 +234,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def phase_gate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from playbooks.steps.measure.bench_run import gate_run
-    from playbooks.steps.serve.deploy import DeployLayout, write_record
+    from playbooks.steps.serve.deploy_record import DeployLayout, write_record
 
     path = device_recipe(args.gate_recipe, args.gpu, Path("/tmp/vf-device/recipes"))
     loaded = load_recipe(path)

@@ -541,7 +541,8 @@ def phase_serve(c: Call) -> dict[str, Any]:
     waited for, the record written), run twice; a streamed chat completion through the official
     openai client; the GPU memory TabbyAPI holds against the plan's VRAM."""
     from playbooks.config.planning import plan_recipe
-    from playbooks.steps.serve.deploy import EnsureServiceFile, EnsureServing
+    from playbooks.steps.serve.lifecycle import EnsureServing
+    from playbooks.steps.serve.service_file import EnsureServiceFile
 
     loaded, ops = _deploy(c)
     files = {Path(op.file.path).name: op.file.text for op in ops if isinstance(op, EnsureServiceFile)}
@@ -614,7 +615,7 @@ def phase_bench(c: Call) -> dict[str, Any]:
     from playbooks.host.local import LocalHost
     from playbooks.host.ops import run_command
     from playbooks.steps.measure.bench_run import gate_run, thresholds
-    from playbooks.steps.serve.deploy import EnsureServing
+    from playbooks.steps.serve.lifecycle import EnsureServing
 
     loaded, ops = _deploy(c)
     (serving,) = [op for op in ops if isinstance(op, EnsureServing)]  # the deployment serve started

@@ -43,7 +43,7 @@ from playbooks.host.output import BufferedPrinter  # noqa: E402
 from playbooks.plan.gpus import GIB, MIB  # noqa: E402
 from playbooks.results import write_result  # noqa: E402
 from playbooks.steps.measure.set_gate import EnsureSetGate  # noqa: E402
-from playbooks.steps.serve.deploy import EnsureServing  # noqa: E402
+from playbooks.steps.serve.lifecycle import EnsureServing  # noqa: E402
 from tests.helpers import stage_served_model  # noqa: E402
 from tests.model_set_members import WIDTHS, three_members  # noqa: E402
 

@@ -18,21 +18,12 @@ from playbooks.facts.service import (
 )
 from playbooks.host.local import LocalHost
 from playbooks.host.ops import OperationError, Upload, run_ops
-from playbooks.steps.serve import deploy
-from playbooks.steps.serve.deploy import (
-    CheckPort,
-    DeployLayout,
-    Diff,
-    EnsureModelLink,
-    EnsureServiceFile,
-    EnsureServing,
-    Expectations,
-    LinkFacts,
-    ServiceFile,
-    ServingFacts,
-    fingerprint,
-    health_timeout,
-)
+from playbooks.steps.serve import lifecycle, service_manager
+from playbooks.steps.serve.deploy_record import DeployLayout, fingerprint
+from playbooks.steps.serve.lifecycle import EnsureServing, Expectations, ServingFacts, health_timeout
+from playbooks.steps.serve.model_links import EnsureModelLink, LinkFacts
+from playbooks.steps.serve.port_check import CheckPort
+from playbooks.steps.serve.service_file import Diff, EnsureServiceFile, ServiceFile
 from playbooks.steps.serve.service_manager import ProcessRunner, Running, Systemd, process_argv, unit_environment
 from tests.helpers import fixture_body
 from tests.testhosts import free_port
@@ -160,8 +151,8 @@ def test_a_managed_process_gets_no_systemd_specifier_in_its_environment():
 def _start_failing(tmp_path, monkeypatch, *args: str, **runner_kw):
     """A real process (this Python with ``args``) deployed on a free port with a 2 s health
     wait and nothing served before: (its port, its state directory, the change)."""
-    monkeypatch.setattr(deploy, "MIN_HEALTH_TIMEOUT_S", 2)
-    monkeypatch.setattr(deploy, "HEALTH_GRACE_S", 0)
+    monkeypatch.setattr(lifecycle, "MIN_HEALTH_TIMEOUT_S", 2)
+    monkeypatch.setattr(lifecycle, "HEALTH_GRACE_S", 0)
     port = free_port()
     state = tmp_path / "deploy" / "x"
     state.mkdir(parents=True)
@@ -207,7 +198,7 @@ def test_a_server_compiling_exllamav2s_extension_at_start_fails_with_that_cause(
 
 
 def test_tabbyapi_tokens_come_from_the_secret_on_the_host_and_never_leave_it(tmp_path, capsys):
-    from playbooks.steps.serve.deploy import EnsureTabbyTokens
+    from playbooks.steps.serve.engine_exllamav2 import EnsureTabbyTokens
 
     secret, tokens = tmp_path / "secret", tmp_path / "api_tokens.yml"
     op = EnsureTabbyTokens(str(secret), str(tokens))
@@ -310,7 +301,7 @@ def test_what_only_systemd_runs_is_one_rule_for_deploy_and_preflight(tmp_path, r
     (tmp_path / "defaults.yaml").write_text((ROOT / "recipes" / "defaults.yaml").read_text())
     (tmp_path / f"{recipe}.yaml").write_text(text)
     loaded = load_recipe(tmp_path / f"{recipe}.yaml")
-    assert deploy.systemd_only(loaded.recipe, gpus) == why
+    assert service_manager.systemd_only(loaded.recipe, gpus) == why
     if why:
         with pytest.raises(VoltaforgeError, match=rf"^box: {re.escape(why)}, and this host runs no systemd$"):
             deploy_ops(loaded, _NoSystemd(), "/opt/vf", "auto", gpus)
@@ -323,7 +314,10 @@ def test_tabbyapi_without_systemd_is_a_managed_process_with_its_files_its_own(tm
     rather than /etc, /run/credentials and /var/log, which the user cannot write."""
     from playbooks.conduct.deploy import deploy_ops
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.serve.deploy import EnsureServiceFile, EnsureServing, EnsureSymlink, EnsureTabbyTokens
+    from playbooks.steps.serve.engine_exllamav2 import EnsureTabbyTokens
+    from playbooks.steps.serve.lifecycle import EnsureServing
+    from playbooks.steps.serve.model_links import EnsureSymlink
+    from playbooks.steps.serve.service_file import EnsureServiceFile
     from playbooks.steps.serve.service_manager import ProcessRunner
     from tests.helpers import ROOT
 

@@ -21,6 +21,15 @@ from playbooks.errors import RecipeError, VoltaforgeError
 from playbooks.facts.files import parse_stat, stat_command
 from playbooks.plan.gpus import GPUS, get_gpu
 from playbooks.steps.measure.tune_space import Candidate, rule_out
+from playbooks.steps.serve.service_files import planned_service_files
+from playbooks.steps.serve.units import default_gpu_indexes
+
+
+def _unit_and_instances(served, prefix):
+    """The recipe's rendered unit (its placement's GPUs) and the instances it runs."""
+    r = served.loaded.recipe
+    gpus = default_gpu_indexes(r) if served.gpus is None else served.gpus
+    return planned_service_files(served.loaded, served.layout(prefix), gpus)[0], served_instances(served, prefix)[1]
 
 
 def _copy(tmp_path, shipped: str, name: str, **changes) -> str:
@@ -63,7 +72,7 @@ def test_an_exl2_split_is_placed_in_a_layout(tmp_path):
     inv.write_text(yaml.safe_dump({"hosts": {"box": box}}))
     (spec,) = load_inventory(inv).values()
     (served,) = host_serves(spec, None, load_recipe)
-    unit, instances = served_instances(served, "/opt/voltaforge")
+    unit, instances = _unit_and_instances(served, "/opt/voltaforge")
     assert "Environment=CUDA_VISIBLE_DEVICES=2,3" in unit.text and len(instances) == 1
     # one card's recipe on two GPUs is still refused, saying how to split
     inv.write_text(inv.read_text().replace(split, "qwen2.5-32b-exl2-v100-16gb"))

@@ -7,11 +7,16 @@ from __future__ import annotations
 import pytest
 
 from playbooks.conduct.deploy import served_instances
-from playbooks.conduct.placements import host_serves
+from playbooks.conduct.placements import Served, host_serves
 from playbooks.conduct.settings import Settings
+from playbooks.config import planning
 from playbooks.config.inventory import load_inventory
-from playbooks.config.recipe import load_recipe
+from playbooks.config.recipe import list_recipes, load_recipe
 from playbooks.errors import RecipeError, VoltaforgeError
+from playbooks.facts.deployments import Deployment
+from playbooks.steps.serve import service_files
+from playbooks.steps.serve.service_files import planned_service_files
+from playbooks.steps.serve.units import default_gpu_indexes
 from tests.helpers import recipe_with
 
 DGX = """\
@@ -31,6 +36,13 @@ hosts:
 """
 
 
+def _unit_and_instances(served, prefix):
+    """The recipe's rendered unit (its placement's GPUs) and the instances it runs."""
+    r = served.loaded.recipe
+    gpus = default_gpu_indexes(r) if served.gpus is None else served.gpus
+    return planned_service_files(served.loaded, served.layout(prefix), gpus)[0], served_instances(served, prefix)[1]
+
+
 def served(tmp_path, text: str, recipe: str | None = None):
     inv = tmp_path / "inventory.yaml"
     inv.write_text(text)
@@ -41,19 +53,19 @@ def served(tmp_path, text: str, recipe: str | None = None):
 def test_a_layout_places_each_recipe_on_its_gpus_with_its_own_units_and_ports(tmp_path):
     split, moe, replicas = served(tmp_path, DGX)
     # the 70B split: one plain unit over GPUs 0 and 1, on the recipe's own port
-    unit, instances = served_instances(split, "/opt/voltaforge")
+    unit, instances = _unit_and_instances(split, "/opt/voltaforge")
     assert unit.path == "/etc/systemd/system/voltaforge-llama3.1-70b-2xv100-32gb.service"
     assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in unit.text
     assert [(n, p) for n, _, p in instances] == [
         ("voltaforge-llama3.1-70b-2xv100-32gb.service", load_recipe("llama3.1-70b-2xv100-32gb").recipe.service.port)
     ]
     # the MoE on GPU 2 alone, on the layout's port
-    unit, instances = served_instances(moe, "/opt/voltaforge")
+    unit, instances = _unit_and_instances(moe, "/opt/voltaforge")
     assert "Environment=CUDA_VISIBLE_DEVICES=2" in unit.text and "DeviceAllow=/dev/nvidia2 rw" in unit.text
     assert [p for _, _, p in instances] == [8090] == moe.ports()
     assert "--port 8090" in unit.text
     # a one-card recipe on two GPUs: the instance template, one instance per GPU (port + index)
-    unit, instances = served_instances(replicas, "/opt/voltaforge")
+    unit, instances = _unit_and_instances(replicas, "/opt/voltaforge")
     assert unit.path == "/etc/systemd/system/voltaforge-qwen2.5-14b-v100-32gb@.service"
     assert [(n, s.state_dir, p) for n, s, p in instances] == [
         (
@@ -86,7 +98,7 @@ def test_a_host_without_a_layout_serves_its_one_recipe_as_before(tmp_path):
     text = "hosts:\n  v100-01:\n    host: 10.0.0.21\n    recipe: tiny-cpu\n"
     (one,) = served(tmp_path, text)
     assert one.unit_name is None and one.gpus is None and one.ports() == [18080]
-    unit, _ = served_instances(one, "/opt/voltaforge")
+    unit, _ = _unit_and_instances(one, "/opt/voltaforge")
     assert unit.path == "/etc/systemd/system/voltaforge-llama-server.service"
 
 
@@ -226,3 +238,41 @@ def test_render_host_writes_what_the_inventory_gives_each_host(tmp_path):
     )
     with pytest.raises(VoltaforgeError, match="nothing would be installed"):
         host_files(Settings(inventory=inv), "ghost")
+
+
+@pytest.mark.parametrize("path", list_recipes(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("slots", ["default", "two"])
+def test_the_engine_names_the_unit_it_renders_without_planning(path, slots, monkeypatch):
+    """served_instances takes a recipe's unit name from its engine (ServerEngine.unit_name), not
+    from rendering the unit, which plans the recipe: the name is the one render_files writes
+    first, for every shipped recipe on its own GPUs and a one-card recipe on two (the template)."""
+    loaded = load_recipe(path)
+    r = loaded.recipe
+    gpus = default_gpu_indexes(r) if slots == "default" or r.gpu_count > 1 else (3, 4)
+    one = Served(loaded, gpus, None)
+    rendered = planned_service_files(loaded, one.layout("/opt/vf"), gpus)[0].path.rsplit("/", 1)[1]
+
+    def no_plan(*_a, **_k):
+        raise AssertionError("served_instances planned the recipe")
+
+    # rendering plans through these two (steps/serve/service_files.py); nothing else may plan
+    monkeypatch.setattr(service_files, "resolve_n_cpu_moe", no_plan)
+    monkeypatch.setattr(service_files, "resolve_gpu_split", no_plan)
+    monkeypatch.setattr(planning, "plan_recipe", no_plan)
+    unit, instances = served_instances(one, "/opt/vf")
+    assert unit == rendered
+    port = r.service.port
+    assert [i.port for i in instances] == ([port + i for i in gpus] if unit.endswith("@.service") else [port])
+
+
+def test_an_instance_listens_where_its_record_says(tmp_path):
+    """The host's records give each instance its port (what runs), the recipe the rest."""
+    (replicas,) = served(tmp_path, DGX, "qwen2.5-14b-v100-32gb")
+    name = "voltaforge-qwen2.5-14b-v100-32gb"
+    records = [
+        Deployment(f"{name}@3", {"port": 9103}),
+        Deployment(f"{name}@4", {"port": "8104"}),  # not a port: the recipe's
+        Deployment("voltaforge-other", {"port": 8103}),
+    ]
+    _, instances = served_instances(replicas, "/opt/voltaforge", records)
+    assert [(i.unit, i.port) for i in instances] == [(f"{name}@3.service", 9103), (f"{name}@4.service", 8104)]

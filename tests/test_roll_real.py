@@ -38,7 +38,7 @@ from playbooks.conduct.settings import Settings
 from playbooks.host import connect
 from playbooks.host.base import Printer
 from playbooks.steps.measure.gate import EnsureGate
-from playbooks.steps.serve.deploy import EnsureServing
+from playbooks.steps.serve.lifecycle import EnsureServing
 from tests import llamacpp_tools
 from tests.helpers import ROOT, stage_served_model
 

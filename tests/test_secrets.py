@@ -18,7 +18,7 @@ from playbooks.errors import VoltaforgeError
 from playbooks.host.local import LocalHost
 from playbooks.host.ops import run_ops
 from playbooks.host.output import BufferedPrinter
-from playbooks.steps.serve.deploy import EnsureTabbyTokens
+from playbooks.steps.serve.engine_exllamav2 import EnsureTabbyTokens
 from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy, read_api_key
 from tests.exec_trace import ExecTrace
 

@@ -32,7 +32,7 @@ from playbooks.host.local import LocalHost
 from playbooks.host.ops import run_ops
 from playbooks.plan.gpus import GIB, MIB
 from playbooks.steps.measure.set_gate import EnsureSetGate
-from playbooks.steps.serve.deploy import EnsureServing
+from playbooks.steps.serve.lifecycle import EnsureServing
 from tests.helpers import stage_served_model
 from tests.model_set_members import WIDTHS, three_members
 from tests.testhosts import free_port

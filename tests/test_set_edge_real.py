@@ -39,7 +39,7 @@ from playbooks.host.ops import run_ops
 from playbooks.plan.gpus import GIB, MIB
 from playbooks.steps.measure.set_gate import EnsureSetGate
 from playbooks.steps.serve.balancer import Balancer, render_haproxy_config
-from playbooks.steps.serve.deploy import EnsureServing
+from playbooks.steps.serve.lifecycle import EnsureServing
 from tests.helpers import stage_served_model
 from tests.model_set_members import WIDTHS, alive_most, three_members
 from tests.test_balancer_real import haproxy, wait_for

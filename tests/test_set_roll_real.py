@@ -40,7 +40,7 @@ from playbooks.host import connect
 from playbooks.host.base import Printer
 from playbooks.host.ops import run_ops
 from playbooks.steps.measure.set_gate import EnsureSetGate
-from playbooks.steps.serve.deploy import EnsureServing
+from playbooks.steps.serve.lifecycle import EnsureServing
 from tests import llamacpp_tools
 from tests.helpers import ROOT, stage_served_model
 from tests.test_roll_real import TINY, Load

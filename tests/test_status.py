@@ -24,15 +24,9 @@ from playbooks.facts import read_fact
 from playbooks.facts.deployments import deployments_command, parse_deployments
 from playbooks.host.local import LocalHost
 from playbooks.host.ops import Record, Shell
-from playbooks.steps.serve.deploy import (
-    DeployLayout,
-    EnsureServing,
-    Expectations,
-    ServiceFile,
-    ServingFacts,
-    read_record,
-    write_record,
-)
+from playbooks.steps.serve.deploy_record import DeployLayout, read_record, write_record
+from playbooks.steps.serve.lifecycle import EnsureServing, Expectations, ServingFacts
+from playbooks.steps.serve.service_file import ServiceFile
 from playbooks.steps.serve.service_files import render_service_files
 from playbooks.steps.serve.service_manager import Running, Systemd
 from playbooks.steps.serve.units import ServerLayout

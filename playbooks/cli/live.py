@@ -1,7 +1,8 @@
 """What a long run shows while it runs: quiet by default, everything with ``-v``.
 
-Every line a run prints goes to the host's log file whatever is shown (conduct/provision's
-HostPrinter writes it there first); this decides what reaches the terminal:
+Every line a run prints goes to the host's log file whatever is shown (host/output.py's
+HostPrinter, which conduct/provision gives each host, writes it there first); this decides
+what reaches the terminal:
 
 - ``-v``: every line, as it comes (the commands, the compiler's and pip's output), prefixed
   with its host: the old behaviour;

@@ -35,9 +35,9 @@ from playbooks.steps.serve.balancer import (
     render_haproxy_config,
     render_lb_unit,
 )
-from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
 from playbooks.steps.serve.runtime_api import RuntimeApi
 from playbooks.steps.serve.secrets import CheckSecret, EnsureCredentialCopy, EnsureSecretFile
+from playbooks.steps.serve.service_file import EnsureServiceFile, ServiceFile
 from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Systemd
 from playbooks.steps.serve.tls import TlsPair, given_pair, kept_pair
 from playbooks.steps.serve.unit_running import EnsureUnitRunning

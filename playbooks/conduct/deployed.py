@@ -14,7 +14,6 @@ import os
 import re
 from pathlib import Path
 
-from playbooks.conduct.deploy import make_manager
 from playbooks.config.recipe import load_recipe
 from playbooks.config.recorded import recipe_record
 from playbooks.errors import RecipeError, VoltaforgeError
@@ -23,8 +22,8 @@ from playbooks.facts.deployments import Deployment, RecordedRecipe, deployments_
 from playbooks.facts.files import cat_command
 from playbooks.facts.service import parse_process_state, parse_unit_state
 from playbooks.host import Host
-from playbooks.steps.serve.deploy import DeployLayout
-from playbooks.steps.serve.service_manager import Manager, Systemd
+from playbooks.steps.serve.deploy_record import DeployLayout
+from playbooks.steps.serve.service_manager import Manager, Systemd, make_manager
 
 
 def read_deployments(host: Host, prefix: str) -> list[Deployment]:

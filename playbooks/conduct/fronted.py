@@ -25,8 +25,8 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
-from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
 from playbooks.steps.serve.runtime_api import RuntimeApi
+from playbooks.steps.serve.service_file import EnsureServiceFile, ServiceFile
 
 #: the record's format
 VERSION = 1

@@ -53,8 +53,8 @@ from playbooks.steps.monitor.units import (
     render_slots_unit,
 )
 from playbooks.steps.monitor.units_masked import EnsureUnitsMasked
-from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
 from playbooks.steps.serve.secrets import SECRETS_DIR, CheckSecret, EnsureCredentialCopy
+from playbooks.steps.serve.service_file import EnsureServiceFile, ServiceFile
 from playbooks.steps.serve.service_manager import Manager, ProcessRunner, Systemd
 from playbooks.steps.serve.unit_running import EnsureUnitRunning
 from playbooks.steps.serve.units import UNIT_DIR, parse_exec_start

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from playbooks.conduct.build import build_step
 from playbooks.conduct.converge import prefix_needs_sudo
@@ -55,12 +55,12 @@ from playbooks.host import Host
 from playbooks.host.base import Printer
 from playbooks.host.local import LocalHost
 from playbooks.host.lock import host_lock
-from playbooks.host.ops import Change, Decision, Operation, run_ops, summarize
-from playbooks.host.output import BufferedPrinter
+from playbooks.host.ops import Change, Interrupted, Operation, run_ops, summarize
+from playbooks.host.output import BufferedPrinter, HostPrinter
 from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.measure.set_gate import EnsureSetGate
 from playbooks.steps.preflight import gather, judge, rpc_endpoints
-from playbooks.steps.serve.deploy import EnsureServing
+from playbooks.steps.serve.lifecycle import EnsureServing
 from playbooks.words import clip
 
 #: the built-in default: the tiny CPU recipe, which needs no GPU and no download
@@ -113,41 +113,6 @@ class HostOutcome:
 
     def failure(self) -> StepOutcome | None:
         return next((s for s in self.steps if s.status == "failed"), None)
-
-
-class HostPrinter(Printer):
-    """Every line to the host's log file, then to the console, which decides what it shows
-    (all of it by default; cli/live.py's view shows a line per step and a live line)."""
-
-    def __init__(self, log: TextIO, console: Printer):
-        super().__init__()
-        self.log, self.console = log, console
-
-    def line(self, host: str, text: str) -> None:
-        with self._lock:
-            self.log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
-            self.log.flush()
-        self.console.line(host, text)
-
-
-class Interrupted(HostError):
-    """Ctrl-C: the run stops between operations."""
-
-
-class _Cancellable(Operation):
-    """An operation that refuses to start once the run was interrupted."""
-
-    def __init__(self, op: Operation, cancel: threading.Event):
-        self.op, self.cancel = op, cancel
-        self.name, self.idempotent, self.notify = op.name, op.idempotent, op.notify
-
-    def check(self, host: Host) -> Decision:
-        if self.cancel.is_set():
-            raise Interrupted("interrupted before this operation: nothing of it was done")
-        return self.op.check(host)
-
-    def apply(self, host: Host, decision: Decision) -> None:
-        self.op.apply(host, decision)
 
 
 def step_status(changes: Sequence[Change], dry_run: bool) -> str:
@@ -394,9 +359,7 @@ class Provisioner:
             if step == "deploy" and rolled:
                 changes = rolled.deploy
             else:
-                changes = run_ops(
-                    host, [_Cancellable(op, self.cancel) for op in ops], dry_run=dry_run, keep_going=probing
-                )
+                changes = run_ops(host, ops, dry_run=dry_run, keep_going=probing, cancel=self.cancel)
                 if step == "gate" and rolled:
                     changes = rolled.gate + changes
             status = step_status(changes, dry_run)

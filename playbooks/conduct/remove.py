@@ -28,7 +28,7 @@ from playbooks.facts.deployments import Deployment
 from playbooks.facts.fleet_units import UNITS_COMMAND, parse_units
 from playbooks.host import Host
 from playbooks.host.ops import Change, Operation
-from playbooks.steps.serve.deploy import DeployLayout
+from playbooks.steps.serve.deploy_record import DeployLayout
 from playbooks.steps.serve.removal import EnsureAbsent, EnsureStopped
 from playbooks.steps.serve.router import set_unit_name
 from playbooks.steps.serve.rpc_worker import RpcLayout

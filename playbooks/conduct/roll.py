@@ -41,7 +41,7 @@ from playbooks.host.base import Printer
 from playbooks.host.ops import Change, Decision, Operation, Shell, run_ops
 from playbooks.steps.measure.gate import EnsureGate
 from playbooks.steps.measure.set_gate import EnsureSetGate
-from playbooks.steps.serve.deploy import EnsureServing
+from playbooks.steps.serve.lifecycle import EnsureServing
 from playbooks.steps.serve.runtime_api import DrainServer, ReadyServer
 from playbooks.words import clip
 

@@ -11,8 +11,8 @@ from playbooks.conduct.toolchain import toolchain_step
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.host import Host
 from playbooks.host.ops import Operation
-from playbooks.steps.serve.deploy import EnsureServiceFile, ServiceFile
 from playbooks.steps.serve.rpc_worker import RpcLayout, render_rpc_unit, rpc_worker_op, unit_path, workers_on
+from playbooks.steps.serve.service_file import EnsureServiceFile, ServiceFile
 
 
 def rpc_worker_ops(loaded: LoadedRecipe, host: Host, prefix: str, sudo: bool) -> list[Operation]:

@@ -5,7 +5,7 @@ is PID 1, else as a managed process.
 The operations, in order, each reading facts first: the key is private (a keyed set), the port
 is free or the router's own, the directories, the key's private copy for a managed process (a
 unit gets it as a credential), each member's GGUF verified (its manifest: no manifest, no
-deploy), the unit and the preset, then ``EnsureServing`` (steps/serve/deploy.py), which restarts
+deploy), the unit and the preset, then ``EnsureServing`` (steps/serve/lifecycle.py), which restarts
 the router only when the files or a member's GGUF changed, waits for /health and keeps the
 rollback target. Its record names the members (each recipe as config/recorded.py keeps it, with
 its served name), which `invoke status`, stop and the balancer read.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from playbooks.conduct.deploy import choose_manager, make_manager
+from playbooks.conduct.deploy import choose_manager
 from playbooks.conduct.model_sets import ServedSet
 from playbooks.conduct.quantize import recipe_weights
 from playbooks.config.recorded import recipe_record
@@ -32,18 +32,15 @@ from playbooks.facts import read_fact
 from playbooks.facts.files import cat_command, parse_json_object
 from playbooks.host import Host
 from playbooks.host.ops import EnsureDirectory, Operation
-from playbooks.steps.serve.deploy import (
-    CheckArtifact,
-    CheckPort,
-    DeployLayout,
-    EnsureServiceFile,
-    EnsureServing,
-    Expectations,
-    ServiceFile,
-)
+from playbooks.steps.serve.deploy_record import DeployLayout
 from playbooks.steps.serve.engines import server_engine
+from playbooks.steps.serve.lifecycle import EnsureServing, Expectations
+from playbooks.steps.serve.model_links import CheckArtifact
+from playbooks.steps.serve.port_check import CheckPort
 from playbooks.steps.serve.router import RouterSet
 from playbooks.steps.serve.secrets import CheckSecret, secret_path
+from playbooks.steps.serve.service_file import EnsureServiceFile, ServiceFile
+from playbooks.steps.serve.service_manager import make_manager
 from playbooks.steps.serve.units import RenderedFile, ServerLayout
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 

@@ -31,7 +31,7 @@ from playbooks.facts.router import (
 from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.steps.serve.balancer import parse_stats, stats_command
-from playbooks.steps.serve.deploy import DeployLayout
+from playbooks.steps.serve.deploy_record import DeployLayout
 from playbooks.steps.serve.service_manager import Running
 
 HEALTH = {200: "200 ready", 503: "503 loading", 0: "nothing listens"}

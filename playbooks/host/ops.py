@@ -24,6 +24,7 @@ Two shapes beside the idempotent default, for the steps that deploy services:
 from __future__ import annotations
 
 import shlex
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import sha256
@@ -381,6 +382,10 @@ def summarize(text: str) -> str:
     return f"{cut} {FULL_OUTPUT_NOTE}"
 
 
+class Interrupted(HostError):
+    """Ctrl-C: the run stops between operations (``run_ops``'s ``cancel``)."""
+
+
 def _failed(host: Host, step: str, exc: HostError, shown: tuple[str, ...] = ()) -> Change:
     # The report has a host column: drop the "v100-01: " that standalone messages carry.
     text = str(exc).removeprefix(f"{host.name}: ")
@@ -397,6 +402,7 @@ def run_ops(
     dry_run: bool = False,
     handlers: Sequence[Handler] = (),
     keep_going: bool = False,
+    cancel: threading.Event | None = None,
 ) -> list[Change]:
     """Check and apply ``ops`` in order on one host; stop at the first failure.
 
@@ -406,7 +412,8 @@ def run_ops(
     checked against the host as it is, not as the earlier ones would leave it.) Handlers
     notified by a changed operation run once at the end, in the order given, unless
     something failed. ``keep_going`` (a dry run only): check every operation, failed or not
-    (a reads pass, host/prefetch.py, that wants all of them).
+    (a reads pass, host/prefetch.py, that wants all of them). ``cancel``: once set (Ctrl-C),
+    every operation not yet checked fails as interrupted, with nothing of it done.
     """
     keep_going = keep_going and dry_run
     by_name = {h.name: h for h in handlers}
@@ -424,6 +431,8 @@ def run_ops(
 
     for op in ops:
         try:
+            if cancel is not None and cancel.is_set():
+                raise Interrupted("interrupted before this operation: nothing of it was done")
             decision = op.check(host)
         except HostError as exc:
             record(_failed(host, op.name, exc))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
@@ -79,3 +80,18 @@ class BufferedPrinter(Printer):
     def replay(self, to: Printer) -> None:
         for host, text in self.lines:
             to.line(host, text)
+
+
+class HostPrinter(Printer):
+    """Every line to the host's log file, then to the console, which decides what it shows
+    (all of it by default; cli/live.py's view shows a line per step and a live line)."""
+
+    def __init__(self, log: TextIO, console: Printer):
+        super().__init__()
+        self.log, self.console = log, console
+
+    def line(self, host: str, text: str) -> None:
+        with self._lock:
+            self.log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+            self.log.flush()
+        self.console.line(host, text)

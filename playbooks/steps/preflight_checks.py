@@ -14,7 +14,7 @@ from playbooks.facts import cuda
 from playbooks.facts import gpu as gpufacts
 from playbooks.plan.gpus import Gpu, get_gpu, gpu_from_nvidia_name
 from playbooks.steps.preflight_facts import HostFacts
-from playbooks.steps.serve.deploy import systemd_only
+from playbooks.steps.serve.service_manager import systemd_only
 
 # Minimum Linux driver per CUDA major release (NVIDIA's CUDA compatibility table, minor
 # version compatibility): 11.x needs >= 450.80.02, 12.x needs >= 525.60.13.

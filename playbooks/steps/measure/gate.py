@@ -24,7 +24,8 @@ from playbooks.errors import HostError
 from playbooks.host.base import Host
 from playbooks.host.ops import Decision, Operation, Record
 from playbooks.steps.measure import bench, roofline
-from playbooks.steps.serve.deploy import EnsureServing, good_of, read_record, write_record
+from playbooks.steps.serve.deploy_record import good_of, read_record, write_record
+from playbooks.steps.serve.lifecycle import EnsureServing
 
 
 def criteria_hash(loaded: LoadedRecipe) -> str:

@@ -44,7 +44,8 @@ from playbooks.plan.engines import engine
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import bench, bench_client
 from playbooks.steps.measure.gate import criteria_hash, keep_verdict, set_figures_line
-from playbooks.steps.serve.deploy import EnsureServing, health_timeout, read_record
+from playbooks.steps.serve.deploy_record import read_record
+from playbooks.steps.serve.lifecycle import EnsureServing, health_timeout
 from playbooks.steps.serve.secrets import api_key_for
 
 #: the method's version: part of the criteria, so a verdict of an older method is judged again

@@ -1,6 +1,6 @@
 """What a serving engine is on a host: the interface each engine's serving half fills
 (steps/serve/engine_llamacpp.py, steps/serve/engine_exllamav2.py; the plan's half is
-plan/engine_base.py). conduct/build.py and conduct/deploy.py ask it
+plan/engine_base.py). conduct/build.py and steps/serve/deploy.py ask it
 (:func:`playbooks.steps.serve.engines.server_engine`) instead of comparing the engine's name:
 what the host builds for it beyond llama.cpp (which every host gets: its conversion and
 quantize tools), the artifact its server loads and the link it reads it through, where a
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from playbooks.host.ops import Operation
     from playbooks.plan.engine_base import Engine
     from playbooks.plan.serving import Option
-    from playbooks.steps.serve.deploy import DeployLayout, Expectations
+    from playbooks.steps.serve.deploy_record import DeployLayout
+    from playbooks.steps.serve.lifecycle import Expectations
     from playbooks.steps.serve.router import RouterSet
     from playbooks.steps.serve.units import RenderedFile, ServerLayout
     from playbooks.steps.weights.model_layout import ModelLayout
@@ -40,6 +41,11 @@ class ServerEngine:
     ) -> list[RenderedFile]:
         """Every file deploy installs for its server (steps/serve/service_files.py checked the
         indexes against the recipe's split)."""
+        raise NotImplementedError
+
+    def unit_name(self, recipe: Recipe, layout: ServerLayout, gpu_indexes: tuple[int, ...]) -> str:
+        """The name of the unit ``render_files`` renders first (an instance template ends in
+        ``@.service``): what its instances are called, without rendering or planning."""
         raise NotImplementedError
 
     def build_ops(self, prefix: str, venv: str, tc: Toolchain) -> list[Operation]:

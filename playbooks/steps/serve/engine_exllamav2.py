@@ -8,16 +8,20 @@ steps/build/exllamav2.py, steps/build/tabbyapi.py; its conversion: steps/weights
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from playbooks.errors import VoltaforgeError
-from playbooks.host.ops import EnsureDirectory
+from playbooks.host.commands import check_path
+from playbooks.host.ops import Decision, EnsureDirectory, Operation, OperationError, Shell
 from playbooks.plan.engine_exllamav2 import EXLLAMAV2
 from playbooks.steps.build.exllamav2 import EnsureExllamav2
 from playbooks.steps.build.tabbyapi import EnsureTabbyAPI
-from playbooks.steps.serve.deploy import EnsureSymlink, EnsureTabbyTokens, Expectations
 from playbooks.steps.serve.engine_base import ServerEngine
+from playbooks.steps.serve.lifecycle import Expectations
+from playbooks.steps.serve.model_links import EnsureSymlink
+from playbooks.steps.serve.secrets import KEY_CHARS
 from playbooks.steps.serve.units import (
     UNIT_DIR,
     UNIT_NAME,
@@ -35,7 +39,6 @@ from playbooks.steps.weights.exl2_convert import STAMP_NAME, Exl2Layout
 if TYPE_CHECKING:
     from playbooks.config.recipe import LoadedRecipe, Recipe, Toolchain
     from playbooks.host import Host
-    from playbooks.host.ops import Operation
     from playbooks.plan.serving import Option
     from playbooks.steps.weights.model_layout import ModelLayout
 
@@ -58,6 +61,9 @@ class TabbyAPI(ServerEngine):
             RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit"),
             RenderedFile(layout.tabbyapi_config, config, 0o644, "config"),
         ]
+
+    def unit_name(self, recipe: Recipe, layout: ServerLayout, gpu_indexes: tuple[int, ...]) -> str:
+        return layout.tabbyapi_unit_name
 
     def build_ops(self, prefix: str, venv: str, tc: Toolchain) -> list[Operation]:
         # ExLlamaV2 with its extension built for this host's GPU, then TabbyAPI on it
@@ -173,3 +179,45 @@ def render_tabbyapi_unit(
 
 
 EXLLAMAV2_SERVER = TabbyAPI()
+
+
+class EnsureTabbyTokens(Operation):
+    """TabbyAPI's api_tokens.yml (root, 0600) holds the recipe's API key and an admin key of
+    its own, generated on the host. The key is read from its secret file on the host and never
+    crosses the wire, argv or a log (the comparison feeds grep its pattern on stdin; printf is
+    the shell's builtin); the facts say only missing / same / differs."""
+
+    def __init__(self, secret: str, tokens: str, owner: str | None = None):
+        # owner: a managed process's user, who must read its copy (0600 still); else root's
+        self.secret, self.tokens, self.owner = check_path(secret), check_path(tokens), owner
+        self.name = f"Ensure {tokens} holds the API key of {secret}"
+
+    def read(self, host: Host) -> str:
+        s, t = shlex.quote(self.secret), shlex.quote(self.tokens)
+        return host.sudo(
+            f"if [ ! -s {s} ]; then echo no-secret; elif [ ! -f {t} ]; then echo missing; "
+            # the key goes to grep as a pattern on stdin (-f -), never in its argv (`ps` shows argv)
+            f"""elif head -n1 -- {s} | sed 's/.*/api_key: "&"/' | grep -qxF -f - -- {t}; then echo same; """
+            "else echo differs; fi",
+            check=False,
+            stream=False,
+        ).stdout.strip()
+
+    def decide(self, facts: str) -> Decision:
+        if facts == "no-secret":
+            raise OperationError(
+                f"the recipe's API key is not on the host: put it in {self.secret} (root, mode 0600) first"
+            )
+        if facts == "same":
+            return Decision.ok("the API key is current")
+        s, t = shlex.quote(self.secret), shlex.quote(self.tokens)
+        script = (
+            f"umask 077; key=$(head -n1 -- {s}); "
+            f'case "$key" in ""|*[!{KEY_CHARS}]*) echo "the key in {self.secret} has characters an API key '
+            f'should not" >&2; exit 1;; esac; '
+            "admin=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \\n'); "
+            f'printf \'api_key: "%s"\\nadmin_key: "%s"\\n\' "$key" "$admin" > {t}.new && '
+            + (f"chown -- {shlex.quote(self.owner)} {t}.new && " if self.owner else "")
+            + f"mv -T -- {t}.new {t}"
+        )
+        return Decision.act("no tokens file yet" if facts == "missing" else "the API key changed", Shell(script, True))

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 from playbooks.errors import VoltaforgeError
 from playbooks.plan.engine_llamacpp import LLAMACPP
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.serve.deploy import DeployLayout, Expectations
+from playbooks.steps.serve.deploy_record import DeployLayout
 from playbooks.steps.serve.engine_base import ServerEngine
+from playbooks.steps.serve.lifecycle import Expectations
 from playbooks.steps.serve.router import RouterSet, preset_path
 from playbooks.steps.serve.secrets import EnsureCredentialCopy
 from playbooks.steps.serve.units import (
@@ -40,6 +41,12 @@ if TYPE_CHECKING:
     from playbooks.steps.weights.model_layout import ModelLayout
 
 
+def _template(recipe: Recipe, gpu_indexes: tuple[int, ...]) -> bool:
+    """One card's recipe on several GPU indexes (or a CPU recipe's replica slots): the instance
+    template, one instance per index; else one plain unit (over the recipe's split, if any)."""
+    return not (recipe.gpu_count > 1 or len(gpu_indexes) == 1)
+
+
 class LlamaServer(ServerEngine):
     engine = LLAMACPP
 
@@ -54,7 +61,7 @@ class LlamaServer(ServerEngine):
         # one GPU index, or a split over gpu_count cards: the plain unit; several indexes: the
         # instance template and one environment file per instance (GPU i on recipe port + i; a
         # CPU recipe's indexes are replica slots)
-        if recipe.gpu_count > 1 or len(gpu_indexes) == 1:
+        if not _template(recipe, gpu_indexes):
             unit = render_llama_server_unit(recipe, layout, gpu_indexes, n_cpu_moe)
             return [RenderedFile(f"{UNIT_DIR}/{unit.name}", unit.text, 0o644, "unit")]
         template = render_llama_server_template(recipe, layout, n_cpu_moe)
@@ -62,6 +69,9 @@ class LlamaServer(ServerEngine):
             RenderedFile(layout.instance_env_file(i), instance_environment(recipe, i), 0o644, "env")
             for i in gpu_indexes
         ]
+
+    def unit_name(self, recipe: Recipe, layout: ServerLayout, gpu_indexes: tuple[int, ...]) -> str:
+        return layout.template_unit_name if _template(recipe, gpu_indexes) else layout.unit_name
 
     def artifact(self, r: Recipe, model: ModelLayout, server: ServerLayout) -> tuple[str, str, str]:
         gguf = model.gguf(r.quant_name)

@@ -31,7 +31,7 @@ from playbooks.host.ops import Decision, Operation, OperationError, Shell, Uploa
 
 SECRETS_DIR = "/etc/voltaforge/secrets"
 #: what an API key may hold (it reaches YAML and HTTP headers; never a shell): a bracket set,
-#: shared with TabbyAPI's tokens file check on the host (steps/serve/deploy.py)
+#: shared with TabbyAPI's tokens file check on the host (steps/serve/engine_exllamav2.py)
 KEY_CHARS = "A-Za-z0-9._~+/=-"
 KEY_RE = re.compile(f"[{KEY_CHARS}]{{8,512}}")
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}\$?")

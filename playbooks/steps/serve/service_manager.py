@@ -7,15 +7,18 @@ unit's Environment= lines, so there is one command line, never a second flag lis
 runner keeps a pid file and a log file under the deployment's state directory and says what
 it is: a process, not a unit (no restart on crash, no start at boot).
 
-Pure: each method returns the commands or reads nothing; deploy's operations run them.
+Pure: each method returns the commands or reads nothing; deploy's operations run them. Which
+manager a deployment gets: ``make_manager``; what only systemd can run: ``systemd_only``.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from playbooks.config.recipe import Recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts.service import (
     ProcessState,
@@ -26,6 +29,8 @@ from playbooks.facts.service import (
     unit_state_command,
 )
 from playbooks.host.ops import Shell
+from playbooks.steps.serve.deploy_record import DeployLayout
+from playbooks.steps.serve.units import parse_exec_start
 
 
 @dataclass(frozen=True)
@@ -192,3 +197,40 @@ def process_argv(argv: list[str], credentials_dir: str) -> tuple[str, ...]:
             raise VoltaforgeError(f"the unit's argument {arg!r} needs systemd's EnvironmentFile: run it under systemd")
         out.append(arg.replace("%d", credentials_dir))
     return tuple(out)
+
+
+def make_manager(kind: str, state: DeployLayout, unit_name: str, unit_text: str) -> Manager:
+    """The manager of one deployed server: its systemd unit, or the unit's own command line
+    as a process whose pid file, log and credentials live in its state directory."""
+    state_dir = state.state_dir
+    if kind == "systemd":
+        return Systemd(unit_name)
+    argv = parse_exec_start(unit_text)
+    unit_env = unit_environment(unit_text)
+    env = process_environment(unit_env, f"{state_dir}/cache")
+    return ProcessRunner(
+        state_dir,
+        argv[0],
+        process_argv(argv, f"{state_dir}/credentials"),
+        env,
+        cwd=unit_working_directory(unit_text),
+        # what CacheDirectory= would have made: the directories %C named
+        make_dirs=tuple(dict.fromkeys(v for (_, unit_v), (_, v) in zip(unit_env, env, strict=True) if "%C" in unit_v)),
+    )
+
+
+def systemd_only(recipe: Recipe, gpu_indexes: Sequence[int] = (0,)) -> str | None:
+    """Why this deployment cannot run as a managed process (None: it can). Deploy refuses it
+    on a host without systemd; preflight judges a host's missing systemd by it."""
+    if len(gpu_indexes) > 1 and recipe.gpu_count == 1:
+        return "one server per GPU (or CPU instance) is a systemd instance template"
+    return None
+
+
+def require_systemd(booted: bool, manager: str, host: str) -> None:
+    """`--manager systemd` on a host without it: one line, before anything is touched."""
+    if manager == "systemd" and not booted:
+        raise VoltaforgeError(
+            f"{host}: systemd is not running there (no /run/systemd/system): a unit cannot be started; "
+            "deploy with --manager process to run the same command line as a managed process"
+        )
