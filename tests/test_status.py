@@ -16,6 +16,7 @@ import yaml
 from playbooks.cli.status import run_status
 from playbooks.conduct.deployed import deployed_recipe, read_deployments
 from playbooks.conduct.settings import Settings
+from playbooks.conduct.stop import stop_served
 from playbooks.config.planning import resolve_n_cpu_moe
 from playbooks.config.recipe import RECIPES_DIR, load_recipe
 from playbooks.config.recorded import recipe_record
@@ -23,12 +24,12 @@ from playbooks.errors import VoltaforgeError
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import deployments_command, parse_deployments
 from playbooks.host.local import LocalHost
-from playbooks.host.ops import Record, Shell
+from playbooks.host.ops import Record, Shell, run_command
 from playbooks.steps.serve.deploy_record import DeployLayout, read_record, write_record
 from playbooks.steps.serve.lifecycle import EnsureServing, Expectations, ServingFacts
 from playbooks.steps.serve.service_file import ServiceFile
 from playbooks.steps.serve.service_files import render_service_files
-from playbooks.steps.serve.service_manager import Running, Systemd
+from playbooks.steps.serve.service_manager import Running, Systemd, make_manager
 from playbooks.steps.serve.units import ServerLayout
 from tests.helpers import ROOT
 from tests.testhosts import free_port
@@ -261,3 +262,28 @@ def test_status_shows_each_service_and_a_host_it_cannot_reach(tmp_path, capsys):
     assert "unreachable:" in table and "1 of 2 hosts read; unreachable: gone" in table
     with pytest.raises(VoltaforgeError, match="a host is named twice"):
         run_status(["local", "local"], settings=settings)
+
+
+def test_stop_stops_what_the_record_names_and_a_server_never_deployed_is_ok(tmp_path, monkeypatch):
+    """`invoke stop` asks each instance's deployment record who runs it (its manager, and for a
+    process the unit file kept in its state directory), not this host's systemd: no record is
+    ``ok (never deployed here)`` with nothing run; a recorded process is stopped for real."""
+    monkeypatch.setenv("VOLTAFORGE_CACHE", str(tmp_path / "cache"))
+    prefix = str(tmp_path / "vf")
+    settings = Settings(inventory=tmp_path / "none.yaml", prefix=prefix)
+    recipe = _copy_of_tiny(tmp_path / "r")
+    [never] = stop_served(settings, "local", str(recipe))
+    assert (never.status, never.why, never.commands) == ("ok", "never deployed here", ())
+
+    layout = DeployLayout(prefix, SERVICE)
+    unit = f"{layout.state_dir}/{SERVICE}.service"
+    text = f"[Service]\nExecStart={shutil.which('sleep')} 300\n"
+    with LocalHost() as host:
+        _write(host, layout, _record(recipe, files={unit: "x"}))
+        Path(unit).write_text(text)
+        mgr = make_manager("process", layout, f"{SERVICE}.service", text)
+        run_command(host, mgr.restart())
+        assert mgr.running(host.run(mgr.state_command(), stream=False).stdout).up
+        [stopped] = stop_served(settings, "local", str(recipe))
+        assert (stopped.status, stopped.step) == ("changed", f"Stop {mgr.describe()}")
+        assert not mgr.running(host.run(mgr.state_command(), stream=False).stdout).up
