@@ -62,8 +62,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+import types
 import uuid
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -108,7 +110,18 @@ CONTAINER_CCACHE = PurePosixPath("/var/cache/voltaforge-ccache")
 #: Prefix of every system-wide name this module creates; see reap_stale_resources().
 NAME_PREFIX = "vf-"
 
-_counter = itertools.count(1)
+
+def _process_counter() -> Iterator[int]:
+    """One counter per process for every copy of this module: conftest imports it as
+    ``testhosts``, most tests as ``tests.testhosts``, two module objects. Each had its own counter,
+    so a test's nspawn host and a fixture's shared container got one netns name in one worker
+    (cold runs 82 and 83: "File exists", then the shared container unreachable)."""
+    holder = sys.modules.setdefault("_vf_testhosts_names", types.ModuleType("_vf_testhosts_names"))
+    counter: Iterator[int] = holder.__dict__.setdefault("counter", itertools.count(1))
+    return counter
+
+
+_counter = _process_counter()
 
 
 class HostSetupError(RuntimeError):
