@@ -66,15 +66,17 @@ def run_top(
     settings = settings or Settings()
     watch = watch_settings(settings.monitor(), inventory_hosts(settings), host_name, default_host=default_host)
     out = console()
-    with watching(settings, watch) as (read, source):
-        view = read()
-        if once or not out.is_terminal:
-            out.print(render_view(view, source))
-            return 0
-        with Live(render_view(view, source), console=out, auto_refresh=False) as live:
-            try:
+    # Ctrl-C is how a watch ends, at any moment: while connecting or on its first read as much as
+    # between frames (invoke would turn it into exit 1 with a traceback).
+    try:
+        with watching(settings, watch) as (read, source):
+            view = read()
+            if once or not out.is_terminal:
+                out.print(render_view(view, source))
+                return 0
+            with Live(render_view(view, source), console=out, auto_refresh=False) as live:
                 while True:
                     time.sleep(interval_s)
                     live.update(render_view(read(), source), refresh=True)
-            except KeyboardInterrupt:
-                return 0
+    except KeyboardInterrupt:
+        return 0
