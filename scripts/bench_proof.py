@@ -50,6 +50,7 @@ TUNE_CODE = [
     "playbooks/cli/tune.py",
     "playbooks/conduct/tune.py",
     "playbooks/conduct/tune_candidates.py",
+    "playbooks/conduct/tune_store.py",
     "playbooks/steps/measure/tune_search.py",
     "playbooks/steps/measure/tune_space.py",
     "playbooks/steps/measure/tune_report.py",

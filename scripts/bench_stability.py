@@ -29,7 +29,7 @@ from tiny_served import DESCRIPTION, ROOT, served  # noqa: E402
 from playbooks.cli.bench import run_bench  # noqa: E402
 from playbooks.host.local import LocalHost  # noqa: E402
 from playbooks.results import write_result  # noqa: E402
-from playbooks.steps.measure.bench_run import host_membw  # noqa: E402
+from playbooks.steps.measure.bench_ceilings import host_membw  # noqa: E402
 
 
 def spread(values: list[float]) -> float:

@@ -34,6 +34,7 @@ BENCH_CODE = [
     "playbooks/conduct/bench.py",
     "playbooks/steps/measure/bench.py",
     "playbooks/steps/measure/bench_run.py",
+    "playbooks/steps/measure/bench_ceilings.py",
     "playbooks/steps/measure/atomic_files.py",
     "playbooks/steps/measure/bench_figures.py",
     "playbooks/steps/measure/bench_render.py",

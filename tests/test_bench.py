@@ -350,7 +350,7 @@ def test_a_cross_check_beyond_5_percent_fails_a_gpu_gate_and_is_only_reported_fo
 
 def test_llama_bench_measures_the_served_configuration():
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.measure.bench_run import llama_bench_args
+    from playbooks.steps.measure.bench_ceilings import llama_bench_args
 
     moe = load_recipe("qwen3-30b-a3b-v100-16gb")
     args = llama_bench_args(moe, 7)
@@ -360,7 +360,7 @@ def test_llama_bench_measures_the_served_configuration():
 
 def test_llama_bench_is_not_run_where_a_second_copy_cannot_fit_beside_the_server(tmp_path):
     from playbooks.config.recipe import load_recipe
-    from playbooks.steps.measure.bench_run import no_room_for_llama_bench
+    from playbooks.steps.measure.bench_ceilings import no_room_for_llama_bench
 
     # a 16 GB V100 holds the served 14B (10.3 GiB) and not another 8 GiB of its weights
     assert "not run: its own copy of the model beside the server's needs 19.0 GiB of the 16 GiB card" == (

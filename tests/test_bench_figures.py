@@ -32,7 +32,7 @@ from playbooks.steps.measure import (
     roofline,
     tune_report,
 )
-from playbooks.steps.measure.bench_run import ceilings
+from playbooks.steps.measure.bench_ceilings import ceilings
 from playbooks.steps.measure.gate import figures_line, gate_figures
 from tests.helpers import ROOT, fixture_body
 

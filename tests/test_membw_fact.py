@@ -20,7 +20,7 @@ import pytest
 
 from playbooks.facts import membw
 from playbooks.host.local import LocalHost
-from playbooks.steps.measure.bench_run import host_membw
+from playbooks.steps.measure.bench_ceilings import host_membw
 from tests import llamacpp_tools
 
 PROBES = Path(membw.__file__).resolve().parent / "probes"

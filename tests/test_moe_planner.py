@@ -32,7 +32,7 @@ from playbooks.plan.moe import HOST_MEMBW_DEFAULT_GB_S, HostMemory, expert_layou
 from playbooks.plan.moe_offload import smallest_n_cpu_moe
 from playbooks.plan.planner import make_plan
 from playbooks.plan.serving import Serving
-from playbooks.steps.measure.bench_run import ceilings
+from playbooks.steps.measure.bench_ceilings import ceilings
 from tests.helpers import ROOT
 
 QWEN3 = "recipes/models/qwen3-30b-a3b.config.json"

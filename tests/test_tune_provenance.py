@@ -9,7 +9,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-from playbooks.conduct.tune import kept_level
+from playbooks.conduct.tune_store import kept_level
 from playbooks.facts.provenance import Provenance, parse_provenance, provenance_command
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -18,8 +18,9 @@ from typing import Any
 
 from playbooks.cli.render import console
 from playbooks.conduct.settings import Settings
-from playbooks.conduct.tune import Levers, TuneOptions, store_path, tune_host
+from playbooks.conduct.tune import Levers, TuneOptions, tune_host
 from playbooks.conduct.tune_preview import preview
+from playbooks.conduct.tune_store import store_path
 from playbooks.conduct.view import Printer
 from playbooks.errors import UsageError
 from playbooks.plan.gguf_size import FILE_TYPES

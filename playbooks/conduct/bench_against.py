@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from playbooks.conduct.deploy import served_instances
+from playbooks.conduct.deployed import read_deployments
 from playbooks.conduct.placements import with_port
 from playbooks.conduct.scratch import SCRATCH_A_UNIT, Scratch, crowded, planned_bytes, scratch_ops
 from playbooks.conduct.settings import Settings
@@ -57,7 +58,8 @@ def bench_against(
     b_loaded = settings.load_recipe(other)
     with settings.connect(spec, Printer(quiet=True)) as host:  # say() tells the steps; a failure its line
         served = one or settings.deployed_serves(host_name, recipe, host)[0]
-        instances = served_instances(served, spec.prefix)[1]
+        # the port the live server listens on, as its record says (not what the recipe file says now)
+        instances = served_instances(served, spec.prefix, read_deployments(host, spec.prefix))[1]
         if len(instances) != 1:
             raise VoltaforgeError(
                 f"{host.name}: --against compares one server with another; {served.loaded.recipe.name} runs "

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from playbooks.conduct.deploy import choose_manager, deploy_ops, make_manager, single_service
+from playbooks.conduct.deploy import choose_manager, deploy_ops, single_service
 from playbooks.conduct.quantize import draft_artifact, quantize_step, recipe_weights
 from playbooks.config.planning import plan_recipe
 from playbooks.config.recipe import LoadedRecipe
@@ -31,7 +31,9 @@ from playbooks.facts.service import health_command, parse_health
 from playbooks.host import Host
 from playbooks.host.ops import Change, Command, run_command, run_ops
 from playbooks.plan.gpus import get_gpu
-from playbooks.steps.serve.deploy import DeployLayout, EnsureServing, health_timeout
+from playbooks.steps.serve.deploy_record import DeployLayout
+from playbooks.steps.serve.lifecycle import EnsureServing, health_timeout
+from playbooks.steps.serve.service_manager import make_manager
 from playbooks.steps.serve.units import ServerLayout
 from playbooks.steps.weights.model_layout import ModelLayout, manifest_path
 

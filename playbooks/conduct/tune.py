@@ -29,7 +29,6 @@ smallest that fits; more only loses speed).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,13 +48,13 @@ from playbooks.conduct.tune_candidates import (
     winner_recipe_text,
     write_winner,
 )
+from playbooks.conduct.tune_store import keep_row, kept_level, store_path, stored_rows
 from playbooks.config.recipe import LoadedRecipe, load_recipe
 from playbooks.errors import VoltaforgeError
 from playbooks.facts import builds as build_facts
 from playbooks.facts import read_fact
 from playbooks.facts.deployments import Deployment, deployments_command, parse_deployments
 from playbooks.facts.files import parse_writable, writable_command
-from playbooks.facts.membw import age_days
 from playbooks.facts.provenance import Provenance, parse_provenance, provenance_command
 from playbooks.host import Host
 from playbooks.host.lock import host_lock
@@ -64,9 +63,10 @@ from playbooks.host.output import Printer
 from playbooks.plan.engines import engine
 from playbooks.plan.gpus import get_gpu
 from playbooks.steps.measure import tune_report
+from playbooks.steps.measure.bench_ceilings import host_membw, host_python
 from playbooks.steps.measure.bench_history import read_history
 from playbooks.steps.measure.bench_noise import counted_or_borrowed, host_noise
-from playbooks.steps.measure.bench_run import bench_dir, bench_health, host_membw, host_python, measure_level
+from playbooks.steps.measure.bench_run import bench_dir, bench_health, measure_level
 from playbooks.steps.measure.tune_cost import plan_costs, streams_for
 from playbooks.steps.measure.tune_search import (
     Budget,
@@ -292,7 +292,6 @@ class Tuner:
         return level
 
     def _keep(self, key: str, c: Candidate, rung: int, level: dict[str, Any], took_s: float) -> None:
-        self.store.parent.mkdir(parents=True, exist_ok=True)
         row = {
             "took_s": round(took_s, 1),  # deploy, warm-up and requests: what tune --dry-run predicts with
             "key": key,
@@ -302,8 +301,7 @@ class Tuner:
             "at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "provenance": self.provenance.as_dict(),
         }
-        with self.store.open("a") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+        keep_row(self.store, row)
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -485,48 +483,6 @@ def tune_host(
                     f"interrupted: the scratch server was stopped and removed; the live service: {state}; "
                     "every measurement finished so far is kept (a re-run resumes)"
                 ) from None
-
-
-def store_path(host_name: str, recipe_name: str, cache_root: Path | None = None) -> Path:
-    """Where a host's tune measurements of a recipe are kept on the controller (JSON lines)."""
-    return (cache_root or bench_dir().parent / "tune") / host_name / recipe_name / "measurements.jsonl"
-
-
-def stored_rows(store: Path) -> list[dict[str, Any]]:
-    """The measurements kept in ``store`` (none when it does not exist); a line cut short by a
-    run killed mid-write is skipped."""
-    if not store.exists():
-        return []
-    return [row for line in store.read_text().splitlines() if (row := _json_row(line)) is not None]
-
-
-def _json_row(line: str) -> dict[str, Any] | None:
-    """One stored line as its object; None for a line cut short (a run killed mid-write)."""
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    return row if isinstance(row, dict) else None
-
-
-def kept_level(
-    rows: Sequence[dict[str, Any]], key: str, provenance: Provenance, now: datetime, max_age_days: float
-) -> tuple[dict[str, Any] | None, str | None]:
-    """The kept level of ``key`` made on the same host facts (``provenance``) and younger than
-    ``max_age_days``, or None with why the one kept cannot be reused (None: none was kept)."""
-    why = None
-    for row in rows:
-        if row.get("key") != key or (row.get("level") or {}).get("error"):
-            continue
-        changed = provenance.changed(row.get("provenance"))
-        age = age_days(row.get("at"), now)
-        if changed:
-            why = "the host changed since (" + "; ".join(changed) + ")"
-        elif age is None or age > max_age_days:
-            why = f"it is older than {max_age_days:g} days" if age is not None else "it was kept without its time"
-        else:
-            return dict(row["level"]), None
-    return None, why
 
 
 def interleaved(blocks: Sequence[Measured]) -> dict[str, Any] | None:

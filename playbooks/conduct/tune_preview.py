@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from playbooks.conduct.tune import TuneOptions, search_space, stored_rows
+from playbooks.conduct.tune import TuneOptions, search_space
+from playbooks.conduct.tune_store import stored_rows
 from playbooks.config.recipe import LoadedRecipe
 from playbooks.steps.measure.tune_cost import floor_s
 from playbooks.steps.measure.tune_search import promoted

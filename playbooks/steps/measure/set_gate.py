@@ -14,7 +14,7 @@ For each member, in the set's order:
 2. **warm decode**: the levels its recipe's gate judges (one stream; the aggregate's level too
    where the recipe gates an aggregate), each a warm-up round then rounds until the decode's
    95% interval is within the recipe's ``ci_target`` (bench_run.round_bounds, the same bounds
-   as a server's gate), its ceiling from its own plan (bench_run.ceilings: the CPU's measured
+   as a server's gate), its ceiling from its own plan (bench_ceilings.ceilings: the CPU's measured
    copy rate and last-level cache, a GPU's datasheet), judged by ``bench.judge`` with its recipe's
    thresholds exactly as a single server's gate is.
 
@@ -220,10 +220,10 @@ def _wait_state(client: Any, name: str, state: str, timeout: float) -> bool:
 
 
 def _host_ceilings(host: Host, prefix: str, members: Sequence[LoadedRecipe]) -> dict[str, dict[str, Any]]:
-    """Each member's decode roofline as its server's gate computes it (bench_run.ceilings): on a
+    """Each member's decode roofline as its server's gate computes it (bench_ceilings.ceilings): on a
     CPU the host's copy rate (its stored fact, else measured once) and last-level cache, read
     once for the whole set."""
-    from playbooks.steps.measure.bench_run import ceilings, host_membw, host_python
+    from playbooks.steps.measure.bench_ceilings import ceilings, host_membw, host_python
 
     membw = llc = None
     if any(get_gpu(m.recipe.gpu).is_cpu for m in members):
