@@ -8,7 +8,10 @@ refuses is named."""
 from __future__ import annotations
 
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -136,3 +139,30 @@ def test_no_prometheus_where_the_monitor_should_be_is_one_line(tmp_path):
     assert str(exc.value) == (
         f"local: no Prometheus answers at 127.0.0.1:{port}: run `invoke monitor --host local` to make one"
     )
+
+
+def test_ctrl_c_while_prometheus_has_not_answered_ends_top_with_exit_0(tmp_path):
+    """Ctrl-C is how a watch ends, also before its first frame: here Prometheus's port is a real
+    socket that accepts and never answers, so top waits on its first read when Ctrl-C comes.
+    (Before, invoke turned the KeyboardInterrupt into exit 1.)"""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(60)
+    settings = _inventory(tmp_path, listener.getsockname()[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "invoke", "--search-root", str(ROOT), "top", f"--inventory={settings.inventory}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        conn, _ = listener.accept()  # top has connected and sent its query: it waits for the answer
+        conn.recv(4096)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        conn.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        listener.close()
+    assert proc.returncode == 0, out.decode(errors="replace")
+    assert b"Traceback" not in out
