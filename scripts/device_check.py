@@ -17,6 +17,8 @@ order from a driver (scripts/device_check.sh) so a failed phase does not stop th
   moe    Qwen3-30B-A3B Q4_K_M, shaped: llama-bench decode at --n-cpu-moe 0..48 (the two-sided
          roofline, measured), llama-fit-params with a V100-16GB-sized budget (what llama.cpp's
          own fit picks), and llama-server with --n-cpu-moe: its load log
+  exporter  our GPU exporter (steps/monitor/gpu_exporter.py) scraped between two
+         `nvidia-smi --query-gpu` reads, five rounds: scripts/exporter_vs_smi.py says what agrees
 
 Zero weights make the tokens meaningless and the speed and memory real (shaped_gguf.py says
 where that differs). The recipe's GPU is replaced by the lent one (`--gpu`, default h200).
@@ -24,7 +26,7 @@ where that differs). The recipe's GPU is replaced by the lent one (`--gpu`, defa
 Each phase also writes its figures as result files (playbooks/results.py: the figures, the
 command, the commit, the machine, the date; "measured here") under --reports, by default
 DIR/../reports/<gpu>: facts -> membw.json and gpu-copy.json, build -> build.json, gate -> gate.json and
-gate-load.json, moe -> moe-sweep.json and moe-load.json. The session copies them into the
+gate-load.json, moe -> moe-sweep.json and moe-load.json, exporter -> gpu-exporter.json. The session copies them into the
 repository (`cp -r $OUT/reports/. reports/`), where tests/test_readme_figures.py holds the
 README's figures to them; the names and keys are the ones the README's markers already use.
 """
@@ -391,6 +393,80 @@ def phase_moe(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 # Pure apart from the writing: tests/test_device_check.py feeds them captured phase output.
 
 
+# -- exporter -------------------------------------------------------------------------------------
+
+EXPORTER = ROOT / "playbooks" / "steps" / "monitor" / "gpu_exporter.py"
+PROBE = ROOT / "playbooks" / "facts" / "probes" / "telemetry_probe.py"
+
+
+def smi_fields_known() -> list[str]:
+    """Each field exporter_vs_smi may ask, asked alone: one this driver does not know fails the
+    whole query ('is not a valid field to query')."""
+    import exporter_vs_smi as evs
+
+    wanted = [*evs.CONTEXT_FIELDS, *dict.fromkeys(f.smi for f in evs.FIELDS), *evs.REASON_FIELDS]
+    return [f for f in wanted if _sh(f"nvidia-smi --query-gpu={f} --format=csv,noheader,nounits", 30)[0] == 0]
+
+
+def phase_exporter(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Our GPU exporter, run as a host runs it (its file and the probe beside it; pynvml and
+    prometheus_client from this python's packages), scraped between two nvidia-smi reads, five
+    rounds a second apart; each round's rows saved (scripts/exporter_vs_smi.py says what agrees)."""
+    import urllib.request
+
+    import exporter_vs_smi as evs
+
+    where = out / "exporter"
+    where.mkdir(exist_ok=True)
+    for src in (EXPORTER, PROBE):
+        (where / src.name).write_bytes(src.read_bytes())
+    known = smi_fields_known()
+    fields = evs.query_fields(known)
+    result: dict[str, Any] = {"fields_known": known, "fields_asked": fields, "rounds": []}
+    if "index" not in fields:
+        raise RuntimeError("nvidia-smi answers no --query-gpu=index: no card to compare with")
+    port = 19835
+    log = out / "exporter.log"
+    proc = subprocess.Popen(
+        [sys.executable, str(where / EXPORTER.name), f"--listen=127.0.0.1:{port}"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    query = f"nvidia-smi --query-gpu={','.join(fields)} --format=csv,noheader,nounits"
+    try:
+        text = ""
+        for _ in range(40):  # its first answer: up to 20 s
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the exporter exited {proc.returncode}: {log.read_text()[-2000:]}") from None
+                time.sleep(0.5)
+        (out / "exporter-first.txt").write_text(text)
+        sys.path.insert(0, str(where))
+        from telemetry_probe import CLOCKS_EVENT_REASON_BITS
+
+        every: list[Any] = []
+        for i in range(5):
+            rc_b, before = _sh(query, 30)
+            scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            rc_a, after = _sh(query, 30)
+            if rc_b or rc_a:
+                raise RuntimeError(f"{query} failed: {before if rc_b else after}")
+            rows = evs.compare(
+                evs.parse_smi(before, fields), scraped, evs.parse_smi(after, fields), CLOCKS_EVENT_REASON_BITS
+            )
+            every += rows
+            result["rounds"].append({"before": before, "after": after, "rows": [r.__dict__ for r in rows]})
+            (out / f"exporter-scrape-{i}.txt").write_text(scraped)
+            time.sleep(1)
+        result["summary"] = evs.summary(every)
+        result["per_round"] = [evs.summary([evs.Row(**r) for r in rd["rows"]]) for rd in result["rounds"]]
+    finally:
+        _stop(proc)
+    return result
+
+
 @dataclass(frozen=True)
 class Run:
     """What every result file of this run shares."""
@@ -620,7 +696,39 @@ def moe_results(data: dict[str, Any], run: Run) -> list[Path | None]:
     ]
 
 
-RESULTS = {"facts": facts_results, "build": build_results, "gate": gate_results, "moe": moe_results}
+def exporter_results(data: dict[str, Any], run: Run) -> list[Path | None]:
+    total = data.get("summary") or {}
+    return [
+        _write(
+            run,
+            "gpu-exporter",
+            "our GPU exporter's series against nvidia-smi --query-gpu, read around each scrape",
+            {
+                "compared": total.get("compared"),
+                "agree": total.get("agree"),
+                "differ": total.get("differ"),
+                "rounds": len(data.get("rounds") or []) or None,
+            },
+            {"compared": "values", "agree": "values", "differ": "values", "rounds": "rounds"},
+            notes="scripts/exporter_vs_smi.py: a value that does not move must be equal, one that moves must lie "
+            "between nvidia-smi's reads before and after the scrape (widened by its display rounding); a field "
+            "neither answers agrees. The card as the phases before it left it (idle when the phase runs alone).",
+            extra={
+                "differing": total.get("differing"),
+                "fields_asked": data.get("fields_asked"),
+                "per_round": data.get("per_round"),
+            },
+        )  # fmt: skip
+    ]
+
+
+RESULTS = {
+    "facts": facts_results,
+    "build": build_results,
+    "gate": gate_results,
+    "moe": moe_results,
+    "exporter": exporter_results,
+}
 
 
 def run_commit() -> str:
@@ -645,7 +753,13 @@ def machine_line() -> str:
     return what + describe_machine()
 
 
-PHASES = {"facts": phase_facts, "build": phase_build, "gate": phase_gate, "moe": phase_moe}
+PHASES = {
+    "facts": phase_facts,
+    "build": phase_build,
+    "gate": phase_gate,
+    "moe": phase_moe,
+    "exporter": phase_exporter,
+}
 
 
 def main() -> int:

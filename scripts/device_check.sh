@@ -65,6 +65,8 @@ want facts && phase 40 facts
 want build && phase "${VF_BUILD_LIMIT:-330}" build
 want gate && phase 100 gate
 want moe && phase 120 moe
+# issue 57: our GPU exporter against nvidia-smi (a call of its own: VF_PHASES=exporter, about 30 s)
+want exporter && phase 60 exporter
 # the EXL2 phase (a call of its own: VF_PHASES=exl2, carry .device-exl2 made by
 # `python3 scripts/device_exl2.py prepare`); its results are files in $R too
 if want exl2; then

@@ -23,10 +23,10 @@ import signal
 import sys
 import threading
 
-# Debian's python3-prometheus-client on the host (not in the controller's venv), and the probe
-# shipped beside this file: neither is importable where mypy runs
-from prometheus_client import start_http_server  # type: ignore[import-not-found]
-from prometheus_client.core import (  # type: ignore[import-not-found]
+# Debian's python3-prometheus-client on the host (the controller's venv has it too, for the
+# tests), and the probe shipped beside this file (not importable where mypy runs)
+from prometheus_client import start_http_server
+from prometheus_client.core import (
     REGISTRY,
     CounterMetricFamily,
     GaugeMetricFamily,

@@ -31,9 +31,9 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-# Debian's python3-prometheus-client on the host (not in the controller's venv)
-from prometheus_client import start_http_server  # type: ignore[import-not-found]
-from prometheus_client.core import REGISTRY, GaugeMetricFamily  # type: ignore[import-not-found]
+# Debian's python3-prometheus-client on the host (the controller's venv has it too, for the tests)
+from prometheus_client import start_http_server
+from prometheus_client.core import REGISTRY, GaugeMetricFamily
 
 LABELS = ["host", "model", "service"]
 TIMEOUT_S = 3
