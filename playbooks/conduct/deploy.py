@@ -1,8 +1,7 @@
 """The deploy step for a recipe: the manager a host gets, what the deployment serves (the
 model's id, the draft, the plan's option, the recipe's record), and its operations, assembled by
 steps/serve/deploy.py; the instances a recipe runs on a host (its records' ports, no plan); and
-the one server of tune's scratch deployments. ``make_manager`` is named here (``as`` itself)
-for conduct/scratch.py, which the bench-proof samples measure (see steps/serve/deploy.py)."""
+the one server of tune's scratch deployments."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from playbooks.steps.serve.deploy import Instance, Sources, deployment_ops, inst
 from playbooks.steps.serve.deploy_record import DeployLayout
 from playbooks.steps.serve.engines import server_engine
 from playbooks.steps.serve.service_files import planned_service_files
-from playbooks.steps.serve.service_manager import make_manager as make_manager
 from playbooks.steps.serve.service_manager import require_systemd
 from playbooks.steps.serve.units import RenderedFile, ServerLayout, default_gpu_indexes
 

@@ -16,11 +16,6 @@ The operations, in order (each reads facts, decides, and is ``ok`` when already 
 Several GPU indexes (llama.cpp): the instance template, one env file per GPU and one instance
 each (port + i), each checked and rolled back alone. Pure but for one read: the artifact's
 manifest (its sha256 and size are what the record fingerprints).
-
-``read_record`` and ``health_timeout`` are named here (``as`` themselves) for the bench's modules
-(steps/measure/bench_run.py, conduct/scratch.py), which still import them from here: the
-bench-proof samples measure those modules and take 81 minutes to re-make, so they move to
-deploy_record and lifecycle with that remake, not for an import line.
 """
 
 from __future__ import annotations
@@ -35,10 +30,8 @@ from playbooks.host.base import Host
 from playbooks.host.ops import EnsureDirectory, Operation
 from playbooks.plan.serving import Option
 from playbooks.steps.serve.deploy_record import DeployLayout
-from playbooks.steps.serve.deploy_record import read_record as read_record
 from playbooks.steps.serve.engines import server_engine
 from playbooks.steps.serve.lifecycle import EnsureServing
-from playbooks.steps.serve.lifecycle import health_timeout as health_timeout
 from playbooks.steps.serve.model_links import EnsureModelLink
 from playbooks.steps.serve.port_check import CheckPort
 from playbooks.steps.serve.secrets import CheckSecret, secret_path
@@ -71,7 +64,7 @@ class Sources(NamedTuple):
     (conduct/quantize.py): the model's id, the draft's GGUF on the host, the plan's option."""
 
     model_id: str
-    draft: str | None
+    draft: str | None  # resolved only for an engine that takes a draft (conduct/deploy.py)
     option: Option | None
     recipe: dict[str, str]  # the record of the recipe served (config/recorded.py)
 
@@ -122,7 +115,7 @@ def deployment_ops(
     ops += [EnsureDirectory(i.state.state_dir, 0o700) for i in instances]
     ops += engine.key_ops(secret, [i.state for i in instances], host, kind == "systemd")
     ops.append(EnsureModelLink(link, artifact, manifest, hint))
-    if sources.draft and engine.engine.takes_draft:  # the unit's --model-draft reads its own link
+    if sources.draft:  # the unit's --model-draft reads its own link
         ops.append(EnsureModelLink(server.draft_file(r), sources.draft, manifest_path(sources.draft), hint))
     etc = sorted({f.path.rsplit("/", 1)[0] for f in files if f.path.startswith("/etc/voltaforge/")})
     if kind == "systemd" and etc:

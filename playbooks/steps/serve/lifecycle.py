@@ -219,8 +219,8 @@ class EnsureServing(Operation):
     def check_load(self, host: Host, started: Started) -> dict[str, Any]:
         """This run's load log against the plan; the buffers it shows, as the record keeps them
         ({} for a model set's router: it loads nothing itself)."""
-        run = self._run(host)(self.manager.log_command(started.run.ident), check=False, stream=False).stdout
-        log = parse_load_log(run)
+        out = self._run(host)(self.manager.log_command(started.run.ident), check=False, stream=False).stdout
+        log = parse_load_log(out)
         e = self.expect
         problems = judge_load(
             log,
