@@ -111,6 +111,9 @@ def top_on_a_terminal(inventory: Path, recipes: Path) -> str:
         [sys.executable, "-m", "invoke", "--search-root", str(ROOT), "top", f"--inventory={inventory}",
          "--interval=0.5"],
         stdin=sub, stdout=sub, stderr=sub, env=env, cwd=recipes.parent,
+        # as a terminal starts it: a run launched in the background (nohup ... &) ignores SIGINT,
+        # and Python then never turns Ctrl-C into KeyboardInterrupt (cold runs 80-84)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     os.close(sub)
     out = b""
