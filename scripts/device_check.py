@@ -404,8 +404,7 @@ def smi_fields_known() -> list[str]:
     whole query ('is not a valid field to query')."""
     import exporter_vs_smi as evs
 
-    wanted = [*evs.CONTEXT_FIELDS, *dict.fromkeys(f.smi for f in evs.FIELDS), *evs.REASON_FIELDS]
-    return [f for f in wanted if _sh(f"nvidia-smi --query-gpu={f} --format=csv,noheader,nounits", 30)[0] == 0]
+    return [f for f in evs.WANTED if _sh(f"nvidia-smi --query-gpu={f} --format=csv,noheader,nounits", 30)[0] == 0]
 
 
 def phase_exporter(args: argparse.Namespace, out: Path) -> dict[str, Any]:

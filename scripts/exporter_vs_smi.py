@@ -74,11 +74,14 @@ FIELDS: tuple[Field, ...] = (
 CONTEXT_FIELDS = ("index", "name", "uuid", "memory.reserved", "driver_version")
 
 
+#: every field the comparison may ask, in the order one query asks them
+WANTED: tuple[str, ...] = (*CONTEXT_FIELDS, *dict.fromkeys(f.smi for f in FIELDS), *REASON_FIELDS)
+
+
 def query_fields(known: Sequence[str]) -> list[str]:
     """What one `nvidia-smi --query-gpu` asks, of the fields this driver knows (``known``: each
     asked alone first, since one unknown field fails the whole query)."""
-    wanted = [*CONTEXT_FIELDS, *dict.fromkeys(f.smi for f in FIELDS), *REASON_FIELDS]
-    return [f for f in wanted if f in known]
+    return [f for f in WANTED if f in known]
 
 
 def parse_smi(text: str, fields: Sequence[str]) -> dict[str, dict[str, str | None]]:
@@ -173,9 +176,9 @@ def compare(
     ``reason_bits``: NVML's reason bit -> the exporter's label (telemetry_probe's table)."""
     samples = parse_exporter(exporter_text)
     rows: list[Row] = []
+    info = {dict(labels).get("gpu"): dict(labels) for (name, labels) in samples if name == "voltaforge_gpu_info"}
     for gpu, b in sorted(before.items()):
         a = after.get(gpu, {})
-        info = {dict(labels).get("gpu"): dict(labels) for (name, labels) in samples if name == "voltaforge_gpu_info"}
         for key in ("name", "uuid"):
             if key in b:
                 got = (info.get(gpu) or {}).get(key)
