@@ -117,17 +117,24 @@ def top_on_a_terminal(inventory: Path, recipes: Path) -> str:
     )  # fmt: skip
     os.close(sub)
     out = b""
+    closed = False
 
     def read_until(done: Callable[[], bool], seconds: float) -> None:
-        nonlocal out
+        nonlocal out, closed
         deadline = time.monotonic() + seconds
         while not done() and time.monotonic() < deadline:
+            if closed:
+                # EIO: the process closed its terminal on its way out and may not be reaped yet
+                # (under load, seen still exiting 0.5 s later; CI's run at 3018390 judged it
+                # "still running" the moment the read failed, its 30 s never spent): wait on
+                time.sleep(0.1)
+                continue
             ready, _, _ = select.select([main], [], [], 0.2)
             if ready:
                 try:
                     out += os.read(main, 65536)
                 except OSError:
-                    return
+                    closed = True
 
     def dump(why: str) -> None:
         # where each of its threads waits, printed by faulthandler on SIGABRT before it dies, into
