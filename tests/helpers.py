@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,14 @@ def exited(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
+
+
+def as_in_a_terminal() -> None:
+    """A ``preexec_fn``: SIGINT back to its default in the child, as a terminal starts a program.
+    A suite started in the background of a non-interactive shell (`nohup bash .ci/run &`) runs
+    with SIGINT ignored, every child inherits that, and Python then never turns a Ctrl-C into
+    KeyboardInterrupt: a Ctrl-C test would test nothing (cold runs 80-84)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def doc_pages() -> list[Path]:

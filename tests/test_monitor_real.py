@@ -56,7 +56,7 @@ from playbooks.host import connect
 from playbooks.steps.measure.bench_client import run_level
 from playbooks.steps.measure.bench_run import bench_dir
 from tests import llamacpp_tools
-from tests.helpers import ROOT, stage_served_model
+from tests.helpers import ROOT, as_in_a_terminal, stage_served_model
 from tests.test_balancer_real import wait_for
 from tests.testhosts import free_port
 
@@ -111,9 +111,7 @@ def top_on_a_terminal(inventory: Path, recipes: Path) -> str:
         [sys.executable, "-m", "invoke", "--search-root", str(ROOT), "top", f"--inventory={inventory}",
          "--interval=0.5"],
         stdin=sub, stdout=sub, stderr=sub, env=env, cwd=recipes.parent,
-        # as a terminal starts it: a run launched in the background (nohup ... &) ignores SIGINT,
-        # and Python then never turns Ctrl-C into KeyboardInterrupt (cold runs 80-84)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=as_in_a_terminal,
     )  # fmt: skip
     os.close(sub)
     out = b""

@@ -36,7 +36,7 @@ import pytest
 import yaml
 
 from tests.exec_trace import ExecTrace
-from tests.helpers import ROOT, session_ccache
+from tests.helpers import ROOT, as_in_a_terminal, session_ccache
 from tests.testhosts import _descendants, shared_nspawn_ccache
 
 pytestmark = pytest.mark.slow
@@ -98,15 +98,12 @@ def statuses(summary: dict) -> dict[str, str]:
 
 
 def start(inv: Path, hosts: str) -> subprocess.Popen:
-    # SIGINT back to its default in the child, as in a terminal: a suite started in the
-    # background of a non-interactive shell (`bash .ci/run &`) runs with SIGINT ignored, which
-    # every child inherits, and the Ctrl-C case below would then test nothing
     # PYTHONFAULTHANDLER: a run that hangs is dumped (every thread's stack) by finish()
     # -v: every line live, the operations' and commands' too (quiet shows a line per step)
     return subprocess.Popen(
         [sys.executable, "-m", "invoke", "-r", str(ROOT), "provision", "-v", "--host", hosts, "--inventory", str(inv)],
         cwd=inv.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=as_in_a_terminal,  # the Ctrl-C case below
         env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
 

@@ -24,7 +24,7 @@ from playbooks.conduct.settings import Settings
 from playbooks.conduct.top import NoMonitor, read_view
 from playbooks.steps.monitor.bench_view import run_view, server_selector, window_queries
 from playbooks.steps.monitor.top import parse_answer
-from tests.helpers import ROOT
+from tests.helpers import ROOT, as_in_a_terminal
 from tests.test_monitor import _exporter, needs_exporter_deps, v100_standin
 from tests.testhosts import free_port
 
@@ -153,9 +153,7 @@ def test_ctrl_c_while_prometheus_has_not_answered_ends_top_with_exit_0(tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "invoke", "--search-root", str(ROOT), "top", f"--inventory={settings.inventory}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
-        # as a terminal starts it: a run launched in the background (nohup ... &) ignores SIGINT,
-        # and Python then never turns Ctrl-C into KeyboardInterrupt (cold runs 80-84)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=as_in_a_terminal,
     )  # fmt: skip
     try:
         conn, _ = listener.accept()  # top has connected and sent its query: it waits for the answer

@@ -34,7 +34,7 @@ from playbooks.errors import VoltaforgeError
 from playbooks.host import connect
 from playbooks.steps.measure.bench_run import bench_health
 from tests import llamacpp_tools
-from tests.helpers import ROOT, inventory_for, spec_for, stage_served_model
+from tests.helpers import ROOT, as_in_a_terminal, inventory_for, spec_for, stage_served_model
 from tests.testhosts import free_port
 
 pytestmark = pytest.mark.slow
@@ -229,7 +229,7 @@ def test_take_over_stops_the_live_service_and_brings_it_back(sshd_host, tiny_qua
         cmd += ["--inventory", str(settings.inventory), "--cache", "f16", "--ubatch", "256", "--take-over"]
         proc = subprocess.Popen(
             cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+            preexec_fn=as_in_a_terminal,
         )  # fmt: skip
         seen = []
         for line in proc.stdout:
