@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -445,7 +445,7 @@ def phase_exporter(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         sys.path.insert(0, str(where))
         from telemetry_probe import CLOCKS_EVENT_REASON_BITS
 
-        every: list[Any] = []
+        rounds = []
         for i in range(5):
             rc_b, before = _sh(query, 30)
             scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -455,12 +455,12 @@ def phase_exporter(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             rows = evs.compare(
                 evs.parse_smi(before, fields), scraped, evs.parse_smi(after, fields), CLOCKS_EVENT_REASON_BITS
             )
-            every += rows
-            result["rounds"].append({"before": before, "after": after, "rows": [r.__dict__ for r in rows]})
+            rounds.append(rows)
+            result["rounds"].append({"before": before, "after": after, "rows": [asdict(r) for r in rows]})
             (out / f"exporter-scrape-{i}.txt").write_text(scraped)
             time.sleep(1)
-        result["summary"] = evs.summary(every)
-        result["per_round"] = [evs.summary([evs.Row(**r) for r in rd["rows"]]) for rd in result["rounds"]]
+        result["summary"] = evs.summary([r for rows in rounds for r in rows])
+        result["per_round"] = [evs.summary(rows) for rows in rounds]
     finally:
         _stop(proc)
     return result

@@ -100,7 +100,7 @@ def parse_smi(text: str, fields: Sequence[str]) -> dict[str, dict[str, str | Non
 Samples = Mapping[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def parse_exporter(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def parse_exporter(text: str) -> Samples:
     """The exporter's /metrics: each sample by (name, its labels)."""
     return {
         (s.name, frozenset(s.labels.items())): float(s.value)
@@ -145,7 +145,7 @@ def _judge(f: Field, before: float | None, exported: float | None, after: float 
     low, high = min(seen) - f.slack, max(seen) + f.slack
     if low <= exported <= high:
         return ("between" if f.moves and max(seen) != min(seen) else "equal"), ""
-    return "differs", f"by {exported - (before if before is not None else after):+g}"
+    return "differs", f"by {exported - seen[0]:+g}"  # the read before, or after when before has none
 
 
 def _exported(samples: Samples, f: Field, gpu: str) -> float | None:
@@ -153,9 +153,7 @@ def _exported(samples: Samples, f: Field, gpu: str) -> float | None:
     return None if value is None else value * f.to_smi
 
 
-def _reason_mask(
-    samples: Mapping[tuple[str, frozenset[tuple[str, str]]], float], gpu: str, bits: Mapping[int, str]
-) -> int | None:
+def _reason_mask(samples: Samples, gpu: str, bits: Mapping[int, str]) -> int | None:
     by_reason = {
         dict(labels)["reason"]: v
         for (name, labels), v in samples.items()
