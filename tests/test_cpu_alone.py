@@ -161,3 +161,53 @@ def test_a_sharing_test_that_needs_the_lock_lets_its_share_go():
     go.touch()  # now the sharing test waits for cpu_alone, and lets its share go meanwhile
     assert _said(quiet) == "in" and quiet.wait(30) == 0
     assert _said(sharing) == "in" and sharing.wait(30) == 0
+
+
+PROBE = """
+import time
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="{scope}")
+def made():
+    print("setting up", flush=True)  # a model made, a container booted: the cores, for a while
+    while not Path({go!r}).exists():
+        time.sleep(0.05)
+    return 1
+
+
+def test_uses_it(made):
+    assert made == 1
+"""
+
+
+@pytest.mark.parametrize("scope", ["module", "session"])
+@pytest.mark.timeout(120)  # a lock that waits on itself hangs: fail instead
+def test_a_wider_fixture_is_set_up_under_the_share(tmp_path, scope):
+    """conftest.pytest_fixture_setup, in a real pytest run with the suite's conftest: a module's
+    or the session's fixture is set up before any function-scoped one (the autouse share
+    included), and a measurement waits for it all the same (cold run 86: without it, a worker's
+    module fixtures ran beside the bench's unchanged runs)."""
+    run = f"cpu-quiet-{os.getpid()}"
+    go = tmp_path / "go"
+    (tmp_path / "test_probe.py").write_text(PROBE.format(scope=scope, go=str(go)))
+    env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run, "PYTHONPATH": str(ROOT / "tests")}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "conftest"]
+    cmd += ["--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_probe.py")]
+    probe = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = [_said(probe)]
+        while seen[-1] != "setting up" and len(seen) < 20:  # pytest's own lines first, if any
+            seen.append(_said(probe))
+        assert seen[-1] == "setting up", seen
+        quiet = _in_process(_holds("cpu_quiet", 0), run)
+        _blocked(quiet)  # the measurement waits while the fixture is set up
+        go.touch()
+        assert _said(quiet) == "in" and quiet.wait(30) == 0
+        out = probe.communicate(timeout=60)[0]
+        assert probe.returncode == 0, out
+    finally:
+        go.touch()
+        probe.kill()
