@@ -1,14 +1,15 @@
 """`invoke bench` for real: a generated Llama large enough to be memory-bound on this CPU (12 layers,
 hidden 1024, Q8_0: about 155 MB, random BF16 weights, made like the tiny one), deployed by `invoke
-deploy` on a host without systemd (a private sshd: the managed process), measured through the SSH
-port forward. The sweep runs; the client's decode agrees with the server's own within 5% at every
-level; llama-bench runs beside it; the three reports are written and the PNG is a real image; the
-gate passes below reality and fails above it; `bench --noise` gives the host its own run-to-run
-noise, which `--compare` then counts: an unchanged server is not called changed, and the model a
-third as deep (a third of the bytes and the work a token costs) is; the same two judged in one run,
-interleaved (`bench --against`): the same recipe beside the deployed server measured within 40% (one
-process per side: a process's own effect is not told from a change), the shallow one called; a
-server that is down fails the gate in one line and leaves the history as it was."""
+deploy` on a host without systemd (a private sshd: the managed process), served on one thread (the
+client needs a core of its own: _recipe), measured through the SSH port forward. The sweep runs; the
+client's decode agrees with the server's own within 5% at every level; llama-bench runs beside it;
+the three reports are written and the PNG is a real image; the gate passes below reality and fails
+above it; `bench --noise` gives the host its own run-to-run noise, which `--compare` then counts: an
+unchanged server is not called changed, and the model a third as deep (a third of the bytes and the
+work a token costs) is; the same two judged in one run, interleaved (`bench --against`): the same
+recipe beside the deployed server measured within 40% (one process per side: a process's own effect
+is not told from a change), the shallow one called; a server that is down fails the gate in one line
+and leaves the history as it was."""
 
 from __future__ import annotations
 
@@ -63,7 +64,12 @@ def shallow(tmp_path_factory) -> Path:
 def _recipe(tmp_path: Path, port: int, quant: str = "Q8_0", shape: dict = BIG, **gate) -> Path:
     data = yaml.safe_load((ROOT / "recipes/tiny-cpu.yaml").read_text())
     data["model"]["config"] |= shape
-    data |= {"quant": quant, "parallel": 4, "service": {"port": port}}
+    # one thread: the bench's client, the SSH forward and the server share these two cores, and
+    # a server on both (llama.cpp's default) starved the client: in cold run 87 and once here,
+    # 2 of 6 single streams came whole in one read, so their decode was the server's own rate,
+    # which a compare does not judge against the client's (no verdict at all); with one thread,
+    # 0 of 21 in three runs here, and the noise the compare counted 3.4-8.9% (11.1% with both)
+    data |= {"quant": quant, "parallel": 4, "service": {"port": port}, "threads": 1}
     # three levels: a sweep (rising concurrency, each checked); 8 streams would only cost time
     data["gate"] = {"levels": [1, 2, 4], "prompt_tokens": 64, "max_tokens": 48} | gate
     where = tmp_path / str(abs(hash(json.dumps([quant, shape, gate], sort_keys=True))))
