@@ -106,6 +106,8 @@ def test_compare_counts_the_hosts_own_noise_and_without_one_gives_no_verdict():
         assert "box has no run-to-run noise figure of its own" in line, line
         assert "run `invoke bench --host box --noise 6` against the unchanged server" in line
         assert line.endswith("the changes are shown without a verdict")
+        out = " ".join(rich_text(bench_compare.render_compare, [row], width=200).split())
+        assert "+30.0% against the last run, no verdict: no figure for the noise between runs (above)" in out
     assert "(3 unchanged runs (2 degrees of freedom)" in bench_compare.noise_line(_result(few))
 
 
@@ -137,10 +139,47 @@ def test_compare_pools_the_last_configurations_recent_runs_as_its_reference():
     out = " ".join(rich_text(bench_compare.render_compare, [row], width=200).split())
     assert "concurrency 1: per-stream decode +28.7% against the last 4 runs, outside the noise: a real change" in out
     assert "last: 4 runs of one configuration, 2026-12-01T00:00:00Z to 2026-12-01T00:07:00Z, build b1" in out
-    # the latest run without an interval: no pooling, the run alone (and no verdict)
-    history.append(_line("2026-12-01T00:08:00Z", {"mean": 100.0}))
+    # the latest run without an interval (one round): the configuration's runs that have one
+    history.append(_line("2026-12-01T00:08:00Z", {"mean": 100.0, "source": "client"}))
     [row] = bench_compare.compare(now, history)
+    assert (row["last"]["runs"], row["last"]["at"]) == (4, "2026-12-01T00:07:00Z")
+    assert row["last"]["decode_outside_noise"] is True and row["last"]["no_verdict"] is None
+    # none of the configuration's runs has one: the latest alone, no verdict, and why
+    bare = [_line(f"2026-12-01T00:1{i}:00Z", {"mean": 100.0, "source": "client"}) for i in range(3)]
+    [row] = bench_compare.compare(now, bare)
     assert row["last"]["runs"] == 1 and row["last"]["decode_outside_noise"] is None
+    out = " ".join(rich_text(bench_compare.render_compare, [row], width=200).split())
+    assert "+30.0% against the last run, no verdict: a run has no interval (one round, or stored before" in out
+
+
+def test_a_compare_pools_the_runs_timed_by_this_runs_clock_and_says_why_it_cannot_judge():
+    """Cold run 87: a run whose tokens came whole in one read is timed by the server's own
+    figure, and two clocks are not one measurement. The last configuration's runs timed as this
+    run was pool, though the latest was timed by the other clock; where the reference has only
+    the other clock's figure (here the best run), the change is shown with no verdict and a line
+    says why, rather than nothing."""
+    client = {"stdev": 4.0, "n": 8, "source": "client"}
+    history = [_line(f"2026-12-01T00:0{i}:00Z", {"mean": m, **client}) for i, m in enumerate((98.0, 102.0, 100.0))]
+    history.append(_line("2026-12-01T00:03:00Z", {"mean": 150.0, **client, "source": "server"}))
+    history[-1]["levels"][0]["aggregate_tok_s"] = 200.0  # the best run, by its aggregate
+    noise = bench_noise.HostNoise(0.04, 5, 6, 1, "2026-12-01T00:00:00Z", "2026-12-01T00:03:00Z").as_dict()
+    [row] = bench_compare.compare(_result(noise, mean=130.0), history)
+    last, best = row["last"], row["best"]
+    assert (last["runs"], last["at"], last["values"]["per_stream_decode_tok_s"]) == (3, "2026-12-01T00:02:00Z", 100.0)
+    assert last["decode_outside_noise"] is True and last["no_verdict"] is None
+    assert best["at"] == "2026-12-01T00:03:00Z" and best["decode_outside_noise"] is None
+    assert best["no_verdict"] == (
+        "this run's decode is timed by the client, the reference's the server's own figure: not one measurement"
+    )
+    out = " ".join(rich_text(bench_compare.render_compare, [row], width=200).split())
+    assert "concurrency 1: per-stream decode +30.0% against the last 3 runs, outside the noise: a real change" in out
+    assert "per-stream decode -13.3% against the best run, no verdict: this run's decode is timed by the client," in out
+    # a run timed by the server pools with the server's runs: here the one
+    server = _result(noise, mean=130.0)
+    server["levels"][0]["decode"]["source"] = "server"
+    [row] = bench_compare.compare(server, history)
+    assert row["last"]["runs"] == 1 and row["last"]["at"] == "2026-12-01T00:03:00Z"
+    assert row["last"]["decode_outside_noise"] is False and row["last"]["no_verdict"] is None
 
 
 def test_the_compare_as_the_proof_makes_it_resolves_a_30pct_change_by_simulation():

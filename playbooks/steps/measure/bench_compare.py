@@ -44,9 +44,9 @@ def _ref(
     values = {k: _mean([row[k] for row in rows]) for k in TRACKED}
     decodes = [lv.get("decode") for _, lv in members]
     decode = decodes[0] if len(decodes) == 1 else pooled(decodes)
-    same = (now.get("decode") or {}).get("source") == (level.get("decode") or {}).get("source")
-    same = same and noise is not None
+    same = _source(now) == _source(level) and noise is not None
     rsd, df = noise.at(level.get("concurrency")) if noise is not None else (0.0, 0)
+    verdict = distinct(now.get("decode"), decode, rsd, COMPARED, df) if same else None
     return {
         "at": run.get("at"),
         "first_at": members[0][0].get("at"),
@@ -62,11 +62,39 @@ def _ref(
         # best are compared together, so at 5%/2 each): True outside the noise, False within
         # it, None where a run has no interval (runs before the repeats), the two are not the
         # same measurement (the client's and the server's) or the host has no noise figure
-        "decode_outside_noise": distinct(now.get("decode"), decode, rsd, COMPARED, df) if same else None,
+        "decode_outside_noise": verdict,
         # what the test could have told: the smallest change flagged 80% of the time
         "detectable_pct": _detectable_pct(decode, rsd, df) if same else None,
         "run_noise": rsd if noise is not None else None,
+        # why the decode's change has no verdict, said beside it (None where it has one)
+        # (a pooled reference's runs share their clock and all have an interval: its latest speaks)
+        "no_verdict": None if verdict is not None else _why_no_verdict(now.get("decode"), level.get("decode"), noise),
     }
+
+
+def _source(level: dict[str, Any]) -> Any:
+    """Whose clock timed a level's per-stream decode: the client's, or the server's own figure
+    where the client could not time the tokens (bench.py)."""
+    return (level.get("decode") or {}).get("source")
+
+
+#: what each clock's figure is called where a compare says why it gives no verdict
+CLOCKS = {"client": "timed by the client", "server": "the server's own figure"}
+
+
+def _why_no_verdict(now: dict[str, Any] | None, then: dict[str, Any] | None, noise: Counted | None) -> str | None:
+    """Why the per-stream decode's change cannot be judged, in words; None where it can
+    (bench_stats.distinct gives None for the last reason too)."""
+    if noise is None:
+        return "no figure for the noise between runs (above)"
+    ours, theirs = (now or {}).get("source"), (then or {}).get("source")
+    if ours != theirs:
+        # two clocks: their difference is the measurement's, not the server's
+        said = (CLOCKS.get(str(x), f"measured as {x!r}") for x in (ours, theirs))
+        return "this run's decode is {}, the reference's {}: not one measurement".format(*said)
+    if not now or not then or now.get("stdev") is None or then.get("stdev") is None:
+        return "a run has no interval (one round, or stored before the repeats)"
+    return None
 
 
 def _mean(values: Sequence[Any]) -> float | None:
@@ -75,25 +103,25 @@ def _mean(values: Sequence[Any]) -> float | None:
 
 
 def _last_members(
-    measured: Sequence[tuple[dict[str, Any], dict[str, Any]]], pool_runs: int = POOL_RUNS
+    measured: Sequence[tuple[dict[str, Any], dict[str, Any]]], source: Any, pool_runs: int = POOL_RUNS
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The last configuration's runs (the latest run's recipe, by its sha256, and build), its
     POOL_RUNS most recent, whether or not other configurations ran between them: one
     configuration's unchanged runs differ only by the run effect, so their mean is a reference
     with a fraction of one run's noise (``pool_runs`` 1: the last run alone). Only runs whose
-    decode was measured as the latest's (the client's or the server's figure) and has an
-    interval pool; otherwise the latest alone."""
-    run, level = measured[-1]
+    decode was measured as this run's was (``source``: the client's or the server's figure)
+    and has an interval pool, so that the change can be judged; where none of the
+    configuration's runs was, the latest alone (shown without a verdict, and why)."""
+    run, _ = measured[-1]
     key = (run.get("recipe_sha256"), run.get("build"))
-    source = (level.get("decode") or {}).get("source")
-    same = [
+    like = [
         (r, lv)
         for r, lv in measured
         if (r.get("recipe_sha256"), r.get("build")) == key
-        and (lv.get("decode") or {}).get("source") == source
+        and _source(lv) == source
         and (lv.get("decode") or {}).get("stdev") is not None
     ]
-    return same[-pool_runs:] if same and same[-1][0] is run else [measured[-1]]
+    return like[-pool_runs:] if like else [measured[-1]]
 
 
 def _detectable_pct(decode: dict[str, Any] | None, noise: float, df: int) -> float | None:
@@ -137,7 +165,7 @@ def compare(
         now = tracked(lv) | ({"decode": lv["decode"]} if lv.get("decode") else {})
         measured = [(run, pl) for run in past for pl in run.get("levels") or [] if pl.get("concurrency") == c]
         sha = result.get("recipe_sha256")
-        last = _ref(_last_members(measured, pool_runs), now, sha, noise) if measured else None
+        last = _ref(_last_members(measured, _source(lv), pool_runs), now, sha, noise) if measured else None
         scored = [m for m in measured if finite(m[1].get("aggregate_tok_s")) is not None]
         best = _ref([max(scored, key=lambda m: m[1]["aggregate_tok_s"])], now, sha, noise) if scored else None
         rows.append({"concurrency": c, "now": now, "last": last, "best": best})
@@ -189,17 +217,9 @@ def render_compare(rows: Sequence[dict[str, Any]], console: Console) -> Table:
     console.print(table)
     for r in rows:
         for label in ("last", "best"):
-            ref = r[label]
-            noise = (ref or {}).get("decode_outside_noise")
-            pct = ((ref or {}).get("change_pct") or {}).get("per_stream_decode_tok_s")
-            if noise is not None and pct is not None:
-                verdict = "outside the noise: a real change" if noise else "within the noise: no change shown"
-                if not noise and ref and ref.get("detectable_pct") is not None:
-                    verdict += f" (a change of {ref['detectable_pct']:.0f}% or more would show 80% of the time)"
-                elif not noise and ref:
-                    verdict += " (at this noise no change would show 80% of the time)"
-                what = f"concurrency {r['concurrency']}: per-stream decode {pct:+.1f}% against {_ref_name(label, ref)}"
-                console.print(Text(f"{what}, {verdict}"))
+            line = _verdict_line(r["concurrency"], label, r[label])
+            if line:
+                console.print(Text(line))
     refs = [r[k] for r in rows for k in ("last", "best") if r[k]]
     if not refs:
         console.print(Text("no earlier run of this host and recipe to compare with"))
@@ -212,6 +232,23 @@ def render_compare(rows: Sequence[dict[str, Any]], console: Console) -> Table:
                 when = f"run at {at}" if runs == 1 else f"{runs} runs of one configuration, {first} to {at}"
                 console.print(Text(f"{label}: {when}, build {build}{note}"))
     return table
+
+
+def _verdict_line(concurrency: Any, label: str, ref: dict[str, Any] | None) -> str | None:
+    """The per-stream decode's change against one reference and its verdict, or why it has
+    none; None where there is no change to state."""
+    pct = ((ref or {}).get("change_pct") or {}).get("per_stream_decode_tok_s")
+    if ref is None or pct is None:
+        return None
+    what = f"concurrency {concurrency}: per-stream decode {pct:+.1f}% against {_ref_name(label, ref)}"
+    noise = ref.get("decode_outside_noise")
+    if noise is None:
+        return f"{what}, no verdict: {ref['no_verdict']}" if ref.get("no_verdict") else None
+    if noise:
+        return f"{what}, outside the noise: a real change"
+    shown = ref.get("detectable_pct")
+    size = f"a change of {shown:.0f}% or more" if shown is not None else "at this noise no change"
+    return f"{what}, within the noise: no change shown ({size} would show 80% of the time)"
 
 
 def _ref_name(label: str, ref: dict[str, Any] | None) -> str:
