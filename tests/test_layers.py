@@ -188,9 +188,11 @@ ENGINE_BRANCH = re.compile(
     r"""["'](llamacpp|exllamav2|tabbyapi)["']|startswith\(\s*["']EXL2-["']\s*\)"""
 )
 #: where an engine may be compared: the engines themselves (each one's plan half and host half),
-#: the recipe schema that names one, and an engine's own operation modules (ENGINE_OWNED)
+#: the recipe schema that names them (its `backend:` choices; what a recipe of each may hold is
+#: the engine's recipe_refusal), and an engine's own operation modules (ENGINE_OWNED)
 ENGINE_OWNED = ("playbooks.steps.build.exllamav2", "playbooks.steps.weights.exl2_convert")
-ENGINE_HOMES = ("playbooks.plan.engine", "playbooks.steps.serve.engine", "playbooks.config.recipe", *ENGINE_OWNED)
+ENGINE_HOMES = ("playbooks.plan.engine", "playbooks.steps.serve.engine", "playbooks.config.recipe_schema")
+ENGINE_HOMES += ENGINE_OWNED
 
 
 def engine_branches(path: Path) -> list[int]:

@@ -29,7 +29,7 @@ from playbooks.config.recipe_schema import (
 )
 from playbooks.config.yamlfile import Lines, explain_validation, line_of, load_yaml
 from playbooks.errors import RecipeError
-from playbooks.plan.gguf_size import quant_refusal
+from playbooks.plan.engines import engine
 from playbooks.plan.model_config import ModelShape, load_config_file, shape_from_config
 from playbooks.resources import resource_dir
 
@@ -142,6 +142,15 @@ def _load_shape(src: ModelSource, recipe_path: Path, lines: Lines, loc: tuple) -
     return load_config_file(cfg_path)
 
 
+def _default_cache(backend: object) -> tuple[str, str] | None:
+    """The engine's own cache where the recipe names none (the defaults file's is llama.cpp's);
+    an unknown or missing backend is left to the schema to refuse, with its line."""
+    try:
+        return engine(str(backend)).default_cache
+    except ValueError:
+        return None
+
+
 def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> LoadedRecipe:
     """Load, merge over defaults, validate and resolve a recipe. Raises RecipeError."""
     path = resolve_recipe_path(str(name_or_path), recipes_dir)
@@ -151,9 +160,8 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
     if not isinstance(data, dict):
         raise RecipeError(f"{path}:1: a recipe must be a mapping of keys, got {type(data).__name__}")
     defaults_path = path.parent / DEFAULTS_FILE
-    if data.get("backend") == "exllamav2" and "cache" not in data:
-        # the defaults' cache is llama.cpp's (f16); ExLlamaV2's own default is its FP16 cache
-        data = {**data, "cache": {"k": "FP16", "v": "FP16"}}
+    if "cache" not in data and (own := _default_cache(data.get("backend"))):
+        data = {**data, "cache": {"k": own[0], "v": own[1]}}
     if defaults_path.exists() and defaults_path.resolve() != path.resolve():
         defaults, _ = load_yaml(defaults_path)
         data = _deep_merge(defaults or {}, data)
@@ -179,7 +187,7 @@ def load_recipe(name_or_path: str | Path, recipes_dir: Path = RECIPES_DIR) -> Lo
             f"{path}:{line_of(lines, ('n_cpu_moe',))}: n_cpu_moe: {recipe.n_cpu_moe} beside a split is not "
             "planned: a split keeps every expert on a device; remove n_cpu_moe, or serve it on one card"
         )
-    if recipe.backend == "llamacpp" and (why := quant_refusal(shape, recipe.quant_name)):
+    if why := engine(recipe.backend).quant_refusal(shape, recipe.quant_name):
         raise RecipeError(f"{path}:{line_of(lines, ('quant',))}: quant: {why}")
     draft_shape = None
     if recipe.draft is not None:

@@ -14,10 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from playbooks.config.inventory import HOST_NAME_RE, check_bind
 from playbooks.config.secret_names import check_secret_ref
+from playbooks.plan.engines import engine
 from playbooks.plan.exl2_size import EXL2_BPW_RANGE, HEAD_BITS_OPTIONS, exl2_quant_name
 from playbooks.plan.gguf_size import FILE_TYPES
 from playbooks.plan.gpus import get_gpu, gpu_names
-from playbooks.plan.kv_cache import EXL2_CACHE_MODES, LLAMACPP_CACHE_TYPES
 from playbooks.plan.objective import MIN_BPW, MIN_TOK_S
 from playbooks.plan.split import device_count, split_mode_refusal
 
@@ -515,50 +515,9 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _backend_consistency(self):
-        if self.backend == "llamacpp":
-            if not isinstance(self.quant, str):
-                raise ValueError(
-                    f"quant: {{bpw: {self.quant.bpw:g}}} is an EXL2 quant (backend exllamav2); "
-                    f"backend llamacpp needs a GGUF type: {', '.join(FILE_TYPES)}"
-                )
-            if self.quant not in FILE_TYPES:
-                raise ValueError(
-                    f"quant: unknown GGUF quant {self.quant!r} for backend llamacpp; allowed: {', '.join(FILE_TYPES)}"
-                )
-            for side in ("k", "v"):
-                if getattr(self.cache, side) not in LLAMACPP_CACHE_TYPES:
-                    raise ValueError(
-                        f"cache.{side}: {getattr(self.cache, side)!r} is not a llama.cpp cache type; "
-                        f"allowed: {', '.join(LLAMACPP_CACHE_TYPES)}"
-                    )
-            if self.cache.v not in ("f16", "bf16", "f32") and not self.flash_attn:
-                raise ValueError("cache.v: a quantized V cache needs flash_attn: true in llama.cpp")
-            if self.spec_type == "draft-simple" and self.draft is None:
-                raise ValueError("spec_type: draft-simple needs a draft model (draft: {model: ..., quant: ...})")
-            if self.draft is not None and self.spec_type not in (None, "draft-simple"):
-                # the server would load the draft's weights and cache and never draft with them
-                raise ValueError(
-                    f"draft: a draft model is used by spec_type draft-simple, not {self.spec_type} "
-                    "(remove draft:, or spec_type:)"
-                )
-        else:
-            if self.spec_type is not None:
-                raise ValueError("spec_type: speculative decoding is llama-server's (backend llamacpp)")
-            if not isinstance(self.quant, Exl2Quant):
-                raise ValueError("quant: backend exllamav2 needs {bpw: 2.0-8.0, head_bits: 6}")
-            if self.cache.k not in EXL2_CACHE_MODES or self.cache.v != self.cache.k:
-                raise ValueError(
-                    f"cache: ExLlamaV2 has one cache mode for K and V; allowed: {', '.join(EXL2_CACHE_MODES)}"
-                )
-            if self.draft is not None:
-                raise ValueError("draft: draft models are planned for llamacpp recipes only")
-            if self.threads is not None:
-                raise ValueError("threads: is llama.cpp's -t; ExLlamaV2 runs on the GPU (remove it)")
-            if self.n_cpu_moe is not None:
-                raise ValueError(
-                    "n_cpu_moe: is llama-server's --n-cpu-moe; ExLlamaV2 keeps every expert on the GPU "
-                    "(remove it, or use backend llamacpp)"
-                )
+        # what differs between engines is each engine's to say (plan/engine_*.py)
+        if why := engine(self.backend).recipe_refusal(self):
+            raise ValueError(why)
         self._check_split()
         g = self.gate
         if g.prompt_tokens + g.max_tokens > self.context:
@@ -596,8 +555,12 @@ class Recipe(_Strict):
         if not self.split:
             return
         key = "rpc" if self.rpc else "gpu_count"
-        if self.backend != "llamacpp" and self.rpc:
-            raise ValueError("rpc: RPC workers are llama.cpp's (an EXL2 recipe splits over local cards: gpu_count)")
+        served = engine(self.backend)
+        if self.rpc and not served.takes_rpc:
+            raise ValueError(
+                f"rpc: RPC workers are llama.cpp's (an {served.weights_format} recipe splits over "
+                "local cards: gpu_count)"
+            )
         if self.draft is not None:
             raise ValueError(f"{key}: a draft model beside a split is not planned (remove draft:)")
 

@@ -11,7 +11,7 @@ engine. Types of plan/serving are named for annotations only: serving imports th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from playbooks.plan.gpus import MIB
 from playbooks.plan.split import CPU_ALIGNMENT, CUDA_ALIGNMENT, Device
@@ -21,6 +21,33 @@ if TYPE_CHECKING:
     from playbooks.plan.model_config import ModelShape
     from playbooks.plan.serving import DraftPlan, Serving
     from playbooks.plan.split import DeviceShare
+
+
+class CacheFields(Protocol):
+    @property
+    def k(self) -> str: ...
+    @property
+    def v(self) -> str: ...
+
+
+class RecipeFields(Protocol):
+    """The recipe's settings an engine judges (config/recipe_schema.Recipe has them; plan/ lies
+    below config/, so it names the fields, not the class)."""
+
+    @property
+    def quant(self) -> object: ...
+    @property
+    def cache(self) -> CacheFields: ...
+    @property
+    def flash_attn(self) -> bool: ...
+    @property
+    def spec_type(self) -> str | None: ...
+    @property
+    def draft(self) -> object | None: ...
+    @property
+    def threads(self) -> int | None: ...
+    @property
+    def n_cpu_moe(self) -> object | None: ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +78,10 @@ class Engine:
     #: its quants' rates are continuous (EXL2's bits per weight), placed on the quality curve
     #: rather than looked up as published types
     continuous_rate: bool = False
+
+    #: the KV cache (K, V) a recipe of this engine gets where it names none, before the recipes'
+    #: defaults file, whose cache is llama.cpp's; None: the defaults file's
+    default_cache: tuple[str, str] | None = None
 
     # -- its server ----------------------------------------------------------------------------
 
@@ -92,6 +123,11 @@ class Engine:
         """A --quant flag's text as this engine's quant name, None when it is not one of its
         names (raises VoltaforgeError when it is, but malformed)."""
         raise NotImplementedError
+
+    def recipe_refusal(self, recipe: RecipeFields) -> str:
+        """Why a recipe's settings are not this engine's to serve: its quant's form, its cache
+        types, the options only another engine has ("": they are)."""
+        return ""
 
     def known_quant(self, quant: str) -> bool:
         """Whether the planner knows ``quant`` (one of :meth:`quant_names`, or a rate it can plan)."""

@@ -30,10 +30,11 @@ from playbooks.plan.exl2_size import (
     head_bits_per_weight,
 )
 from playbooks.plan.exl2_split import Exl2Limits, Exl2Memory, Exl2Split, exl2_modules, split_exl2
-from playbooks.plan.kv_cache import exl2_cache_scratch_bytes, exl2_kv_bytes_per_token
+from playbooks.plan.kv_cache import EXL2_CACHE_MODES, exl2_cache_scratch_bytes, exl2_kv_bytes_per_token
 from playbooks.plan.tensors import model_tensors
 
 if TYPE_CHECKING:
+    from playbooks.plan.engine_base import RecipeFields
     from playbooks.plan.gpus import Gpu
     from playbooks.plan.model_config import ModelShape
     from playbooks.plan.serving import DraftPlan, Serving
@@ -123,6 +124,8 @@ class ExLlamaV2(Engine):
     server_label = "TabbyAPI"
     ignore_eos = (("ban_eos_token", True),)  # TabbyAPI's sampler option
     one_server_per_host = True
+    # the recipes' defaults file holds llama.cpp's cache (f16); ExLlamaV2's own default is FP16
+    default_cache = ("FP16", "FP16")
 
     def batches(self, compute_capability: tuple[int, int]) -> bool:
         # ExLlamaV2's batching needs flash-attn >= 2.5.7 (Ampere+); TabbyAPI forces one
@@ -149,6 +152,24 @@ class ExLlamaV2(Engine):
         if not lo <= bpw <= hi:
             raise VoltaforgeError(f"--quant {text!r}: EXL2 bpw must be between {lo} and {hi}")
         return exl2_quant_name(bpw)
+
+    def recipe_refusal(self, recipe: RecipeFields) -> str:
+        if recipe.spec_type is not None:
+            return "spec_type: speculative decoding is llama-server's (backend llamacpp)"
+        if isinstance(recipe.quant, str) or not hasattr(recipe.quant, "bpw"):
+            return "quant: backend exllamav2 needs {bpw: 2.0-8.0, head_bits: 6}"
+        if recipe.cache.k not in EXL2_CACHE_MODES or recipe.cache.v != recipe.cache.k:
+            return f"cache: ExLlamaV2 has one cache mode for K and V; allowed: {', '.join(EXL2_CACHE_MODES)}"
+        if recipe.draft is not None:
+            return "draft: draft models are planned for llamacpp recipes only"
+        if recipe.threads is not None:
+            return "threads: is llama.cpp's -t; ExLlamaV2 runs on the GPU (remove it)"
+        if recipe.n_cpu_moe is not None:
+            return (
+                "n_cpu_moe: is llama-server's --n-cpu-moe; ExLlamaV2 keeps every expert on the GPU "
+                "(remove it, or use backend llamacpp)"
+            )
+        return ""
 
     def known_quant(self, quant: str) -> bool:
         return self.owns_quant(quant)  # any rate in range (parse_quant checked it)

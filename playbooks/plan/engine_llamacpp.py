@@ -20,11 +20,12 @@ from playbooks.plan.compute_buffer import device_input_bytes, replay, worst_case
 from playbooks.plan.engine_base import Engine, SplitPlan, split_devices
 from playbooks.plan.gguf_size import FILE_TYPES, estimate_gguf, quant_refusal
 from playbooks.plan.gpus import MIB
-from playbooks.plan.kv_cache import llamacpp_kv_bytes, llamacpp_kv_bytes_per_token
+from playbooks.plan.kv_cache import LLAMACPP_CACHE_TYPES, llamacpp_kv_bytes, llamacpp_kv_bytes_per_token
 from playbooks.plan.moe import expert_layout
 from playbooks.plan.split import split_model
 
 if TYPE_CHECKING:
+    from playbooks.plan.engine_base import RecipeFields
     from playbooks.plan.gpus import Gpu
     from playbooks.plan.model_config import ModelShape
     from playbooks.plan.serving import DraftPlan, Serving
@@ -227,6 +228,33 @@ class LlamaCpp(Engine):
 
     def quant_refusal(self, shape: ModelShape, quant: str) -> str:
         return quant_refusal(shape, quant) or ""
+
+    def recipe_refusal(self, recipe: RecipeFields) -> str:
+        quant, cache = recipe.quant, recipe.cache
+        if not isinstance(quant, str):
+            return (
+                f"quant: {{bpw: {getattr(quant, 'bpw', quant):g}}} is an EXL2 quant (backend exllamav2); "
+                f"backend llamacpp needs a GGUF type: {', '.join(FILE_TYPES)}"
+            )
+        if quant not in FILE_TYPES:
+            return f"quant: unknown GGUF quant {quant!r} for backend llamacpp; allowed: {', '.join(FILE_TYPES)}"
+        for side in ("k", "v"):
+            if getattr(cache, side) not in LLAMACPP_CACHE_TYPES:
+                return (
+                    f"cache.{side}: {getattr(cache, side)!r} is not a llama.cpp cache type; "
+                    f"allowed: {', '.join(LLAMACPP_CACHE_TYPES)}"
+                )
+        if cache.v not in ("f16", "bf16", "f32") and not recipe.flash_attn:
+            return "cache.v: a quantized V cache needs flash_attn: true in llama.cpp"
+        if recipe.spec_type == "draft-simple" and recipe.draft is None:
+            return "spec_type: draft-simple needs a draft model (draft: {model: ..., quant: ...})"
+        if recipe.draft is not None and recipe.spec_type not in (None, "draft-simple"):
+            # the server would load the draft's weights and cache and never draft with them
+            return (
+                f"draft: a draft model is used by spec_type draft-simple, not {recipe.spec_type} "
+                "(remove draft:, or spec_type:)"
+            )
+        return ""
 
     def weight_bytes(self, shape: ModelShape, quant: str, s: Serving) -> tuple[int, int, int]:
         return gguf_weight_bytes(shape, quant, s)
