@@ -78,6 +78,8 @@ def _source(level: dict[str, Any]) -> Any:
     return (level.get("decode") or {}).get("source")
 
 
+#: the reason with no host noise figure: said once for every level, by :func:`noise_line`
+NO_NOISE = "no figure for the noise between runs"
 #: what each clock's figure is called where a compare says why it gives no verdict
 CLOCKS = {"client": "timed by the client", "server": "the server's own figure"}
 
@@ -86,7 +88,7 @@ def _why_no_verdict(now: dict[str, Any] | None, then: dict[str, Any] | None, noi
     """Why the per-stream decode's change cannot be judged, in words; None where it can
     (bench_stats.distinct gives None for the last reason too)."""
     if noise is None:
-        return "no figure for the noise between runs (above)"
+        return NO_NOISE
     ours, theirs = (now or {}).get("source"), (then or {}).get("source")
     if ours != theirs:
         # two clocks: their difference is the measurement's, not the server's
@@ -243,7 +245,8 @@ def _verdict_line(concurrency: Any, label: str, ref: dict[str, Any] | None) -> s
     what = f"concurrency {concurrency}: per-stream decode {pct:+.1f}% against {_ref_name(label, ref)}"
     noise = ref.get("decode_outside_noise")
     if noise is None:
-        return f"{what}, no verdict: {ref['no_verdict']}" if ref.get("no_verdict") else None
+        why = ref.get("no_verdict")
+        return f"{what}, no verdict: {why}" if why and why != NO_NOISE else None
     if noise:
         return f"{what}, outside the noise: a real change"
     shown = ref.get("detectable_pct")
